@@ -1,0 +1,260 @@
+"""The rule interface: per-op-family rules on one mesh axis, expanded to the n-D mesh.
+
+A *rule* is a function ``rule(call: OpCall, axis_size: int) -> list[AxisStrategy]``
+registered for one or more aten ops with ``@register(aten.mm.default, ...)``.  It
+sees the op's arguments with every tensor replaced by its ``TensorMeta`` (the
+*local* meta under the placements already chosen on earlier mesh axes) and lists
+the ways one axis of ``axis_size`` ranks can run the op: a placement for each
+tensor input and each tensor output, plus any collectives the op itself issues
+(``OpComm``) and the name of a local kernel when the local computation is not the
+op itself (``kernel``, see ``autopar.kernels``).
+
+Rules never see the mesh or other axes: ``expand_to_mesh`` enumerates axis 0's
+strategies on global metas, shrinks the metas by the chosen placements, and asks
+the rule again for axis 1 on the local metas, and so on.  Divisibility and other
+shape conditions are therefore checked by each rule on the shapes it is given.
+
+Contract every rule keeps (the validator in tests checks it on random data):
+running the op (or its ``kernel``) on each rank's local inputs and combining the
+local outputs by their placements (``S``: concatenate, ``P``: reduce, ``R``: all
+equal) gives the op's full output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..placement import Partial, Placement, Replicate, Shard
+from ..spec import TensorMeta
+
+__all__ = [
+    "OpCall",
+    "OpComm",
+    "AxisStrategy",
+    "OpStrategy",
+    "Rule",
+    "register",
+    "rule_for",
+    "replicate_strategy",
+    "expand_to_mesh",
+    "shrink_meta",
+    "FALLBACK",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """What a rule sees of one op: its target and arguments, tensors as TensorMeta.
+
+    ``args``/``kwargs`` mirror the fx node's, with each tensor argument replaced by
+    its TensorMeta; ``inputs`` lists those metas in pytree-flattening order of
+    ``(args, kwargs)`` (the order placements are given in), ``outputs`` the op's
+    tensor outputs in order (a multi-output op such as ``split`` has several).
+    """
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+
+    def with_metas(self, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> "OpCall":
+        """The same call with other tensor metas (used to descend to local shapes)."""
+        it = iter(inputs)
+        flat, spec = pytree.tree_flatten((self.args, self.kwargs))
+        flat = [next(it) if isinstance(a, TensorMeta) else a for a in flat]
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+        return OpCall(self.target, tuple(args), dict(kwargs), tuple(inputs), tuple(outputs))
+
+    @property
+    def name(self) -> str:
+        return str(self.target)
+
+
+@dataclass(frozen=True, slots=True)
+class OpComm:
+    """A collective issued by the op itself on this axis (not by a transition).
+
+    ``kind``: all_reduce | all_gather | reduce_scatter | all_to_all;
+    ``phase``: forward | backward; ``bytes``: the buffer size as defined in
+    ``costmodel.comm`` (the full buffer for all_reduce and the gathered size for
+    all_gather/reduce_scatter); ``reduce_op``: "sum" or "max" for reductions.
+    """
+
+    kind: str
+    phase: str
+    bytes: int
+    reduce_op: str = "sum"
+
+
+@dataclass(frozen=True, slots=True)
+class AxisStrategy:
+    """One way one mesh axis runs an op: placements of tensor inputs and outputs."""
+
+    inputs: tuple[Placement, ...]
+    outputs: tuple[Placement, ...]
+    comm: tuple[OpComm, ...] = ()
+    kernel: str | None = None
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.inputs + self.outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class OpStrategy:
+    """An op's strategy on the whole mesh: per tensor input/output, one placement per axis.
+
+    ``inputs[i][a]`` is input i's placement on mesh axis a.  ``comm[a]`` are the
+    op's own collectives on axis a; ``kernels[a]`` the local kernel chosen on axis a
+    (None: the op itself).  ``split[a]`` is True when axis a divides the op's work
+    (any non-replicated placement), False when every rank of the axis repeats it.
+    """
+
+    inputs: tuple[tuple[Placement, ...], ...]
+    outputs: tuple[tuple[Placement, ...], ...]
+    comm: tuple[tuple[OpComm, ...], ...]
+    kernels: tuple[str | None, ...]
+    split: tuple[bool, ...]
+    fallback: bool = False
+
+    def label(self) -> str:
+        ins = " ".join("(" + ",".join(map(str, p)) + ")" for p in self.inputs)
+        outs = " ".join("(" + ",".join(map(str, p)) + ")" for p in self.outputs)
+        return f"{ins} -> {outs}"
+
+
+Rule = Callable[[OpCall, int], "list[AxisStrategy]"]
+_RULES: dict[Any, Rule] = {}
+
+#: The kernel name a fallback strategy records (``rule_for`` returns None for it).
+FALLBACK = "fallback"
+
+
+def register(*targets) -> Callable[[Rule], Rule]:
+    """Register a rule for one or more aten op overloads (or python callables)."""
+
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            if t in _RULES and _RULES[t] is not fn:
+                raise AssertionError(f"two rules registered for {t}: {_RULES[t].__name__} and {fn.__name__}")
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def rule_for(target) -> Rule | None:
+    """The registered rule for an op, or None (the op then falls back to replicate)."""
+    from . import _load_rules  # noqa: F401  (imports every rule module once)
+
+    return _RULES.get(target)
+
+
+def registered_targets() -> list:
+    from . import _load_rules  # noqa: F401
+
+    return list(_RULES)
+
+
+def replicate_strategy(call: OpCall) -> AxisStrategy:
+    """Every input and output replicated: always correct, the op runs whole on every rank."""
+    return AxisStrategy(tuple(Replicate() for _ in call.inputs), tuple(Replicate() for _ in call.outputs))
+
+
+def shrink_meta(meta: TensorMeta, placement: Placement, axis_size: int) -> TensorMeta:
+    """The meta one axis leaves on each rank (largest piece for uneven shards)."""
+    if not isinstance(placement, Shard):
+        return meta
+    shape = list(meta.shape)
+    block = shape[placement.dim] // placement.blocks
+    shape[placement.dim] = -(-block // axis_size) * placement.blocks
+    return meta.with_shape(shape)
+
+
+def _valid_placement(meta: TensorMeta, p: Placement, axis_size: int) -> bool:
+    if isinstance(p, Shard):
+        if p.dim >= meta.ndim:
+            return False
+        size = meta.shape[p.dim]
+        if size % p.blocks:
+            return False
+        return size // p.blocks >= axis_size  # every rank gets at least one element per block
+    if isinstance(p, Partial):
+        return meta.is_float
+    return True
+
+
+def expand_to_mesh(call: OpCall, mesh_shape: tuple[int, ...], rule: Rule | None) -> list[OpStrategy]:
+    """All strategies of an op on the n-D mesh: the product of per-axis strategies.
+
+    Axis ``a``'s strategies are enumerated on the local metas left by the choices
+    on axes ``0..a-1``.  A strategy whose shard gives some rank no element, or
+    shards a non-float tensor as Partial, is dropped.  With no rule, or when the
+    rule yields nothing, the op falls back to replicate on every axis.
+    """
+    results: list[OpStrategy] = []
+
+    def recurse(axis: int, c: OpCall, chosen: list[AxisStrategy]) -> None:
+        if axis == len(mesh_shape):
+            results.append(_combine(chosen))
+            return
+        size = mesh_shape[axis]
+        options = _axis_options(c, size, rule)
+        for s in options:
+            if size > 1 and not all(
+                _valid_placement(m, p, size) for m, p in zip(c.inputs + c.outputs, s.inputs + s.outputs)
+            ):
+                continue
+            ins = tuple(shrink_meta(m, p, size) for m, p in zip(c.inputs, s.inputs))
+            outs = tuple(shrink_meta(m, p, size) for m, p in zip(c.outputs, s.outputs))
+            recurse(axis + 1, c.with_metas(ins, outs), chosen + [s])
+
+    recurse(0, call, [])
+    if rule is None:
+        return [_combine([replicate_strategy(call)] * len(mesh_shape), fallback=True)]
+    if not results:
+        fb = replicate_strategy(call)
+        results = [_combine([fb] * len(mesh_shape), fallback=True)]
+    # dedupe, keep first occurrence (rules list their preferred strategies first)
+    seen: dict[tuple, OpStrategy] = {}
+    for s in results:
+        seen.setdefault((s.inputs, s.outputs, s.kernels), s)
+    return list(seen.values())
+
+
+def _axis_options(call: OpCall, axis_size: int, rule: Rule | None) -> list[AxisStrategy]:
+    rep = replicate_strategy(call)
+    if axis_size == 1 or rule is None:
+        return [rep]
+    options = list(rule(call, axis_size))
+    for s in options:
+        if len(s.inputs) != len(call.inputs) or len(s.outputs) != len(call.outputs):
+            raise AssertionError(
+                f"rule for {call.name} gave {len(s.inputs)} input / {len(s.outputs)} output placements "
+                f"for an op with {len(call.inputs)} tensor inputs and {len(call.outputs)} outputs"
+            )
+    if not any(s.is_replicated for s in options):
+        options.append(rep)
+    return options
+
+
+def _combine(per_axis: list[AxisStrategy], fallback: bool = False) -> OpStrategy:
+    n_in = len(per_axis[0].inputs)
+    n_out = len(per_axis[0].outputs)
+    return OpStrategy(
+        inputs=tuple(tuple(s.inputs[i] for s in per_axis) for i in range(n_in)),
+        outputs=tuple(tuple(s.outputs[i] for s in per_axis) for i in range(n_out)),
+        comm=tuple(s.comm for s in per_axis),
+        kernels=tuple(s.kernel for s in per_axis),
+        split=tuple(not s.is_replicated for s in per_axis),
+        fallback=fallback,
+    )
