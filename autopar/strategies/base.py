@@ -58,6 +58,10 @@ class OpCall:
     its TensorMeta; ``inputs`` lists those metas in pytree-flattening order of
     ``(args, kwargs)`` (the order placements are given in), ``outputs`` the op's
     tensor outputs in order (a multi-output op such as ``split`` has several).
+
+    ``block_hints`` holds ``(output_index, dim, blocks)`` triples: consumers of that
+    output cut ``dim`` into ``blocks`` equal pieces (a fused qkv split), so a rule
+    that can shard that output dim should also offer ``Shard(dim, blocks)``.
     """
 
     target: Any
@@ -65,6 +69,7 @@ class OpCall:
     kwargs: dict
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
+    block_hints: frozenset = frozenset()
 
     def with_metas(self, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> "OpCall":
         """The same call with other tensor metas (used to descend to local shapes)."""
@@ -72,7 +77,7 @@ class OpCall:
         flat, spec = pytree.tree_flatten((self.args, self.kwargs))
         flat = [next(it) if isinstance(a, TensorMeta) else a for a in flat]
         args, kwargs = pytree.tree_unflatten(flat, spec)
-        return OpCall(self.target, tuple(args), dict(kwargs), tuple(inputs), tuple(outputs))
+        return OpCall(self.target, tuple(args), dict(kwargs), tuple(inputs), tuple(outputs), self.block_hints)
 
     @property
     def name(self) -> str:
