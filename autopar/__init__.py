@@ -1,4 +1,9 @@
-"""autopar: a graph compiler that auto-partitions PyTorch models over a device mesh."""
+"""autopar: a graph compiler that auto-partitions PyTorch models over a device mesh.
+
+``autopar.plan(model, mesh, example_inputs=...)`` traces the model, enumerates
+sharding strategies per op, prices them and searches for the fastest plan under
+a per-device memory cap.  See README.md and docs/ for the pipeline.
+"""
 
 from __future__ import annotations
 
@@ -8,4 +13,24 @@ from .spec import ShardingSpec, TensorMeta
 
 __version__ = "0.1.0"
 
-__all__ = ["Mesh", "Shard", "Replicate", "Partial", "parse_placement", "parse_placements", "ShardingSpec", "TensorMeta"]
+__all__ = [
+    "Mesh", "Shard", "Replicate", "Partial", "parse_placement", "parse_placements", "ShardingSpec", "TensorMeta",
+    "plan", "Plan", "MemoryCapError", "CaptureError",
+]
+
+
+def __getattr__(name: str):
+    # planning pulls in torch.export, costmodel and ortools: import on first use
+    if name in ("plan", "MemoryCapError"):
+        from . import planner
+
+        return getattr(planner, name)
+    if name == "Plan":
+        from .plan import Plan
+
+        return Plan
+    if name == "CaptureError":
+        from .capture import CaptureError
+
+        return CaptureError
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from .mesh import Mesh  # noqa: F401  (documented type of KernelContext.mesh_shape's origin)
 from .placement import Placement, Shard
 from .spec import TensorMeta, shard_range
@@ -60,3 +62,71 @@ def register_kernel(name: str) -> Callable[[Callable], Callable]:
         return fn
 
     return deco
+
+
+# ----------------------------------------------------------------------------- lookup kernels
+# Vocab-parallel lookups (strategies in ``autopar.strategies.embedding``): the table
+# input is sharded along the looked-up dim, indices are whole; each rank looks up
+# the rows it holds and writes zeros elsewhere, so the output is ``P(sum)``.
+
+
+def _localize(ctx: KernelContext, input_index: int, dim: int, index):
+    """Map global positions on ``dim`` of input ``input_index`` to this rank's local ones.
+
+    Returns ``(local_index, held)``: ``held`` is True where the position lies in one of
+    the rank's ranges (``ctx.shard_ranges``, one per block, laid side by side in the
+    local piece); ``local_index`` is 0 where it does not, so it is always in bounds.
+    """
+    local = torch.zeros_like(index)
+    held = torch.zeros_like(index, dtype=torch.bool)
+    offset = 0
+    for start, stop in ctx.shard_ranges(input_index, dim):
+        inside = (index >= start) & (index < stop)
+        local = torch.where(inside, index - start + offset, local)
+        held |= inside
+        offset += stop - start
+    return local, held
+
+
+def _zero_unheld(out, held):
+    return torch.where(held, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@register_kernel("masked_embedding")
+def masked_embedding(ctx: KernelContext, weight_local, indices, padding_idx: int = -1,
+                     scale_grad_by_freq: bool = False, sparse: bool = False):
+    """``aten.embedding`` with ``weight`` sharded on dim 0 (vocab): rows not held give zeros.
+
+    ``padding_idx`` is mapped to its local row when this rank holds it (its gradient
+    stays zero) and dropped otherwise.  ``scale_grad_by_freq`` counts frequencies
+    among the local lookups (positions not held count toward local row 0, whose
+    gradient there is zero anyway, so only row 0's scale can differ).
+    """
+    local, held = _localize(ctx, 0, 0, indices)
+    local_pad = -1
+    if padding_idx is not None and padding_idx >= 0:
+        pad_t = torch.tensor([padding_idx], dtype=indices.dtype, device=indices.device)
+        pad_local, pad_held = _localize(ctx, 0, 0, pad_t)
+        local_pad = int(pad_local.item()) if bool(pad_held.item()) else -1
+    out = torch.ops.aten.embedding.default(weight_local, local, local_pad, scale_grad_by_freq, sparse)
+    return _zero_unheld(out, held.unsqueeze(-1))
+
+
+@register_kernel("masked_gather")
+def masked_gather(ctx: KernelContext, self_local, dim: int, index, *, sparse_grad: bool = False):
+    """``aten.gather`` with ``self`` sharded on the gathered ``dim``: positions not held give zeros."""
+    dim = dim % max(self_local.dim(), 1)
+    local, held = _localize(ctx, 0, dim, index)
+    out = torch.ops.aten.gather.default(self_local, dim, local, sparse_grad=sparse_grad)
+    return _zero_unheld(out, held)
+
+
+@register_kernel("masked_index_select")
+def masked_index_select(ctx: KernelContext, self_local, dim: int, index):
+    """``aten.index_select`` with ``self`` sharded on ``dim``: positions not held give zeros."""
+    dim = dim % max(self_local.dim(), 1)
+    local, held = _localize(ctx, 0, dim, index)
+    out = torch.ops.aten.index_select.default(self_local, dim, local)
+    shape = [1] * out.dim()
+    shape[dim] = -1
+    return _zero_unheld(out, held.reshape(shape))

@@ -1,0 +1,158 @@
+"""Candidates: every node's strategies on the mesh (the CandidateGraph).
+
+* op nodes: the op-family rule expanded to the n-D mesh (``strategies.expand_to_mesh``),
+  with block hints (``blocks.block_hints``) so fused tensors can be split block-wise;
+  an op without a rule gets the replicate fallback and is listed as such;
+* parameters: every placement a consumer asks for, plus Replicate and a plain
+  shard per axis (ZeRO/FSDP-style storage), each paired with a *state* placement
+  (where gradients and optimizer state live): the parameter's own placement, or,
+  on axes where the parameter is replicated, a shard (ZeRO-1/2).  Data
+  parallelism, sharded parameters and tensor parallelism are all just these
+  placements: nothing picks a family by name;
+* user inputs and buffers: Replicate or a shard of any dim on each axis (a local
+  slice of the global batch costs nothing).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from .blocks import block_hints
+from .capture import OpGraph, OpNode
+from .placement import Partial, Placement, Replicate, Shard
+from .spec import TensorMeta
+from .strategies.base import OpStrategy, expand_to_mesh, rule_for
+
+__all__ = ["SourceStrategy", "CandidateGraph", "build_candidates"]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStrategy:
+    """A parameter's, buffer's or input's placement, and where its grad + optimizer state live."""
+
+    placement: tuple[Placement, ...]
+    state: tuple[Placement, ...]
+
+    @property
+    def outputs(self) -> tuple[tuple[Placement, ...], ...]:
+        return (self.placement,)
+
+    def label(self) -> str:
+        p = "(" + ",".join(map(str, self.placement)) + ")"
+        return p if self.state == self.placement else f"{p} state=(" + ",".join(map(str, self.state)) + ")"
+
+
+@dataclass
+class CandidateGraph:
+    """The OpGraph with a list of strategies per node (``strategies[i]``)."""
+
+    graph: OpGraph
+    mesh_shape: tuple[int, ...]
+    strategies: list[list]  # OpStrategy for ops, SourceStrategy for sources
+
+    def fallback_nodes(self) -> list[OpNode]:
+        return [n for n in self.graph.nodes if n.kind == "op" and all(s.fallback for s in self.strategies[n.index])]
+
+
+def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGraph:
+    """Enumerate strategies for every node (ops first, then sources, which read their consumers)."""
+    hints = block_hints(graph)
+    strategies: list[list] = [[] for _ in graph.nodes]
+    cache: dict[str, list[OpStrategy]] = {}
+    for node in graph.nodes:
+        if node.kind != "op":
+            continue
+        call = replace(node.call, block_hints=frozenset(hints.get(node.index, ())))
+        node.call = call
+        key = repr((call.target, call.args, call.kwargs, call.inputs, call.outputs, sorted(call.block_hints)))
+        if key not in cache:
+            cache[key] = expand_to_mesh(call, mesh_shape, rule_for(call.target))
+        strategies[node.index] = cache[key]
+    consumers = graph.consumers()
+    for node in graph.nodes:
+        if node.kind == "op":
+            continue
+        # sources are never stored Partial: a consumer reading P gets it from R for free
+        wanted = {s.inputs[pos] for c, pos, _ in consumers[node.index] for s in strategies[c]}
+        wanted = {w for w in wanted if not any(isinstance(p, Partial) for p in w)}
+        strategies[node.index] = _source_strategies(node, wanted, mesh_shape)
+    return CandidateGraph(graph, mesh_shape, strategies)
+
+
+def _plain_shard_options(meta: TensorMeta, axis_size: int) -> list[Placement]:
+    return [Shard(d) for d, size in enumerate(meta.shape) if size >= axis_size]
+
+
+def _zero_dim(meta: TensorMeta, axis_size: int, placement: tuple[Placement, ...]) -> int | None:
+    """The dim a ZeRO-style state shard uses on a replicated axis: the largest dim not sharded yet."""
+    used = {p.dim for p in placement if isinstance(p, Shard)}
+    dims = sorted((d for d, s in enumerate(meta.shape) if s >= axis_size and d not in used),
+                  key=lambda d: -meta.shape[d])
+    if not dims:
+        dims = [d for d, s in enumerate(meta.shape) if s >= axis_size and all(
+            not (isinstance(p, Shard) and p.blocks > 1 and p.dim == d) for p in placement)]
+    return dims[0] if dims else None
+
+
+def _source_strategies(node: OpNode, wanted: set, mesh_shape: tuple[int, ...]) -> list[SourceStrategy]:
+    meta = node.outputs[0]
+    per_axis = []
+    for axis, size in enumerate(mesh_shape):
+        opts: list[Placement] = [Replicate()]
+        if size > 1:
+            opts += _plain_shard_options(meta, size)
+            opts += [w[axis] for w in wanted if isinstance(w[axis], Shard) and w[axis] not in opts]
+        per_axis.append(opts)
+    placements = set(itertools.product(*per_axis)) if node.kind != "param" else None
+    if node.kind == "param":
+        # the placements consumers read, R everywhere, and each wanted placement with
+        # one more axis sharded for storage (FSDP on top of TP) or fewer (gathered use)
+        placements = {tuple(Replicate() for _ in mesh_shape)} | {w for w in wanted if _fits(meta, w, mesh_shape)}
+        for base in list(placements):
+            for axis, size in enumerate(mesh_shape):
+                if size > 1 and isinstance(base[axis], Replicate):
+                    d = _zero_dim(meta, size, base)
+                    if d is not None:
+                        cand = base[:axis] + (Shard(d),) + base[axis + 1:]
+                        if _fits(meta, cand, mesh_shape):
+                            placements.add(cand)
+    out = []
+    for pl in sorted(placements, key=_order_key):
+        if not _fits(meta, pl, mesh_shape):
+            continue
+        out.append(SourceStrategy(pl, pl))
+        if node.kind == "param":
+            out.extend(SourceStrategy(pl, st) for st in _state_options(meta, pl, mesh_shape) if st != pl)
+    return out
+
+
+def _state_options(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]):
+    """State placements: the parameter's own, or additionally sharded on replicated axes."""
+    per_axis = []
+    for axis, (p, size) in enumerate(zip(pl, mesh_shape)):
+        opts = [p]
+        if isinstance(p, Replicate) and size > 1:
+            d = _zero_dim(meta, size, pl)
+            if d is not None:
+                opts.append(Shard(d))
+        per_axis.append(opts)
+    for st in itertools.product(*per_axis):
+        if _fits(meta, st, mesh_shape):
+            yield st
+
+
+def _fits(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Every sharded dim still gives each rank at least one element per block."""
+    shape = list(meta.shape)
+    for p, size in zip(pl, mesh_shape):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape) or shape[p.dim] % p.blocks or shape[p.dim] // p.blocks < size:
+                return False
+            shape[p.dim] = -(-(shape[p.dim] // p.blocks) // size) * p.blocks
+    return True
+
+
+def _order_key(pl: tuple[Placement, ...]) -> tuple:
+    return tuple((0, 0, 0) if isinstance(p, Replicate) else (1, p.dim, p.blocks) if isinstance(p, Shard) else (2, 0, 0)
+                 for p in pl)

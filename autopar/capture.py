@@ -1,0 +1,259 @@
+"""Capture: trace a model with torch.export into an ``OpGraph``.
+
+``capture(model, example_inputs)`` runs ``torch.export.export`` (non-strict,
+training IR, the model in train mode so dropout is kept) on real, meta or fake
+tensors, then cleans the graph for planning:
+
+* higher-order ops that only switch grad mode (``wrap_with_set_grad_enabled``,
+  e.g. Llama's rotary embedding) are inlined, their nodes marked grad-free;
+* ``_assert_tensor_metadata`` checks are dropped;
+* ``cross_entropy_loss`` is decomposed (``autopar.decompose``) so the
+  vocab-parallel cross-entropy falls out of the generic rules;
+* tied parameters (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are
+  one parameter under the first name ``model.named_parameters()`` gives.
+
+Every ``OpNode`` carries TensorMeta for its outputs, its module path (from
+``nn_module_stack``) and, for parameters and buffers, the original FQN.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from .decompose import decompose_for_planning
+from .spec import TensorMeta
+from .strategies.base import OpCall
+
+__all__ = ["OpNode", "OpGraph", "capture", "CaptureError"]
+
+log = logging.getLogger(__name__)
+
+_GRAD_MODE_HOPS = ("wrap_with_set_grad_enabled",)
+
+
+class CaptureError(ValueError):
+    """torch.export could not trace the model; the message says why and what to try."""
+
+
+@dataclass
+class OpNode:
+    """One node of the planning graph.
+
+    ``kind``: ``param`` | ``buffer`` | ``input`` | ``op``.  ``inputs`` lists, for each
+    tensor input of ``call`` (same order as ``call.inputs``), the producing node's
+    index and output index.  ``requires_grad``: gradients flow through the node.
+    """
+
+    index: int
+    name: str
+    kind: str
+    outputs: tuple[TensorMeta, ...]
+    inputs: tuple[tuple[int, int], ...] = ()
+    call: OpCall | None = None
+    module: str = ""
+    fqn: str | None = None
+    requires_grad: bool = False
+    fx_node: fx.Node | None = field(default=None, repr=False)
+
+    @property
+    def target(self) -> Any:
+        return self.call.target if self.call is not None else None
+
+    def describe(self) -> str:
+        if self.fx_node is not None:
+            return self.fx_node.format_node()
+        return self.name
+
+
+@dataclass
+class OpGraph:
+    """The captured model as planning data: nodes in topological order.
+
+    ``outputs`` are the graph outputs as (node index, output index); ``loss_output``
+    indexes into ``outputs`` the scalar loss when the model returns one.
+    ``tied`` maps every alias FQN of a tied parameter to its canonical FQN.
+    """
+
+    nodes: list[OpNode]
+    outputs: list[tuple[int, int]]
+    loss_output: int | None
+    gm: fx.GraphModule
+    model_name: str
+    tied: dict[str, str]
+    user_inputs: list[str]
+
+    def params(self) -> list[OpNode]:
+        return [n for n in self.nodes if n.kind == "param"]
+
+    def consumers(self) -> dict[int, list[tuple[int, int, int]]]:
+        """node index -> [(consumer index, consumer input position, producer output index)]."""
+        out: dict[int, list[tuple[int, int, int]]] = {n.index: [] for n in self.nodes}
+        for n in self.nodes:
+            for pos, (src, idx) in enumerate(n.inputs):
+                out[src].append((n.index, pos, idx))
+        return out
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> OpGraph:
+    """Trace ``model(*example_inputs, **example_kwargs)`` and build its OpGraph."""
+    kwargs = dict(example_kwargs or {})
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    name = type(model).__name__
+    was_training = model.training
+    model.train()
+    try:
+        ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+    except Exception as e:  # export raises many types; all mean "could not trace"
+        raise CaptureError(
+            f"autopar could not trace {name} with torch.export (non-strict): {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}\n"
+            "  - check that example_inputs match forward()'s signature (args vs kwargs) and shapes;\n"
+            "  - Hugging Face models: build them with use_cache=False and pass input_ids (and labels for a loss);\n"
+            "  - data-dependent Python control flow must be static for the example inputs.\n"
+            "Fix the model or inputs, or pass a smaller reproduction to torch.export.export to see the full trace."
+        ) from e
+    finally:
+        model.train(was_training)
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    canonical = _canonical_param_names(model)
+    param_of = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name == "PARAMETER"}
+    buffer_of = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name in ("BUFFER", "CONSTANT_TENSOR")}
+    no_grad_nodes = _inline_grad_mode_hops(gm)
+    _drop_asserts(gm)
+    decompose_for_planning(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    tied = {alias: canon for alias, canon in canonical.items() if alias != canon}
+    return _build(gm, name, param_of, buffer_of, canonical, tied, no_grad_nodes, list(sig.user_inputs),
+                  list(sig.user_outputs))
+
+
+def _canonical_param_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter FQN (tied aliases included) -> the first FQN of the same tensor."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        out[fqn] = first.setdefault(id(p), fqn)
+    return out
+
+
+def _inline_grad_mode_hops(gm: fx.GraphModule) -> set[str]:
+    """Inline grad-mode higher-order ops; return names of nodes that must carry no grad."""
+    no_grad: set[str] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "__name__", "") not in _GRAD_MODE_HOPS:
+            continue
+        enabled, sub_ref, *operands = node.args
+        sub = getattr(gm, sub_ref.target)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        val_map = dict(zip(placeholders, operands))
+        with gm.graph.inserting_before(node):
+            out = gm.graph.graph_copy(sub.graph, val_map)
+        copied = [v for k, v in val_map.items() if k.op not in ("placeholder", "output")]
+        if not enabled:
+            no_grad.update(n.name for n in copied)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not sub_ref.users:
+            gm.graph.erase_node(sub_ref)
+    return no_grad
+
+
+def _drop_asserts(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and "assert" in str(node.target) and not node.users:
+            gm.graph.erase_node(node)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _tensor_vals(val) -> list:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, user_inputs, user_outputs) -> OpGraph:
+    nodes: list[OpNode] = []
+    where: dict[fx.Node, int] = {}  # fx node -> OpNode index (single-output or multi-output op)
+    proj: dict[fx.Node, tuple[int, int]] = {}  # getitem node -> (producer, output index)
+    param_index: dict[str, int] = {}
+    for fxn in gm.graph.nodes:
+        val = fxn.meta.get("val")
+        if fxn.op == "placeholder":
+            if not isinstance(val, torch.Tensor):
+                continue
+            meta = (TensorMeta.of(val),)
+            if fxn.name in param_of:
+                fqn = canonical.get(param_of[fxn.name], param_of[fxn.name])
+                if fqn in param_index:  # a tied alias placeholder: reuse the canonical node
+                    where[fxn] = param_index[fqn]
+                    continue
+                node = OpNode(len(nodes), fxn.name, "param", meta, fqn=fqn, requires_grad=True, fx_node=fxn)
+                param_index[fqn] = node.index
+            elif fxn.name in buffer_of:
+                node = OpNode(len(nodes), fxn.name, "buffer", meta, fqn=buffer_of[fxn.name], fx_node=fxn)
+            else:
+                node = OpNode(len(nodes), fxn.name, "input", meta, fqn=fxn.name, fx_node=fxn)
+            where[fxn] = node.index
+            nodes.append(node)
+            continue
+        if fxn.op != "call_function":
+            continue
+        if fxn.target is operator.getitem and fxn.args[0] in where and nodes[where[fxn.args[0]]].kind == "op":
+            proj[fxn] = (where[fxn.args[0]], int(fxn.args[1]))
+            continue
+        outs = _tensor_vals(val)
+        if not outs:
+            continue
+        flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))
+        in_refs: list[tuple[int, int]] = []
+        metas: list[TensorMeta] = []
+        new_flat = []
+        for a in flat:
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                ref = proj.get(a) or (where[a], 0)
+                in_refs.append(ref)
+                m = nodes[ref[0]].outputs[ref[1]]
+                metas.append(m)
+                new_flat.append(m)
+            else:
+                new_flat.append(a)
+        args, kwargs = pytree.tree_unflatten(new_flat, spec)
+        out_metas = tuple(TensorMeta.of(t) for t in outs)
+        call = OpCall(fxn.target, tuple(args), dict(kwargs), tuple(metas), out_metas)
+        differentiable = any(m.is_float for m in out_metas) and fxn.name not in no_grad_nodes
+        grad = differentiable and "detach" not in str(fxn.target) and any(
+            nodes[s].requires_grad and nodes[s].outputs[i].is_float for s, i in in_refs)
+        node = OpNode(len(nodes), fxn.name, "op", out_metas, tuple(in_refs), call, _module_path(fxn),
+                      requires_grad=grad, fx_node=fxn)
+        where[fxn] = node.index
+        nodes.append(node)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs: list[tuple[int, int]] = []
+    loss_output = None
+    for o in pytree.tree_leaves(out_node.args):
+        if isinstance(o, fx.Node) and (o in where or o in proj):
+            ref = proj.get(o) or (where[o], 0)
+            meta = nodes[ref[0]].outputs[ref[1]]
+            if loss_output is None and meta.numel == 1 and meta.is_float and nodes[ref[0]].requires_grad:
+                loss_output = len(outputs)
+            outputs.append(ref)
+    return OpGraph(nodes, outputs, loss_output, gm, model_name, tied, user_inputs)

@@ -1,0 +1,231 @@
+"""``autopar.plan``: capture -> candidates -> costs -> search -> Plan.
+
+Needs no process group and no real weights (meta-device models plan).  Besides
+the best plan under the cap, the planner solves the same problem restricted to
+each *family* so the report can show why the winner won:
+
+* ``data parallel``: every parameter replicated, its gradient and optimizer state too;
+* ``sharded parameters``: every parameter read whole by its consumers (so
+  all-gathered if stored sharded), storage and state free to shard (ZeRO/FSDP);
+* ``tensor parallel``: parameters read in the placement they are stored in
+  (never all-gathered) and state kept with them.
+
+Families are restrictions of the one search space, not rules that build plans.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from costmodel import load_profile, optimizer_spec, precision
+
+from .candidates import CandidateGraph, build_candidates
+from .capture import OpGraph, capture
+from .costing import Coster, TrainingSettings
+from .mesh import Mesh
+from .plan import Plan
+from .plan_builder import assemble_plan
+from .placement import Replicate
+from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem
+from .search import InfeasibleError, Solution, solve_cpsat, solve_dp
+from .units import format_bytes, parse_bytes
+
+__all__ = ["plan", "PlanningContext", "prepare", "FAMILIES", "MemoryCapError"]
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
+
+
+class MemoryCapError(ValueError):
+    """No plan fits the per-device memory cap; the message says the smallest reachable."""
+
+
+@dataclass
+class PlanningContext:
+    """Everything computed before the search, reusable across caps (plan reuse)."""
+
+    graph: OpGraph
+    mesh: Mesh
+    cand: CandidateGraph
+    coster: Coster
+    tables: ProblemTables
+    settings: dict[str, Any]
+    timings: dict[str, float]
+
+
+def prepare(model: torch.nn.Module, mesh: Mesh, *, example_inputs=(), example_kwargs=None,
+            profile: str = "h100", dtype: str = "fp32", optimizer: str = "adamw") -> PlanningContext:
+    """Capture the model and price every candidate (the part of planning independent of the cap)."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    graph = capture(model, example_inputs, example_kwargs)
+    timings["capture_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    settings = TrainingSettings(load_profile(profile), precision(dtype), optimizer_spec(optimizer))
+    cand = build_candidates(graph, mesh.shape)
+    coster = Coster(cand, settings)
+    tables = build_tables(cand, coster)
+    timings["strategies_s"] = time.perf_counter() - t1
+    return PlanningContext(graph, mesh, cand, coster, tables,
+                           {"profile": profile, "dtype": dtype, "optimizer": optimizer}, timings)
+
+
+def plan(model: torch.nn.Module, mesh: Mesh, *, example_inputs=(), example_kwargs: dict | None = None,
+         mem_cap: int | str | None = None, profile: str = "h100", dtype: str = "fp32",
+         optimizer: str = "adamw", solver: str = "dp", compare_families: bool = True,
+         progress: Callable[[str], None] | None = None) -> Plan:
+    """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
+
+    ``example_inputs``/``example_kwargs`` are passed to ``model`` (meta tensors are
+    fine).  ``mem_cap``: bytes or a string with units (``"40GiB"``); None: no cap.
+    ``solver``: ``"dp"`` (exact dynamic programming) or ``"ilp"`` (CP-SAT).
+    Raises ``MemoryCapError`` when no plan fits, naming the smallest reachable memory.
+    """
+    ctx = prepare(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                  profile=profile, dtype=dtype, optimizer=optimizer)
+    return plan_from_context(ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families)
+
+
+def plan_from_context(ctx: PlanningContext, *, mem_cap: int | str | None = None, solver: str = "dp",
+                      compare_families: bool = True) -> Plan:
+    """Search a prepared context under a cap (re-planning with another cap reuses the context)."""
+    cap = parse_bytes(mem_cap) if mem_cap is not None else None
+    if solver not in ("dp", "ilp"):
+        raise ValueError(f"solver {solver!r}: expected 'dp' (dynamic programming) or 'ilp' (CP-SAT)")
+    t0 = time.perf_counter()
+    problem, keep = to_problem(ctx.tables, cap)
+    try:
+        sol = _solve(problem, solver)
+    except InfeasibleError as e:
+        raise _cap_error(ctx, cap, e) from None
+    choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
+    search_s = time.perf_counter() - t0
+    alternatives = _family_alternatives(ctx, cap, solver) if compare_families else []
+    timings = dict(ctx.timings, search_s=search_s)
+    settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
+    result = assemble_plan(ctx, choice, sol, settings, alternatives)
+    result.timings = timings
+    return result
+
+
+def _solve(problem, solver: str) -> Solution:
+    return solve_dp(problem) if solver == "dp" else solve_cpsat(problem)
+
+
+# ---- families ---------------------------------------------------------------------------
+def _param_nodes(ctx: PlanningContext) -> set[int]:
+    return {n.index for n in ctx.graph.nodes if n.kind == "param"}
+
+
+def family_restriction(ctx: PlanningContext, family: str):
+    """(allow_node, allow_edge) that confine the search to one family."""
+    params = _param_nodes(ctx)
+    strategies = ctx.cand.strategies
+    full = tuple(Replicate() for _ in ctx.mesh.shape)
+
+    def reads_param_whole(v: int, b: int) -> bool:
+        node = ctx.graph.nodes[v]
+        return all(strategies[v][b].inputs[pos] == full for pos, (u, _) in enumerate(node.inputs) if u in params)
+
+    if family == "data parallel":
+        def allow_node(i: int, s: int) -> bool:
+            if i in params:
+                st = strategies[i][s]
+                return st.placement == full and st.state == full
+            return True
+        return allow_node, None
+    if family == "sharded parameters":
+        def allow_node(i: int, s: int) -> bool:
+            if i in params or ctx.graph.nodes[i].kind != "op":
+                return True
+            return reads_param_whole(i, s)
+        return allow_node, None
+    if family == "tensor parallel":
+        def allow_node(i: int, s: int) -> bool:
+            if i in params:
+                st = strategies[i][s]
+                return st.state == st.placement
+            return True
+
+        def allow_edge(u: int, a: int, v: int, b: int) -> bool:
+            if u not in params or v >= len(ctx.graph.nodes):
+                return True
+            src = strategies[u][a].placement
+            node = ctx.graph.nodes[v]
+            return all(strategies[v][b].inputs[pos] == src for pos, (w, _) in enumerate(node.inputs) if w == u)
+        return allow_node, allow_edge
+    raise ValueError(f"family {family!r}: expected one of {FAMILIES}")
+
+
+def classify(ctx: PlanningContext, choice: list[int]) -> str:
+    """The family a chosen plan belongs to (the most specific that contains it)."""
+    for family in FAMILIES:
+        allow_node, allow_edge = family_restriction(ctx, family)
+        ok = all(allow_node(i, choice[i]) for i in range(len(ctx.graph.nodes)))
+        if ok and allow_edge is not None:
+            ok = all(allow_edge(u, choice[u], v, choice[v]) for (u, v) in ctx.tables.edge_keys
+                     if v < len(ctx.graph.nodes))
+        if ok:
+            return family
+    return "hybrid"
+
+
+def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> list[dict[str, Any]]:
+    out = []
+    for family in FAMILIES:
+        allow_node, allow_edge = family_restriction(ctx, family)
+        problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
+        entry: dict[str, Any] = {"family": family}
+        try:
+            sol = _solve(problem, solver)
+            choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
+            entry.update(feasible=True, **_summary(ctx, choice))
+        except InfeasibleError as e:
+            entry.update(feasible=False, total_s=None, compute_s=None, comm_s=None,
+                         per_device_bytes=None, min_per_device_bytes=int(e.min_mem_bytes))
+        out.append(entry)
+    return out
+
+
+def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
+    from .plan_builder import breakdown
+
+    b = breakdown(ctx, choice)
+    return {"total_s": b["cost"]["total_s"], "compute_s": b["cost"]["compute_s"], "comm_s": b["cost"]["comm_s"],
+            "per_device_bytes": b["memory"]["per_device_bytes"]}
+
+
+# ---- infeasible caps ----------------------------------------------------------------------
+def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError) -> MemoryCapError:
+    from .plan_builder import breakdown
+
+    sol = err.min_mem_solution
+    lines = [f"no plan of {ctx.graph.model_name} on {ctx.mesh} fits the memory cap of {format_bytes(cap)} per device."]
+    if sol is not None:
+        problem, keep = to_problem(ctx.tables, None)
+        choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
+        mem = breakdown(ctx, choice)["memory"]
+        parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
+        top = max(parts, key=parts.get)
+        lines.append(f"  the smallest per-device memory any plan reaches is {format_bytes(err.min_mem_bytes)}: "
+                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items()) + f" ({top} dominate).")
+    else:
+        lines.append(f"  the smallest per-device memory any plan reaches is {format_bytes(err.min_mem_bytes)}.")
+    lines.append("  Fix: raise --mem-cap to at least that, use more devices, a smaller batch or sequence, "
+                 "or bf16 (--dtype bf16).")
+    e = MemoryCapError("\n".join(lines))
+    e.min_mem_bytes = int(err.min_mem_bytes)
+    return e
+
+
+def objective_seconds(sol: Solution) -> float:
+    return sol.time / PS_PER_S
+

@@ -1,0 +1,144 @@
+"""Build the SearchProblem (pure data) from a CandidateGraph and its Coster.
+
+Node ``i`` of the problem is node ``i`` of the OpGraph; one extra *sink* node per
+constrained graph output reads it as Replicate on every axis (the loss must be a
+full scalar on every rank; with no loss, every float output must be full).
+Outputs other than the loss are left where the plan puts them.
+
+Times are integer picoseconds and memory integer bytes, so the DP and CP-SAT
+optimize the same integers and their optima compare exactly.  A *restriction*
+(``allow_node``, ``allow_edge``) removes strategies or forbids strategy pairs; it is
+how the planner finds the best plan of each family for the comparison table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .candidates import CandidateGraph
+from .costing import Coster
+from .placement import Replicate
+from .search.problem import INF, SearchProblem
+
+__all__ = ["PS_PER_S", "ProblemTables", "build_tables", "to_problem"]
+
+PS_PER_S = 10**12
+
+
+@dataclass
+class ProblemTables:
+    """Every cost of every candidate, before any restriction (computed once per plan)."""
+
+    names: list[str]
+    node_time_ps: list[np.ndarray]
+    node_mem: list[np.ndarray]
+    edge_keys: list[tuple[int, int]]
+    edge_time_ps: list[np.ndarray]
+    edge_mem: list[np.ndarray]
+    edge_refs: list[list[tuple[int, int, int, int]]]  # per edge: (u, out_idx, v, pos) tensors it carries
+    sinks: list[tuple[int, int]]  # (node, output index) read as Replicate by a sink node
+
+
+def _ps(seconds: np.ndarray) -> np.ndarray:
+    return np.rint(np.asarray(seconds, dtype=np.float64) * PS_PER_S).astype(np.int64)
+
+
+def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
+    graph = cand.graph
+    names = [n.name for n in graph.nodes]
+    node_time: list[np.ndarray] = []
+    node_mem: list[np.ndarray] = []
+    cache: dict = {}
+    for n in graph.nodes:
+        strats = cand.strategies[n.index]
+        key = (id(strats), n.kind, n.requires_grad, n.outputs, n.index if n.kind != "op" else None,
+               tuple(o for o in range(len(n.outputs)) if (n.index, o) in coster.saved_outputs))
+        if key not in cache:
+            cache[key] = (_ps([coster.node_time_s(n, s) for s in strats]),
+                          np.array([coster.node_mem_bytes(n, s) for s in strats], dtype=np.int64))
+        t, m = cache[key]
+        node_time.append(t)
+        node_mem.append(m)
+    edges: dict[tuple[int, int], list] = {}
+    ecache: dict = {}
+    for v in graph.nodes:
+        for pos, (u, o) in enumerate(v.inputs):
+            un = graph.nodes[u]
+            key = (id(cand.strategies[u]), id(cand.strategies[v.index]), o, pos, un.kind, un.requires_grad,
+                   v.requires_grad, un.outputs[o], v.call.target)
+            if key not in ecache:
+                t, m = coster.edge_matrices(un, o, v, pos)
+                ecache[key] = (_ps(t), m)
+            t, m = ecache[key]
+            entry = edges.setdefault((u, v.index), [np.zeros_like(t), np.zeros_like(m), []])
+            entry[0] = entry[0] + t
+            entry[1] = entry[1] + m
+            entry[2].append((u, o, v.index, pos))
+    sinks = _constrained_outputs(graph)
+    tables = ProblemTables(names, node_time, node_mem, [], [], [], [], sinks)
+    for (u, v), (t, m, refs) in sorted(edges.items()):
+        tables.edge_keys.append((u, v))
+        tables.edge_time_ps.append(t)
+        tables.edge_mem.append(m)
+        tables.edge_refs.append(refs)
+    for k, (u, o) in enumerate(sinks):
+        meta = graph.nodes[u].outputs[o]
+        full = tuple(Replicate() for _ in cand.mesh_shape)
+        t = np.array([[coster.transition_time_s(meta, s.outputs[o], full)] for s in cand.strategies[u]])
+        tables.names.append(f"<output {k}>")
+        tables.node_time_ps.append(np.zeros(1, dtype=np.int64))
+        tables.node_mem.append(np.zeros(1, dtype=np.int64))
+        tables.edge_keys.append((u, len(tables.names) - 1))
+        tables.edge_time_ps.append(_ps(t))
+        tables.edge_mem.append(np.zeros(t.shape, dtype=np.int64))
+        tables.edge_refs.append([])
+    return tables
+
+
+def _constrained_outputs(graph) -> list[tuple[int, int]]:
+    if graph.loss_output is not None:
+        return [graph.outputs[graph.loss_output]]
+    return [ref for ref in graph.outputs if graph.nodes[ref[0]].outputs[ref[1]].is_float]
+
+
+def to_problem(tables: ProblemTables, mem_cap_bytes: int | None, *,
+               allow_node: Callable[[int, int], bool] | None = None,
+               allow_edge: Callable[[int, int, int, int], bool] | None = None,
+               ) -> tuple[SearchProblem, list[np.ndarray]]:
+    """The SearchProblem under a restriction; also each node's kept strategy indices.
+
+    ``allow_node(node, strategy)`` keeps a strategy; ``allow_edge(u, a, v, b)`` may
+    forbid a pair (its time becomes INF).  Sink nodes are never restricted.
+    """
+    n = len(tables.names)
+    keep = []
+    for i in range(n):
+        k = len(tables.node_time_ps[i])
+        idx = np.array([s for s in range(k) if allow_node is None or i >= len(tables.names) - len(tables.sinks)
+                        or allow_node(i, s)], dtype=np.int64)
+        if len(idx) == 0:
+            raise AssertionError(f"restriction leaves node {tables.names[i]} without a strategy")
+        keep.append(idx)
+    edge_time, edge_mem = [], []
+    for (u, v), t, m in zip(tables.edge_keys, tables.edge_time_ps, tables.edge_mem):
+        t = t[np.ix_(keep[u], keep[v])].copy()
+        if allow_edge is not None:
+            for a, sa in enumerate(keep[u]):
+                for b, sb in enumerate(keep[v]):
+                    if not allow_edge(u, int(sa), v, int(sb)):
+                        t[a, b] = INF
+        edge_time.append(t)
+        edge_mem.append(m[np.ix_(keep[u], keep[v])])
+    problem = SearchProblem(
+        names=tuple(tables.names),
+        node_time=tuple(tables.node_time_ps[i][keep[i]] for i in range(n)),
+        node_mem=tuple(tables.node_mem[i][keep[i]] for i in range(n)),
+        edges=tuple(tables.edge_keys),
+        edge_time=tuple(edge_time),
+        edge_mem=tuple(edge_mem),
+        mem_cap_bytes=mem_cap_bytes,
+    )
+    return problem, keep

@@ -1,0 +1,563 @@
+"""Exact search: bucket elimination over Pareto sets of (time, memory).
+
+Objective and constraints (``c`` picks one strategy per node; see ``problem.py``)
+--------------------------------------------------------------------------------
+* objective   minimize ``T(c) = sum_i t_i(c_i) + sum_(u,v) t_uv(c_u, c_v)``      -- :func:`solve_dp`
+* memory      ``M(c) = base + sum_i m_i(c_i) + sum_(u,v) m_uv(c_u, c_v) <= cap``  -- :func:`_pareto_pass`
+  (pruning) and the final pick in :func:`_pick`
+* forbidden   no ``INF`` choice or pair; removed up front by arc consistency    -- :func:`_reduce_domains`
+
+Every term is a *factor*: a table over a scope of nodes holding, per assignment of
+the scope, a Pareto set of (t, m) pairs.  Node i gives a unary factor, edge (u, v) a
+binary one; nodes left with one strategy are conditioned away (their factors lose
+that axis) and factors with equal scopes are merged (:class:`_Model`).
+
+Elimination (:func:`_pareto_pass`).  Nodes are eliminated greedily, smallest new
+table first (:func:`_order`), so leaves (parameters) fold into their consumer and
+chain nodes into an edge first, and residual blocks reduce series-parallel.
+Eliminating x with bucket ``F_1..F_r`` (the factors whose scope holds x) makes
+
+    g(s) = Pareto( U_x  F_1(s, x) (+) F_2(s, x) (+) ... (+) F_r(s, x) ),   s in scope(g)
+
+where ``A (+) B = {(t+t', m+m')}`` is the Minkowski sum and ``Pareto`` drops
+dominated pairs (sort by (t, m); keep a pair iff its m is below every m before it).
+Pareto(A (+) B) = Pareto(Pareto(A) (+) B), so the bucket is folded one factor at a
+time.  Each kept pair stores x and the pair indices it came from (back-pointers).
+
+Bounds.  A scalar pass with weights (w_t, w_m) gives, for each factor, the inside
+value ``I_g(s) = min over its pairs of w_t t + w_m m`` and the outside value
+``O_g(s)`` = the same minimum over every factor *not* below g (:func:`_inside`,
+:func:`_outside`; min-sum elimination with the same order, then its reverse)::
+
+    I_g(s) = min_x sum_j I_{F_j}(s, x)
+    O_{F_j}(s_j) = min_{(s, x) \\ s_j} [ O_g(s) + sum_{l != j} I_{F_l}(s, x) ]
+
+A pair (t, m) in a cell of g's bucket is dropped when ``w_t t + w_m m + rest > B``
+(rest = O_g + inside values of the bucket factors not folded yet) for:
+  - time:      (1, 0),   B = UB (a feasible plan's time)
+  - memory:    (0, 1),   B = cap
+  - Lagrange:  (1, lam), B = UB + lam * cap,  lam from :func:`_lagrange`: the slope
+    of the convex hull of the (T, M) frontier where it crosses the cap (each step
+    solves ``min T + lam M`` by min-sum and moves lam to the crossing of the two
+    hull points around the cap, Eisner-Severance).  Only pairs whose Lagrangian
+    reduced cost lies within the duality gap ``UB - LB`` survive.
+Floats only ever prune with a margin (``_tol``), so rounding keeps extra pairs, never
+loses one: the result is exact.  With ``frontier=True`` the cap and UB are not used;
+a pair is dropped when its ideal completion ``(t + O_t, m + O_m)`` is dominated by a
+known plan on the hull (``_hull``), and the final Pareto set is the full frontier.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .problem import INF, InfeasibleError, SearchProblem, Solution
+
+__all__ = ["solve_dp", "min_memory"]
+
+logger = logging.getLogger(__name__)
+
+
+def _tol(bound: float) -> float:
+    """Float slack for pruning: far above rounding error, far below one unit of cost."""
+    return 1e-9 * abs(bound) + 1.0
+
+
+def _reduce_domains(problem: SearchProblem) -> list[np.ndarray]:
+    """Allowed strategies per node: drop INF choices, then arc consistency on INF pairs."""
+    alive = [np.asarray(t < INF) for t in problem.node_time]
+    incident: list[list[int]] = [[] for _ in range(problem.n_nodes)]
+    ok = [np.asarray(t < INF) for t in problem.edge_time]
+    for e, (u, v) in enumerate(problem.edges):
+        incident[u].append(e)
+        incident[v].append(e)
+    queue, queued = list(range(len(problem.edges))), set(range(len(problem.edges)))
+    while queue:
+        e = queue.pop()
+        queued.discard(e)
+        u, v = problem.edges[e]
+        allowed = ok[e] & alive[u][:, None] & alive[v][None, :]
+        for node, support in ((u, allowed.any(axis=1)), (v, allowed.any(axis=0))):
+            if (alive[node] & ~support).any():
+                alive[node] = alive[node] & support
+                for f in incident[node]:
+                    if f not in queued:
+                        queued.add(f)
+                        queue.append(f)
+    for i, a in enumerate(alive):
+        if not a.any():
+            raise InfeasibleError(
+                f"node {problem.names[i]}: every strategy is forbidden (INF time) or has only forbidden pairs "
+                f"with a neighbour, so every assignment is forbidden; fix: allow a strategy (e.g. replicate) for it"
+            )
+    return [np.flatnonzero(a) for a in alive]
+
+
+def _order(scopes: list[tuple[int, ...]], k: list[int]) -> list[int]:
+    """Greedy elimination order: smallest new table (product of the neighbours' k) first."""
+    adj: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
+    for s in scopes:
+        for v in s:
+            adj[v].update(w for w in s if w != v)
+
+    def cost(v: int) -> tuple[int, int]:
+        return math.prod(k[w] for w in adj[v]), len(adj[v])
+
+    current = {v: cost(v) for v in adj}
+    heap = [(c, v) for v, c in current.items()]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        c, v = heapq.heappop(heap)
+        if v not in current or current[v] != c:
+            continue
+        del current[v]
+        order.append(v)
+        nbrs = adj.pop(v)
+        for w in nbrs:
+            adj[w].discard(v)
+            adj[w].update(x for x in nbrs if x != w)
+        for w in nbrs:
+            current[w] = cost(w)
+            heapq.heappush(heap, (current[w], w))
+    return order
+
+
+@dataclass(slots=True)
+class _Step:
+    """One bucket: eliminate ``var`` (-1: sum the final scalars) from ``inputs``."""
+
+    var: int
+    inputs: tuple[int, ...]
+    scope: tuple[int, ...]
+    shape: tuple[int, ...]  # joint axes: scope, then var
+    bcast: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per input: transpose, broadcast shape
+    out: int
+
+
+class _Model:
+    """The problem as factors over reduced domains plus an elimination plan."""
+
+    def __init__(self, problem: SearchProblem) -> None:
+        self.problem = problem
+        self.allowed = _reduce_domains(problem)
+        k = self.k = [len(a) for a in self.allowed]
+        acc: dict[tuple[int, ...], list[np.ndarray]] = {(): [np.zeros((), np.int64), np.full((), problem.base_mem_bytes, np.int64), np.ones((), bool)]}
+
+        def add(nodes: tuple[int, ...], t: np.ndarray, m: np.ndarray) -> None:
+            scope = tuple(v for v in nodes if k[v] > 1)
+            shape = tuple(k[v] for v in scope)
+            ok = (t < INF).reshape(shape)
+            t, m = np.where(ok, t.reshape(shape), 0), np.where(ok, m.reshape(shape), 0)
+            if scope in acc:
+                acc[scope] = [acc[scope][0] + t, acc[scope][1] + m, acc[scope][2] & ok]
+            else:
+                acc[scope] = [t, m, ok]
+
+        for i in range(problem.n_nodes):
+            al = self.allowed[i]
+            add((i,), problem.node_time[i][al], problem.node_mem[i][al])
+        for e, (u, v) in enumerate(problem.edges):
+            ix = np.ix_(self.allowed[u], self.allowed[v])
+            em = problem.edge_mem[e]
+            add((u, v), problem.edge_time[e][ix], np.zeros((k[u], k[v]), np.int64) if em is None else em[ix])
+        self.scopes = list(acc)
+        self.t = [acc[s][0] for s in self.scopes]
+        self.m = [acc[s][1] for s in self.scopes]
+        self.ok = [acc[s][2] for s in self.scopes]
+        self.n_orig = len(self.scopes)
+        self._plan()
+
+    def _plan(self) -> None:
+        k, scopes = self.k, list(self.scopes)
+        holding: dict[int, set[int]] = {}
+        for tid, s in enumerate(scopes):
+            for v in s:
+                holding.setdefault(v, set()).add(tid)
+        self.steps: list[_Step] = []
+        self.step_of: dict[int, _Step] = {}
+        live = set(range(len(scopes)))
+        for v in _order(scopes, k) + [-1]:
+            inputs = tuple(sorted(holding.pop(v))) if v >= 0 else tuple(sorted(live))
+            live.difference_update(inputs)
+            for tid in inputs:
+                for w in scopes[tid]:
+                    if w != v:
+                        holding[w].discard(tid)
+            scope = tuple(sorted({w for tid in inputs for w in scopes[tid]} - {v}))
+            joint = scope + ((v,) if v >= 0 else ())
+            bcast = []
+            for tid in inputs:
+                pos = [joint.index(w) for w in scopes[tid]]
+                bshape = [1] * len(joint)
+                for p in pos:
+                    bshape[p] = k[joint[p]]
+                bcast.append((tuple(int(p) for p in np.argsort(pos)), tuple(bshape)))
+            out = len(scopes)
+            scopes.append(scope)
+            step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), out)
+            self.steps.append(step)
+            self.step_of[out] = step
+            live.add(out)
+            for w in scope:
+                holding[w].add(out)
+        self.all_scopes = scopes
+        self.final = self.steps[-1].out
+
+    def weights(self, wt: float, wm: float) -> list[np.ndarray]:
+        return [np.where(ok, wt * t.astype(float) + wm * m.astype(float), np.inf) for t, m, ok in zip(self.t, self.m, self.ok)]
+
+    def original_choice(self, reduced: np.ndarray) -> tuple[int, ...]:
+        return tuple(int(self.allowed[i][reduced[i]]) for i in range(len(self.k)))
+
+
+def _bc(step: _Step, j: int, arr: np.ndarray) -> np.ndarray:
+    """Input j's table broadcast onto the step's joint axes."""
+    perm, bshape = step.bcast[j]
+    return arr.transpose(perm).reshape(bshape)
+
+
+def _joint(step: _Step, vals: list, skip: int = -1) -> np.ndarray:
+    acc: np.ndarray | float = 0.0
+    for j, tid in enumerate(step.inputs):
+        if j != skip:
+            acc = acc + _bc(step, j, vals[tid])
+    return np.broadcast_to(acc, step.shape)
+
+
+def _inside(model: _Model, wt: float, wm: float) -> tuple[list, dict[int, np.ndarray]]:
+    """Min-sum elimination of ``wt T + wm M``: inside value of every table, argmins."""
+    vals: list = model.weights(wt, wm) + [None] * len(model.steps)
+    args: dict[int, np.ndarray] = {}
+    for st in model.steps:
+        joint = _joint(st, vals)
+        if st.var < 0:
+            vals[st.out] = np.asarray(joint, float)
+        else:
+            args[st.out] = joint.argmin(axis=-1)
+            vals[st.out] = joint.min(axis=-1)
+    return vals, args
+
+
+def _outside(model: _Model, vals: list) -> list:
+    """Outside value of every eliminated table (the reverse pass of the docstring)."""
+    outs: list = [None] * len(vals)
+    outs[model.final] = np.zeros(())
+    for st in reversed(model.steps):
+        oh = outs[st.out] if st.var < 0 else outs[st.out][..., None]
+        for j, tid in enumerate(st.inputs):
+            if tid < model.n_orig:
+                continue
+            rest = np.broadcast_to(oh + _joint(st, vals, skip=j), st.shape)
+            perm, bshape = st.bcast[j]
+            axes = tuple(a for a, s in enumerate(bshape) if s == 1)
+            r = rest.min(axis=axes) if axes else rest
+            outs[tid] = np.asarray(r).transpose(np.argsort(perm))
+    return outs
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    time: int
+    mem: int
+    choice: tuple[int, ...]
+
+
+def _scalar_plan(model: _Model, wt: float, wm: float) -> tuple[_Point, list]:
+    """The argmin plan of ``wt T + wm M`` (exactly re-evaluated) and the inside values."""
+    vals, args = _inside(model, wt, wm)
+    if not np.isfinite(vals[model.final]):
+        raise InfeasibleError(f"{model.problem.summary()}: every assignment hits a forbidden (INF) choice or pair; fix the strategy lists")
+    red = np.zeros(len(model.k), np.int64)
+    for st in reversed(model.steps):
+        if st.var >= 0:
+            red[st.var] = args[st.out][tuple(red[w] for w in st.scope)]
+    choice = model.original_choice(red)
+    t, m = model.problem.evaluate(choice)
+    return _Point(t, m, choice), vals
+
+
+def _pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Indices of the Pareto pairs of each group g (minimize primary p, then secondary s),
+    ordered by (g, p).  Segmented running minimum of s via a per-group offset."""
+    if g.size == 0:
+        return g
+    o = np.lexsort((s, p, g))
+    g2, s2 = g[o], s[o]
+    new = np.empty(g2.size, bool)
+    new[0], new[1:] = True, g2[1:] != g2[:-1]
+    dr = np.cumsum(new) - 1
+    lo = int(s2.min())
+    span = int(s2.max()) - lo + 1
+    if span * (int(dr[-1]) + 1) < 2**62:
+        sv = (s2 - lo) - dr * span
+    else:
+        rank = np.unique(s2, return_inverse=True)[1].reshape(-1)
+        sv = rank - dr * (int(rank.max()) + 1)
+    cm = np.minimum.accumulate(sv)
+    keep = np.empty(g2.size, bool)
+    keep[0], keep[1:] = True, sv[1:] < cm[:-1]
+    return o[keep]
+
+
+@dataclass(slots=True)
+class _Tab:
+    off: np.ndarray  # CSR offsets over the table's entries
+    t: np.ndarray
+    m: np.ndarray
+    xs: np.ndarray | None = None  # choice of the eliminated node per pair
+    bp: np.ndarray | None = None  # (pairs, inputs): pair index into each input
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """Drop a pair when ``wt t + wm m + rest > limit`` (rest from ``ins``/``outs``)."""
+
+    wt: float
+    wm: float
+    limit: float
+    ins: list
+    outs: list
+
+
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rep = np.repeat(np.arange(counts.size), counts)
+    within = np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
+    return rep, within
+
+
+def _pareto_pass(
+    model: _Model,
+    bounds: list[_Bound],
+    *,
+    primary: str = "t",
+    stair: tuple[np.ndarray, np.ndarray] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list, dict]:
+    """Eliminate every node over Pareto sets (the recurrence of the module docstring).
+
+    ``stair`` = (times ascending, running-min memories) of known plans: drop pairs whose
+    ideal completion they dominate (``bounds[0]``/``bounds[1]`` must be time/memory).
+    """
+    tabs: list = []
+    for t, m, ok in zip(model.t, model.m, model.ok):
+        flat = ok.reshape(-1)
+        tabs.append(_Tab(np.concatenate([[0], np.cumsum(flat)]), t.reshape(-1)[flat], m.reshape(-1)[flat]))
+    stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0}
+    for si, st in enumerate(model.steps):
+        cells = math.prod(st.shape)
+        order = sorted(range(len(st.inputs)), key=lambda j: tabs[st.inputs[j]].t.size)
+        eidx = []
+        for j in order:
+            tshape = tuple(model.k[v] for v in model.all_scopes[st.inputs[j]])
+            ent = np.arange(math.prod(tshape)).reshape(tshape)
+            eidx.append(np.broadcast_to(_bc(st, j, ent), st.shape).reshape(-1))
+        rests = []  # rests[b][i]: bound b's rest after folding order[:i+1]
+        for bd in bounds:
+            out = bd.outs[st.out] if st.var < 0 else bd.outs[st.out][..., None]
+            r = np.broadcast_to(out, st.shape).astype(float)
+            seq = [r.reshape(-1)]
+            for j in reversed(order[1:]):
+                r = r + _bc(st, j, bd.ins[st.inputs[j]])
+                seq.append(r.reshape(-1))
+            rests.append(seq[::-1])
+        cell, t, m = np.arange(cells), np.zeros(cells, np.int64), np.zeros(cells, np.int64)
+        ptrs: list[np.ndarray] = []
+        for i, j in enumerate(order):
+            tab = tabs[st.inputs[j]]
+            e = eidx[i][cell]
+            rep, within = _expand(tab.off[e + 1] - tab.off[e])
+            q = tab.off[e][rep] + within
+            cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
+            ptrs = [p[rep] for p in ptrs] + [q]
+            stats["max_combined"] = max(stats["max_combined"], cell.size)
+            keep = np.ones(cell.size, bool)
+            for bd, seq in zip(bounds, rests):
+                if not np.isfinite(bd.limit):
+                    continue
+                v = seq[i][cell]
+                if bd.wt:
+                    v = v + bd.wt * t
+                if bd.wm:
+                    v = v + bd.wm * m
+                keep &= v <= bd.limit + _tol(bd.limit)
+            if stair is not None:
+                it, im = t + rests[0][i][cell], m + rests[1][i][cell]
+                keep &= np.isfinite(it) & np.isfinite(im)
+                it, im = np.where(keep, it, 0.0), np.where(keep, im, 0.0)
+                at = np.searchsorted(stair[0], it - (1e-9 * np.abs(it) + 1.0), side="right") - 1
+                keep &= ~((at >= 0) & (stair[1][np.maximum(at, 0)] <= im - (1e-9 * np.abs(im) + 1.0)))
+            if i + 1 < len(order):
+                sel = np.flatnonzero(keep)
+                sel = sel[_pareto_keep(cell[sel], *((t[sel], m[sel]) if primary == "t" else (m[sel], t[sel])))]
+            else:
+                sel = np.flatnonzero(keep)
+            cell, t, m, ptrs = cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
+        kx = st.shape[-1] if st.var >= 0 else 1
+        group = cell // kx
+        sel = _pareto_keep(group, *((t, m) if primary == "t" else (m, t)))
+        bp = np.empty((sel.size, len(order)), np.int64)
+        for i, j in enumerate(order):
+            bp[:, j] = ptrs[i][sel]
+        off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=cells // kx))])
+        tabs.append(_Tab(off, t[sel], m[sel], cell[sel] % kx, bp))
+        stats["max_pairs"] = max(stats["max_pairs"], int(sel.size))
+        stats["pairs"] += int(sel.size)
+        if progress is not None:
+            progress(si + 1, len(model.steps))
+    return tabs, stats
+
+
+def _backtrack(model: _Model, tabs: list, p: int) -> tuple[int, ...]:
+    red = np.zeros(len(model.k), np.int64)
+    stack = [(model.final, p)]
+    while stack:
+        tid, p = stack.pop()
+        st, tab = model.step_of[tid], tabs[tid]
+        if st.var >= 0:
+            red[st.var] = tab.xs[p]
+        stack.extend((kid, int(tab.bp[p, j])) for j, kid in enumerate(st.inputs) if kid >= model.n_orig)
+    return model.original_choice(red)
+
+
+def _bound(model: _Model, wt: float, wm: float, limit: float, vals: list) -> _Bound:
+    return _Bound(wt, wm, limit, vals, _outside(model, vals))
+
+
+def _min_memory(model: _Model, start: float) -> Solution:
+    point, vals = _scalar_plan(model, 0.0, 1.0)
+    tabs, stats = _pareto_pass(model, [_bound(model, 0.0, 1.0, point.mem, vals)], primary="m")
+    fin = tabs[model.final]
+    if fin.t.size == 0:
+        raise AssertionError(f"min_memory: the DP lost the min-memory plan ({point.mem} B); internal pruning bug")
+    choice = _backtrack(model, tabs, 0)
+    t, m = model.problem.evaluate(choice)
+    return Solution(choice, t, m, True, "dp", time.perf_counter() - start, stats)
+
+
+def min_memory(problem: SearchProblem) -> Solution:
+    """The assignment with the smallest memory ``M`` (ties broken by time), exactly."""
+    return _min_memory(_Model(problem), time.perf_counter())
+
+
+def _lagrange(model: _Model, lo: _Point, hi: _Point, cap: int, seen: list[_Point]) -> tuple[float, list]:
+    """Eisner-Severance on the hull: lo breaks the cap, hi meets it; returns lam* and
+    the inside values of ``T + lam* M``.  Every plan met is appended to ``seen``."""
+    vals: list = []
+    lam = 0.0
+    for _ in range(64):
+        lam = max(0.0, (hi.time - lo.time) / (lo.mem - hi.mem))
+        p, vals = _scalar_plan(model, 1.0, lam)
+        seen.append(p)
+        line = lo.time + lam * lo.mem
+        if p.time + lam * p.mem >= line - _tol(line):
+            break
+        if p.mem <= cap:
+            hi = p
+        else:
+            lo = p
+    return lam, vals
+
+
+def _hull(model: _Model, a: _Point, b: _Point, seen: list[_Point], budget: int = 24) -> None:
+    """Supported points of the frontier between a (fast) and b (small), into ``seen``."""
+    segs = [(a, b)]
+    while segs and budget > 0:
+        p, q = segs.pop()
+        if p.time >= q.time or p.mem <= q.mem:
+            continue
+        lam = (q.time - p.time) / (p.mem - q.mem)
+        r, _ = _scalar_plan(model, 1.0, lam)
+        budget -= 1
+        line = p.time + lam * p.mem
+        if r.time + lam * r.mem < line - _tol(line):
+            seen.append(r)
+            segs += [(p, r), (r, q)]
+
+
+def _pick(fin: _Tab, cap: int | None) -> int:
+    """Index of the fastest final pair within the cap (pairs are sorted by time), or -1."""
+    fits = np.flatnonzero(fin.m <= cap) if cap is not None else np.arange(min(fin.t.size, 1))
+    return int(fits[0]) if fits.size else -1
+
+
+def solve_dp(
+    problem: SearchProblem,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    frontier: bool = False,
+) -> Solution:
+    """Minimum time under the memory cap, exactly (ties broken by memory).
+
+    ``progress(done, total)`` is called after each eliminated node.  ``frontier=True``
+    also returns the whole (time, mem) Pareto frontier, cap ignored, sorted by time,
+    in ``stats["frontier"]``.  Raises :class:`InfeasibleError` when nothing fits.
+    """
+    start = time.perf_counter()
+    model = _Model(problem)
+    cap = problem.mem_cap_bytes
+    fast, vals_t = _scalar_plan(model, 1.0, 0.0)
+    seen = [fast]
+    small, vals_m = None, None
+    lam, vals_l = 0.0, None
+    if cap is not None or frontier:
+        small, vals_m = _scalar_plan(model, 0.0, 1.0)
+        seen.append(small)
+    if cap is not None and fast.mem > cap:
+        if small.mem > cap:
+            exact = _min_memory(model, start)
+            if exact.mem_bytes > cap:
+                raise InfeasibleError.over_cap(problem, exact)
+            small = _Point(exact.time, exact.mem_bytes, exact.choice)
+            seen.append(small)
+        lam, vals_l = _lagrange(model, fast, small, cap, seen)
+    stats: dict = {"nodes": problem.n_nodes, "eliminated": len(model.steps) - 1, "lambda": lam}
+    stats["width"] = max((len(st.shape) for st in model.steps), default=0)
+    stats["bounds_s"] = time.perf_counter() - start
+    if frontier:
+        _hull(model, fast, small, seen)
+        known = sorted((p.time, p.mem) for p in seen)
+        ks_t = np.array([x[0] for x in known], float)
+        ks_m = np.minimum.accumulate(np.array([x[1] for x in known], float))
+        bounds = [_bound(model, 1.0, 0.0, np.inf, vals_t), _bound(model, 0.0, 1.0, np.inf, vals_m)]
+        tabs, pstats = _pareto_pass(model, bounds, stair=(ks_t, ks_m), progress=progress)
+    else:
+        feasible = [p for p in seen if cap is None or p.mem <= cap]
+        ub = min(p.time for p in feasible)
+        bounds = [_bound(model, 1.0, 0.0, ub, vals_t)]
+        if cap is not None:
+            bounds.append(_bound(model, 0.0, 1.0, cap, vals_m))
+        if vals_l is not None:
+            bounds.append(_bound(model, 1.0, lam, ub + lam * cap, vals_l))
+        stats["upper_bound"] = ub
+        tabs, pstats = _pareto_pass(model, bounds, progress=progress)
+    stats.update(pstats)
+    fin = tabs[model.final]
+    idx = _pick(fin, cap)
+    candidates = [(int(fin.t[idx]), int(fin.m[idx]), idx)] if idx >= 0 else []
+    candidates += [(p.time, p.mem, p) for p in seen if cap is None or p.mem <= cap]
+    if frontier:
+        pts = np.array([(int(a), int(b)) for a, b in zip(fin.t, fin.m)] + [(p.time, p.mem) for p in seen], np.int64).reshape(-1, 2)
+        keep = _pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])
+        stats["frontier"] = [(int(a), int(b)) for a, b in pts[keep]]
+    if not candidates:
+        if cap is not None and frontier:
+            exact = _min_memory(model, start)
+            if exact.mem_bytes > cap:
+                raise InfeasibleError.over_cap(problem, exact)
+        raise AssertionError(f"solve_dp: no plan survived on {problem.summary()}; internal pruning bug")
+    best_t, best_m, ref = min(candidates, key=lambda c: (c[0], c[1]))
+    choice = ref.choice if isinstance(ref, _Point) else _backtrack(model, tabs, ref)
+    t, m = problem.evaluate(choice)
+    if (t, m) != (best_t, best_m):
+        raise AssertionError(f"solve_dp: plan re-evaluates to ({t}, {m}), DP said ({best_t}, {best_m}); internal bug")
+    stats["solve_s"] = time.perf_counter() - start
+    logger.info("solve_dp: %s -> time %d ps, mem %d B in %.3fs (max pairs %d)", problem.summary(), t, m, stats["solve_s"], stats["max_pairs"])
+    return Solution(choice, t, m, True, "dp", stats["solve_s"], stats)

@@ -1,0 +1,265 @@
+"""The search problem as pure data, its objective, and a brute-force reference.
+
+A :class:`SearchProblem` is what the cost model hands the solvers: ``n`` nodes in a
+topological order, each with ``k_i`` strategies, and for every choice vector ``c``
+
+    T(c) = sum_i node_time[i][c_i] + sum_(u,v) edge_time[e][c_u, c_v]              (ps)
+    M(c) = base + sum_i node_mem[i][c_i] + sum_(u,v) edge_mem[e][c_u, c_v]       (bytes)
+
+The solvers minimize ``T`` subject to ``M <= mem_cap_bytes``.  Entries equal to
+:data:`INF` in ``node_time``/``edge_time`` mark forbidden choices/pairs.  All
+numbers are int64, so two exact solvers must report the *same* optimum.
+
+:func:`solve_brute_force` enumerates every assignment; it is the obviously-correct
+reference the tests hold the fast solvers to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["INF", "SearchProblem", "Solution", "InfeasibleError", "solve_brute_force"]
+
+logger = logging.getLogger(__name__)
+
+#: Marks a forbidden choice (node_time) or pair (edge_time); a quarter of int64 max so
+#: that a few of them can be added without overflowing.
+INF: int = int(np.iinfo(np.int64).max // 4)
+
+_MAX_BULLETS = 8
+
+
+def _check_array(label: str, arr: object, shape: tuple[int, ...] | None, ndim: int, bad: list[str]) -> None:
+    if not isinstance(arr, np.ndarray):
+        bad.append(f"{label}: expected a numpy int64 array, got {type(arr).__name__}")
+    elif arr.dtype != np.int64:
+        bad.append(f"{label}: expected dtype int64, got {arr.dtype} (convert with np.asarray(x, dtype=np.int64))")
+    elif arr.ndim != ndim or (shape is not None and arr.shape != shape):
+        want = shape if shape is not None else f"{ndim}-D"
+        bad.append(f"{label}: expected shape {want}, got {arr.shape}")
+    elif arr.size and (int(arr.max()) > INF or int(arr.min()) < -INF):
+        bad.append(f"{label}: values must lie in [-INF, INF] (INF = {INF} marks forbidden), got {arr.min()}..{arr.max()}")
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    view = arr.view()
+    view.flags.writeable = False
+    return view
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SearchProblem:
+    """Per-node strategy costs and per-edge resharding costs; see the module docstring.
+
+    Nodes are indexed in a topological order: every edge ``(u, v)`` has ``u < v``,
+    and there is at most one edge per pair.  ``edge_mem[e]`` may be ``None`` (zeros).
+    Equality is identity: the arrays make field-wise equality ambiguous.
+    """
+
+    names: tuple[str, ...]
+    node_time: tuple[np.ndarray, ...]
+    node_mem: tuple[np.ndarray, ...]
+    edges: tuple[tuple[int, int], ...]
+    edge_time: tuple[np.ndarray, ...]
+    edge_mem: tuple[np.ndarray | None, ...]
+    mem_cap_bytes: int | None
+    base_mem_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        names = tuple(str(s) for s in self.names)
+        n = len(names)
+        bad: list[str] = []
+        for label, seq, want in (
+            ("node_time", self.node_time, n),
+            ("node_mem", self.node_mem, n),
+            ("edge_time", self.edge_time, len(self.edges)),
+            ("edge_mem", self.edge_mem, len(self.edges)),
+        ):
+            if len(seq) != want:
+                bad.append(f"{label}: expected {want} entries (one per {'node' if want == n else 'edge'}), got {len(seq)}")
+        if bad:
+            raise ValueError("SearchProblem is malformed:\n" + "\n".join(f"  - {b}" for b in bad) + "\nfix: build one array per node and per edge")
+        edges = tuple((int(u), int(v)) for u, v in self.edges)
+        ks: list[int] = []
+        for i in range(n):
+            t = self.node_time[i]
+            _check_array(f"node_time[{i}] ({names[i]})", t, None, 1, bad)
+            k = t.shape[0] if isinstance(t, np.ndarray) and t.ndim == 1 else 0
+            if isinstance(t, np.ndarray) and t.ndim == 1 and k < 1:
+                bad.append(f"node_time[{i}] ({names[i]}): expected k_i >= 1 strategies, got 0")
+            ks.append(k)
+            _check_array(f"node_mem[{i}] ({names[i]})", self.node_mem[i], (k,), 1, bad)
+        seen: set[tuple[int, int]] = set()
+        for e, (u, v) in enumerate(edges):
+            if not (0 <= u < v < n):
+                bad.append(f"edges[{e}] = ({u}, {v}): expected 0 <= u < v < {n} (nodes in topological order)")
+                continue
+            if (u, v) in seen:
+                bad.append(f"edges[{e}] = ({u}, {v}) ({names[u]} -> {names[v]}): duplicate edge; merge duplicates by adding their matrices")
+            seen.add((u, v))
+            shape = (ks[u], ks[v])
+            _check_array(f"edge_time[{e}] ({names[u]} -> {names[v]})", self.edge_time[e], shape, 2, bad)
+            if self.edge_mem[e] is not None:
+                _check_array(f"edge_mem[{e}] ({names[u]} -> {names[v]})", self.edge_mem[e], shape, 2, bad)
+        if self.mem_cap_bytes is not None and not isinstance(self.mem_cap_bytes, (int, np.integer)):
+            bad.append(f"mem_cap_bytes: expected an int or None, got {type(self.mem_cap_bytes).__name__}")
+        if not isinstance(self.base_mem_bytes, (int, np.integer)):
+            bad.append(f"base_mem_bytes: expected an int, got {type(self.base_mem_bytes).__name__}")
+        if bad:
+            more = f"\n  ... and {len(bad) - _MAX_BULLETS} more" if len(bad) > _MAX_BULLETS else ""
+            raise ValueError(
+                "SearchProblem is invalid:\n"
+                + "\n".join(f"  - {b}" for b in bad[:_MAX_BULLETS])
+                + more
+                + "\nfix: give int64 arrays, node_time[i] of shape (k_i,), edge matrices of shape (k_u, k_v), edges with u < v"
+            )
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "edges", edges)
+        object.__setattr__(self, "node_time", tuple(_readonly(a) for a in self.node_time))
+        object.__setattr__(self, "node_mem", tuple(_readonly(a) for a in self.node_mem))
+        object.__setattr__(self, "edge_time", tuple(_readonly(a) for a in self.edge_time))
+        object.__setattr__(self, "edge_mem", tuple(None if a is None else _readonly(a) for a in self.edge_mem))
+        cap = None if self.mem_cap_bytes is None else int(self.mem_cap_bytes)
+        object.__setattr__(self, "mem_cap_bytes", cap)
+        object.__setattr__(self, "base_mem_bytes", int(self.base_mem_bytes))
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_choices(self) -> tuple[int, ...]:
+        """``k_i`` for every node."""
+        return tuple(int(t.shape[0]) for t in self.node_time)
+
+    def with_cap(self, mem_cap_bytes: int | None) -> SearchProblem:
+        """The same problem under another memory cap."""
+        return SearchProblem(
+            self.names, self.node_time, self.node_mem, self.edges, self.edge_time, self.edge_mem, mem_cap_bytes, self.base_mem_bytes
+        )
+
+    def _check_choice(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> tuple[int, ...]:
+        c = tuple(int(x) for x in choice)
+        if len(c) != self.n_nodes:
+            raise ValueError(f"choice has {len(c)} entries but the problem has {self.n_nodes} nodes; give one strategy index per node")
+        ks = self.num_choices
+        bad = [f"  - node {i} ({self.names[i]}): choice {c[i]} not in 0..{ks[i] - 1}" for i in range(len(c)) if not 0 <= c[i] < ks[i]]
+        if bad:
+            raise ValueError("choice out of range:\n" + "\n".join(bad[:_MAX_BULLETS]) + "\nfix: pick an index below k_i for every node")
+        return c
+
+    def evaluate(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> tuple[int, int]:
+        """``(T(c), M(c))`` as exact Python ints (a forbidden choice gives ``T >= INF``)."""
+        c = self._check_choice(choice)
+        t = sum(int(self.node_time[i][c[i]]) for i in range(len(c)))
+        m = self.base_mem_bytes + sum(int(self.node_mem[i][c[i]]) for i in range(len(c)))
+        for e, (u, v) in enumerate(self.edges):
+            t += int(self.edge_time[e][c[u], c[v]])
+            em = self.edge_mem[e]
+            if em is not None:
+                m += int(em[c[u], c[v]])
+        return t, m
+
+    def forbidden_in(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> list[str]:
+        """Names of the forbidden choices/pairs (``INF`` time) that ``choice`` hits."""
+        c = self._check_choice(choice)
+        hits = [f"node {self.names[i]} choice {c[i]}" for i in range(len(c)) if self.node_time[i][c[i]] >= INF]
+        hits += [
+            f"edge {self.names[u]} -> {self.names[v]} pair ({c[u]}, {c[v]})"
+            for e, (u, v) in enumerate(self.edges)
+            if self.edge_time[e][c[u], c[v]] >= INF
+        ]
+        return hits
+
+    def summary(self) -> str:
+        ks = self.num_choices
+        cap = "none" if self.mem_cap_bytes is None else f"{self.mem_cap_bytes} B"
+        return (
+            f"SearchProblem({self.n_nodes} nodes, {len(self.edges)} edges, k max {max(ks, default=0)}, "
+            f"log10 assignments {sum(math.log10(k) for k in ks):.1f}, cap {cap})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    """One assignment (``choice[i]`` indexes node i's strategies) with its exact cost."""
+
+    choice: tuple[int, ...]
+    time: int
+    mem_bytes: int
+    optimal: bool
+    solver: str
+    solve_s: float
+    stats: dict = field(default_factory=dict)
+
+
+class InfeasibleError(ValueError):
+    """No assignment meets the memory cap (or every assignment hits a forbidden entry).
+
+    ``min_mem_bytes`` is the smallest reachable memory and ``min_mem_solution`` the
+    assignment reaching it (ties broken by time); both ``None`` when every assignment
+    is forbidden.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        cap_bytes: int | None = None,
+        min_mem_bytes: int | None = None,
+        min_mem_solution: Solution | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.cap_bytes = cap_bytes
+        self.min_mem_bytes = min_mem_bytes
+        self.min_mem_solution = min_mem_solution
+
+    @classmethod
+    def over_cap(cls, problem: SearchProblem, min_mem: Solution) -> InfeasibleError:
+        cap = problem.mem_cap_bytes
+        return cls(
+            f"memory cap {cap} B per device is below the smallest reachable memory {min_mem.mem_bytes} B "
+            f"(short by {min_mem.mem_bytes - (cap or 0)} B; that plan's time is {min_mem.time} ps); "
+            "fix: raise mem_cap_bytes to at least the smallest reachable memory, use more devices, "
+            "or add memory-saving strategies (activation checkpointing, sharded optimizer state)",
+            cap_bytes=cap,
+            min_mem_bytes=min_mem.mem_bytes,
+            min_mem_solution=min_mem,
+        )
+
+
+def solve_brute_force(problem: SearchProblem, *, max_assignments: int = 2_000_000) -> Solution:
+    """Enumerate every assignment: minimum time under the cap, ties broken by memory.
+
+    The obviously-correct reference for tiny problems.  Raises :class:`InfeasibleError`
+    (with the brute-force minimum memory) when nothing fits, ``ValueError`` when the
+    problem has more than ``max_assignments`` assignments.
+    """
+    start = time.perf_counter()
+    ks = problem.num_choices
+    total = math.prod(ks)
+    if total > max_assignments:
+        raise ValueError(f"brute force over {problem.summary()}: {total} assignments > max_assignments={max_assignments}; use solve_dp")
+    best: tuple[int, int, tuple[int, ...]] | None = None
+    least: tuple[int, int, tuple[int, ...]] | None = None
+    cap = problem.mem_cap_bytes
+    for c in itertools.product(*(range(k) for k in ks)):
+        if problem.forbidden_in(c):
+            continue
+        t, m = problem.evaluate(c)
+        if least is None or (m, t) < (least[1], least[0]):
+            least = (t, m, c)
+        if (cap is None or m <= cap) and (best is None or (t, m) < (best[0], best[1])):
+            best = (t, m, c)
+    elapsed = time.perf_counter() - start
+    if least is None:
+        raise InfeasibleError(f"{problem.summary()}: every assignment hits a forbidden (INF) choice or pair; fix the strategy lists")
+    if best is None:
+        raise InfeasibleError.over_cap(problem, Solution(least[2], least[0], least[1], True, "brute", elapsed))
+    return Solution(best[2], best[0], best[1], True, "brute", elapsed, {"assignments": total})

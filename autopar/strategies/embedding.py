@@ -1,0 +1,103 @@
+"""Rules for lookups: ``embedding``, ``gather`` and ``index_select``.
+
+Each op reads rows of a table at integer positions.  On one mesh axis the table
+can be split along the looked-up dim (vocab-parallel, Megatron/Paddle style):
+each rank looks up only the rows it holds, writes zeros elsewhere, and the
+output is ``P(sum)`` - exactly one rank holds each row, so the sum is the full
+lookup.  Those strategies run the kernels ``masked_embedding``,
+``masked_gather`` and ``masked_index_select`` (``autopar.kernels``), which take
+the rank's global row ranges from ``KernelContext.shard_ranges`` and so work
+for uneven shards (GPT-2's 50257-row vocabulary on 4 ranks).
+
+Why the table split along the looked-up dim is never combined with split
+indices on the same axis: the output would then have to be both split (by the
+indices) and a partial sum (by the table) on one axis.  Rank r would hold only
+its own positions, but the rows those positions need may live on another rank,
+and no single placement of the output describes "my positions, my rows only".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..placement import Partial, Replicate, Shard
+from .base import AxisStrategy, OpCall, register
+from .views import bound_args, hinted_blocks
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+_R = Replicate()
+_SUM = Partial("sum")
+
+
+@register(aten.embedding.default)
+def embedding_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """embedding(weight (V, D), indices (...)) -> (..., D).
+
+    1. data parallel: indices ``S(i)``, weight ``R`` -> out ``S(i)``;
+    2. embedding dim: weight ``S(1)``, indices ``R`` -> out ``S(last)`` (block-wise
+       too when a consumer asks for blocks on the last dim);
+    3. vocab-parallel: weight ``S(0)``, indices ``R`` -> out ``P(sum)``, kernel
+       ``masked_embedding``.
+    """
+    weight, indices = call.inputs
+    out = call.outputs[0]
+    last = out.ndim - 1
+    strategies = [AxisStrategy((_R, Shard(i)), (Shard(i),)) for i in range(indices.ndim)]
+    for b in [1] + hinted_blocks(call, 0, last):
+        if weight.ndim == 2 and weight.shape[1] % b == 0:
+            strategies.append(AxisStrategy((Shard(1, b), _R), (Shard(last, b),)))
+    if out.is_float:
+        strategies.append(AxisStrategy((Shard(0), _R), (_SUM,), kernel="masked_embedding"))
+    return strategies
+
+
+@register(aten.gather.default)
+def gather_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """gather(self, dim, index) -> out shaped like index; ``out[..i..] = self[..index[..i..]..]`` on ``dim``.
+
+    1. self ``S(dim)``, index ``R`` -> out ``P(sum)``, kernel ``masked_gather``
+       (the vocab-parallel cross-entropy's target logit);
+    2. self ``S(d)``, index ``S(d)`` -> out ``S(d)`` for ``d != dim`` when self and
+       index have the same size on ``d`` (the same split on both);
+    3. self ``R``, index ``S(dim)`` -> out ``S(dim)``: positions along ``dim`` come
+       from index values, so any split of the index rows is fine (not for other
+       dims: there the local index position must match self's);
+    4. self ``P(op)``, index ``R`` -> out ``P(op)``: gather selects, so it commutes
+       with sum and max.
+    """
+    src, index = call.inputs
+    out = call.outputs[0]
+    dim = bound_args(call)["dim"] % max(src.ndim, 1)
+    strategies = []
+    if out.is_float:
+        strategies.append(AxisStrategy((Shard(dim), _R), (_SUM,), kernel="masked_gather"))
+    for d in range(src.ndim):
+        if d != dim and src.shape[d] == index.shape[d]:
+            strategies.append(AxisStrategy((Shard(d), Shard(d)), (Shard(d),)))
+    if index.ndim:
+        strategies.append(AxisStrategy((_R, Shard(dim)), (Shard(dim),)))
+    strategies += [AxisStrategy((Partial(op), _R), (Partial(op),)) for op in ("sum", "max")]
+    return strategies
+
+
+@register(aten.index_select.default)
+def index_select_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """index_select(self, dim, index (k,)) -> self's shape with ``dim`` of size k.
+
+    1. self ``S(d)``, index ``R`` -> out ``S(d)`` for ``d != dim``;
+    2. self ``R``, index ``S(0)`` -> out ``S(dim)``;
+    3. self ``S(dim)``, index ``R`` -> out ``P(sum)``, kernel ``masked_index_select``;
+    4. self ``P(op)``, index ``R`` -> out ``P(op)``.
+    """
+    src, index = call.inputs
+    out = call.outputs[0]
+    dim = bound_args(call)["dim"] % max(src.ndim, 1)
+    strategies = [AxisStrategy((Shard(d), _R), (Shard(d),)) for d in range(src.ndim) if d != dim]
+    if index.ndim == 1 and src.ndim:
+        strategies.append(AxisStrategy((_R, Shard(0)), (Shard(dim),)))
+    if out.is_float and src.ndim:
+        strategies.append(AxisStrategy((Shard(dim), _R), (_SUM,), kernel="masked_index_select"))
+    strategies += [AxisStrategy((Partial(op), _R), (Partial(op),)) for op in ("sum", "max")]
+    return strategies

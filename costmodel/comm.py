@@ -1,0 +1,65 @@
+"""Collective communication time: the alpha-beta model of bandwidth-optimal ring collectives.
+
+For a group of ``n`` ranks on a link of per-device unidirectional bandwidth ``B``
+and per-step latency ``alpha`` (``LinkProfile``), a collective on ``nbytes`` costs::
+
+    all_reduce       2(n-1)/n * nbytes / B  +  2(n-1) * alpha    nbytes: the buffer each rank holds
+    all_gather        (n-1)/n * nbytes / B  +   (n-1) * alpha    nbytes: the gathered (full) output
+    reduce_scatter    (n-1)/n * nbytes / B  +   (n-1) * alpha    nbytes: the full (unscattered) input
+    all_to_all        (n-1)/n * nbytes / B  +   (n-1) * alpha    nbytes: each rank's buffer
+
+The bandwidth factors are NCCL's bus-bandwidth factors (nccl-tests,
+``doc/PERFORMANCE.md``, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+a ring all-reduce is a reduce-scatter then an all-gather, each moving ``(n-1)/n``
+of the buffer through every rank's link.  The step counts are the ring's: ``n-1``
+steps per phase.  ``OpComm.bytes`` in ``autopar.strategies.base`` uses the same
+``nbytes`` definitions.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .profiles import DeviceProfile, LinkProfile
+
+__all__ = ["COLLECTIVES", "collective_time_s", "collective_time_on_axis_s"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+# kind -> (bandwidth factor numerator in units of (n-1)/n, latency steps in units of (n-1))
+_RING_FACTORS = {
+    "all_reduce": (2, 2),
+    "all_gather": (1, 1),
+    "reduce_scatter": (1, 1),
+    "all_to_all": (1, 1),
+}
+
+
+def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfile) -> float:
+    """Seconds one ring collective of ``kind`` on ``nbytes`` takes among ``group_size`` ranks.
+
+    ``nbytes`` follows the module docstring's definitions.  A group of one rank, or
+    zero bytes, costs 0.0 (no collective is issued).  Raises ``ValueError`` for an
+    unknown ``kind``, a negative ``nbytes`` or a ``group_size`` below 1.
+    """
+    if kind not in _RING_FACTORS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVES}")
+    if not (nbytes >= 0 and math.isfinite(nbytes)):
+        raise ValueError(f"{kind}: nbytes must be a finite number >= 0, got {nbytes!r}")
+    if isinstance(group_size, bool) or int(group_size) != group_size or group_size < 1:
+        raise ValueError(f"{kind}: group_size must be an int >= 1, got {group_size!r}")
+    n = int(group_size)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    bw_factor, steps = _RING_FACTORS[kind]
+    bandwidth_s = bw_factor * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
+    latency_s = steps * (n - 1) * link.latency_s
+    return bandwidth_s + latency_s
+
+
+def collective_time_on_axis_s(
+    kind: str, nbytes: float, *, mesh_shape: tuple[int, ...], axis: int, profile: DeviceProfile
+) -> float:
+    """``collective_time_s`` over mesh axis ``axis``: group size and link from the mesh."""
+    link = profile.link_for_axis(mesh_shape, axis)
+    return collective_time_s(kind, nbytes, mesh_shape[axis], link)

@@ -1,0 +1,54 @@
+"""Compute time of one op on one device: the roofline model.
+
+An op takes the longer of its math time and its memory time, plus a fixed
+per-op overhead (launch and dispatch)::
+
+    time_s = max(flops / (peak_flops(dtype) * eff), bytes / (mem_bw * memory_efficiency))
+             + kernel_overhead_s
+
+where ``eff`` is ``matmul_efficiency`` for matmul-like ops and 1 otherwise (an
+elementwise op's flops never bind before its bytes do, so its peak needs no
+derating).  All rates come from a ``DeviceProfile`` (``configs/devices/*.toml``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import flops as _flops
+from .profiles import DeviceProfile
+
+__all__ = ["op_time_s", "call_time_s"]
+
+
+def op_time_s(flops: float, bytes_moved: float, profile: DeviceProfile, dtype: torch.dtype, *, matmul: bool) -> float:
+    """Roofline seconds of one op: math or memory bound, plus ``kernel_overhead_s``.
+
+    Returns 0.0 when both ``flops`` and ``bytes_moved`` are 0 (a view: no kernel
+    runs).  Raises ``ValueError`` for negative or non-finite counts.
+    """
+    for label, value in (("flops", flops), ("bytes_moved", bytes_moved)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"op_time_s: {label} must be a finite number >= 0, got {value!r}")
+    if flops == 0 and bytes_moved == 0:
+        return 0.0
+    efficiency = profile.matmul_efficiency if matmul else 1.0
+    math_s = flops / (profile.peak_flops_for(dtype) * efficiency)
+    memory_s = bytes_moved / (profile.mem_bandwidth_bytes_per_s * profile.memory_efficiency)
+    return max(math_s, memory_s) + profile.kernel_overhead_s
+
+
+def call_time_s(call: Any, profile: DeviceProfile, *, backward: bool = False) -> float:
+    """Roofline seconds of an ``OpCall``'s forward (or backward) on its local shapes.
+
+    Combines ``costmodel.flops`` counts with ``op_time_s``; the dtype is the op's
+    ``compute_dtype``.
+    """
+    if backward:
+        n_flops, n_bytes = _flops.backward_flops(call), _flops.backward_bytes_moved(call)
+    else:
+        n_flops, n_bytes = _flops.forward_flops(call), _flops.bytes_moved(call)
+    return op_time_s(n_flops, n_bytes, profile, _flops.compute_dtype(call), matmul=_flops.is_matmul_like(call))

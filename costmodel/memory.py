@@ -1,0 +1,128 @@
+"""Per-device memory of training: model state (params, grads, optimizer state) and activations.
+
+Model state follows the ZeRO paper's accounting (Rajbhandari et al., "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", SC'20, section 3.1):
+mixed-precision Adam holds 2 bytes of bf16/fp16 parameter, 2 bytes of gradient and
+12 bytes of optimizer state (fp32 master copy, momentum, variance) per parameter.
+
+The parameter and its gradient/optimizer state may be sharded differently (ZeRO-1/2/3
+on a data-parallel axis), so ``model_state_bytes`` takes two local element counts:
+``param_numel_local`` (under the parameter's placement) and ``state_numel_local``
+(under the placement of its gradient and optimizer state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "TrainingPrecision",
+    "OptimizerSpec",
+    "ModelStateBytes",
+    "precision",
+    "optimizer_spec",
+    "model_state_bytes",
+    "activation_bytes",
+    "PRECISIONS",
+    "OPTIMIZERS",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingPrecision:
+    """Dtypes of training: what parameters, gradients and compute use.
+
+    ``master_weights``: the optimizer keeps a float32 copy of every parameter it
+    updates (mixed precision), counted with the optimizer state.
+    """
+
+    name: str
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    master_weights: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSpec:
+    """An optimizer's state: ``states_per_param`` tensors of ``state_dtype`` per parameter."""
+
+    name: str
+    states_per_param: int
+    state_dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStateBytes:
+    """Bytes one device holds for parameters, gradients and optimizer state (incl. master copy)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+PRECISIONS: dict[str, TrainingPrecision] = {
+    "fp32": TrainingPrecision("fp32", torch.float32, torch.float32, torch.float32, master_weights=False),
+    "bf16": TrainingPrecision("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16, master_weights=True),
+}
+
+# Adam(W) keeps exp_avg and exp_avg_sq (Kingma & Ba 2015; torch.optim.AdamW);
+# SGD with momentum keeps momentum_buffer (torch.optim.SGD); both in float32.
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec("adamw", 2, torch.float32),
+    "adam": OptimizerSpec("adam", 2, torch.float32),
+    "sgd": OptimizerSpec("sgd", 0, torch.float32),
+    "sgd_momentum": OptimizerSpec("sgd_momentum", 1, torch.float32),
+    "none": OptimizerSpec("none", 0, torch.float32),
+}
+
+_MASTER_DTYPE = torch.float32
+
+
+def precision(name: str) -> TrainingPrecision:
+    """The training precision called ``name`` ("fp32" or "bf16")."""
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown training precision {name!r}; expected one of {sorted(PRECISIONS)}") from None
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The optimizer called ``name`` ("adamw", "adam", "sgd", "sgd_momentum", "none")."""
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}") from None
+
+
+def model_state_bytes(
+    param_numel_local: int, state_numel_local: int, precision: TrainingPrecision, optimizer: OptimizerSpec
+) -> ModelStateBytes:
+    """Bytes of one parameter's model state on one device.
+
+    params = param_numel_local * itemsize(param_dtype);
+    grads = state_numel_local * itemsize(grad_dtype);
+    optimizer = state_numel_local * (states_per_param * itemsize(state_dtype)
+                                     + itemsize(float32) if master_weights).
+    """
+    for label, value in (("param_numel_local", param_numel_local), ("state_numel_local", state_numel_local)):
+        if isinstance(value, bool) or int(value) != value or value < 0:
+            raise ValueError(f"model_state_bytes: {label} must be an int >= 0, got {value!r}")
+    master = _MASTER_DTYPE.itemsize if precision.master_weights else 0
+    per_state = optimizer.states_per_param * optimizer.state_dtype.itemsize + master
+    return ModelStateBytes(
+        params=int(param_numel_local) * precision.param_dtype.itemsize,
+        grads=int(state_numel_local) * precision.grad_dtype.itemsize,
+        optimizer=int(state_numel_local) * per_state,
+    )
+
+
+def activation_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes of a saved activation of ``numel`` elements of ``dtype``."""
+    return int(numel) * dtype.itemsize

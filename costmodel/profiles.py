@@ -1,0 +1,254 @@
+"""Device profiles: what one device can compute, hold and send, read from TOML data.
+
+A ``DeviceProfile`` is pure data loaded from ``configs/devices/<name>.toml`` (or any
+TOML file of the same schema, e.g. a calibration file measured on the target
+machine).  No number lives in this module: every constant sits in the TOML next to
+the datasheet or measurement it comes from.
+
+Mesh axes map to links by rank distance (``DeviceProfile.link_for_axis``): the mesh
+is row-major with the last axis innermost, so an axis whose ranks all sit inside one
+node of ``devices_per_node`` consecutive ranks talks over ``intra_node`` (NVLink),
+any other over ``inter_node`` (InfiniBand).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError as e:
+        raise ImportError("costmodel reads TOML device profiles: on Python 3.10 run `pip install tomli`") from e
+
+__all__ = [
+    "LinkProfile",
+    "DeviceProfile",
+    "PEAK_FLOPS_KEYS",
+    "config_dir",
+    "available_profiles",
+    "load_profile",
+]
+
+log = logging.getLogger(__name__)
+
+#: The dtype keys every profile's ``peak_flops`` table must have (dense, no sparsity).
+PEAK_FLOPS_KEYS = ("float32", "bfloat16", "float16")
+
+_CONFIG_ENV = "AUTOPAR_CONFIG_DIR"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkProfile:
+    """One interconnect as a ring collective sees it.
+
+    ``bandwidth_bytes_per_s`` is the per-device unidirectional bandwidth a ring
+    achieves on the link (NCCL-tests' "bus bandwidth" ceiling); ``latency_s`` is the
+    per-step latency (the alpha of the alpha-beta model): a ring all-reduce on ``n``
+    ranks pays it ``2(n-1)`` times.  ``source`` says where both numbers come from.
+    """
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise ValueError(
+                f"link {self.name!r}: bandwidth_bytes_per_s must be a positive finite number, "
+                f"got {self.bandwidth_bytes_per_s!r}; give the per-direction bandwidth in bytes/s"
+            )
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(
+                f"link {self.name!r}: latency_s must be >= 0 and finite, got {self.latency_s!r}; "
+                "give the per-step latency in seconds"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    """Peak rates, capacity and links of one device (one rank of the mesh).
+
+    ``peak_flops`` maps "float32", "bfloat16", "float16" to dense peak flop/s;
+    ``matmul_efficiency`` scales it for matmul-like ops, ``memory_efficiency`` scales
+    ``mem_bandwidth_bytes_per_s`` for every op (achievable / datasheet);
+    ``kernel_overhead_s`` is added once per op (launch and dispatch).  ``memory_bytes``
+    is the device memory the datasheet states; the planner decides the headroom.
+    """
+
+    name: str
+    peak_flops: dict[str, float] = field(hash=False)
+    mem_bandwidth_bytes_per_s: float
+    memory_bytes: int
+    devices_per_node: int
+    intra_node: LinkProfile
+    inter_node: LinkProfile
+    kernel_overhead_s: float
+    matmul_efficiency: float
+    memory_efficiency: float
+    source: str
+
+    def __post_init__(self) -> None:
+        missing = [k for k in PEAK_FLOPS_KEYS if k not in self.peak_flops]
+        if missing:
+            raise ValueError(
+                f"device profile {self.name!r}: peak_flops lacks {missing}; "
+                f"expected keys {list(PEAK_FLOPS_KEYS)}, got {sorted(self.peak_flops)}"
+            )
+        for key, value in self.peak_flops.items():
+            _check_positive(self.name, f"peak_flops.{key}", value)
+        # copy so that the caller's dict cannot change a frozen profile behind its back
+        object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
+        _check_positive(self.name, "mem_bandwidth_bytes_per_s", self.mem_bandwidth_bytes_per_s)
+        _check_positive(self.name, "memory_bytes", self.memory_bytes)
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ValueError(
+                f"device profile {self.name!r}: devices_per_node must be an int >= 1, got {self.devices_per_node!r}"
+            )
+        if not (self.kernel_overhead_s >= 0 and math.isfinite(self.kernel_overhead_s)):
+            raise ValueError(
+                f"device profile {self.name!r}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}"
+            )
+        for key in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ValueError(
+                    f"device profile {self.name!r}: {key} must lie in (0, 1] (achieved / peak), got {value!r}"
+                )
+
+    def peak_flops_for(self, dtype: torch.dtype) -> float:
+        """Dense peak flop/s for ``dtype``: bf16 and fp16 use their own keys, all else float32."""
+        if dtype == torch.bfloat16:
+            return self.peak_flops["bfloat16"]
+        if dtype == torch.float16:
+            return self.peak_flops["float16"]
+        return self.peak_flops["float32"]
+
+    def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkProfile:
+        """The link the ranks of one mesh axis group talk over.
+
+        The mesh is row-major, last axis innermost: an axis group's ranks are
+        ``stride = prod(mesh_shape[axis+1:])`` apart and span ``stride*(size-1)+1``
+        consecutive ranks.  A span within ``devices_per_node`` stays inside one node
+        (``intra_node``); otherwise the group crosses nodes (``inter_node``).
+        ``axis`` may be negative, as in Python indexing.
+        """
+        shape = tuple(int(s) for s in mesh_shape)
+        if not shape or any(s < 1 for s in shape):
+            raise ValueError(f"mesh shape {mesh_shape!r}: expected a non-empty tuple of sizes >= 1")
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(
+                f"axis {axis} is out of range for mesh shape {shape} ({len(shape)} axes); "
+                f"pass an axis in [0, {len(shape) - 1}]"
+            )
+        axis %= len(shape)
+        stride = math.prod(shape[axis + 1 :])
+        span = stride * (shape[axis] - 1) + 1
+        return self.intra_node if span <= self.devices_per_node else self.inter_node
+
+
+def _check_positive(profile: str, key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"device profile {profile!r}: {key} must be a positive finite number, got {value!r}")
+
+
+def config_dir() -> Path:
+    """The configs directory: ``$AUTOPAR_CONFIG_DIR`` if set, else ``<repo>/configs``."""
+    env = os.environ.get(_CONFIG_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def available_profiles() -> list[str]:
+    """Names of the device profiles under ``config_dir()/devices``, sorted."""
+    devices = config_dir() / "devices"
+    if not devices.is_dir():
+        return []
+    return sorted(p.stem for p in devices.glob("*.toml"))
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """Load a device profile by name (``configs/devices/<name>.toml``) or from a .toml path.
+
+    Raises ``ValueError`` for an unknown name (listing the available ones), a missing
+    file, or a file whose keys or values do not fit the schema.
+    """
+    path = _resolve(str(name_or_path))
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"device profile {path}: not valid TOML ({e}); fix the file's syntax") from e
+    profile = _profile_from_dict(data, path)
+    log.debug("loaded device profile %s from %s", profile.name, path)
+    return profile
+
+
+def _resolve(name_or_path: str) -> Path:
+    looks_like_path = name_or_path.endswith(".toml") or os.sep in name_or_path or "/" in name_or_path
+    if looks_like_path:
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise ValueError(f"device profile file {path} does not exist; pass an existing .toml path or a name")
+        return path
+    path = config_dir() / "devices" / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ValueError(
+            f"unknown device profile {name_or_path!r}: no {path}; available profiles: {available_profiles()}. "
+            f"Pass one of those names, a path to a .toml file, or set ${_CONFIG_ENV}"
+        )
+    return path
+
+
+_TOP_KEYS = {
+    "name": str,
+    "source": str,
+    "devices_per_node": int,
+    "memory_bytes": int,
+    "mem_bandwidth_bytes_per_s": float,
+    "kernel_overhead_s": float,
+    "matmul_efficiency": float,
+    "memory_efficiency": float,
+    "peak_flops": dict,
+    "intra_node": dict,
+    "inter_node": dict,
+}
+_LINK_KEYS = {"name": str, "bandwidth_bytes_per_s": float, "latency_s": float, "source": str}
+
+
+def _take(table: dict, schema: dict[str, type], where: str) -> dict[str, Any]:
+    """Check a TOML table against ``schema`` (exact key set, types); ints pass as floats."""
+    missing = sorted(set(schema) - set(table))
+    unknown = sorted(set(table) - set(schema))
+    if missing or unknown:
+        raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}; expected exactly {sorted(schema)}")
+    out: dict[str, Any] = {}
+    for key, kind in schema.items():
+        value = table[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{where}: key {key!r} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        out[key] = value
+    return out
+
+
+def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
+    where = f"device profile {path}"
+    top = _take(data, _TOP_KEYS, where)
+    peak = _take(top.pop("peak_flops"), dict.fromkeys(PEAK_FLOPS_KEYS, float), f"{where} [peak_flops]")
+    links = {
+        key: LinkProfile(**_take(top.pop(key), _LINK_KEYS, f"{where} [{key}]")) for key in ("intra_node", "inter_node")
+    }
+    return DeviceProfile(peak_flops=peak, **links, **top)
