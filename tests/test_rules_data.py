@@ -111,3 +111,89 @@ def rnd(*shape):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def has(labels: set[str], *wanted: str) -> None:
+    missing = [w for w in wanted if w not in labels]
+    assert not missing, f"missing strategies {missing}; offered {sorted(labels)}"
+
+
+def lacks(labels: set[str], *unwanted: str) -> None:
+    present = [w for w in unwanted if w in labels]
+    assert not present, f"strategies {present} must not be offered; offered {sorted(labels)}"
+
+
+# ----------------------------------------------------------------------------- view / reshape
+
+
+@pytest.mark.parametrize("mesh", MESHES + [(8,)])
+def test_view_splits_hidden_into_heads(mesh):
+    """view (2,16,768)->(2,16,12,64): S(2) moves to the 12-head dim when 12 % axis == 0."""
+    labels = check(aten.view.default, rnd(2, 16, 768), [2, 16, -1, 64], mesh=mesh)
+    if mesh == (2,):
+        has(labels, "(S(0)) -> (S(0))", "(S(1)) -> (S(1))", "(S(2)) -> (S(2))", "(P(sum)) -> (P(sum))",
+            "(P(max)) -> (P(max))")
+    if mesh == (4,):
+        has(labels, "(S(2)) -> (S(2))", "(S(1)) -> (S(1))")
+        lacks(labels, "(S(0)) -> (S(0))")  # batch 2 < 4 ranks
+    if mesh == (2, 2):
+        has(labels, "(S(0),S(2)) -> (S(0),S(2))", "(S(2),S(2)) -> (S(2),S(2))", "(S(2),P(sum)) -> (S(2),P(sum))")
+    if mesh == (8,):
+        lacks(labels, "(S(2)) -> (S(2))")  # 12 heads do not split evenly over 8
+        has(labels, "(S(1)) -> (S(1))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_view_merges_batch_and_sequence(mesh):
+    """view (2,16,768)->(32,768): S on batch (outer) moves to the merged dim; S on sequence is not offered."""
+    labels = check(aten.view.default, rnd(2, 16, 768), [-1, 768], mesh=mesh)
+    assert not any(lab.startswith("(S(1)") for lab in labels), sorted(labels)
+    if len(mesh) == 1:
+        has(labels, "(S(2)) -> (S(1))")
+    if mesh == (2,):
+        has(labels, "(S(0)) -> (S(0))")
+    if mesh == (2, 2):
+        has(labels, "(S(0),S(2)) -> (S(0),S(1))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_view_uneven_one_to_one_dims(mesh):
+    """(3,5,7)->(15,7): the 7-dim maps 1:1 and shards unevenly; the 3-dim (odd) never moves into 15."""
+    labels = check(aten.reshape.default, rnd(3, 5, 7), [15, 7], mesh=mesh)
+    lacks(labels, "(S(0)) -> (S(0))")
+    if len(mesh) == 1:
+        has(labels, "(S(2)) -> (S(1))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_reshape_gqa_kv_heads_merge(mesh):
+    """Llama's repeat_kv: (2,2,4,16,32)->(2,8,16,32) keeps S on the 2 kv heads only if 2 % axis == 0."""
+    x = rnd(2, 2, 1, 16, 32).expand(2, 2, 4, 16, 32)
+    labels = check(aten.reshape.default, x, [2, 8, 16, 32], mesh=mesh)
+    if mesh == (2,):
+        has(labels, "(S(1)) -> (S(1))", "(S(3)) -> (S(2))")
+    if mesh == (4,):
+        lacks(labels, "(S(1)) -> (S(1))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_view_block_shard_of_fused_qkv(mesh):
+    """(32,2304)->(2,16,2304) and (2,16,2304)->(2,16,36,64) carry S[3] when a consumer asks for 3 blocks."""
+    labels = check(aten.view.default, rnd(32, 2304), [2, 16, 2304], mesh=mesh, hints={(0, 2, 3)})
+    labels2 = check(aten._unsafe_view.default, rnd(2, 16, 2304), [2, 16, 36, 64], mesh=mesh, hints={(0, 2, 3)})
+    if len(mesh) == 1:
+        has(labels, "(S(1)[3]) -> (S(2)[3])", "(S(1)) -> (S(2))")
+        has(labels2, "(S(2)[3]) -> (S(2)[3])")
+    else:
+        has(labels, "(S(1)[3],S(1)[3]) -> (S(2)[3],S(2)[3])")
+        has(labels2, "(S(2)[3],S(2)[3]) -> (S(2)[3],S(2)[3])")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_flatten_and_unflatten(mesh):
+    labels = check(aten.flatten.using_ints, rnd(2, 16, 12, 64), 2, 3, mesh=mesh)
+    labels2 = check(aten.unflatten.int, rnd(2, 16, 768), 2, [12, 64], mesh=mesh)
+    if len(mesh) == 1:
+        has(labels, "(S(2)) -> (S(2))")
+        lacks(labels, "(S(3)) -> (S(2))")
+        has(labels2, "(S(2)) -> (S(2))")
