@@ -194,7 +194,7 @@ def _reduce_axis(pieces: dict[tuple[int, ...], torch.Tensor], axis: int, p: Plac
         if isinstance(p, Replicate):
             ref = ts[0]
             for i, t in enumerate(ts[1:], start=1):
-                if not torch.equal(t, ref):
+                if not _same(t, ref):
                     diff = _max_abs_diff(t, ref)
                     raise AssertionError(
                         f"mesh axis {axis} is Replicate but the piece at coordinate {i} of the axis "
@@ -206,6 +206,15 @@ def _reduce_axis(pieces: dict[tuple[int, ...], torch.Tensor], axis: int, p: Plac
         else:
             out[key] = torch.stack(ts).amax(dim=0)
     return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise-equal values, NaN equal to NaN (replicated copies of a NaN are still copies)."""
+    if torch.equal(a, b):
+        return True
+    if a.dtype != b.dtype or not (a.dtype.is_floating_point or a.dtype.is_complex):
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

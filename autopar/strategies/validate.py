@@ -106,9 +106,12 @@ def _check_strategy(call: OpCall, strategy: OpStrategy, flat: list, spec, tensor
     local_outs: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for coord in coordinates(mesh_shape):
         local_flat = list(flat)
-        for i, pos in enumerate(tensor_pos):
-            local_flat[pos] = shard_tensor(flat[pos], strategy.inputs[i], mesh_shape, coord,
-                                           partial_seed=seed * 1_000_003 + i)
+        try:
+            for i, pos in enumerate(tensor_pos):
+                local_flat[pos] = shard_tensor(flat[pos], strategy.inputs[i], mesh_shape, coord,
+                                               partial_seed=seed * 1_000_003 + i)
+        except ValueError as e:  # e.g. a block count that does not divide some rank's piece
+            return StrategyCheck(strategy, False, math.inf, f"input {i} cannot be laid out at {coord}: {e}")
         largs, lkwargs = pytree.tree_unflatten(local_flat, spec)
         try:
             with torch.no_grad():
