@@ -5,6 +5,9 @@ strategy (all on local shapes):
 
 * op time  = roofline(forward) + roofline(backward, when gradients flow)
              + the op's own collectives (``OpComm``), per mesh axis and its link;
+  Reductions of *parameter* gradients in backward are discounted by the
+  profile's ``grad_reduce_overlap`` (bucketed and overlapped with backward, as
+  DDP and FSDP do); the table reports their exposed time;
 * parameter time = the optimizer step (memory-bound: it reads and writes the
   parameter, its gradient and its optimizer state) + for each axis where the state
   is sharded but the parameter is not (ZeRO-1/2), the all-gather of the updated
@@ -114,6 +117,14 @@ class Coster:
         return local_meta(self.compute_meta(meta), placements, self.mesh_shape).nbytes
 
     # ---- collectives ----------------------------------------------------------------
+    def grad_exposed(self, producer: OpNode) -> float:
+        """Fraction of a backward gradient collective's time on the critical path.
+
+        Reductions of parameter gradients overlap with the rest of backward
+        (``DeviceProfile.grad_reduce_overlap``); activation gradients do not.
+        """
+        return 1.0 - self.settings.profile.grad_reduce_overlap if producer.kind == "param" else 1.0
+
     def comm_time_s(self, kind: str, nbytes: int, axis: int) -> float:
         return collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
 
@@ -204,7 +215,8 @@ class Coster:
                     t += fwd  # FSDP: gathered again in backward, not kept
                 if grad:
                     g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s_v.split))
-                    t += self.transition_time_s(meta, g, grad_target) if g != grad_target else 0.0
+                    if g != grad_target:
+                        t += self.transition_time_s(meta, g, grad_target) * self.grad_exposed(u)
                 time[a, b] = t
                 if saves and src != dst and _changes_data(src, dst):
                     mem[a, b] = self.local_bytes(meta, dst)

@@ -19,9 +19,10 @@ from typing import Callable
 
 import torch
 
+from .layout import dim_index
 from .mesh import Mesh  # noqa: F401  (documented type of KernelContext.mesh_shape's origin)
 from .placement import Placement, Shard
-from .spec import TensorMeta, shard_range
+from .spec import TensorMeta
 
 __all__ = ["KernelContext", "KERNELS", "register_kernel"]
 
@@ -42,13 +43,27 @@ class KernelContext:
     axes: tuple[int, ...]
 
     def shard_ranges(self, input_index: int, dim: int) -> list[tuple[int, int]]:
-        """Global (start, stop) ranges of ``dim`` of input ``input_index`` held by this rank."""
+        """Global (start, stop) ranges of ``dim`` of input ``input_index`` held by this rank.
+
+        In local order (increasing global order), adjacent ranges merged; the layout
+        contract of ``autopar.layout`` (each axis shards the piece earlier axes left,
+        as the rules reason), which ``spec.shard_range`` matches unless two axes
+        block-shard the same dim.
+        """
         entries = [
             (p, self.mesh_shape[a], self.coordinate[a])
             for a, p in enumerate(self.input_placements[input_index])
             if isinstance(p, Shard) and p.dim == dim
         ]
-        return shard_range(self.input_metas[input_index].shape[dim], entries)
+        size = self.input_metas[input_index].shape[dim]
+        if not entries:
+            return [(0, size)]
+        idx = dim_index(size, entries)
+        if idx.numel() == 0:
+            return []
+        cuts = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+        starts, stops = [0] + cuts, cuts + [idx.numel()]
+        return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(starts, stops)]
 
 
 KERNELS: dict[str, Callable] = {}

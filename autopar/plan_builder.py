@@ -3,8 +3,9 @@
 The breakdown re-prices the chosen strategies with the same ``Coster`` the search
 used (in float seconds, before the picosecond rounding), so the plan's totals are
 the objective the search minimized.  Compute is op time and optimizer-step time;
-communication is every transition, op-issued collective and ZeRO step all-gather.
-No overlap of communication with compute is assumed.
+communication is every transition, op-issued collective and ZeRO step all-gather,
+with parameter-gradient reductions counted at their exposed time (``time_s`` of a
+collective is what it adds to the step).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     compute_s = comm_s = 0.0
     mem = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
 
-    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum"):
+    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0):
         nonlocal comm_s
-        t = coster.comm_time_s(kind, nbytes, axis)
+        t = coster.comm_time_s(kind, nbytes, axis) * exposed
         comm_s += t
         collectives.append({"kind": kind, "axis": axis_names[axis], "phase": phase, "bytes": int(nbytes),
                             "node": node.name, "module": node.module, "tensor": tensor, "reduce_op": reduce_op,
@@ -83,7 +84,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 target = su.state if isinstance(su, SourceStrategy) else tuple(producer_grad_placement(p) for p in src)
                 if g != target:
                     for t in transitions(meta, g, target, mesh_shape):
-                        add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
+                        add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op, coster.grad_exposed(un))
     for k, (u, o) in enumerate(ctx.tables.sinks):
         un = graph.nodes[u]
         full = tuple(Replicate() for _ in mesh_shape)

@@ -82,7 +82,11 @@ class DeviceProfile:
     ``peak_flops`` maps "float32", "bfloat16", "float16" to dense peak flop/s;
     ``matmul_efficiency`` scales it for matmul-like ops, ``memory_efficiency`` scales
     ``mem_bandwidth_bytes_per_s`` for every op (achievable / datasheet);
-    ``kernel_overhead_s`` is added once per op (launch and dispatch).  ``memory_bytes``
+    ``kernel_overhead_s`` is added once per op (launch and dispatch).
+    ``grad_reduce_overlap`` is the fraction of the time of collectives that reduce
+    *parameter gradients* in backward that is hidden behind backward compute (DDP
+    and FSDP bucket them and overlap them with the rest of backward); collectives on
+    activations and the optimizer-step all-gather are never discounted.  ``memory_bytes``
     is the device memory the datasheet states; the planner decides the headroom.
     """
 
@@ -97,6 +101,7 @@ class DeviceProfile:
     matmul_efficiency: float
     memory_efficiency: float
     source: str
+    grad_reduce_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [k for k in PEAK_FLOPS_KEYS if k not in self.peak_flops]
@@ -246,9 +251,13 @@ def _take(table: dict, schema: dict[str, type], where: str) -> dict[str, Any]:
 
 def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     where = f"device profile {path}"
+    data = dict(data)
+    overlap = data.pop("grad_reduce_overlap", 0.0)  # optional: older calibration files lack it
+    if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0 <= overlap < 1:
+        raise ValueError(f"{where}: grad_reduce_overlap must be a number in [0, 1), got {overlap!r}")
     top = _take(data, _TOP_KEYS, where)
     peak = _take(top.pop("peak_flops"), dict.fromkeys(PEAK_FLOPS_KEYS, float), f"{where} [peak_flops]")
     links = {
         key: LinkProfile(**_take(top.pop(key), _LINK_KEYS, f"{where} [{key}]")) for key in ("intra_node", "inter_node")
     }
-    return DeviceProfile(peak_flops=peak, **links, **top)
+    return DeviceProfile(peak_flops=peak, **links, **top, grad_reduce_overlap=float(overlap))

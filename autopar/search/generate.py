@@ -77,8 +77,8 @@ def random_problem(
 class _Builder:
     """Accumulates nodes (in topological order) and edges of a transformer-like graph."""
 
-    def __init__(self, k: int, rng: np.random.Generator) -> None:
-        self.k, self.rng = k, rng
+    def __init__(self, k: int, rng: np.random.Generator, chain_ops: float) -> None:
+        self.k, self.rng, self.chain_ops = k, rng, chain_ops
         # One vocabulary of layouts shared by all nodes (same id = same layout, free edge).
         self.shard = np.concatenate([[1.0], rng.choice([2.0, 4.0, 8.0], k - 1)]) if k > 1 else np.ones(1)
         inv = 1.0 / self.shard
@@ -86,6 +86,7 @@ class _Builder:
         np.fill_diagonal(self.reshard, 0.0)
         self.op_comm = rng.uniform(0.0, 1.0, k) * (rng.random(k) < 0.5)
         self.op_comm[0] = 0.0
+        self.param_gather = rng.uniform(0.5, 1.5, k)
         self.names: list[str] = []
         self.layouts: list[np.ndarray] = []
         self.sizes: list[float] = []
@@ -105,7 +106,7 @@ class _Builder:
         self.names.append(name)
         self.layouts.append(layouts)
         self.sizes.append(size_bytes)
-        self.node_time.append(np.where(forbid, INF, np.rint(t)).astype(np.int64))
+        self.node_time.append(np.where(forbid, INF, np.rint(t).astype(np.int64)))
         self.node_mem.append(np.rint(m).astype(np.int64))
         for u in inputs:
             bytes_u = self.sizes[u]
@@ -113,10 +114,10 @@ class _Builder:
             noise = self.rng.uniform(0.9, 1.1, (lu.size, lv.size))
             moved = self.reshard[np.ix_(lu, lv)] * bytes_u * noise
             latency = np.where(lu[:, None] != lv[None, :], 5e6, 0.0)
-            et = np.rint(moved / 1e11 * 1e12 + latency)
+            et = np.rint(moved / 1e11 * 1e12 + latency).astype(np.int64)
             et = np.where((self.rng.random(et.shape) < 0.01) & (lu[:, None] != lv[None, :]), INF, et)
             self.edges.append((u, node))
-            self.edge_time.append(et.astype(np.int64))
+            self.edge_time.append(et)
             buffer = np.where(lu[:, None] != lv[None, :], bytes_u / self.shard[lv][None, :], 0.0)
             self.edge_mem.append(np.rint(buffer * 0.25).astype(np.int64))
         return node
@@ -125,7 +126,10 @@ class _Builder:
         lay = self._layouts(self.k if k is None else k)
         size = numel * 2.0
         noise = self.rng.uniform(0.9, 1.1, lay.size)
-        sync = 2.0 * size / self.shard[lay] * noise / 1e11 * 1e12  # gradient all-reduce of the local shard
+        # ZeRO-style trade: the gradient reduction costs the same for every layout, a
+        # sharded parameter is also all-gathered before use but holds 1/f of the state.
+        gather = self.param_gather[lay] * (1.0 - 1.0 / self.shard[lay])
+        sync = size * (1.0 + gather) * noise / 1e11 * 1e12
         state = 8.0 * size / self.shard[lay]  # bf16 weight + fp32 master, grad, two Adam moments
         return self._add(name, lay, size, sync, state, ())
 
@@ -136,7 +140,7 @@ class _Builder:
         comm = self.op_comm[lay] * out_bytes / 1e11 * 1e12
         saved = out_bytes / self.shard[lay] * noise
         node = self._add(name, lay, out_bytes, compute + comm, saved, inputs)
-        for j in range(self.rng.poisson(0.8)):  # views, casts, contiguous copies
+        for j in range(self.rng.poisson(self.chain_ops)):  # views, casts, dropout, copies
             node = self._add(f"{name}.view{j}", self.layouts[node], out_bytes, np.full(lay.size, 1e5), np.zeros(lay.size), (node,))
         return node
 
@@ -151,17 +155,19 @@ def transformer_like_problem(
     hidden: int = 1024,
     tokens: int = 8192,
     vocab: int = 32000,
+    chain_ops: float = 3.5,
 ) -> SearchProblem:
     """A GPT-like training graph of ``layers`` blocks with up to ``k`` strategies per node.
 
     ``cap_fraction`` places the cap at ``min_mem + cap_fraction * (mem(min-time plan) -
     min_mem)`` (both found with :mod:`.dp`), so values in (0, 1) make it bind; ``None``
-    leaves the problem uncapped.
+    leaves the problem uncapped.  Each op is followed by Poisson(``chain_ops``) chain
+    ops (views, casts, dropout): the default gives about 80 nodes per block.
     """
     if layers < 1 or k < 1:
         raise ValueError(f"transformer_like_problem(layers={layers}, k={k}): expected layers >= 1 and k >= 1")
     rng = np.random.default_rng(seed)
-    b = _Builder(k, rng)
+    b = _Builder(k, rng, chain_ops)
     h, act = hidden, tokens * hidden * 2.0
     ids = b.op("input_ids", (), 0.0, tokens * 8.0, k=1)
     wte = b.param("wte", vocab * h)

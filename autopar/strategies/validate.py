@@ -75,6 +75,10 @@ def make_call(target, args: tuple, kwargs: dict | None = None, *,
     return call, full
 
 
+def _op_name(target) -> str:
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__qualname__", str(target))
+
+
 def _max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
     if got.numel() == 0:
         return 0.0
@@ -177,7 +181,7 @@ def assert_rule_valid(target, args: tuple, kwargs: dict | None = None, *, mesh_s
     Raises ValueError when no rule is registered for ``target`` (there is nothing to validate).
     """
     if rule_for(target) is None:
-        raise ValueError(f"assert_rule_valid({target}): no rule is registered for this op; register one with "
+        raise ValueError(f"assert_rule_valid({_op_name(target)}): no rule is registered for this op; register one with "
                          "@register in an autopar.strategies module listed in RULE_MODULES")
     checks = validate_op(target, args, kwargs, mesh_shape=mesh_shape, block_hints=block_hints,
                          atol=atol, rtol=rtol, seed=seed)
@@ -188,7 +192,7 @@ def assert_rule_valid(target, args: tuple, kwargs: dict | None = None, *, mesh_s
                  + (f" [kernels {c.strategy.kernels}]" if any(c.strategy.kernels) else "")
                  + f": {c.message}" for c in bad]
         raise AssertionError(
-            f"{target} on mesh {tuple(mesh_shape)} (inputs {shapes}): {len(bad)} of {len(checks)} strategies "
+            f"{_op_name(target)} on mesh {tuple(mesh_shape)} (inputs {shapes}): {len(bad)} of {len(checks)} strategies "
             "are wrong:\n" + "\n".join(lines) + "\nFix the rule so these placements are not offered, "
             "or give them a kernel that computes the right local value."
         )
