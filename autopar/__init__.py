@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
         return getattr(planner, name)
     if name == "Plan":
-        from .plan import Plan
+        from .plan_types import Plan
 
         return Plan
     if name == "CaptureError":

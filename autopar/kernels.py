@@ -14,8 +14,8 @@ through ``KERNELS``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -63,7 +63,7 @@ class KernelContext:
             return []
         cuts = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
         starts, stops = [0] + cuts, cuts + [idx.numel()]
-        return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(starts, stops)]
+        return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
 
 
 KERNELS: dict[str, Callable] = {}
@@ -108,8 +108,14 @@ def _zero_unheld(out, held):
 
 
 @register_kernel("masked_embedding")
-def masked_embedding(ctx: KernelContext, weight_local, indices, padding_idx: int = -1,
-                     scale_grad_by_freq: bool = False, sparse: bool = False):
+def masked_embedding(
+    ctx: KernelContext,
+    weight_local,
+    indices,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+):
     """``aten.embedding`` with ``weight`` sharded on dim 0 (vocab): rows not held give zeros.
 
     ``padding_idx`` is mapped to its local row when this rank holds it (its gradient

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -43,8 +43,9 @@ def coordinates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(s) for s in mesh_shape)))
 
 
-def _check_args(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
-                what: str) -> None:
+def _check_args(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], what: str
+) -> None:
     if len(placements) != len(mesh_shape):
         raise ValueError(
             f"{what}: {len(placements)} placements {tuple(map(str, placements))} for a mesh of "
@@ -91,15 +92,17 @@ def _runs(idx: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _entries(d: int, placements, mesh_shape, coordinate) -> list[tuple[Shard, int, int]]:
-    return [(p, mesh_shape[a], coordinate[a]) for a, p in enumerate(placements)
-            if isinstance(p, Shard) and p.dim == d]
+    return [(p, mesh_shape[a], coordinate[a]) for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
 
 
-def dim_ranges(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
-               coordinate: tuple[int, ...]) -> list[list[tuple[int, int]]]:
+def dim_ranges(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]
+) -> list[list[tuple[int, int]]]:
     """Per tensor dim, the global ``(start, stop)`` runs this coordinate holds, in increasing order."""
-    return [_runs(dim_index(size, _entries(d, placements, mesh_shape, coordinate), where=f"dim {d}: "))
-            for d, size in enumerate(shape)]
+    return [
+        _runs(dim_index(size, _entries(d, placements, mesh_shape, coordinate), where=f"dim {d}: "))
+        for d, size in enumerate(shape)
+    ]
 
 
 def _dim_indices(shape, placements, mesh_shape, coordinate) -> list[torch.Tensor | None]:
@@ -107,8 +110,7 @@ def _dim_indices(shape, placements, mesh_shape, coordinate) -> list[torch.Tensor
     out: list[torch.Tensor | None] = []
     for d, size in enumerate(shape):
         entries = _entries(d, placements, mesh_shape, coordinate)
-        out.append(dim_index(size, entries, where=f"tensor of shape {tuple(shape)}, dim {d}: ")
-                   if entries else None)
+        out.append(dim_index(size, entries, where=f"tensor of shape {tuple(shape)}, dim {d}: ") if entries else None)
     return out
 
 
@@ -117,8 +119,14 @@ def _generator(seed: int, *key) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def _partial_piece(value: torch.Tensor, placements: tuple[Placement, ...], axis: int,
-                   mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], seed: int | None) -> torch.Tensor:
+def _partial_piece(
+    value: torch.Tensor,
+    placements: tuple[Placement, ...],
+    axis: int,
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    seed: int | None,
+) -> torch.Tensor:
     """This coordinate's piece of ``value`` on a Partial axis (see ``shard_tensor``)."""
     p = placements[axis]
     k = mesh_shape[axis]
@@ -130,21 +138,33 @@ def _partial_piece(value: torch.Tensor, placements: tuple[Placement, ...], axis:
     # Ranks that must agree on this split draw the same noise: key it by what ``value``
     # depends on (shard coordinates, earlier Partial axes), never by Replicate axes or
     # later Partial axes, whose ranks hold identical copies of this split.
-    key = tuple(c if isinstance(q, Shard) or (isinstance(q, Partial) and b < axis) else None
-                for b, (q, c) in enumerate(zip(placements, coordinate)))
+    key = tuple(
+        c if isinstance(q, Shard) or (isinstance(q, Partial) and b < axis) else None
+        for b, (q, c) in enumerate(zip(placements, coordinate, strict=True))
+    )
     g = _generator(seed, axis, key, tuple(value.shape))
     work = value.double() if value.dtype != torch.float64 else value
-    noise = torch.randn((k,) + tuple(value.shape), generator=g, dtype=torch.float64)
+    # noise on the values' own scale: pieces far larger than the value would turn
+    # float rounding into apparent errors downstream
+    finite = work[torch.isfinite(work)].abs()
+    scale = float(finite.mean()) if finite.numel() and float(finite.mean()) > 0 else 1.0
+    noise = torch.randn((k,) + tuple(value.shape), generator=g, dtype=torch.float64) * scale
     if p.op == "sum":
         piece = work / k + noise[me] - noise.mean(dim=0)
     else:
         owner = torch.randint(0, k, tuple(value.shape), generator=g)
-        piece = torch.where(owner == me, work, work - noise[me].abs() - 0.125)
+        piece = torch.where(owner == me, work, work - noise[me].abs() - scale / 8)
     return piece.to(value.dtype)
 
 
-def shard_tensor(full: torch.Tensor, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
-                 coordinate: tuple[int, ...], *, partial_seed: int | None = None) -> torch.Tensor:
+def shard_tensor(
+    full: torch.Tensor,
+    placements: tuple[Placement, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    *,
+    partial_seed: int | None = None,
+) -> torch.Tensor:
     """The local piece of ``full`` held at mesh ``coordinate`` under ``placements`` (one per axis).
 
     Shards cut index ranges (module docstring); Replicate keeps the tensor whole.
@@ -160,7 +180,7 @@ def shard_tensor(full: torch.Tensor, placements: tuple[Placement, ...], mesh_sha
     mesh_shape = tuple(mesh_shape)
     coordinate = tuple(coordinate)
     _check_args(tuple(full.shape), placements, mesh_shape, "shard_tensor")
-    if len(coordinate) != len(mesh_shape) or any(not 0 <= c < s for c, s in zip(coordinate, mesh_shape)):
+    if len(coordinate) != len(mesh_shape) or any(not 0 <= c < s for c, s in zip(coordinate, mesh_shape, strict=False)):
         raise ValueError(f"shard_tensor: coordinate {coordinate} is not on a mesh of shape {mesh_shape}")
     local = full
     for d, idx in enumerate(_dim_indices(tuple(full.shape), placements, mesh_shape, coordinate)):
@@ -178,13 +198,14 @@ def shard_tensor(full: torch.Tensor, placements: tuple[Placement, ...], mesh_sha
     return local
 
 
-def _reduce_axis(pieces: dict[tuple[int, ...], torch.Tensor], axis: int, p: Placement,
-                 mesh_shape: tuple[int, ...]) -> dict[tuple[int, ...], torch.Tensor]:
+def _reduce_axis(
+    pieces: dict[tuple[int, ...], torch.Tensor], axis: int, p: Placement, mesh_shape: tuple[int, ...]
+) -> dict[tuple[int, ...], torch.Tensor]:
     """Fold one non-Shard axis: reduce (Partial) or check equal (Replicate); the axis coordinate becomes 0."""
     out: dict[tuple[int, ...], torch.Tensor] = {}
     groups: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
     for c, t in pieces.items():
-        groups.setdefault(c[:axis] + (0,) + c[axis + 1:], []).append((c[axis], t))
+        groups.setdefault(c[:axis] + (0,) + c[axis + 1 :], []).append((c[axis], t))
     for key, members in groups.items():
         members.sort(key=lambda m: m[0])
         ts = [t for _, t in members]
@@ -225,8 +246,12 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nan_to_num(d, nan=math.inf).max()) if d.numel() else 0.0
 
 
-def combine(pieces: Mapping[tuple[int, ...], torch.Tensor], placements: tuple[Placement, ...],
-            mesh_shape: tuple[int, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
+def combine(
+    pieces: Mapping[tuple[int, ...], torch.Tensor],
+    placements: tuple[Placement, ...],
+    mesh_shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+) -> torch.Tensor:
     """Rebuild the full tensor from every coordinate's local piece (inverse of ``shard_tensor``).
 
     ``pieces`` maps each mesh coordinate to its local tensor.  Partial axes are
@@ -251,8 +276,10 @@ def combine(pieces: Mapping[tuple[int, ...], torch.Tensor], placements: tuple[Pl
     out = torch.empty(global_shape, dtype=any_piece.dtype)
     seen = torch.zeros(global_shape, dtype=torch.int32)
     for c, t in work.items():
-        idxs = [torch.arange(n) if i is None else i
-                for i, n in zip(_dim_indices(global_shape, placements, mesh_shape, c), global_shape)]
+        idxs = [
+            torch.arange(n) if i is None else i
+            for i, n in zip(_dim_indices(global_shape, placements, mesh_shape, c), global_shape, strict=True)
+        ]
         want = tuple(i.numel() for i in idxs)
         if tuple(t.shape) != want:
             raise AssertionError(

@@ -15,7 +15,7 @@ from typing import Any
 from .candidates import SourceStrategy
 from .costing import saved_inputs
 from .placement import Replicate, format_placements
-from .plan import Plan
+from .plan_types import Plan
 from .problem_builder import PS_PER_S
 from .spec import local_shape
 from .transitions import consumer_grad_placement, producer_grad_placement, transitions

@@ -28,7 +28,7 @@ from .candidates import CandidateGraph, build_candidates
 from .capture import OpGraph, capture
 from .costing import Coster, TrainingSettings
 from .mesh import Mesh
-from .plan import Plan
+from .plan_types import Plan
 from .plan_builder import assemble_plan
 from .placement import Replicate
 from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem

@@ -15,7 +15,7 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from .plan import Plan
+from .plan_types import Plan
 from .units import format_bytes
 
 __all__ = ["render_table", "group_name"]

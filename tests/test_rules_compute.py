@@ -76,8 +76,12 @@ CASES = [
     case(aten.tanh.default, (r(5, 7),), id="tanh"),
     case(aten.to.dtype, (r(5, 7), torch.float64), id="to-dtype"),
     case(aten.to.dtype, (r(5, 7), torch.int64), id="to-int"),
-    case(aten.to.dtype_layout, (mask(5, 7),), {"dtype": torch.float32, "layout": torch.strided,
-                                               "device": torch.device("cpu")}, id="to-dtype_layout"),
+    case(
+        aten.to.dtype_layout,
+        (mask(5, 7),),
+        {"dtype": torch.float32, "layout": torch.strided, "device": torch.device("cpu")},
+        id="to-dtype_layout",
+    ),
     case(aten.contiguous.default, (r(5, 7),), id="contiguous"),
     case(aten.alias.default, (r(5, 7),), id="alias"),
     case(aten.clone.default, (r(5, 7),), id="clone"),
@@ -139,14 +143,16 @@ def labels(target, args, kwargs=None, *, mesh_shape=(2,), hints=()) -> list[str]
 
 
 def test_mm_offers_exactly_the_einsum_strategies():
-    assert sorted(labels(aten.mm.default, (r(6, 8), r(8, 10)))) == sorted([
-        "(S(0)) (R) -> (S(0))",  # M
-        "(R) (S(1)) -> (S(1))",  # N
-        "(S(1)) (S(0)) -> (P(sum))",  # K
-        "(P(sum)) (R) -> (P(sum))",  # linear in lhs
-        "(R) (P(sum)) -> (P(sum))",  # linear in rhs
-        "(R) (R) -> (R)",
-    ])
+    assert sorted(labels(aten.mm.default, (r(6, 8), r(8, 10)))) == sorted(
+        [
+            "(S(0)) (R) -> (S(0))",  # M
+            "(R) (S(1)) -> (S(1))",  # N
+            "(S(1)) (S(0)) -> (P(sum))",  # K
+            "(P(sum)) (R) -> (P(sum))",  # linear in lhs
+            "(R) (P(sum)) -> (P(sum))",  # linear in rhs
+            "(R) (R) -> (R)",
+        ]
+    )
 
 
 def test_mm_drops_a_dim_smaller_than_the_axis_and_expands_to_2d():
@@ -170,15 +176,17 @@ def test_addmm_block_hint_splits_inside_each_of_q_k_v():
 
 def test_linear_bias_follows_the_output():
     got = labels(aten.linear.default, (r(2, 5, 8), r(53, 8), r(53)))
-    assert sorted(got) == sorted([
-        "(S(0)) (R) (R) -> (S(0))",
-        "(S(1)) (R) (R) -> (S(1))",
-        "(R) (S(0)) (S(0)) -> (S(2))",  # column parallel: weight rows = output features
-        "(S(2)) (S(1)) (P(sum)) -> (P(sum))",  # row parallel
-        "(P(sum)) (R) (P(sum)) -> (P(sum))",
-        "(R) (P(sum)) (P(sum)) -> (P(sum))",
-        "(R) (R) (R) -> (R)",
-    ])
+    assert sorted(got) == sorted(
+        [
+            "(S(0)) (R) (R) -> (S(0))",
+            "(S(1)) (R) (R) -> (S(1))",
+            "(R) (S(0)) (S(0)) -> (S(2))",  # column parallel: weight rows = output features
+            "(S(2)) (S(1)) (P(sum)) -> (P(sum))",  # row parallel
+            "(P(sum)) (R) (P(sum)) -> (P(sum))",
+            "(R) (P(sum)) (P(sum)) -> (P(sum))",
+            "(R) (R) (R) -> (R)",
+        ]
+    )
 
 
 def test_matmul_broadcast_batch_dim_is_replicated_on_the_size1_operand():
@@ -202,27 +210,36 @@ def test_einsum_with_repeated_labels_is_replicate_only():
 
 def test_pointwise_broadcast_partials_and_blocks():
     got = labels(aten.add.Tensor, (r(4, 12), r(12)), hints=[(0, 1, 3)])
-    assert sorted(got) == sorted([
-        "(S(0)) (R) -> (S(0))", "(S(1)) (S(0)) -> (S(1))", "(S(1)[3]) (S(0)[3]) -> (S(1)[3])",
-        "(P(sum)) (P(sum)) -> (P(sum))", "(P(max)) (R) -> (P(max))", "(R) (P(max)) -> (P(max))",
-        "(R) (R) -> (R)",
-    ])
+    assert sorted(got) == sorted(
+        [
+            "(S(0)) (R) -> (S(0))",
+            "(S(1)) (S(0)) -> (S(1))",
+            "(S(1)[3]) (S(0)[3]) -> (S(1)[3])",
+            "(P(sum)) (P(sum)) -> (P(sum))",
+            "(P(max)) (R) -> (P(max))",
+            "(R) (P(max)) -> (P(max))",
+            "(R) (R) -> (R)",
+        ]
+    )
 
 
-@pytest.mark.parametrize("target,args,psum,pmax", [
-    (aten.mul.Tensor, (r(4, 6), 0.5), True, True),
-    (aten.mul.Tensor, (r(4, 6), -0.5), True, False),
-    (aten.div.Tensor, (r(4, 6), pos(6)), True, False),
-    (aten.add.Tensor, (r(4, 6), 1.0), False, True),
-    (aten.neg.default, (r(4, 6),), True, False),
-    (aten.to.dtype, (r(4, 6), torch.float64), True, True),
-    (aten.to.dtype, (r(4, 6), torch.int32), False, False),
-    (aten.exp.default, (r(4, 6),), False, True),
-    (aten.gelu.default, (r(4, 6),), False, False),
-    (aten.rsqrt.default, (pos(4, 6),), False, False),
-    (aten.pow.Tensor_Scalar, (r(4, 6), 2), False, False),
-    (aten.eq.Tensor, (r(4, 6), r(4, 6)), False, False),
-])
+@pytest.mark.parametrize(
+    "target,args,psum,pmax",
+    [
+        (aten.mul.Tensor, (r(4, 6), 0.5), True, True),
+        (aten.mul.Tensor, (r(4, 6), -0.5), True, False),
+        (aten.div.Tensor, (r(4, 6), pos(6)), True, False),
+        (aten.add.Tensor, (r(4, 6), 1.0), False, True),
+        (aten.neg.default, (r(4, 6),), True, False),
+        (aten.to.dtype, (r(4, 6), torch.float64), True, True),
+        (aten.to.dtype, (r(4, 6), torch.int32), False, False),
+        (aten.exp.default, (r(4, 6),), False, True),
+        (aten.gelu.default, (r(4, 6),), False, False),
+        (aten.rsqrt.default, (pos(4, 6),), False, False),
+        (aten.pow.Tensor_Scalar, (r(4, 6), 2), False, False),
+        (aten.eq.Tensor, (r(4, 6), r(4, 6)), False, False),
+    ],
+)
 def test_pointwise_partial_policy(target, args, psum, pmax):
     got = " ".join(labels(target, args))
     assert ("-> (P(sum))" in got) == psum
@@ -236,18 +253,29 @@ def test_mul_of_two_partials_is_never_offered():
 
 
 def test_sum_keepdim_maps_output_dims():
-    assert sorted(labels(aten.sum.dim_IntList, (r(4, 6, 5), [1]))) == sorted([
-        "(S(0)) -> (S(0))", "(S(1)) -> (P(sum))", "(S(2)) -> (S(1))", "(P(sum)) -> (P(sum))", "(R) -> (R)",
-    ])
+    assert sorted(labels(aten.sum.dim_IntList, (r(4, 6, 5), [1]))) == sorted(
+        [
+            "(S(0)) -> (S(0))",
+            "(S(1)) -> (P(sum))",
+            "(S(2)) -> (S(1))",
+            "(P(sum)) -> (P(sum))",
+            "(R) -> (R)",
+        ]
+    )
     assert "(S(2)) -> (S(2))" in labels(aten.sum.dim_IntList, (r(4, 6, 5), [1], True))
 
 
 def test_mean_over_a_sharded_dim_uses_the_global_count_kernel():
     got = labels(aten.mean.dim, (r(4, 7, 5), [1], True), mesh_shape=(4,))  # 7 rows on 4 ranks: 2,2,2,1
-    assert sorted(got) == sorted([
-        "(S(0)) -> (S(0))", "(S(1)) -> (P(sum)) [mean_as_partial_sum]", "(S(2)) -> (S(2))",
-        "(P(sum)) -> (P(sum))", "(R) -> (R)",
-    ])
+    assert sorted(got) == sorted(
+        [
+            "(S(0)) -> (S(0))",
+            "(S(1)) -> (P(sum)) [mean_as_partial_sum]",
+            "(S(2)) -> (S(2))",
+            "(P(sum)) -> (P(sum))",
+            "(R) -> (R)",
+        ]
+    )
 
 
 def _plain_mean(x: torch.Tensor) -> torch.Tensor:
@@ -296,15 +324,22 @@ def _gelu_op(x: torch.Tensor) -> torch.Tensor:
 
 @register(_gelu_op)
 def _wrong_partial_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
-    return [AxisStrategy((Shard(0),), (Shard(0),)), AxisStrategy((Partial("sum"),), (Partial("sum"),)),
-            AxisStrategy((Shard(1),), (Replicate(),))]
+    return [
+        AxisStrategy((Shard(0),), (Shard(0),)),
+        AxisStrategy((Partial("sum"),), (Partial("sum"),)),
+        AxisStrategy((Shard(1),), (Replicate(),)),
+    ]
 
 
 def test_validator_catches_wrong_strategies_and_names_them():
     checks = validate_op(_gelu_op, (r(4, 6),), mesh_shape=(2,))
     verdict = {c.strategy.label(): c.ok for c in checks}
-    assert verdict == {"(S(0)) -> (S(0))": True, "(P(sum)) -> (P(sum))": False, "(S(1)) -> (R)": False,
-                       "(R) -> (R)": True}
+    assert verdict == {
+        "(S(0)) -> (S(0))": True,
+        "(P(sum)) -> (P(sum))": False,
+        "(S(1)) -> (R)": False,
+        "(R) -> (R)": True,
+    }
     with pytest.raises(AssertionError) as err:
         assert_rule_valid(_gelu_op, (r(4, 6),), mesh_shape=(2,))
     msg = str(err.value)

@@ -54,7 +54,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -340,8 +340,12 @@ def _pareto_pass(
     primary: str = "t",
     stair: tuple[np.ndarray, np.ndarray] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    beam: int | None = None,
 ) -> tuple[list, dict]:
     """Eliminate every node over Pareto sets (the recurrence of the module docstring).
+
+    ``beam`` (heuristic, for an upper bound only) thins every entry to about ``beam``
+    pairs evenly spaced along its frontier; the pairs kept are exact plans.
 
     ``stair`` = (times ascending, running-min memories) of known plans: drop pairs whose
     ideal completion they dominate (``bounds[0]``/``bounds[1]`` must be time/memory).
@@ -403,6 +407,11 @@ def _pareto_pass(
         kx = st.shape[-1] if st.var >= 0 else 1
         group = cell // kx
         sel = _pareto_keep(group, *((t, m) if primary == "t" else (m, t)))
+        if beam is not None and sel.size > 1:
+            g, bucket = group[sel], (m[sel] if primary == "t" else t[sel]) // beam
+            first = np.empty(sel.size, bool)
+            first[0], first[1:] = True, (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
+            sel = sel[first]
         bp = np.empty((sel.size, len(order)), np.int64)
         for i, j in enumerate(order):
             bp[:, j] = ptrs[i][sel]
@@ -529,15 +538,35 @@ def solve_dp(
         bounds = [_bound(model, 1.0, 0.0, np.inf, vals_t), _bound(model, 0.0, 1.0, np.inf, vals_m)]
         tabs, pstats = _pareto_pass(model, bounds, stair=(ks_t, ks_m), progress=progress)
     else:
-        feasible = [p for p in seen if cap is None or p.mem <= cap]
-        ub = min(p.time for p in feasible)
-        bounds = [_bound(model, 1.0, 0.0, ub, vals_t)]
-        if cap is not None:
-            bounds.append(_bound(model, 0.0, 1.0, cap, vals_m))
+        ub = min(p.time for p in seen if cap is None or p.mem <= cap)
+        lb = float(vals_t[model.final])
+        bt = _bound(model, 1.0, 0.0, ub, vals_t)
+        bounds = [bt] if cap is None else [bt, _bound(model, 0.0, 1.0, cap, vals_m)]
+        bl = None
         if vals_l is not None:
-            bounds.append(_bound(model, 1.0, lam, ub + lam * cap, vals_l))
-        stats["upper_bound"] = ub
-        tabs, pstats = _pareto_pass(model, bounds, progress=progress)
+            bl = _bound(model, 1.0, lam, ub + lam * cap, vals_l)
+            lb = max(lb, float(vals_l[model.final]) - lam * cap)
+        extra = []
+        if False:
+            for f in (0.125, 0.25, 0.5, 2.0, 4.0, 8.0):
+                _, v = _scalar_plan(model, 1.0, lam * f)
+                extra.append(_bound(model, 1.0, lam * f, 0.0, v))
+        stats.update(upper_bound=ub, lower_bound=lb, rounds=0)
+        frac = 1.0 / 256
+        while True:  # target = lb + frac (ub - lb); a plan with time <= target found is optimal
+            target = ub if frac >= 1.0 else min(ub, math.floor(lb + frac * (ub - lb)))
+            bounds[0] = replace(bt, limit=target)
+            lams = [replace(b, limit=target + b.wm * cap) for b in ([bl] if bl else []) + extra]
+            tabs, pstats = _pareto_pass(model, bounds + lams, progress=progress)
+            stats["rounds"] += 1
+            fin = tabs[model.final]
+            idx = _pick(fin, cap)
+            if idx >= 0 and (fin.t[idx] <= target or target >= ub):
+                break
+            if idx >= 0 and fin.t[idx] < ub:
+                ub = int(fin.t[idx])
+                seen.append(_Point(ub, int(fin.m[idx]), _backtrack(model, tabs, idx)))
+            frac *= 4.0
     stats.update(pstats)
     fin = tabs[model.final]
     idx = _pick(fin, cap)

@@ -68,15 +68,15 @@ def parse_einsum(equation: str, ndims: list[int]) -> tuple[list[str], str] | Non
         return None
     used = {c for c in eq if c.isalpha()}
     pool = [c for c in string.ascii_letters if c not in used]
-    n_ell = max((nd - (len(t) - 3) for t, nd in zip(terms, ndims) if "..." in t), default=0)
+    n_ell = max((nd - (len(t) - 3) for t, nd in zip(terms, ndims, strict=True) if "..." in t), default=0)
     if n_ell < 0:
         return None
     ell = "".join(pool[:n_ell])
     ops = []
-    for t, nd in zip(terms, ndims):
+    for t, nd in zip(terms, ndims, strict=True):
         if "..." in t:
             k = nd - (len(t) - 3)
-            t = t.replace("...", ell[n_ell - k:] if k > 0 else "")
+            t = t.replace("...", ell[n_ell - k :] if k > 0 else "")
         if len(t) != nd or len(set(t)) != len(t):
             return None
         ops.append(t)
@@ -99,8 +99,8 @@ def _matmul_labels(a_nd: int, b_nd: int) -> tuple[str, str, str] | None:
     if nb > len(batch):
         return None
     lab_b = batch[:nb]
-    a = "k" if a_nd == 1 else lab_b[nb - (a_nd - 2):] + "mk"
-    b = "k" if b_nd == 1 else lab_b[nb - (b_nd - 2):] + "kn"
+    a = "k" if a_nd == 1 else lab_b[nb - (a_nd - 2) :] + "mk"
+    b = "k" if b_nd == 1 else lab_b[nb - (b_nd - 2) :] + "kn"
     out = lab_b + ("m" if a_nd >= 2 else "") + ("n" if b_nd >= 2 else "")
     return a, b, out
 
@@ -178,8 +178,11 @@ def einsum_strategies(call: OpCall, axis_size: int, spec: EinsumSpec) -> list[Ax
         for blocks in [1] + hinted_blocks(call, 0, d):
             if size % blocks or size // blocks < axis_size:
                 continue
-            placed = {i: Shard(lab.index(label), blocks) for i, lab in spec.operands
-                      if label in lab and call.inputs[i].shape[lab.index(label)] == size}
+            placed = {
+                i: Shard(lab.index(label), blocks)
+                for i, lab in spec.operands
+                if label in lab and call.inputs[i].shape[lab.index(label)] == size
+            }
             if placed:
                 add(placed, Shard(d, blocks))
 
@@ -195,8 +198,18 @@ def einsum_strategies(call: OpCall, axis_size: int, spec: EinsumSpec) -> list[Ax
     return result
 
 
-_OPS = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
-        aten.linear.default, aten.einsum.default, aten.mv.default, aten.addmv.default, aten.dot.default]
+_OPS = [
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten.matmul.default,
+    aten.linear.default,
+    aten.einsum.default,
+    aten.mv.default,
+    aten.addmv.default,
+    aten.dot.default,
+]
 
 
 @register(*_OPS)

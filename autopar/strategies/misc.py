@@ -31,8 +31,16 @@ aten = torch.ops.aten
 _R = Replicate()
 
 
-@register(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
-          aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default)
+@register(
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+)
 def factory_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     """No tensor input: the output is built whole on every rank (``R``; added by ``expand_to_mesh``)."""
     return []

@@ -44,8 +44,9 @@ def leading_dim_strategies(call: OpCall, axis_size: int, n_leading: int) -> list
     return out
 
 
-@register(*resolve_ops(["layer_norm.default", "native_layer_norm.default", "rms_norm.default",
-                        "_fused_rms_norm.default"]))
+@register(
+    *resolve_ops(["layer_norm.default", "native_layer_norm.default", "rms_norm.default", "_fused_rms_norm.default"])
+)
 def layer_norm_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     """layer_norm / rms_norm families: S on the dims before ``normalized_shape``; weight, bias R."""
     normalized = arg(call, 1, "normalized_shape")

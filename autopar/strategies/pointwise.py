@@ -27,7 +27,8 @@ Also home to small helpers the other compute rule modules share (``arg``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -135,6 +136,7 @@ def _one_of(n: int, p: Placement) -> list[tuple[Placement, ...]]:
 
 # Partial policies: call -> extra strategies.  ``n`` is the number of tensor inputs.
 
+
 def _copy_policy(call: OpCall) -> list[AxisStrategy]:
     n = len(call.inputs)
     return _partial(call, [(PSUM,) + (R,) * (n - 1)], PSUM) + _partial(call, [(PMAX,) + (R,) * (n - 1)], PMAX)
@@ -186,7 +188,9 @@ def _where_policy(call: OpCall) -> list[AxisStrategy]:
     # inputs: condition, then whichever of self/other are tensors
     n = len(call.inputs)
     if n == 3:
-        return _partial(call, [(R, PSUM, PSUM)], PSUM) + _partial(call, [(R, PMAX, PMAX), (R, PMAX, R), (R, R, PMAX)], PMAX)
+        return _partial(call, [(R, PSUM, PSUM)], PSUM) + _partial(
+            call, [(R, PMAX, PMAX), (R, PMAX, R), (R, R, PMAX)], PMAX
+        )
     if n == 2:
         scalar = arg(call, 2, "other") if call.target is aten.where.ScalarOther else arg(call, 1, "self")
         out = _partial(call, [(R, PMAX)], PMAX)
@@ -219,25 +223,108 @@ def _make_rule(policy: Callable[[OpCall], list[AxisStrategy]] | None):
 # ---------------------------------------------------------------- registration
 
 _NONLINEAR = [
-    "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "sin", "sinh", "tan",
-    "erf", "erfc", "erfinv", "exp2", "expm1", "log", "log10", "log1p", "log2", "sqrt", "rsqrt",
-    "reciprocal", "sign", "sgn", "square", "frac", "round", "round.decimals", "logit",
-    "gelu", "silu", "mish", "elu", "leaky_relu", "softplus", "hardswish", "hardsigmoid", "celu", "selu",
-    "logical_not", "bitwise_not", "isnan", "isinf", "isfinite", "isneginf", "isposinf", "nan_to_num",
-    "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar",
-    "remainder.Tensor", "remainder.Scalar", "fmod.Tensor", "fmod.Scalar", "atan2",
-    "minimum", "fmin", "min.other", "clamp.Tensor",
-    "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
-    "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar",
-    "logical_and", "logical_or", "logical_xor",
-    "bitwise_and.Tensor", "bitwise_and.Scalar", "bitwise_or.Tensor", "bitwise_or.Scalar",
-    "bitwise_xor.Tensor", "bitwise_xor.Scalar",
-    "__and__.Tensor", "__and__.Scalar", "__or__.Tensor", "__or__.Scalar", "__xor__.Tensor", "__xor__.Scalar",
-    "rsub.Tensor", "rsub.Scalar", "div.Tensor_mode", "div.Scalar_mode", "floor_divide", "floor_divide.Scalar",
-    "lerp.Scalar", "lerp.Tensor", "addcmul", "addcdiv", "where.Scalar", "threshold",
+    "abs",
+    "acos",
+    "acosh",
+    "asin",
+    "asinh",
+    "atan",
+    "atanh",
+    "cos",
+    "cosh",
+    "sin",
+    "sinh",
+    "tan",
+    "erf",
+    "erfc",
+    "erfinv",
+    "exp2",
+    "expm1",
+    "log",
+    "log10",
+    "log1p",
+    "log2",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "sign",
+    "sgn",
+    "square",
+    "frac",
+    "round",
+    "round.decimals",
+    "logit",
+    "gelu",
+    "silu",
+    "mish",
+    "elu",
+    "leaky_relu",
+    "softplus",
+    "hardswish",
+    "hardsigmoid",
+    "celu",
+    "selu",
+    "logical_not",
+    "bitwise_not",
+    "isnan",
+    "isinf",
+    "isfinite",
+    "isneginf",
+    "isposinf",
+    "nan_to_num",
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    "pow.Scalar",
+    "remainder.Tensor",
+    "remainder.Scalar",
+    "fmod.Tensor",
+    "fmod.Scalar",
+    "atan2",
+    "minimum",
+    "fmin",
+    "min.other",
+    "clamp.Tensor",
+    "eq.Tensor",
+    "eq.Scalar",
+    "ne.Tensor",
+    "ne.Scalar",
+    "lt.Tensor",
+    "lt.Scalar",
+    "le.Tensor",
+    "le.Scalar",
+    "gt.Tensor",
+    "gt.Scalar",
+    "ge.Tensor",
+    "ge.Scalar",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "bitwise_and.Tensor",
+    "bitwise_and.Scalar",
+    "bitwise_or.Tensor",
+    "bitwise_or.Scalar",
+    "bitwise_xor.Tensor",
+    "bitwise_xor.Scalar",
+    "__and__.Tensor",
+    "__and__.Scalar",
+    "__or__.Tensor",
+    "__or__.Scalar",
+    "__xor__.Tensor",
+    "__xor__.Scalar",
+    "rsub.Tensor",
+    "rsub.Scalar",
+    "div.Tensor_mode",
+    "div.Scalar_mode",
+    "floor_divide",
+    "floor_divide.Scalar",
+    "lerp.Scalar",
+    "lerp.Tensor",
+    "addcmul",
+    "addcdiv",
+    "where.Scalar",
+    "threshold",
 ]
-_MONOTONE = ["exp", "relu", "sigmoid", "tanh", "clamp", "clamp_min", "clamp_max", "hardtanh",
-             "floor", "ceil", "trunc"]
+_MONOTONE = ["exp", "relu", "sigmoid", "tanh", "clamp", "clamp_min", "clamp_max", "hardtanh", "floor", "ceil", "trunc"]
 _COPIES = ["to.dtype", "to.dtype_layout", "to.device", "_to_copy", "clone", "contiguous", "alias", "detach"]
 _POLICIES: dict[str, Callable[[OpCall], list[AxisStrategy]]] = {
     "neg": _neg_policy,

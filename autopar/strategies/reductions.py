@@ -29,7 +29,7 @@ the others, ``P(sum)`` passes through.  Block hints on an output dim add ``S(·)
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -59,9 +59,16 @@ def reduced_dims(call: OpCall, dim_arg, ndim: int) -> list[int]:
     return sorted({norm_dim(d, ndim, call.name) for d in dims}) if ndim else []
 
 
-def reduction_strategies(call: OpCall, axis_size: int, dims: Sequence[int], keepdim: bool, *,
-                         on_reduced: Placement | None = None, kernel: str | None = None,
-                         passthrough: Sequence[Partial] = ()) -> list[AxisStrategy]:
+def reduction_strategies(
+    call: OpCall,
+    axis_size: int,
+    dims: Sequence[int],
+    keepdim: bool,
+    *,
+    on_reduced: Placement | None = None,
+    kernel: str | None = None,
+    passthrough: Sequence[Partial] = (),
+) -> list[AxisStrategy]:
     """Strategies of a reduction of input 0 over ``dims`` (module docstring).
 
     ``on_reduced``: the output placement when a reduced dim is sharded (None: not
@@ -110,17 +117,20 @@ def mean_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     full = call.target is aten.mean.default
     dims = reduced_dims(call, None if full else arg(call, 1, "dim"), x.ndim)
     keep = False if full else _keepdim(call, 2)
-    return reduction_strategies(call, axis_size, dims, keep, on_reduced=PSUM, kernel=MEAN_KERNEL,
-                                passthrough=(PSUM,))
+    return reduction_strategies(call, axis_size, dims, keep, on_reduced=PSUM, kernel=MEAN_KERNEL, passthrough=(PSUM,))
 
 
 @register_kernel(MEAN_KERNEL)
-def mean_as_partial_sum(ctx: KernelContext, x: torch.Tensor, dim=None, keepdim: bool = False, *,
-                        dtype: torch.dtype | None = None) -> torch.Tensor:
+def mean_as_partial_sum(
+    ctx: KernelContext, x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Local sum over the reduced dims divided by their *global* element count: a P(sum) piece of the mean."""
     shape = ctx.input_metas[0].shape
-    dims = list(range(len(shape))) if dim is None or (not isinstance(dim, int) and not list(dim)) else (
-        [dim] if isinstance(dim, int) else list(dim))
+    dims = (
+        list(range(len(shape)))
+        if dim is None or (not isinstance(dim, int) and not list(dim))
+        else ([dim] if isinstance(dim, int) else list(dim))
+    )
     count = math.prod(shape[d] for d in dims)
     acc = dtype if dtype is not None else x.dtype
     if not dims or not shape:
@@ -142,10 +152,21 @@ def amax_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
 #: (None: keyword-only).  Their full-reduction overloads keep no dim to shard and
 #: are left to the replicate fallback.
 _NONLINEAR: dict[str, tuple[int, int | None]] = {
-    "amin.default": (1, 2), "logsumexp.default": (1, 2), "prod.dim_int": (1, 2),
-    "any.dim": (1, 2), "any.dims": (1, 2), "all.dim": (1, 2), "all.dims": (1, 2),
-    "max.dim": (1, 2), "min.dim": (1, 2), "argmax.default": (1, 2), "argmin.default": (1, 2),
-    "var.dim": (1, 3), "std.dim": (1, 3), "var.correction": (1, None), "std.correction": (1, None),
+    "amin.default": (1, 2),
+    "logsumexp.default": (1, 2),
+    "prod.dim_int": (1, 2),
+    "any.dim": (1, 2),
+    "any.dims": (1, 2),
+    "all.dim": (1, 2),
+    "all.dims": (1, 2),
+    "max.dim": (1, 2),
+    "min.dim": (1, 2),
+    "argmax.default": (1, 2),
+    "argmin.default": (1, 2),
+    "var.dim": (1, 3),
+    "std.dim": (1, 3),
+    "var.correction": (1, None),
+    "std.correction": (1, None),
 }
 _NONLINEAR_OPS = {op: pos for name, pos in _NONLINEAR.items() for op in resolve_ops([name])}
 

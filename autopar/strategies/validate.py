@@ -51,8 +51,9 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
-def make_call(target, args: tuple, kwargs: dict | None = None, *,
-              block_hints: frozenset = frozenset()) -> tuple[OpCall, list[torch.Tensor]]:
+def make_call(
+    target, args: tuple, kwargs: dict | None = None, *, block_hints: frozenset = frozenset()
+) -> tuple[OpCall, list[torch.Tensor]]:
     """The ``OpCall`` a rule would see for real ``args``/``kwargs``, and the op's full outputs.
 
     Tensors become ``TensorMeta`` in pytree-flattening order of ``(args, kwargs)``;
@@ -92,14 +93,27 @@ def _max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> bool:
-    if got.dtype.is_floating_point or got.dtype.is_complex:
-        return torch.allclose(got, want, atol=atol, rtol=rtol, equal_nan=True)
-    return torch.equal(got, want)
+    """allclose with ``atol`` relative to the output's scale (floats); exact for int/bool."""
+    if not (got.dtype.is_floating_point or got.dtype.is_complex):
+        return torch.equal(got, want)
+    finite = want[torch.isfinite(want)] if want.numel() else want
+    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    return torch.allclose(got, want, atol=atol * scale, rtol=rtol, equal_nan=True)
 
 
-def _check_strategy(call: OpCall, strategy: OpStrategy, flat: list, spec, tensor_pos: list[int],
-                    full_outs: list[torch.Tensor], mesh_shape: tuple[int, ...], atol: float, rtol: float,
-                    seed: int) -> StrategyCheck:
+def _check_strategy(
+    call: OpCall,
+    strategy: OpStrategy,
+    flat: list,
+    spec,
+    tensor_pos: list[int],
+    full_outs: list[torch.Tensor],
+    mesh_shape: tuple[int, ...],
+    atol: float,
+    rtol: float,
+    seed: int,
+    cache: dict,
+) -> StrategyCheck:
     kernels = sorted({k for k in strategy.kernels if k is not None and k != FALLBACK})
     if len(kernels) > 1:
         return StrategyCheck(strategy, False, math.inf, f"names several kernels {kernels}; at most one is supported")
@@ -112,8 +126,12 @@ def _check_strategy(call: OpCall, strategy: OpStrategy, flat: list, spec, tensor
         local_flat = list(flat)
         try:
             for i, pos in enumerate(tensor_pos):
-                local_flat[pos] = shard_tensor(flat[pos], strategy.inputs[i], mesh_shape, coord,
-                                               partial_seed=seed * 1_000_003 + i)
+                key = (i, strategy.inputs[i], coord)
+                if key not in cache:
+                    cache[key] = shard_tensor(
+                        flat[pos], strategy.inputs[i], mesh_shape, coord, partial_seed=seed * 1_000_003 + i
+                    )
+                local_flat[pos] = cache[key].clone()  # a mutating local op cannot spoil the cache
         except ValueError as e:  # e.g. a block count that does not divide some rank's piece
             return StrategyCheck(strategy, False, math.inf, f"input {i} cannot be laid out at {coord}: {e}")
         largs, lkwargs = pytree.tree_unflatten(local_flat, spec)
@@ -128,36 +146,52 @@ def _check_strategy(call: OpCall, strategy: OpStrategy, flat: list, spec, tensor
             return StrategyCheck(strategy, False, math.inf, f"local op failed at {coord}: {type(e).__name__}: {e}")
         outs = _tensor_leaves(res)
         if len(outs) != len(full_outs):
-            return StrategyCheck(strategy, False, math.inf,
-                                 f"local op at {coord} gave {len(outs)} tensor outputs, expected {len(full_outs)}")
+            return StrategyCheck(
+                strategy,
+                False,
+                math.inf,
+                f"local op at {coord} gave {len(outs)} tensor outputs, expected {len(full_outs)}",
+            )
         local_outs[coord] = outs
     worst = 0.0
     for j, want in enumerate(full_outs):
         try:
-            got = combine({c: o[j] for c, o in local_outs.items()}, strategy.outputs[j], mesh_shape,
-                          tuple(want.shape))
+            got = combine({c: o[j] for c, o in local_outs.items()}, strategy.outputs[j], mesh_shape, tuple(want.shape))
         except (AssertionError, ValueError) as e:
             return StrategyCheck(strategy, False, math.inf, f"output {j}: {e}")
         if got.dtype != want.dtype:
-            return StrategyCheck(strategy, False, math.inf,
-                                 f"output {j}: combined dtype {got.dtype}, expected {want.dtype}")
+            return StrategyCheck(
+                strategy, False, math.inf, f"output {j}: combined dtype {got.dtype}, expected {want.dtype}"
+            )
         err = _max_abs_err(got, want)
         worst = max(worst, err)
         if not _close(got, want, atol, rtol):
-            return StrategyCheck(strategy, False, worst,
-                                 f"output {j}: combined value differs from the full op, max abs error {err:.3g}")
+            return StrategyCheck(
+                strategy, False, worst, f"output {j}: combined value differs from the full op, max abs error {err:.3g}"
+            )
     return StrategyCheck(strategy, True, worst, "ok")
 
 
-def validate_op(target, args: tuple, kwargs: dict | None = None, *, mesh_shape: tuple[int, ...] = (2,),
-                block_hints: frozenset = frozenset(), atol: float = 1e-5, rtol: float = 1e-4,
-                seed: int = 0) -> list[StrategyCheck]:
+def validate_op(
+    target,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    mesh_shape: tuple[int, ...] = (2,),
+    block_hints: frozenset = frozenset(),
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    seed: int = 0,
+) -> list[StrategyCheck]:
     """Check every strategy the registered rule gives for ``target`` on real ``args``/``kwargs``.
 
     Returns one ``StrategyCheck`` per ``OpStrategy`` of ``expand_to_mesh`` (the
     fallback replicate strategy included), in its order.  Floating outputs are
-    compared with ``torch.allclose(atol, rtol, equal_nan=True)``, integer and bool
-    outputs exactly.  ``seed`` fixes the random Partial pieces.  An op without a
+    compared with ``torch.allclose(atol * scale, rtol, equal_nan=True)`` where
+    ``scale = max(1, max |full output|)``: a long contraction split over ranks (or
+    fed random Partial pieces) rounds differently near zero, by about
+    ``eps * K * scale``, while a wrong strategy errs by the size of the values.
+    Integer and bool outputs must match exactly.  ``seed`` fixes the random Partial pieces.  An op without a
     rule yields the single replicate fallback.
     """
     mesh_shape = tuple(int(s) for s in mesh_shape)
@@ -166,31 +200,49 @@ def validate_op(target, args: tuple, kwargs: dict | None = None, *, mesh_shape: 
     flat, spec = pytree.tree_flatten((tuple(args), kwargs))
     tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
     strategies = expand_to_mesh(call, mesh_shape, rule_for(target))
-    checks = [_check_strategy(call, s, flat, spec, tensor_pos, full_outs, mesh_shape, atol, rtol, seed)
-              for s in strategies]
-    log.debug("validated %s on mesh %s: %d/%d strategies ok", call.name, mesh_shape,
-              sum(c.ok for c in checks), len(checks))
+    cache: dict = {}  # (input index, placements, coordinate) -> local piece, shared by the strategies
+    checks = [
+        _check_strategy(call, s, flat, spec, tensor_pos, full_outs, mesh_shape, atol, rtol, seed, cache)
+        for s in strategies
+    ]
+    log.debug(
+        "validated %s on mesh %s: %d/%d strategies ok", call.name, mesh_shape, sum(c.ok for c in checks), len(checks)
+    )
     return checks
 
 
-def assert_rule_valid(target, args: tuple, kwargs: dict | None = None, *, mesh_shape: tuple[int, ...] = (2,),
-                      block_hints: frozenset = frozenset(), atol: float = 1e-5, rtol: float = 1e-4,
-                      seed: int = 0) -> list[StrategyCheck]:
+def assert_rule_valid(
+    target,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    mesh_shape: tuple[int, ...] = (2,),
+    block_hints: frozenset = frozenset(),
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    seed: int = 0,
+) -> list[StrategyCheck]:
     """``validate_op``, raising AssertionError that lists every failing strategy; returns the checks.
 
     Raises ValueError when no rule is registered for ``target`` (there is nothing to validate).
     """
     if rule_for(target) is None:
-        raise ValueError(f"assert_rule_valid({_op_name(target)}): no rule is registered for this op; register one with "
-                         "@register in an autopar.strategies module listed in RULE_MODULES")
-    checks = validate_op(target, args, kwargs, mesh_shape=mesh_shape, block_hints=block_hints,
-                         atol=atol, rtol=rtol, seed=seed)
+        raise ValueError(
+            f"assert_rule_valid({_op_name(target)}): no rule is registered for this op; register one with "
+            "@register in an autopar.strategies module listed in RULE_MODULES"
+        )
+    checks = validate_op(
+        target, args, kwargs, mesh_shape=mesh_shape, block_hints=block_hints, atol=atol, rtol=rtol, seed=seed
+    )
     bad = [c for c in checks if not c.ok]
     if bad:
         shapes = ", ".join(str(m.shape) for m in make_call(target, args, kwargs)[0].inputs)
-        lines = [f"- {c.strategy.label()}"
-                 + (f" [kernels {c.strategy.kernels}]" if any(c.strategy.kernels) else "")
-                 + f": {c.message}" for c in bad]
+        lines = [
+            f"- {c.strategy.label()}"
+            + (f" [kernels {c.strategy.kernels}]" if any(c.strategy.kernels) else "")
+            + f": {c.message}"
+            for c in bad
+        ]
         raise AssertionError(
             f"{_op_name(target)} on mesh {tuple(mesh_shape)} (inputs {shapes}): {len(bad)} of {len(checks)} strategies "
             "are wrong:\n" + "\n".join(lines) + "\nFix the rule so these placements are not offered, "

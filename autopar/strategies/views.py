@@ -42,7 +42,6 @@ __all__ = ["view_groups", "bound_args", "hinted_blocks", "localize_size_args"]
 
 aten = torch.ops.aten
 _R = Replicate()
-_PARTIALS = (Partial("sum"), Partial("max"))
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -121,8 +120,9 @@ _SIZE_ARGS = {
 }
 
 
-def localize_size_args(target, args: tuple, kwargs: dict,
-                       local_output_shapes: list[tuple[int, ...]]) -> tuple[tuple, dict]:
+def localize_size_args(
+    target, args: tuple, kwargs: dict, local_output_shapes: list[tuple[int, ...]]
+) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of one rank's local call, with global size arguments made local.
 
     ``local_output_shapes`` are the shapes this rank's outputs must have (from the
@@ -145,7 +145,7 @@ def localize_size_args(target, args: tuple, kwargs: dict,
         dim = args[dim_pos] if dim_pos < len(args) else kwargs.get("dim", arguments[dim_pos].default_value)
         if how == "unflatten":
             d = _norm(dim, len(out0) - len(held) + 1)
-            new = list(out0[d:d + len(held)])
+            new = list(out0[d : d + len(held)])
         else:
             d = _norm(dim, len(out0))
             sizes = [s[d] for s in local_output_shapes]
@@ -160,7 +160,9 @@ def localize_size_args(target, args: tuple, kwargs: dict,
 # ----------------------------------------------------------------------------- view / reshape
 
 
-def view_groups(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+def view_groups(
+    in_shape: tuple[int, ...], out_shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
     """Match the non-singleton dims of two shapes of equal numel into groups of equal product.
 
     Returns ``[(input dims, output dims), ...]`` in order, or None when the shapes
@@ -208,8 +210,9 @@ def _reshape_strategies(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     return _unary(pairs)
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.flatten.using_ints,
-          aten.unflatten.int)
+@register(
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.flatten.using_ints, aten.unflatten.int
+)
 def view_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     """view/reshape/flatten/unflatten: shards follow ``view_groups``; Partial passes through."""
     return _reshape_strategies(call, axis_size)
@@ -349,9 +352,7 @@ def unbind_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     src = call.inputs[0]
     n = len(call.outputs)
     dim = _norm(bound_args(call)["dim"], src.ndim)
-    strategies = [
-        AxisStrategy((Shard(d),), (Shard(d if d < dim else d - 1),) * n) for d in range(src.ndim) if d != dim
-    ]
+    strategies = [AxisStrategy((Shard(d),), (Shard(d if d < dim else d - 1),) * n) for d in range(src.ndim) if d != dim]
     return strategies + _partials(1, n)
 
 
@@ -389,9 +390,7 @@ def stack_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     ins, dst = call.inputs, call.outputs[0]
     k = len(ins)
     new = _norm(bound_args(call)["dim"], dst.ndim)
-    strategies = [
-        AxisStrategy((Shard(d),) * k, (Shard(d if d < new else d + 1),)) for d in range(dst.ndim - 1)
-    ]
+    strategies = [AxisStrategy((Shard(d),) * k, (Shard(d if d < new else d + 1),)) for d in range(dst.ndim - 1)]
     return strategies + _partials(k, 1)
 
 
@@ -406,13 +405,17 @@ def pad_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     ``P(max)`` pass; constant padding passes ``P(max)`` (every rank writes the same
     constant) and ``P(sum)`` only when the constant is 0.
     """
-    src, dst = call.inputs[0], call.outputs[0]
+    src = call.inputs[0]
     args = bound_args(call)
     pad = list(args["pad"])
     mode = args.get("mode", "constant") or "constant"
     value = args.get("value") or 0
     padded = {src.ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
-    pairs = [(Shard(d, b), Shard(d, b)) for d in range(src.ndim) if d not in padded
-             for b in _blocks_for(call, d, sizes=(src.shape[d],))]
+    pairs = [
+        (Shard(d, b), Shard(d, b))
+        for d in range(src.ndim)
+        if d not in padded
+        for b in _blocks_for(call, d, sizes=(src.shape[d],))
+    ]
     ops = ("sum", "max") if mode != "constant" or value == 0 else ("max",)
     return _unary(pairs, partial_ops=ops)
