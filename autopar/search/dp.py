@@ -241,8 +241,8 @@ def _inside(model: _Model, wt: float, wm: float) -> tuple[list, dict[int, np.nda
         if st.var < 0:
             vals[st.out] = np.asarray(joint, float)
         else:
-            args[st.out] = joint.argmin(axis=-1)
-            vals[st.out] = joint.min(axis=-1)
+            arg = args[st.out] = joint.argmin(axis=-1)
+            vals[st.out] = np.take_along_axis(joint, arg[..., None], axis=-1)[..., 0]
     return vals, args
 
 
@@ -491,6 +491,14 @@ def _hull(model: _Model, a: _Point, b: _Point, seen: list[_Point], budget: int =
             segs += [(p, r), (r, q)]
 
 
+_THIN_GRIDS = (64, 512, 4096)  # memory buckets across [min-mem plan, min-time plan]
+
+
+def _with_target(bounds: list[_Bound], target: int, cap: int | None) -> list[_Bound]:
+    """The bounds for plans with time <= target and memory <= cap."""
+    return [replace(b, limit=cap if not b.wt else target + b.wm * (cap or 0)) for b in bounds]
+
+
 def _pick(fin: _Tab, cap: int | None) -> int:
     """Index of the fastest final pair within the cap (pairs are sorted by time), or -1."""
     fits = np.flatnonzero(fin.m <= cap) if cap is not None else np.arange(min(fin.t.size, 1))
@@ -540,33 +548,28 @@ def solve_dp(
     else:
         ub = min(p.time for p in seen if cap is None or p.mem <= cap)
         lb = float(vals_t[model.final])
-        bt = _bound(model, 1.0, 0.0, ub, vals_t)
-        bounds = [bt] if cap is None else [bt, _bound(model, 0.0, 1.0, cap, vals_m)]
-        bl = None
+        bounds = [_bound(model, 1.0, 0.0, ub, vals_t)]
+        if cap is not None:
+            bounds.append(_bound(model, 0.0, 1.0, cap, vals_m))
         if vals_l is not None:
-            bl = _bound(model, 1.0, lam, ub + lam * cap, vals_l)
+            bounds.append(_bound(model, 1.0, lam, ub + lam * cap, vals_l))
             lb = max(lb, float(vals_l[model.final]) - lam * cap)
-        extra = []
-        if False:
-            for f in (0.125, 0.25, 0.5, 2.0, 4.0, 8.0):
-                _, v = _scalar_plan(model, 1.0, lam * f)
-                extra.append(_bound(model, 1.0, lam * f, 0.0, v))
-        stats.update(upper_bound=ub, lower_bound=lb, rounds=0)
-        frac = 1.0 / 256
-        while True:  # target = lb + frac (ub - lb); a plan with time <= target found is optimal
-            target = ub if frac >= 1.0 else min(ub, math.floor(lb + frac * (ub - lb)))
-            bounds[0] = replace(bt, limit=target)
-            lams = [replace(b, limit=target + b.wm * cap) for b in ([bl] if bl else []) + extra]
-            tabs, pstats = _pareto_pass(model, bounds + lams, progress=progress)
-            stats["rounds"] += 1
+        stats.update(lower_bound=lb, lagrange_ub=ub, heuristic_s=0.0)
+        for grid in _THIN_GRIDS if cap is not None and ub > lb + _tol(lb) else ():
+            # Thinned passes keep one pair per (entry, memory bucket): exact plans, fast,
+            # and a UB near the optimum makes the exact pass below prune hard.
+            tick = time.perf_counter()
+            tabs, _ = _pareto_pass(model, _with_target(bounds, ub, cap), beam=max(1, (fast.mem - small.mem) // grid))
+            stats["heuristic_s"] += time.perf_counter() - tick
             fin = tabs[model.final]
             idx = _pick(fin, cap)
-            if idx >= 0 and (fin.t[idx] <= target or target >= ub):
-                break
             if idx >= 0 and fin.t[idx] < ub:
                 ub = int(fin.t[idx])
                 seen.append(_Point(ub, int(fin.m[idx]), _backtrack(model, tabs, idx)))
-            frac *= 4.0
+            if ub <= lb + _tol(lb):
+                break
+        stats["upper_bound"] = ub
+        tabs, pstats = _pareto_pass(model, _with_target(bounds, ub, cap), progress=progress)
     stats.update(pstats)
     fin = tabs[model.final]
     idx = _pick(fin, cap)
