@@ -139,6 +139,7 @@ class _Step:
     scope: tuple[int, ...]
     shape: tuple[int, ...]  # joint axes: scope, then var
     bcast: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per input: transpose, broadcast shape
+    pos: tuple[tuple[int, ...], ...]  # per input: joint axis of each scope variable
     out: int
 
 
@@ -193,16 +194,17 @@ class _Model:
                         holding[w].discard(tid)
             scope = tuple(sorted({w for tid in inputs for w in scopes[tid]} - {v}))
             joint = scope + ((v,) if v >= 0 else ())
-            bcast = []
+            bcast, poss = [], []
             for tid in inputs:
                 pos = [joint.index(w) for w in scopes[tid]]
+                poss.append(tuple(pos))
                 bshape = [1] * len(joint)
                 for p in pos:
                     bshape[p] = k[joint[p]]
                 bcast.append((tuple(int(p) for p in np.argsort(pos)), tuple(bshape)))
             out = len(scopes)
             scopes.append(scope)
-            step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), out)
+            step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), tuple(poss), out)
             self.steps.append(step)
             self.step_of[out] = step
             live.add(out)
@@ -333,6 +335,13 @@ def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rep, within
 
 
+def _dominated(stair: tuple[np.ndarray, np.ndarray], it: np.ndarray, im: np.ndarray) -> np.ndarray:
+    """Whether a known plan (stair: times ascending, running-min memories) is clearly
+    at least as good as the ideal completion (it, im) in both time and memory."""
+    at = np.searchsorted(stair[0], it - (1e-9 * np.abs(it) + 1.0), side="right") - 1
+    return (at >= 0) & (stair[1][np.maximum(at, 0)] <= im - (1e-9 * np.abs(im) + 1.0))
+
+
 def _pareto_pass(
     model: _Model,
     bounds: list[_Bound],
@@ -344,48 +353,70 @@ def _pareto_pass(
 ) -> tuple[list, dict]:
     """Eliminate every node over Pareto sets (the recurrence of the module docstring).
 
-    ``beam`` (heuristic, for an upper bound only) thins every entry to about ``beam``
-    pairs evenly spaced along its frontier; the pairs kept are exact plans.
-
+    Work is done only where it can matter: first the output entries s whose best
+    completion ``I_g(s) + O_g(s)`` passes every bound, then the cells (s, x) whose
+    ``O_g(s) + sum_j I_{F_j}(s, x)`` does, then pair by pair as the bucket is folded.
     ``stair`` = (times ascending, running-min memories) of known plans: drop pairs whose
     ideal completion they dominate (``bounds[0]``/``bounds[1]`` must be time/memory).
+    ``beam`` (heuristic, for an upper bound only) keeps one pair per entry and memory
+    bucket of that width; the pairs kept are exact plans.
     """
     tabs: list = []
     for t, m, ok in zip(model.t, model.m, model.ok):
         flat = ok.reshape(-1)
         tabs.append(_Tab(np.concatenate([[0], np.cumsum(flat)]), t.reshape(-1)[flat], m.reshape(-1)[flat]))
+    live = [bd for bd in bounds if np.isfinite(bd.limit)]
     stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0}
     for si, st in enumerate(model.steps):
-        cells = math.prod(st.shape)
+        kx = st.shape[-1] if st.var >= 0 else 1
+        row_ok = np.ones(math.prod(st.shape) // kx, bool)
+        for bd in live:
+            row_ok &= (bd.outs[st.out] + bd.ins[st.out]).reshape(-1) <= bd.limit + _tol(bd.limit)
+        if stair is not None:
+            it, im = ((bd.outs[st.out] + bd.ins[st.out]).reshape(-1) for bd in bounds[:2])
+            row_ok &= np.isfinite(it) & np.isfinite(im)
+            row_ok[row_ok] &= ~_dominated(stair, it[row_ok], im[row_ok])
+        rows = np.flatnonzero(row_ok)
+        cells = (rows[:, None] * kx + np.arange(kx)).reshape(-1)
+        coords = np.unravel_index(cells, st.shape) if st.shape else ()
+        ents = []
+        for j, tid in enumerate(st.inputs):
+            tshape = tuple(model.k[v] for v in model.all_scopes[tid])
+            ents.append(np.ravel_multi_index(tuple(coords[p] for p in st.pos[j]), tshape) if tshape else np.zeros(cells.size, np.int64))
+        gathered = []  # per bound: (outside at the cell's row, inside of each input at the cell)
+        for bd in live + (bounds[:2] if stair is not None else []):
+            gathered.append((np.repeat(bd.outs[st.out].reshape(-1)[rows], kx), [bd.ins[tid].reshape(-1)[e] for tid, e in zip(st.inputs, ents)]))
+        cell_ok = np.ones(cells.size, bool)
+        for bd, (out, ins) in zip(live, gathered):
+            cell_ok &= out + sum(ins) <= bd.limit + _tol(bd.limit)
+        if stair is not None:
+            (out_t, ins_t), (out_m, ins_m) = gathered[-2:]
+            it, im = out_t + sum(ins_t), out_m + sum(ins_m)
+            cell_ok &= np.isfinite(it) & np.isfinite(im)
+            cell_ok[cell_ok] &= ~_dominated(stair, it[cell_ok], im[cell_ok])
+        alive = np.flatnonzero(cell_ok)
+        cells, ents = cells[alive], [e[alive] for e in ents]
         order = sorted(range(len(st.inputs)), key=lambda j: tabs[st.inputs[j]].t.size)
-        eidx = []
-        for j in order:
-            tshape = tuple(model.k[v] for v in model.all_scopes[st.inputs[j]])
-            ent = np.arange(math.prod(tshape)).reshape(tshape)
-            eidx.append(np.broadcast_to(_bc(st, j, ent), st.shape).reshape(-1))
         rests = []  # rests[b][i]: bound b's rest after folding order[:i+1]
-        for bd in bounds:
-            out = bd.outs[st.out] if st.var < 0 else bd.outs[st.out][..., None]
-            r = np.broadcast_to(out, st.shape).astype(float)
-            seq = [r.reshape(-1)]
+        for out, ins in gathered:
+            r = out[alive]
+            seq = [r]
             for j in reversed(order[1:]):
-                r = r + _bc(st, j, bd.ins[st.inputs[j]])
-                seq.append(r.reshape(-1))
+                r = r + ins[j][alive]
+                seq.append(r)
             rests.append(seq[::-1])
-        cell, t, m = np.arange(cells), np.zeros(cells, np.int64), np.zeros(cells, np.int64)
+        cell, t, m = np.arange(cells.size), np.zeros(cells.size, np.int64), np.zeros(cells.size, np.int64)
         ptrs: list[np.ndarray] = []
         for i, j in enumerate(order):
             tab = tabs[st.inputs[j]]
-            e = eidx[i][cell]
+            e = ents[j][cell]
             rep, within = _expand(tab.off[e + 1] - tab.off[e])
             q = tab.off[e][rep] + within
             cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
             ptrs = [p[rep] for p in ptrs] + [q]
             stats["max_combined"] = max(stats["max_combined"], cell.size)
             keep = np.ones(cell.size, bool)
-            for bd, seq in zip(bounds, rests):
-                if not np.isfinite(bd.limit):
-                    continue
+            for bd, seq in zip(live, rests):
                 v = seq[i][cell]
                 if bd.wt:
                     v = v + bd.wt * t
@@ -393,19 +424,13 @@ def _pareto_pass(
                     v = v + bd.wm * m
                 keep &= v <= bd.limit + _tol(bd.limit)
             if stair is not None:
-                it, im = t + rests[0][i][cell], m + rests[1][i][cell]
-                keep &= np.isfinite(it) & np.isfinite(im)
-                it, im = np.where(keep, it, 0.0), np.where(keep, im, 0.0)
-                at = np.searchsorted(stair[0], it - (1e-9 * np.abs(it) + 1.0), side="right") - 1
-                keep &= ~((at >= 0) & (stair[1][np.maximum(at, 0)] <= im - (1e-9 * np.abs(im) + 1.0)))
+                it, im = t + rests[-2][i][cell], m + rests[-1][i][cell]
+                keep[keep] &= ~_dominated(stair, it[keep], im[keep])
+            sel = np.flatnonzero(keep)
             if i + 1 < len(order):
-                sel = np.flatnonzero(keep)
                 sel = sel[_pareto_keep(cell[sel], *((t[sel], m[sel]) if primary == "t" else (m[sel], t[sel])))]
-            else:
-                sel = np.flatnonzero(keep)
             cell, t, m, ptrs = cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
-        kx = st.shape[-1] if st.var >= 0 else 1
-        group = cell // kx
+        group = cells[cell] // kx
         sel = _pareto_keep(group, *((t, m) if primary == "t" else (m, t)))
         if beam is not None and sel.size > 1:
             g, bucket = group[sel], (m[sel] if primary == "t" else t[sel]) // beam
@@ -415,8 +440,8 @@ def _pareto_pass(
         bp = np.empty((sel.size, len(order)), np.int64)
         for i, j in enumerate(order):
             bp[:, j] = ptrs[i][sel]
-        off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=cells // kx))])
-        tabs.append(_Tab(off, t[sel], m[sel], cell[sel] % kx, bp))
+        off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=row_ok.size))])
+        tabs.append(_Tab(off, t[sel], m[sel], cells[cell[sel]] % kx, bp))
         stats["max_pairs"] = max(stats["max_pairs"], int(sel.size))
         stats["pairs"] += int(sel.size)
         if progress is not None:
