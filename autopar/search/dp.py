@@ -434,9 +434,9 @@ def _pareto_pass(
         sel = _pareto_keep(group, *((t, m) if primary == "t" else (m, t)))
         if beam is not None and sel.size > 1:
             g, bucket = group[sel], (m[sel] if primary == "t" else t[sel]) // beam
-            first = np.empty(sel.size, bool)
-            first[0], first[1:] = True, (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
-            sel = sel[first]
+            edge = np.ones(sel.size + 1, bool)
+            edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
+            sel = sel[edge[:-1] | edge[1:]]  # the fastest and the smallest pair of each bucket
         bp = np.empty((sel.size, len(order)), np.int64)
         for i, j in enumerate(order):
             bp[:, j] = ptrs[i][sel]
