@@ -30,7 +30,7 @@ from .costing import Coster, TrainingSettings
 from .mesh import Mesh
 from .plan_types import Plan
 from .plan_builder import assemble_plan
-from .placement import Replicate
+from .placement import Replicate, Shard
 from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem
 from .search import InfeasibleError, Solution, solve_cpsat, solve_dp
 from .units import format_bytes, parse_bytes
@@ -166,16 +166,39 @@ def family_restriction(ctx: PlanningContext, family: str):
 
 
 def classify(ctx: PlanningContext, choice: list[int]) -> str:
-    """The family a chosen plan belongs to (the most specific that contains it)."""
-    for family in FAMILIES:
-        allow_node, allow_edge = family_restriction(ctx, family)
-        ok = all(allow_node(i, choice[i]) for i in range(len(ctx.graph.nodes)))
-        if ok and allow_edge is not None:
-            ok = all(allow_edge(u, choice[u], v, choice[v]) for (u, v) in ctx.tables.edge_keys
-                     if v < len(ctx.graph.nodes))
-        if ok:
-            return family
-    return "hybrid"
+    """Name what a chosen plan does with its parameters, e.g. ``tensor parallel + data parallel``.
+
+    * ``tensor parallel``: some parameter is read sharded by its consumer;
+    * ``sharded parameters``: some parameter is stored sharded and gathered before use;
+    * ``sharded optimizer state``: some gradient/optimizer state is sharded beyond its parameter;
+    * ``data parallel``: some parameter is read replicated by a computation an axis
+      splits (its gradient is reduced across that axis);
+    * ``replicated``: none of these.
+    """
+    strategies = ctx.cand.strategies
+    found: set[str] = set()
+    for node in ctx.graph.nodes:
+        if node.kind == "param":
+            s = strategies[node.index][choice[node.index]]
+            if s.state != s.placement:
+                found.add("sharded optimizer state")
+            continue
+        if node.kind != "op":
+            continue
+        s = strategies[node.index][choice[node.index]]
+        for pos, (u, _) in enumerate(node.inputs):
+            if ctx.graph.nodes[u].kind != "param":
+                continue
+            stored = strategies[u][choice[u]].placement
+            read = s.inputs[pos]
+            if any(isinstance(p, Shard) for p in read):
+                found.add("tensor parallel")
+            if any(isinstance(a, Shard) and a != b for a, b in zip(stored, read)):
+                found.add("sharded parameters")
+            if any(isinstance(p, Replicate) and split for p, split in zip(read, s.split)):
+                found.add("data parallel")
+    order = ("tensor parallel", "data parallel", "sharded parameters", "sharded optimizer state")
+    return " + ".join(f for f in order if f in found) or "replicated"
 
 
 def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> list[dict[str, Any]]:

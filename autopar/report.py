@@ -44,7 +44,7 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
     con.print(f"autopar plan: {plan.model} on mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
               f"profile {s['profile']}, {s['dtype']}, {s['optimizer']}, cap {format_bytes(s.get('mem_cap_bytes'))}, "
               f"solver {s['solver']} ({'optimal' if plan.search['optimal'] else 'not proven optimal'})")
-    con.print(f"family: {plan.family}")
+    con.print(f"plan: {plan.family}")
     con.print(_params_table(plan))
     con.print(_collectives_table(plan))
     con.print(_totals_table(plan))

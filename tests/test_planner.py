@@ -120,3 +120,66 @@ def test_plan_json_is_deterministic_and_round_trips(tiny_model):
         assert c["kind"] in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
         assert c["phase"] in ("forward", "backward", "optimizer")
         assert c["axis"] in ("dp", "tp")
+
+
+@pytest.fixture(scope="module")
+def gpt2_dp8():
+    from autopar.models import load_model
+
+    model, args, kwargs = load_model("gpt2", batch=64, seq=1024)
+    mesh = autopar.Mesh((8,), axis_names=("dp",))
+    return prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile="h100", dtype="fp32",
+                   optimizer="adamw")
+
+
+def _block_weights(plan):
+    return {k: v for k, v in plan.params.items() if k.startswith("transformer.h.")}
+
+
+def test_gpt2_dp8_no_cap_is_data_parallel_in_every_block(gpt2_dp8):
+    """Issue 2, done-when 2 (first half; see the issue note for the tied embedding's optimizer state)."""
+    plan = plan_from_context(gpt2_dp8)
+    assert "data parallel" in plan.family
+    for fqn, p in _block_weights(plan).items():
+        assert p["placements"] == ["R"] and p["state_placements"] == ["R"], fqn
+    # every block weight's gradient is all-reduced on dp in backward, nothing else moves it
+    block_weight_nodes = {"p_" + k.replace(".", "_") for k in _block_weights(plan)}
+    grads = [c for c in plan.collectives if c["tensor"] in block_weight_nodes]
+    assert {(c["kind"], c["phase"], c["axis"]) for c in grads} == {("all_reduce", "backward", "dp")}
+    assert len(grads) == len(block_weight_nodes)
+    # the batch is split: activations inside the blocks are never communicated
+    assert not [c for c in plan.collectives if c["module"].startswith("transformer.h.")
+                and c["tensor"] not in block_weight_nodes]
+
+
+def test_gpt2_dp8_tighter_caps_shard_model_state_zero_style(gpt2_dp8):
+    """Issue 2, done-when 2 (second half): between the fully sharded plan's and DP's memory."""
+    dp_mem = plan_from_context(gpt2_dp8, compare_families=False).memory["per_device_bytes"]
+    with pytest.raises(MemoryCapError) as err:
+        plan_from_context(gpt2_dp8, mem_cap="1GiB", compare_families=False)
+    smallest = err.value.min_mem_bytes
+    assert smallest < dp_mem
+    previous_state = dp_mem
+    saw_state_sharded = saw_params_sharded = False
+    for frac in (0.75, 0.5, 0.1):
+        cap = int(smallest + frac * (dp_mem - smallest))
+        plan = plan_from_context(gpt2_dp8, mem_cap=cap, compare_families=False)
+        assert plan.memory["per_device_bytes"] <= cap
+        state = plan.memory["params"] + plan.memory["grads"] + plan.memory["optimizer"]
+        assert state < previous_state  # tighter caps shard more model state
+        previous_state = state
+        blocks = _block_weights(plan)
+        if any(p["state_placements"] != p["placements"] for p in blocks.values()):
+            saw_state_sharded = True  # ZeRO-1/2: gradients reduce-scattered into the state shard
+            assert [c for c in plan.collectives if c["kind"] == "reduce_scatter" and c["phase"] == "backward"]
+            assert [c for c in plan.collectives if c["kind"] == "all_gather" and c["phase"] == "optimizer"]
+        if any(p["placements"] != ["R"] for p in blocks.values()):
+            saw_params_sharded = True  # ZeRO-3/FSDP: gathered before use, in forward and again in backward
+            gathered = [c for c in plan.collectives if c["kind"] == "all_gather" and c["tensor"].startswith("p_")]
+            assert {c["phase"] for c in gathered} == {"forward", "backward"}
+        # only model state is sharded: every sharded block weight is gathered before use (no tensor parallelism)
+        gathered_fwd = {c["tensor"] for c in plan.collectives if c["kind"] == "all_gather" and c["phase"] == "forward"}
+        for fqn, p in blocks.items():
+            if p["placements"] != ["R"]:
+                assert "p_" + fqn.replace(".", "_") in gathered_fwd, fqn
+    assert saw_state_sharded and saw_params_sharded

@@ -100,15 +100,30 @@ def _reduce_domains(problem: SearchProblem) -> list[np.ndarray]:
     return [np.flatnonzero(a) for a in alive]
 
 
-def _order(scopes: list[tuple[int, ...]], k: list[int]) -> list[int]:
-    """Greedy elimination order: smallest new table (product of the neighbours' k) first."""
+def _order(scopes: list[tuple[int, ...]], k: list[int], spread: dict[int, int]) -> list[int]:
+    """Greedy elimination order: smallest new table (product of the neighbours' k) first;
+    ties go to the node nearest the one whose memory depends most on its choice, so
+    the sweep starts there and that lump sits inside the messages, not outside, where
+    the Lagrangian bounds would only see its convex relaxation."""
     adj: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
     for s in scopes:
         for v in s:
             adj[v].update(w for w in s if w != v)
+    dist = dict.fromkeys(adj, len(k))
+    if spread:
+        frontier = [max(spread, key=lambda v: (spread[v], -v))]
+        dist[frontier[0]] = 0
+        while frontier:
+            nxt = []
+            for v in frontier:
+                for w in adj[v]:
+                    if dist[w] > dist[v] + 1:
+                        dist[w] = dist[v] + 1
+                        nxt.append(w)
+            frontier = nxt
 
-    def cost(v: int) -> tuple[int, int]:
-        return math.prod(k[w] for w in adj[v]), len(adj[v])
+    def cost(v: int) -> tuple[int, int, int]:
+        return math.prod(k[w] for w in adj[v]), dist[v], len(adj[v])
 
     current = {v: cost(v) for v in adj}
     heap = [(c, v) for v, c in current.items()]
@@ -185,7 +200,8 @@ class _Model:
         self.steps: list[_Step] = []
         self.step_of: dict[int, _Step] = {}
         live = set(range(len(scopes)))
-        for v in _order(scopes, k) + [-1]:
+        spread = {s[0]: int(m.max() - m.min()) for s, m in zip(scopes, self.m) if len(s) == 1}
+        for v in _order(scopes, k, spread) + [-1]:
             inputs = tuple(sorted(holding.pop(v))) if v >= 0 else tuple(sorted(live))
             live.difference_update(inputs)
             for tid in inputs:
