@@ -85,12 +85,11 @@ def register_kernel(name: str) -> Callable[[Callable], Callable]:
 # the rows it holds and writes zeros elsewhere, so the output is ``P(sum)``.
 
 
-def _localize(ctx: KernelContext, input_index: int, dim: int, index):
+def _localize(ctx: KernelContext, input_index: int, dim: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Map global positions on ``dim`` of input ``input_index`` to this rank's local ones.
 
     Returns ``(local_index, held)``: ``held`` is True where the position lies in one of
-    the rank's ranges (``ctx.shard_ranges``, one per block, laid side by side in the
-    local piece); ``local_index`` is 0 where it does not, so it is always in bounds.
+    the rank's ranges (``ctx.shard_ranges``, laid side by side in the local piece); ``local_index`` is 0 where it does not, so it is always in bounds.
     """
     local = torch.zeros_like(index)
     held = torch.zeros_like(index, dtype=torch.bool)
@@ -103,19 +102,19 @@ def _localize(ctx: KernelContext, input_index: int, dim: int, index):
     return local, held
 
 
-def _zero_unheld(out, held):
+def _zero_unheld(out: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     return torch.where(held, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 @register_kernel("masked_embedding")
 def masked_embedding(
     ctx: KernelContext,
-    weight_local,
-    indices,
+    weight_local: torch.Tensor,
+    indices: torch.Tensor,
     padding_idx: int = -1,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
-):
+) -> torch.Tensor:
     """``aten.embedding`` with ``weight`` sharded on dim 0 (vocab): rows not held give zeros.
 
     ``padding_idx`` is mapped to its local row when this rank holds it (its gradient
@@ -134,7 +133,9 @@ def masked_embedding(
 
 
 @register_kernel("masked_gather")
-def masked_gather(ctx: KernelContext, self_local, dim: int, index, *, sparse_grad: bool = False):
+def masked_gather(
+    ctx: KernelContext, self_local: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bool = False
+) -> torch.Tensor:
     """``aten.gather`` with ``self`` sharded on the gathered ``dim``: positions not held give zeros."""
     dim = dim % max(self_local.dim(), 1)
     local, held = _localize(ctx, 0, dim, index)
@@ -143,7 +144,7 @@ def masked_gather(ctx: KernelContext, self_local, dim: int, index, *, sparse_gra
 
 
 @register_kernel("masked_index_select")
-def masked_index_select(ctx: KernelContext, self_local, dim: int, index):
+def masked_index_select(ctx: KernelContext, self_local: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """``aten.index_select`` with ``self`` sharded on ``dim``: positions not held give zeros."""
     dim = dim % max(self_local.dim(), 1)
     local, held = _localize(ctx, 0, dim, index)

@@ -27,7 +27,7 @@ gradients falls out of the same table.
 
 Bytes follow ``costmodel.comm``: the full buffer of an all-reduce, the gathered
 size of an all-gather or reduce-scatter, each rank's buffer for all-to-all; all
-computed on the tensor's local size under its placements on the *other* axes.
+measured on the tensor's local size when the step runs (see ``transitions``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from .spec import TensorMeta, local_shape
 
 __all__ = [
     "AxisTransition",
-    "axis_transition",
     "transitions",
     "consumer_grad_placement",
     "producer_grad_placement",
@@ -58,28 +57,8 @@ class AxisTransition:
     dst: Placement = Replicate()
 
 
-def axis_transition(src: Placement, dst: Placement) -> tuple[str | None, str]:
-    """The collective (or None) for ``src -> dst`` on one axis, and its reduce op."""
-    if src == dst:
-        return None, "sum"
-    if isinstance(src, Replicate):
-        return None, "sum"  # R -> S slice, R -> P local
-    if isinstance(src, Shard):
-        if isinstance(dst, Shard):
-            return "all_to_all", "sum"
-        return "all_gather", "sum"  # S -> R, S -> P
-    # src is Partial
-    if isinstance(dst, Shard) and src.op == "sum":
-        return "reduce_scatter", "sum"
-    if isinstance(dst, Partial):  # P(max) <-> P(sum): materialize first
-        return "all_reduce", src.op
-    return "all_reduce", src.op
-
-
-def _bytes_on_axis(meta: TensorMeta, src: tuple[Placement, ...], axis: int, mesh_shape: tuple[int, ...]) -> int:
-    """Bytes of the tensor with every axis but ``axis`` applied (``axis`` as Replicate)."""
-    others = tuple(Replicate() if a == axis else p for a, p in enumerate(src))
-    shape = local_shape(meta.shape, others, mesh_shape)
+def _local_bytes(meta: TensorMeta, current: list[Placement], mesh_shape: tuple[int, ...]) -> int:
+    shape = local_shape(meta.shape, tuple(current), mesh_shape)
     n = 1
     for s in shape:
         n *= s
@@ -87,20 +66,57 @@ def _bytes_on_axis(meta: TensorMeta, src: tuple[Placement, ...], axis: int, mesh
 
 
 def transitions(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                mesh_shape: tuple[int, ...]) -> list[AxisTransition]:
-    """The collectives that take a tensor from placements ``src`` to ``dst`` (one per axis)."""
-    out = []
-    for axis, (s, d) in enumerate(zip(src, dst)):
-        if mesh_shape[axis] == 1:
+                mesh_shape: tuple[int, ...], *, include_local: bool = False) -> list[AxisTransition]:
+    """The steps that take a tensor from placements ``src`` to ``dst``, in execution order.
+
+    1. un-shard, innermost axis first (a dim sharded by several axes is nested, so
+       the last axis's pieces must be joined first): ``S -> R/P`` all-gather,
+       ``S(i) -> S(j)`` all-to-all;
+    2. reduce Partials: ``P -> R`` all-reduce, ``P(sum) -> S`` reduce-scatter;
+    3. free local steps, outermost axis first: ``R -> S`` slice, ``R -> P`` mask
+       (listed with ``kind=None`` only when ``include_local``).
+
+    Each step's bytes are measured on the placements the tensor has when the step
+    runs, so the list is exactly what the runtime issues.
+    """
+    current = list(src)
+    steps: list[AxisTransition] = []
+
+    def step(axis: int, kind: str | None, new: Placement, op: str = "sum") -> None:
+        nbytes = 0
+        if kind is not None:
+            full = list(current)
+            full[axis] = Replicate() if isinstance(current[axis], Shard) else current[axis]
+            nbytes = _local_bytes(meta, full, mesh_shape)
+            if kind == "all_to_all":
+                nbytes = _local_bytes(meta, current, mesh_shape)
+        if kind is not None or include_local:
+            steps.append(AxisTransition(axis, kind, nbytes, op, current[axis], new))
+        current[axis] = new
+
+    sizes = mesh_shape
+    for axis in reversed(range(len(src))):
+        s, d = current[axis], dst[axis]
+        if sizes[axis] == 1 or s == d or not isinstance(s, Shard):
             continue
-        kind, op = axis_transition(s, d)
-        if kind is None:
+        if isinstance(d, Shard):
+            step(axis, "all_to_all", d)
+        else:
+            step(axis, "all_gather", Replicate())
+    for axis in range(len(src)):
+        s, d = current[axis], dst[axis]
+        if sizes[axis] == 1 or s == d or not isinstance(s, Partial):
             continue
-        nbytes = _bytes_on_axis(meta, src, axis, mesh_shape)
-        if kind == "all_to_all":
-            nbytes = nbytes // mesh_shape[axis]
-        out.append(AxisTransition(axis, kind, nbytes, op, s, d))
-    return out
+        if isinstance(d, Shard) and s.op == "sum":
+            step(axis, "reduce_scatter", d)
+        else:
+            step(axis, "all_reduce", Replicate(), s.op)
+    for axis in range(len(src)):
+        s, d = current[axis], dst[axis]
+        if sizes[axis] == 1 or s == d:
+            continue
+        step(axis, None, d)  # R -> S slice or R -> P mask
+    return steps
 
 
 def consumer_grad_placement(p: Placement, axis_split: bool) -> Placement:
