@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Mesh", "Shard", "Replicate", "Partial", "parse_placement", "parse_placements", "ShardingSpec", "TensorMeta",
-    "plan", "Plan", "MemoryCapError", "CaptureError",
+    "plan", "Plan", "MemoryCapError", "CaptureError", "compile", "ShardedModule",
 ]
 
 
@@ -29,6 +29,10 @@ def __getattr__(name: str):
         from .plan_types import Plan
 
         return Plan
+    if name in ("compile", "ShardedModule"):
+        from . import compiler
+
+        return getattr(compiler, name)
     if name == "CaptureError":
         from .capture import CaptureError
 

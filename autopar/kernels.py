@@ -89,7 +89,8 @@ def _localize(ctx: KernelContext, input_index: int, dim: int, index: torch.Tenso
     """Map global positions on ``dim`` of input ``input_index`` to this rank's local ones.
 
     Returns ``(local_index, held)``: ``held`` is True where the position lies in one of
-    the rank's ranges (``ctx.shard_ranges``, laid side by side in the local piece); ``local_index`` is 0 where it does not, so it is always in bounds.
+    the rank's ranges (``ctx.shard_ranges``, laid side by side in the local piece);
+    ``local_index`` is 0 where it does not, so it is always in bounds.
     """
     local = torch.zeros_like(index)
     held = torch.zeros_like(index, dtype=torch.bool)

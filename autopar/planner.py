@@ -95,13 +95,23 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, example_inputs=(), example_kwarg
 
 
 def plan_from_context(ctx: PlanningContext, *, mem_cap: int | str | None = None, solver: str = "dp",
-                      compare_families: bool = True) -> Plan:
-    """Search a prepared context under a cap (re-planning with another cap reuses the context)."""
+                      compare_families: bool = True, allow_state_sharding: bool = True) -> Plan:
+    """Search a prepared context under a cap (re-planning with another cap reuses the context).
+
+    ``allow_state_sharding=False`` keeps every parameter's gradient and optimizer
+    state with the parameter (no ZeRO-1/2), for runtimes that do not shard state.
+    """
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
     if solver not in ("dp", "ilp"):
         raise ValueError(f"solver {solver!r}: expected 'dp' (dynamic programming) or 'ilp' (CP-SAT)")
     t0 = time.perf_counter()
-    problem, keep = to_problem(ctx.tables, cap)
+    allow_node = None
+    if not allow_state_sharding:
+        params = _param_nodes(ctx)
+
+        def allow_node(i: int, s: int) -> bool:
+            return i not in params or ctx.cand.strategies[i][s].state == ctx.cand.strategies[i][s].placement
+    problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node)
     try:
         sol = _solve(problem, solver)
     except InfeasibleError as e:
