@@ -14,8 +14,20 @@ from .spec import ShardingSpec, TensorMeta
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "Shard", "Replicate", "Partial", "parse_placement", "parse_placements", "ShardingSpec", "TensorMeta",
-    "plan", "Plan", "MemoryCapError", "CaptureError", "compile", "ShardedModule",
+    "Mesh",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "parse_placement",
+    "parse_placements",
+    "ShardingSpec",
+    "TensorMeta",
+    "plan",
+    "Plan",
+    "MemoryCapError",
+    "CaptureError",
+    "compile",
+    "ShardedModule",
 ]
 
 

@@ -93,6 +93,23 @@ def _is_elementwise(call) -> bool:
 
 
 _POINTWISE_NAMES = {
-    "add", "sub", "mul", "div", "to", "_to_copy", "clone", "contiguous", "alias", "dropout", "gelu", "silu",
-    "relu", "tanh", "sigmoid", "neg", "pow", "exp", "where",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "to",
+    "_to_copy",
+    "clone",
+    "contiguous",
+    "alias",
+    "dropout",
+    "gelu",
+    "silu",
+    "relu",
+    "tanh",
+    "sigmoid",
+    "neg",
+    "pow",
+    "exp",
+    "where",
 }

@@ -87,11 +87,15 @@ def _plain_shard_options(meta: TensorMeta, axis_size: int) -> list[Placement]:
 def _zero_dim(meta: TensorMeta, axis_size: int, placement: tuple[Placement, ...]) -> int | None:
     """The dim a ZeRO-style state shard uses on a replicated axis: the largest dim not sharded yet."""
     used = {p.dim for p in placement if isinstance(p, Shard)}
-    dims = sorted((d for d, s in enumerate(meta.shape) if s >= axis_size and d not in used),
-                  key=lambda d: -meta.shape[d])
+    dims = sorted(
+        (d for d, s in enumerate(meta.shape) if s >= axis_size and d not in used), key=lambda d: -meta.shape[d]
+    )
     if not dims:
-        dims = [d for d, s in enumerate(meta.shape) if s >= axis_size and all(
-            not (isinstance(p, Shard) and p.blocks > 1 and p.dim == d) for p in placement)]
+        dims = [
+            d
+            for d, s in enumerate(meta.shape)
+            if s >= axis_size and all(not (isinstance(p, Shard) and p.blocks > 1 and p.dim == d) for p in placement)
+        ]
     return dims[0] if dims else None
 
 
@@ -114,7 +118,7 @@ def _source_strategies(node: OpNode, wanted: set, mesh_shape: tuple[int, ...]) -
                 if size > 1 and isinstance(base[axis], Replicate):
                     d = _zero_dim(meta, size, base)
                     if d is not None:
-                        cand = base[:axis] + (Shard(d),) + base[axis + 1:]
+                        cand = base[:axis] + (Shard(d),) + base[axis + 1 :]
                         if _fits(meta, cand, mesh_shape):
                             placements.add(cand)
     out = []
@@ -154,5 +158,7 @@ def _fits(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ..
 
 
 def _order_key(pl: tuple[Placement, ...]) -> tuple:
-    return tuple((0, 0, 0) if isinstance(p, Replicate) else (1, p.dim, p.blocks) if isinstance(p, Shard) else (2, 0, 0)
-                 for p in pl)
+    return tuple(
+        (0, 0, 0) if isinstance(p, Replicate) else (1, p.dim, p.blocks) if isinstance(p, Shard) else (2, 0, 0)
+        for p in pl
+    )

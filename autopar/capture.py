@@ -125,15 +125,18 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     sig = ep.graph_signature
     canonical = _canonical_param_names(model)
     param_of = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name == "PARAMETER"}
-    buffer_of = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name in ("BUFFER", "CONSTANT_TENSOR")}
+    buffer_of = {
+        spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name in ("BUFFER", "CONSTANT_TENSOR")
+    }
     no_grad_nodes = _inline_grad_mode_hops(gm)
     _drop_asserts(gm)
     decompose_for_planning(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     tied = {alias: canon for alias, canon in canonical.items() if alias != canon}
-    return _build(gm, name, param_of, buffer_of, canonical, tied, no_grad_nodes, list(sig.user_inputs),
-                  list(sig.user_outputs))
+    return _build(
+        gm, name, param_of, buffer_of, canonical, tied, no_grad_nodes, list(sig.user_inputs), list(sig.user_outputs)
+    )
 
 
 def _canonical_param_names(model: torch.nn.Module) -> dict[str, str]:
@@ -240,10 +243,22 @@ def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, 
         out_metas = tuple(TensorMeta.of(t) for t in outs)
         call = OpCall(fxn.target, tuple(args), dict(kwargs), tuple(metas), out_metas)
         differentiable = any(m.is_float for m in out_metas) and fxn.name not in no_grad_nodes
-        grad = differentiable and "detach" not in str(fxn.target) and any(
-            nodes[s].requires_grad and nodes[s].outputs[i].is_float for s, i in in_refs)
-        node = OpNode(len(nodes), fxn.name, "op", out_metas, tuple(in_refs), call, _module_path(fxn),
-                      requires_grad=grad, fx_node=fxn)
+        grad = (
+            differentiable
+            and "detach" not in str(fxn.target)
+            and any(nodes[s].requires_grad and nodes[s].outputs[i].is_float for s, i in in_refs)
+        )
+        node = OpNode(
+            len(nodes),
+            fxn.name,
+            "op",
+            out_metas,
+            tuple(in_refs),
+            call,
+            _module_path(fxn),
+            requires_grad=grad,
+            fx_node=fxn,
+        )
         where[fxn] = node.index
         nodes.append(node)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="plan a model and print the chosen strategies")
-    pl.add_argument("model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory")
+    pl.add_argument(
+        "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
+    )
     pl.add_argument("--mesh", type=_mesh_shape, default=(4,), help="mesh shape, e.g. 8 or 2x4 (default 4)")
     pl.add_argument("--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp")
     pl.add_argument("--mem-cap", type=_bytes_arg, default=None, help="per-device memory cap: bytes or 40GiB, 512MiB")
@@ -69,14 +71,26 @@ def _cmd_plan(args) -> int:
     from .report import render_table
 
     t0 = time.perf_counter()
-    names = tuple(args.axis_names.split(",")) if args.axis_names else (
-        ("dp",) if len(args.mesh) == 1 else tuple(f"axis{i}" for i in range(len(args.mesh))))
+    names = (
+        tuple(args.axis_names.split(","))
+        if args.axis_names
+        else (("dp",) if len(args.mesh) == 1 else tuple(f"axis{i}" for i in range(len(args.mesh))))
+    )
     try:
         mesh = Mesh(args.mesh, axis_names=names)
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=args.seq)
-        result = plan(model, mesh, example_inputs=margs, example_kwargs=mkwargs, mem_cap=args.mem_cap,
-                      profile=args.profile, dtype=args.dtype, optimizer=args.optimizer, solver=args.solver,
-                      compare_families=not args.no_compare)
+        result = plan(
+            model,
+            mesh,
+            example_inputs=margs,
+            example_kwargs=mkwargs,
+            mem_cap=args.mem_cap,
+            profile=args.profile,
+            dtype=args.dtype,
+            optimizer=args.optimizer,
+            solver=args.solver,
+            compare_families=not args.no_compare,
+        )
     except (MemoryCapError, ValueError, TypeError) as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2

@@ -67,8 +67,18 @@ def _set_param(root: nn.Module, fqn: str, value: nn.Parameter) -> None:
 class ShardedModule(nn.Module):
     """One rank's part of a compiled model (see the module docstring)."""
 
-    def __init__(self, graph: OpGraph, plan: Plan, groups, *, input_mode: str, full_params: dict[str, torch.Tensor],
-                 buffers: dict[str, torch.Tensor], seed: int, arg_names: list[str]) -> None:
+    def __init__(
+        self,
+        graph: OpGraph,
+        plan: Plan,
+        groups,
+        *,
+        input_mode: str,
+        full_params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        seed: int,
+        arg_names: list[str],
+    ) -> None:
         super().__init__()
         if input_mode not in ("global", "local"):
             raise ValueError(f"input_mode {input_mode!r}: expected 'global' (same batch everywhere) or 'local'")
@@ -94,13 +104,16 @@ class ShardedModule(nn.Module):
         self._buffers_full = {k: v.to(groups.device) for k, v in buffers.items()}
         self.local_input_shapes = {
             n.fqn: local_shape(n.outputs[0].shape, self._xplan.sources[n.name][0], self.mesh.shape, coord)
-            for n in graph.nodes if n.kind == "input"}
+            for n in graph.nodes
+            if n.kind == "input"
+        }
 
     # ---- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         values = self._source_values(args, kwargs)
-        interp = ShardedInterpreter(self._xplan, self._groups, self.collective_counter, seed=self._seed,
-                                    step=self._step, source_values=values)
+        interp = ShardedInterpreter(
+            self._xplan, self._groups, self.collective_counter, seed=self._seed, step=self._step, source_values=values
+        )
         self._step += 1
         outs = interp.run(*[None] * len([n for n in self._graph.gm.graph.nodes if n.op == "placeholder"]))
         return self._gather_outputs(outs)
@@ -118,8 +131,10 @@ class ShardedModule(nn.Module):
                 values[n.name] = shard_tensor(full, self._xplan.sources[n.name][0], self.mesh.shape, self._coord)
             elif n.kind == "input":
                 if n.fqn not in given:
-                    raise ValueError(f"input {n.fqn!r} missing: the model was compiled with inputs "
-                                     f"{[m.fqn for m in self._graph.nodes if m.kind == 'input']}")
+                    raise ValueError(
+                        f"input {n.fqn!r} missing: the model was compiled with inputs "
+                        f"{[m.fqn for m in self._graph.nodes if m.kind == 'input']}"
+                    )
                 values[n.name] = self._local_input(n, given[n.fqn])
         return values
 
@@ -129,13 +144,17 @@ class ShardedModule(nn.Module):
         if self.input_mode == "local":
             expected = self.local_input_shapes[node.fqn]
             if tuple(value.shape) != tuple(expected):
-                raise ValueError(f"input {node.fqn!r}: local shape {tuple(value.shape)} but this rank's piece under "
-                                 f"{','.join(map(str, placement))} is {tuple(expected)} (global "
-                                 f"{node.outputs[0].shape}); pass each rank's own slice, or use input_mode='global'")
+                raise ValueError(
+                    f"input {node.fqn!r}: local shape {tuple(value.shape)} but this rank's piece under "
+                    f"{','.join(map(str, placement))} is {tuple(expected)} (global "
+                    f"{node.outputs[0].shape}); pass each rank's own slice, or use input_mode='global'"
+                )
             return value
         if tuple(value.shape) != tuple(node.outputs[0].shape):
-            raise ValueError(f"input {node.fqn!r}: shape {tuple(value.shape)} but the model was compiled for "
-                             f"{node.outputs[0].shape}; compile again with example inputs of the new shape")
+            raise ValueError(
+                f"input {node.fqn!r}: shape {tuple(value.shape)} but the model was compiled for "
+                f"{node.outputs[0].shape}; compile again with example inputs of the new shape"
+            )
         return shard_tensor(value, placement, self.mesh.shape, self._coord)
 
     def _gather_outputs(self, outs):
@@ -150,8 +169,16 @@ class ShardedModule(nn.Module):
             src = self._xplan.output_placement(node.name, out_idx)
             if src != full:
                 counter = self.collective_counter if k == self._graph.loss_output else None
-                value = redistribute(value, node.outputs[out_idx], src, full, full,
-                                     self._xplan.grad_target(node.name, out_idx), self._groups, counter)
+                value = redistribute(
+                    value,
+                    node.outputs[out_idx],
+                    src,
+                    full,
+                    full,
+                    self._xplan.grad_target(node.name, out_idx),
+                    self._groups,
+                    counter,
+                )
             result.append(value)
         return torch.utils._pytree.tree_unflatten(result, spec) if len(result) > 1 else result[0]
 
@@ -178,10 +205,20 @@ class ShardedModule(nn.Module):
         return {fqn: None if p.grad is None else self._full(p.grad, fqn) for fqn, p in self.named_parameters()}
 
 
-def compile(model: nn.Module, mesh: Mesh, *, example_inputs=None, example_kwargs: dict | None = None,
-            mem_cap: int | str | None = None, profile: str | None = None, plan: Plan | str | Path | None = None,
-            state_dict: dict[str, torch.Tensor] | None = None, weights_from_rank0: bool = False,
-            input_mode: str = "global", seed: int = 0) -> ShardedModule:
+def compile(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    example_inputs=None,
+    example_kwargs: dict | None = None,
+    mem_cap: int | str | None = None,
+    profile: str | None = None,
+    plan: Plan | str | Path | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    weights_from_rank0: bool = False,
+    input_mode: str = "global",
+    seed: int = 0,
+) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
     Must be called on every rank inside an initialized default process group whose
@@ -194,18 +231,29 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs=None, example_kwargs
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh")
     groups = MeshGroups(mesh)
     if example_inputs is None and example_kwargs is None:
-        raise ValueError("autopar.compile needs example_inputs (and/or example_kwargs) with the shapes you will "
-                         "train with; lazy compilation on the first call is not implemented yet")
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (
-        () if example_inputs is None else (example_inputs,))
+        raise ValueError(
+            "autopar.compile needs example_inputs (and/or example_kwargs) with the shapes you will "
+            "train with; lazy compilation on the first call is not implemented yet"
+        )
+    args = (
+        tuple(example_inputs)
+        if isinstance(example_inputs, (tuple, list))
+        else (() if example_inputs is None else (example_inputs,))
+    )
     kwargs = dict(example_kwargs or {})
     full_params = _full_parameters(model, state_dict, weights_from_rank0)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     if plan is None:
         from .planner import plan_from_context, prepare
 
-        ctx = prepare(model, mesh, example_inputs=args, example_kwargs=kwargs,
-                      profile=profile or _default_profile(groups), dtype="fp32")
+        ctx = prepare(
+            model,
+            mesh,
+            example_inputs=args,
+            example_kwargs=kwargs,
+            profile=profile or _default_profile(groups),
+            dtype="fp32",
+        )
         graph = ctx.graph
         plan_obj = plan_from_context(ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=False)
     else:
@@ -214,13 +262,24 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs=None, example_kwargs
             raise ValueError(f"the plan is for mesh {plan_obj.mesh} but compile got {mesh}; pass the plan's mesh")
         graph = capture(model, args, kwargs)
     arg_names = _arg_names(model, len(args))
-    return ShardedModule(graph, plan_obj, groups, input_mode=input_mode, full_params=full_params,
-                         buffers=buffers, seed=seed, arg_names=arg_names)
+    return ShardedModule(
+        graph,
+        plan_obj,
+        groups,
+        input_mode=input_mode,
+        full_params=full_params,
+        buffers=buffers,
+        seed=seed,
+        arg_names=arg_names,
+    )
 
 
 def _arg_names(model: nn.Module, n: int) -> list[str]:
-    params = [p.name for p in inspect.signature(model.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return params[:n]
 
 
@@ -229,12 +288,16 @@ def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> 
     if state_dict is not None:
         missing = [k for k in params if k not in state_dict]
         if missing:
-            raise ValueError(f"state_dict lacks {len(missing)} parameters (first: {missing[:3]}); "
-                             "pass model.state_dict() of the full model")
+            raise ValueError(
+                f"state_dict lacks {len(missing)} parameters (first: {missing[:3]}); "
+                "pass model.state_dict() of the full model"
+            )
         return {k: state_dict[k].detach().requires_grad_(p.requires_grad) for k, p in params.items()}
     if any(p.is_meta for p in params.values()) and not weights_from_rank0:
-        raise ValueError("the model is on the meta device: pass state_dict= with the full weights, or "
-                         "weights_from_rank0=True with real weights on rank 0")
+        raise ValueError(
+            "the model is on the meta device: pass state_dict= with the full weights, or "
+            "weights_from_rank0=True with real weights on rank 0"
+        )
     if weights_from_rank0:
         out = {}
         for k, p in params.items():

@@ -38,7 +38,7 @@ from costmodel.profiles import DeviceProfile
 
 from .candidates import CandidateGraph, SourceStrategy
 from .capture import OpNode
-from .placement import Placement, Replicate, Shard
+from .placement import Placement, Replicate
 from .spec import TensorMeta, local_meta
 from .transitions import consumer_grad_placement, producer_grad_placement, transitions
 
@@ -48,12 +48,41 @@ aten = torch.ops.aten
 
 # Inputs (positions among tensor inputs) an op keeps for its backward, and whether
 # it keeps its output.  Names are aten op names without overload.
-_SAVES_ALL_INPUTS = {"mm", "bmm", "matmul", "einsum", "mul", "div", "pow", "gelu", "silu", "log", "layer_norm",
-                     "native_layer_norm", "rms_norm", "embedding", "scaled_dot_product_attention", "where",
-                     "gather", "index", "sqrt", "cos", "sin"}
+_SAVES_ALL_INPUTS = {
+    "mm",
+    "bmm",
+    "matmul",
+    "einsum",
+    "mul",
+    "div",
+    "pow",
+    "gelu",
+    "silu",
+    "log",
+    "layer_norm",
+    "native_layer_norm",
+    "rms_norm",
+    "embedding",
+    "scaled_dot_product_attention",
+    "where",
+    "gather",
+    "index",
+    "sqrt",
+    "cos",
+    "sin",
+}
 _SAVES_LAST_TWO = {"addmm", "baddbmm"}  # bias not needed
-_SAVES_OUTPUT = {"tanh", "exp", "rsqrt", "sigmoid", "softmax", "_softmax", "log_softmax", "_log_softmax",
-                 "scaled_dot_product_attention"}
+_SAVES_OUTPUT = {
+    "tanh",
+    "exp",
+    "rsqrt",
+    "sigmoid",
+    "softmax",
+    "_softmax",
+    "log_softmax",
+    "_log_softmax",
+    "scaled_dot_product_attention",
+}
 
 
 def _op_name(target) -> str:
@@ -143,7 +172,9 @@ class Coster:
             return self._param_time_s(node, strategy) if node.kind == "param" else 0.0
         call = node.call
         ins = tuple(local_meta(self.compute_meta(m), p, self.mesh_shape) for m, p in zip(call.inputs, strategy.inputs))
-        outs = tuple(local_meta(self.compute_meta(m), p, self.mesh_shape) for m, p in zip(call.outputs, strategy.outputs))
+        outs = tuple(
+            local_meta(self.compute_meta(m), p, self.mesh_shape) for m, p in zip(call.outputs, strategy.outputs)
+        )
         local = call.with_metas(ins, outs)
         dtype = outs[0].dtype if outs else torch.float32
         matmul = flops_mod.is_matmul_like(local)
@@ -167,8 +198,11 @@ class Coster:
         meta = TensorMeta(node.outputs[0].shape, self.settings.precision.param_dtype)
         for axis, (p, st) in enumerate(zip(s.placement, s.state)):
             if p != st and self.mesh_shape[axis] > 1:
-                out += [(t.axis, t.kind, t.bytes) for t in transitions(meta, s.state, s.placement, self.mesh_shape)
-                        if t.axis == axis]
+                out += [
+                    (t.axis, t.kind, t.bytes)
+                    for t in transitions(meta, s.state, s.placement, self.mesh_shape)
+                    if t.axis == axis
+                ]
         return out
 
     def param_state_bytes(self, node: OpNode, s: SourceStrategy):
@@ -205,8 +239,9 @@ class Coster:
         mem = np.zeros((len(su), len(sv)), dtype=np.int64)
         for a, s_u in enumerate(su):
             src = s_u.outputs[out_idx]
-            grad_target = s_u.state if isinstance(s_u, SourceStrategy) else tuple(
-                producer_grad_placement(p) for p in src)
+            grad_target = (
+                s_u.state if isinstance(s_u, SourceStrategy) else tuple(producer_grad_placement(p) for p in src)
+            )
             for b, s_v in enumerate(sv):
                 dst = s_v.inputs[pos]
                 fwd = self.transition_time_s(meta, src, dst) if src != dst else 0.0

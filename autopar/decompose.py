@@ -66,7 +66,11 @@ def _decompose_cross_entropy(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
         return
     if t.meta["val"].dtype.is_floating_point:  # class probabilities, not indices
         return
-    reduction, ignore, eps = _REDUCTION[int(bound["reduction"])], int(bound["ignore_index"]), float(bound["label_smoothing"])
+    reduction, ignore, eps = (
+        _REDUCTION[int(bound["reduction"])],
+        int(bound["ignore_index"]),
+        float(bound["label_smoothing"]),
+    )
     num_classes = x.meta["val"].shape[1]
     e = lambda target, *a, **k: _emit(graph, fake_mode, node, target, *a, **k)  # noqa: E731
     with graph.inserting_before(node):
@@ -95,8 +99,9 @@ def _decompose_cross_entropy(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
     graph.erase_node(node)
 
 
-def cross_entropy_reference(x: torch.Tensor, t: torch.Tensor, *, ignore_index: int = -100,
-                            reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+def cross_entropy_reference(
+    x: torch.Tensor, t: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+) -> torch.Tensor:
     """The decomposition above in eager PyTorch (tests compare it with F.cross_entropy)."""
     m = x.amax(1, keepdim=True).detach()
     z = x - m

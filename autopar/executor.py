@@ -41,8 +41,14 @@ from .transitions import consumer_grad_placement, producer_grad_placement
 __all__ = ["ExecutionPlan", "ShardedInterpreter", "RANDOM_OPS"]
 
 aten = torch.ops.aten
-RANDOM_OPS = {aten.dropout.default, aten.native_dropout.default, aten.scaled_dot_product_attention.default,
-              aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
+RANDOM_OPS = {
+    aten.dropout.default,
+    aten.native_dropout.default,
+    aten.scaled_dot_product_attention.default,
+    aten.bernoulli.p,
+    aten.rand_like.default,
+    aten.randn_like.default,
+}
 
 
 @dataclass
@@ -65,7 +71,7 @@ class ExecutionPlan:
     sources: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]]  # fx name -> (placement, grad target)
 
     @classmethod
-    def from_plan(cls, graph: OpGraph, plan) -> "ExecutionPlan":
+    def from_plan(cls, graph: OpGraph, plan) -> ExecutionPlan:
         mesh_shape = tuple(plan.mesh.shape)
         nodes: dict[str, NodeExec] = {}
         missing = []
@@ -118,8 +124,16 @@ class ExecutionPlan:
 class ShardedInterpreter(fx.Interpreter):
     """Runs the captured graph on this rank's local tensors (see the module docstring)."""
 
-    def __init__(self, xplan: ExecutionPlan, groups, counter=None, *, seed: int = 0, step: int = 0,
-                 source_values: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        xplan: ExecutionPlan,
+        groups,
+        counter=None,
+        *,
+        seed: int = 0,
+        step: int = 0,
+        source_values: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__(xplan.graph.gm, garbage_collect_values=True)
         self.xplan = xplan
         self.groups = groups
@@ -176,8 +190,9 @@ class ShardedInterpreter(fx.Interpreter):
                 pos += 1
             new_flat.append(value)
         args, kwargs = pytree.tree_unflatten(new_flat, spec)
-        shapes = [local_shape(m.shape, p, self.xplan.mesh_shape, self.coordinate)
-                  for m, p in zip(opnode.outputs, ex.outputs)]
+        shapes = [
+            local_shape(m.shape, p, self.xplan.mesh_shape, self.coordinate) for m, p in zip(opnode.outputs, ex.outputs)
+        ]
         args, kwargs = localize_size_args(target, tuple(args), dict(kwargs), shapes)
         kernel = {k for k in ex.kernels if k}
         if target in RANDOM_OPS:
@@ -190,16 +205,24 @@ class ShardedInterpreter(fx.Interpreter):
         if not kernel:
             return target(*args, **kwargs)
         if len(kernel) > 1:
-            raise ValueError(f"node {opnode.describe()}: strategies name several kernels {sorted(kernel)} on "
-                             "different axes; choose a plan with one kernel per op")
+            raise ValueError(
+                f"node {opnode.describe()}: strategies name several kernels {sorted(kernel)} on "
+                "different axes; choose a plan with one kernel per op"
+            )
         name = kernel.pop()
-        ctx = KernelContext(self.xplan.mesh_shape, self.coordinate, ex.inputs, opnode.call.inputs,
-                            tuple(a for a, k in enumerate(ex.kernels) if k == name))
+        ctx = KernelContext(
+            self.xplan.mesh_shape,
+            self.coordinate,
+            ex.inputs,
+            opnode.call.inputs,
+            tuple(a for a, k in enumerate(ex.kernels) if k == name),
+        )
         return KERNELS[name](ctx, *args, **kwargs)
 
     def _op_seed(self, index: int, ex: NodeExec) -> int:
-        sharded_axes = [a for a in range(len(self.xplan.mesh_shape))
-                        if any(isinstance(p[a], Shard) for p in ex.outputs)]
+        sharded_axes = [
+            a for a in range(len(self.xplan.mesh_shape)) if any(isinstance(p[a], Shard) for p in ex.outputs)
+        ]
         key = (self.seed, self.step, index, tuple(self.coordinate[a] for a in sharded_axes))
         return zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
 

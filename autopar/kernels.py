@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from .layout import dim_index
-from .mesh import Mesh  # noqa: F401  (documented type of KernelContext.mesh_shape's origin)
 from .placement import Placement, Shard
 from .spec import TensorMeta
 
@@ -47,8 +46,7 @@ class KernelContext:
 
         In local order (increasing global order), adjacent ranges merged; the layout
         contract of ``autopar.layout`` (each axis shards the piece earlier axes left,
-        as the rules reason), which ``spec.shard_range`` matches unless two axes
-        block-shard the same dim.
+        as the rules reason; ``layout.dim_ranges``).
         """
         entries = [
             (p, self.mesh_shape[a], self.coordinate[a])

@@ -13,10 +13,7 @@ Layout contract (nested, the one ``expand_to_mesh`` and ``spec.local_shape`` use
   the concatenation of its part of every block.  Several axes sharding one dim
   therefore nest in mesh-axis order (axis 1 splits the axis-0 piece), exactly as
   a rule on axis 1, which sees the local shapes, reasons.  A rank's elements are
-  always in increasing global order.  ``spec.shard_range`` gives the same ranges
-  unless an earlier axis shards the dim block-wise; there it splits each earlier
-  range on its own ("sticky" blocks), which disagrees with the local shapes the
-  rules see, so this module does not use it (see ``dim_ranges``).
+  always in increasing global order (``dim_ranges`` lists them).
 - ``Replicate`` leaves the tensor whole; ``combine`` checks the copies are equal.
 - ``Partial(op)``: the full value is the ``op``-reduction of the pieces over the
   axis.  Partial axes are applied after the shards, first mesh axis first, so the

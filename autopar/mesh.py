@@ -37,9 +37,7 @@ class Mesh:
         size = math.prod(shape)
         rank_ids = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
         if sorted(rank_ids) != list(range(size)):
-            raise ValueError(
-                f"Mesh ranks {rank_ids}: expected a permutation of 0..{size - 1} for shape {shape}"
-            )
+            raise ValueError(f"Mesh ranks {rank_ids}: expected a permutation of 0..{size - 1} for shape {shape}")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "ranks", rank_ids)
@@ -84,7 +82,7 @@ class Mesh:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names), "ranks": list(self.ranks)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Mesh":
+    def from_dict(cls, d: dict) -> Mesh:
         return cls(tuple(d["shape"]), axis_names=tuple(d["axis_names"]), ranks=d.get("ranks"))
 
     def __str__(self) -> str:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import torch
 
 from costmodel import config_dir

@@ -41,9 +41,19 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
         nonlocal comm_s
         t = coster.comm_time_s(kind, nbytes, axis) * exposed
         comm_s += t
-        collectives.append({"kind": kind, "axis": axis_names[axis], "phase": phase, "bytes": int(nbytes),
-                            "node": node.name, "module": node.module, "tensor": tensor, "reduce_op": reduce_op,
-                            "time_s": t})
+        collectives.append(
+            {
+                "kind": kind,
+                "axis": axis_names[axis],
+                "phase": phase,
+                "bytes": int(nbytes),
+                "node": node.name,
+                "module": node.module,
+                "tensor": tensor,
+                "reduce_op": reduce_op,
+                "time_s": t,
+            }
+        )
 
     for n in graph.nodes:
         s = strat[n.index]
@@ -76,8 +86,11 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op)
                 if un.kind == "param":  # FSDP: gathered again for backward
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
-            if pos in saves and un.kind != "param" and any(
-                    not isinstance(a, Replicate) and a != b for a, b in zip(src, dst)):
+            if (
+                pos in saves
+                and un.kind != "param"
+                and any(not isinstance(a, Replicate) and a != b for a, b in zip(src, dst))
+            ):
                 mem["activations"] += coster.local_bytes(un.outputs[o], dst)
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
                 g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s.split))
@@ -113,25 +126,53 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
     for n in graph.nodes:
         s = strat[n.index]
         if n.kind == "param":
-            params[n.fqn] = {"placements": _fmt(s.placement), "state_placements": _fmt(s.state),
-                             "shape": list(n.outputs[0].shape),
-                             "local_shape": list(local_shape(n.outputs[0].shape, s.placement, mesh_shape)),
-                             "tied_to": sorted(aliases.get(n.fqn, []))}
+            params[n.fqn] = {
+                "placements": _fmt(s.placement),
+                "state_placements": _fmt(s.state),
+                "shape": list(n.outputs[0].shape),
+                "local_shape": list(local_shape(n.outputs[0].shape, s.placement, mesh_shape)),
+                "tied_to": sorted(aliases.get(n.fqn, [])),
+            }
         elif n.kind in ("input", "buffer"):
-            inputs[n.fqn or n.name] = {"kind": n.kind, "placements": _fmt(s.placement),
-                                      "shape": list(n.outputs[0].shape)}
+            inputs[n.fqn or n.name] = {
+                "kind": n.kind,
+                "placements": _fmt(s.placement),
+                "shape": list(n.outputs[0].shape),
+            }
         else:
             op = str(n.target)
-            nodes[n.name] = {"op": op, "module": n.module, "inputs": [_fmt(p) for p in s.inputs],
-                             "outputs": [_fmt(p) for p in s.outputs],
-                             "kernels": [k for k in s.kernels], "fallback": bool(s.fallback)}
+            nodes[n.name] = {
+                "op": op,
+                "module": n.module,
+                "inputs": [_fmt(p) for p in s.inputs],
+                "outputs": [_fmt(p) for p in s.outputs],
+                "kernels": [k for k in s.kernels],
+                "fallback": bool(s.fallback),
+            }
             if s.fallback:
                 fallback.append({"node": n.name, "op": op, "module": n.module})
     cap = settings.get("mem_cap_bytes")
     memory = dict(b["memory"], cap_bytes=cap)
-    search = {"solver": sol.solver, "optimal": bool(sol.optimal), "objective_ps": int(sol.time),
-              "objective_s": sol.time / PS_PER_S, "num_nodes": len(ctx.tables.names),
-              "num_choices": int(sum(len(t) for t in ctx.tables.node_time_ps))}
-    return Plan(model=graph.model_name, mesh=ctx.mesh, settings=settings, params=params, inputs=inputs,
-                nodes=nodes, collectives=b["collectives"], cost=b["cost"], memory=memory, fallback_ops=fallback,
-                family=classify(ctx, choice), alternatives=alternatives, search=search)
+    search = {
+        "solver": sol.solver,
+        "optimal": bool(sol.optimal),
+        "objective_ps": int(sol.time),
+        "objective_s": sol.time / PS_PER_S,
+        "num_nodes": len(ctx.tables.names),
+        "num_choices": int(sum(len(t) for t in ctx.tables.node_time_ps)),
+    }
+    return Plan(
+        model=graph.model_name,
+        mesh=ctx.mesh,
+        settings=settings,
+        params=params,
+        inputs=inputs,
+        nodes=nodes,
+        collectives=b["collectives"],
+        cost=b["cost"],
+        memory=memory,
+        fallback_ops=fallback,
+        family=classify(ctx, choice),
+        alternatives=alternatives,
+        search=search,
+    )

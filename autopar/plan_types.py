@@ -61,11 +61,16 @@ class Plan:
     def param_placements(self, fqn: str) -> tuple[Placement, ...]:
         return parse_placements(self.params[fqn]["placements"])
 
-    def collectives_of(self, *, kind: str | None = None, phase: str | None = None,
-                       module_prefix: str | None = None) -> list[dict[str, Any]]:
-        return [c for c in self.collectives
-                if (kind is None or c["kind"] == kind) and (phase is None or c["phase"] == phase)
-                and (module_prefix is None or c["module"] == module_prefix or c["module"].startswith(module_prefix + "."))]
+    def collectives_of(
+        self, *, kind: str | None = None, phase: str | None = None, module_prefix: str | None = None
+    ) -> list[dict[str, Any]]:
+        return [
+            c
+            for c in self.collectives
+            if (kind is None or c["kind"] == kind)
+            and (phase is None or c["phase"] == phase)
+            and (module_prefix is None or c["module"] == module_prefix or c["module"].startswith(module_prefix + "."))
+        ]
 
     # ---- serialization ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -93,7 +98,7 @@ class Plan:
         return text
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(
@@ -101,14 +106,23 @@ class Plan:
                 "re-create the plan with `autopar plan ... -o plan.json`"
             )
         return cls(
-            model=d["model"], mesh=Mesh.from_dict(d["mesh"]), settings=d["settings"], params=d["params"],
-            inputs=d["inputs"], nodes=d["nodes"], collectives=d["collectives"], cost=d["cost"],
-            memory=d["memory"], fallback_ops=d["fallback_ops"], family=d["family"],
-            alternatives=d["alternatives"], search=d["search"],
+            model=d["model"],
+            mesh=Mesh.from_dict(d["mesh"]),
+            settings=d["settings"],
+            params=d["params"],
+            inputs=d["inputs"],
+            nodes=d["nodes"],
+            collectives=d["collectives"],
+            cost=d["cost"],
+            memory=d["memory"],
+            fallback_ops=d["fallback_ops"],
+            family=d["family"],
+            alternatives=d["alternatives"],
+            search=d["search"],
         )
 
     @classmethod
-    def from_json(cls, source: str | Path) -> "Plan":
+    def from_json(cls, source: str | Path) -> Plan:
         """Read a plan from a JSON file path or a JSON string."""
         text = str(source)
         if not text.lstrip().startswith("{"):

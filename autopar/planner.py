@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,9 +29,9 @@ from .candidates import CandidateGraph, build_candidates
 from .capture import OpGraph, capture
 from .costing import Coster, TrainingSettings
 from .mesh import Mesh
-from .plan_types import Plan
-from .plan_builder import assemble_plan
 from .placement import Replicate, Shard
+from .plan_builder import assemble_plan
+from .plan_types import Plan
 from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem
 from .search import InfeasibleError, Solution, solve_cpsat, solve_dp
 from .units import format_bytes, parse_bytes
@@ -59,8 +60,16 @@ class PlanningContext:
     timings: dict[str, float]
 
 
-def prepare(model: torch.nn.Module, mesh: Mesh, *, example_inputs=(), example_kwargs=None,
-            profile: str = "h100", dtype: str = "fp32", optimizer: str = "adamw") -> PlanningContext:
+def prepare(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    *,
+    example_inputs=(),
+    example_kwargs=None,
+    profile: str = "h100",
+    dtype: str = "fp32",
+    optimizer: str = "adamw",
+) -> PlanningContext:
     """Capture the model and price every candidate (the part of planning independent of the cap)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))")
@@ -74,14 +83,25 @@ def prepare(model: torch.nn.Module, mesh: Mesh, *, example_inputs=(), example_kw
     coster = Coster(cand, settings)
     tables = build_tables(cand, coster)
     timings["strategies_s"] = time.perf_counter() - t1
-    return PlanningContext(graph, mesh, cand, coster, tables,
-                           {"profile": profile, "dtype": dtype, "optimizer": optimizer}, timings)
+    return PlanningContext(
+        graph, mesh, cand, coster, tables, {"profile": profile, "dtype": dtype, "optimizer": optimizer}, timings
+    )
 
 
-def plan(model: torch.nn.Module, mesh: Mesh, *, example_inputs=(), example_kwargs: dict | None = None,
-         mem_cap: int | str | None = None, profile: str = "h100", dtype: str = "fp32",
-         optimizer: str = "adamw", solver: str = "dp", compare_families: bool = True,
-         progress: Callable[[str], None] | None = None) -> Plan:
+def plan(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    *,
+    example_inputs=(),
+    example_kwargs: dict | None = None,
+    mem_cap: int | str | None = None,
+    profile: str = "h100",
+    dtype: str = "fp32",
+    optimizer: str = "adamw",
+    solver: str = "dp",
+    compare_families: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
     """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
 
     ``example_inputs``/``example_kwargs`` are passed to ``model`` (meta tensors are
@@ -89,13 +109,26 @@ def plan(model: torch.nn.Module, mesh: Mesh, *, example_inputs=(), example_kwarg
     ``solver``: ``"dp"`` (exact dynamic programming) or ``"ilp"`` (CP-SAT).
     Raises ``MemoryCapError`` when no plan fits, naming the smallest reachable memory.
     """
-    ctx = prepare(model, mesh, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                  profile=profile, dtype=dtype, optimizer=optimizer)
+    ctx = prepare(
+        model,
+        mesh,
+        example_inputs=example_inputs,
+        example_kwargs=example_kwargs,
+        profile=profile,
+        dtype=dtype,
+        optimizer=optimizer,
+    )
     return plan_from_context(ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families)
 
 
-def plan_from_context(ctx: PlanningContext, *, mem_cap: int | str | None = None, solver: str = "dp",
-                      compare_families: bool = True, allow_state_sharding: bool = True) -> Plan:
+def plan_from_context(
+    ctx: PlanningContext,
+    *,
+    mem_cap: int | str | None = None,
+    solver: str = "dp",
+    compare_families: bool = True,
+    allow_state_sharding: bool = True,
+) -> Plan:
     """Search a prepared context under a cap (re-planning with another cap reuses the context).
 
     ``allow_state_sharding=False`` keeps every parameter's gradient and optimizer
@@ -111,6 +144,7 @@ def plan_from_context(ctx: PlanningContext, *, mem_cap: int | str | None = None,
 
         def allow_node(i: int, s: int) -> bool:
             return i not in params or ctx.cand.strategies[i][s].state == ctx.cand.strategies[i][s].placement
+
     problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node)
     try:
         sol = _solve(problem, solver)
@@ -146,19 +180,24 @@ def family_restriction(ctx: PlanningContext, family: str):
         return all(strategies[v][b].inputs[pos] == full for pos, (u, _) in enumerate(node.inputs) if u in params)
 
     if family == "data parallel":
+
         def allow_node(i: int, s: int) -> bool:
             if i in params:
                 st = strategies[i][s]
                 return st.placement == full and st.state == full
             return True
+
         return allow_node, None
     if family == "sharded parameters":
+
         def allow_node(i: int, s: int) -> bool:
             if i in params or ctx.graph.nodes[i].kind != "op":
                 return True
             return reads_param_whole(i, s)
+
         return allow_node, None
     if family == "tensor parallel":
+
         def allow_node(i: int, s: int) -> bool:
             if i in params:
                 st = strategies[i][s]
@@ -171,6 +210,7 @@ def family_restriction(ctx: PlanningContext, family: str):
             src = strategies[u][a].placement
             node = ctx.graph.nodes[v]
             return all(strategies[v][b].inputs[pos] == src for pos, (w, _) in enumerate(node.inputs) if w == u)
+
         return allow_node, allow_edge
     raise ValueError(f"family {family!r}: expected one of {FAMILIES}")
 
@@ -222,8 +262,14 @@ def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> 
             choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
             entry.update(feasible=True, **_summary(ctx, choice))
         except InfeasibleError as e:
-            entry.update(feasible=False, total_s=None, compute_s=None, comm_s=None,
-                         per_device_bytes=None, min_per_device_bytes=int(e.min_mem_bytes))
+            entry.update(
+                feasible=False,
+                total_s=None,
+                compute_s=None,
+                comm_s=None,
+                per_device_bytes=None,
+                min_per_device_bytes=int(e.min_mem_bytes),
+            )
         out.append(entry)
     return out
 
@@ -232,8 +278,12 @@ def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
     from .plan_builder import breakdown
 
     b = breakdown(ctx, choice)
-    return {"total_s": b["cost"]["total_s"], "compute_s": b["cost"]["compute_s"], "comm_s": b["cost"]["comm_s"],
-            "per_device_bytes": b["memory"]["per_device_bytes"]}
+    return {
+        "total_s": b["cost"]["total_s"],
+        "compute_s": b["cost"]["compute_s"],
+        "comm_s": b["cost"]["comm_s"],
+        "per_device_bytes": b["memory"]["per_device_bytes"],
+    }
 
 
 # ---- infeasible caps ----------------------------------------------------------------------
@@ -248,12 +298,17 @@ def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError) -> M
         mem = breakdown(ctx, choice)["memory"]
         parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
         top = max(parts, key=parts.get)
-        lines.append(f"  the smallest per-device memory any plan reaches is {format_bytes(err.min_mem_bytes)}: "
-                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items()) + f" ({top} dominate).")
+        lines.append(
+            f"  the smallest per-device memory any plan reaches is {format_bytes(err.min_mem_bytes)}: "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+            + f" ({top} dominate)."
+        )
     else:
         lines.append(f"  the smallest per-device memory any plan reaches is {format_bytes(err.min_mem_bytes)}.")
-    lines.append("  Fix: raise --mem-cap to at least that, use more devices, a smaller batch or sequence, "
-                 "or bf16 (--dtype bf16).")
+    lines.append(
+        "  Fix: raise --mem-cap to at least that, use more devices, a smaller batch or sequence, "
+        "or bf16 (--dtype bf16)."
+    )
     e = MemoryCapError("\n".join(lines))
     e.min_mem_bytes = int(err.min_mem_bytes)
     return e
@@ -261,4 +316,3 @@ def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError) -> M
 
 def objective_seconds(sol: Solution) -> float:
     return sol.time / PS_PER_S
-

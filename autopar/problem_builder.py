@@ -13,8 +13,8 @@ how the planner finds the best plan of each family for the comparison table.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -54,11 +54,19 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
     cache: dict = {}
     for n in graph.nodes:
         strats = cand.strategies[n.index]
-        key = (id(strats), n.kind, n.requires_grad, n.outputs, n.index if n.kind != "op" else None,
-               tuple(o for o in range(len(n.outputs)) if (n.index, o) in coster.saved_outputs))
+        key = (
+            id(strats),
+            n.kind,
+            n.requires_grad,
+            n.outputs,
+            n.index if n.kind != "op" else None,
+            tuple(o for o in range(len(n.outputs)) if (n.index, o) in coster.saved_outputs),
+        )
         if key not in cache:
-            cache[key] = (_ps([coster.node_time_s(n, s) for s in strats]),
-                          np.array([coster.node_mem_bytes(n, s) for s in strats], dtype=np.int64))
+            cache[key] = (
+                _ps([coster.node_time_s(n, s) for s in strats]),
+                np.array([coster.node_mem_bytes(n, s) for s in strats], dtype=np.int64),
+            )
         t, m = cache[key]
         node_time.append(t)
         node_mem.append(m)
@@ -67,8 +75,17 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
     for v in graph.nodes:
         for pos, (u, o) in enumerate(v.inputs):
             un = graph.nodes[u]
-            key = (id(cand.strategies[u]), id(cand.strategies[v.index]), o, pos, un.kind, un.requires_grad,
-                   v.requires_grad, un.outputs[o], v.call.target)
+            key = (
+                id(cand.strategies[u]),
+                id(cand.strategies[v.index]),
+                o,
+                pos,
+                un.kind,
+                un.requires_grad,
+                v.requires_grad,
+                un.outputs[o],
+                v.call.target,
+            )
             if key not in ecache:
                 t, m = coster.edge_matrices(un, o, v, pos)
                 ecache[key] = (_ps(t), m)
@@ -104,10 +121,13 @@ def _constrained_outputs(graph) -> list[tuple[int, int]]:
     return [ref for ref in graph.outputs if graph.nodes[ref[0]].outputs[ref[1]].is_float]
 
 
-def to_problem(tables: ProblemTables, mem_cap_bytes: int | None, *,
-               allow_node: Callable[[int, int], bool] | None = None,
-               allow_edge: Callable[[int, int, int, int], bool] | None = None,
-               ) -> tuple[SearchProblem, list[np.ndarray]]:
+def to_problem(
+    tables: ProblemTables,
+    mem_cap_bytes: int | None,
+    *,
+    allow_node: Callable[[int, int], bool] | None = None,
+    allow_edge: Callable[[int, int, int, int], bool] | None = None,
+) -> tuple[SearchProblem, list[np.ndarray]]:
     """The SearchProblem under a restriction; also each node's kept strategy indices.
 
     ``allow_node(node, strategy)`` keeps a strategy; ``allow_edge(u, a, v, b)`` may
@@ -117,8 +137,14 @@ def to_problem(tables: ProblemTables, mem_cap_bytes: int | None, *,
     keep = []
     for i in range(n):
         k = len(tables.node_time_ps[i])
-        idx = np.array([s for s in range(k) if allow_node is None or i >= len(tables.names) - len(tables.sinks)
-                        or allow_node(i, s)], dtype=np.int64)
+        idx = np.array(
+            [
+                s
+                for s in range(k)
+                if allow_node is None or i >= len(tables.names) - len(tables.sinks) or allow_node(i, s)
+            ],
+            dtype=np.int64,
+        )
         if len(idx) == 0:
             raise AssertionError(f"restriction leaves node {tables.names[i]} without a strategy")
         keep.append(idx)

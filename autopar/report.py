@@ -41,9 +41,11 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
     s = plan.settings
-    con.print(f"autopar plan: {plan.model} on mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
-              f"profile {s['profile']}, {s['dtype']}, {s['optimizer']}, cap {format_bytes(s.get('mem_cap_bytes'))}, "
-              f"solver {s['solver']} ({'optimal' if plan.search['optimal'] else 'not proven optimal'})")
+    con.print(
+        f"autopar plan: {plan.model} on mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
+        f"profile {s['profile']}, {s['dtype']}, {s['optimizer']}, cap {format_bytes(s.get('mem_cap_bytes'))}, "
+        f"solver {s['solver']} ({'optimal' if plan.search['optimal'] else 'not proven optimal'})"
+    )
     con.print(f"plan: {plan.family}")
     con.print(_params_table(plan))
     con.print(_collectives_table(plan))
@@ -70,9 +72,19 @@ def _params_table(plan: Plan) -> Table:
     for name, members in groups.items():
         variants = {(tuple(p["placements"]), tuple(p["state_placements"]), tuple(p["local_shape"])) for p in members}
         for pl, st, loc in sorted(variants):
-            n = sum(1 for p in members if (tuple(p["placements"]), tuple(p["state_placements"]), tuple(p["local_shape"])) == (pl, st, loc))
-            t.add_row(name, str(n), str(tuple(members[0]["shape"])), ",".join(pl),
-                      "same" if st == pl else ",".join(st), str(loc))
+            n = sum(
+                1
+                for p in members
+                if (tuple(p["placements"]), tuple(p["state_placements"]), tuple(p["local_shape"])) == (pl, st, loc)
+            )
+            t.add_row(
+                name,
+                str(n),
+                str(tuple(members[0]["shape"])),
+                ",".join(pl),
+                "same" if st == pl else ",".join(st),
+                str(loc),
+            )
     return t
 
 
@@ -108,12 +120,24 @@ def _families_table(plan: Plan) -> Table:
     t = Table(title="why this plan: best plan of each family under the same cap", title_justify="left")
     for col in ("family", "step time", "compute", "communication", "memory / device", "fits cap"):
         t.add_column(col)
-    t.add_row(f"chosen ({plan.family})", _ms(plan.cost["total_s"]), _ms(plan.cost["compute_s"]),
-              _ms(plan.cost["comm_s"]), format_bytes(plan.memory["per_device_bytes"]), "yes")
+    t.add_row(
+        f"chosen ({plan.family})",
+        _ms(plan.cost["total_s"]),
+        _ms(plan.cost["compute_s"]),
+        _ms(plan.cost["comm_s"]),
+        format_bytes(plan.memory["per_device_bytes"]),
+        "yes",
+    )
     for a in plan.alternatives:
         if a["feasible"]:
-            t.add_row(a["family"], _ms(a["total_s"]), _ms(a["compute_s"]), _ms(a["comm_s"]),
-                      format_bytes(a["per_device_bytes"]), "yes")
+            t.add_row(
+                a["family"],
+                _ms(a["total_s"]),
+                _ms(a["compute_s"]),
+                _ms(a["comm_s"]),
+                format_bytes(a["per_device_bytes"]),
+                "yes",
+            )
         else:
             t.add_row(a["family"], "-", "-", "-", f">= {format_bytes(a.get('min_per_device_bytes'))}", "no")
     return t

@@ -4,7 +4,8 @@ A ``ShardingSpec`` holds one placement per mesh axis.  Several axes may shard th
 same dim: they split it in mesh-axis order (axis 0 first, then axis 1 splits each
 axis-0 piece), as MindSpore's Layout ``("dp", "tp")`` on one dim and DTensor do.
 Local sizes follow ``torch.tensor_split`` (see ``placement.shard_sizes``); cost and
-memory use the largest local piece, which rank 0 of each axis holds.
+memory use the largest local piece, which rank 0 of each axis holds.  Which global
+indices a rank holds is ``layout.dim_ranges`` (nested semantics).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from .placement import Partial, Placement, Replicate, Shard, shard_sizes
 
-__all__ = ["TensorMeta", "ShardingSpec", "local_shape", "local_meta", "shard_range"]
+__all__ = ["TensorMeta", "ShardingSpec", "local_shape", "local_meta"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +47,11 @@ class TensorMeta:
     def is_float(self) -> bool:
         return self.dtype is not None and (self.dtype.is_floating_point or self.dtype.is_complex)
 
-    def with_shape(self, shape) -> "TensorMeta":
+    def with_shape(self, shape) -> TensorMeta:
         return TensorMeta(tuple(int(s) for s in shape), self.dtype)
 
     @classmethod
-    def of(cls, t) -> "TensorMeta":
+    def of(cls, t) -> TensorMeta:
         """Meta of a torch tensor (real, meta or fake)."""
         return cls(tuple(int(s) for s in t.shape), t.dtype)
 
@@ -69,8 +70,12 @@ def _split_dim(size: int, placement: Shard, parts: int, index: int) -> tuple[int
     return start, sizes[index] * blocks
 
 
-def local_shape(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
-                coordinate: tuple[int, ...] | None = None) -> tuple[int, ...]:
+def local_shape(
+    shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...] | None = None,
+) -> tuple[int, ...]:
     """Local shape at a mesh coordinate (default: all zeros, the largest piece)."""
     out = list(shape)
     coord = coordinate or (0,) * len(mesh_shape)
@@ -83,26 +88,6 @@ def local_shape(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_
 def local_meta(meta: TensorMeta, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> TensorMeta:
     """Largest local piece of a tensor under the given placements."""
     return meta.with_shape(local_shape(meta.shape, placements, mesh_shape))
-
-
-def shard_range(size: int, placements_on_dim: list[tuple[Shard, int, int]]) -> list[tuple[int, int]]:
-    """Global index ranges held locally on one dim.
-
-    ``placements_on_dim`` lists (shard, axis_size, axis_coordinate) in mesh-axis
-    order for the axes that shard this dim.  Returns a list of (start, stop)
-    ranges (one per block; one range for plain shards) in global indices.
-    """
-    ranges = [(0, size)]
-    for shard, parts, index in placements_on_dim:
-        new = []
-        for lo, hi in ranges:
-            blk = (hi - lo) // shard.blocks
-            for b in range(shard.blocks):
-                sizes = shard_sizes(blk, parts)
-                s = lo + b * blk + sum(sizes[:index])
-                new.append((s, s + sizes[index]))
-        ranges = new
-    return ranges
 
 
 @dataclass(frozen=True, slots=True)

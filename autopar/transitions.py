@@ -65,8 +65,14 @@ def _local_bytes(meta: TensorMeta, current: list[Placement], mesh_shape: tuple[i
     return n * meta.itemsize
 
 
-def transitions(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                mesh_shape: tuple[int, ...], *, include_local: bool = False) -> list[AxisTransition]:
+def transitions(
+    meta: TensorMeta,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    mesh_shape: tuple[int, ...],
+    *,
+    include_local: bool = False,
+) -> list[AxisTransition]:
     """The steps that take a tensor from placements ``src`` to ``dst``, in execution order.
 
     1. un-shard, innermost axis first (a dim sharded by several axes is nested, so

@@ -10,7 +10,7 @@ import pytest
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(name: str, batch: int, seq: int):
     from autopar.models import load_model
 

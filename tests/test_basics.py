@@ -6,14 +6,20 @@ import pytest
 import torch
 
 from autopar import Mesh, Partial, Replicate, Shard, parse_placement, parse_placements
-from autopar.spec import TensorMeta, local_shape, shard_range
+from autopar.layout import dim_ranges
+from autopar.spec import TensorMeta, local_shape
 from autopar.transitions import consumer_grad_placement, producer_grad_placement, transitions
 from autopar.units import format_bytes, parse_bytes
 
 
 def test_placements_print_and_parse_round_trip():
-    for p, text in [(Shard(0), "S(0)"), (Shard(1, 3), "S(1)[3]"), (Replicate(), "R"), (Partial(), "P(sum)"),
-                    (Partial("max"), "P(max)")]:
+    for p, text in [
+        (Shard(0), "S(0)"),
+        (Shard(1, 3), "S(1)[3]"),
+        (Replicate(), "R"),
+        (Partial(), "P(sum)"),
+        (Partial("max"), "P(max)"),
+    ]:
         assert str(p) == text
         assert parse_placement(text) == p
     assert parse_placements("R,S(1)") == (Replicate(), Shard(1))
@@ -41,9 +47,9 @@ def test_uneven_and_block_shards_follow_tensor_split():
     assert local_shape((50257, 768), (Shard(0),), (4,)) == (12565, 768)
     assert local_shape((50257, 768), (Shard(0),), (4,), (3,)) == (12564, 768)
     # two axes on one dim: axis 0 first, then axis 1 splits each piece
-    assert shard_range(10, [(Shard(0), 2, 1), (Shard(0), 2, 0)]) == [(5, 8)]
+    assert dim_ranges((10,), (Shard(0), Shard(0)), (2, 2), (1, 0)) == [[(5, 8)]]
     # blocks: rank 1 of 4 holds piece 1 of each of the 3 blocks of 2304
-    assert shard_range(2304, [(Shard(1, 3), 4, 1)]) == [(192, 384), (960, 1152), (1728, 1920)]
+    assert dim_ranges((768, 2304), (Shard(1, 3),), (4,), (1,))[1] == [(192, 384), (960, 1152), (1728, 1920)]
     assert local_shape((768, 2304), (Shard(1, 3),), (4,)) == (768, 576)
 
 

@@ -44,8 +44,12 @@ def test_module_paths_kept(tiny_model):
     model, args, kwargs = tiny_model("gpt2-tiny", 2, 16)
     graph = capture(model, args, kwargs)
     addmm = [n for n in graph.nodes if n.kind == "op" and "addmm" in str(n.target)]
-    assert [n.module for n in addmm][:4] == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
-                                             "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
+    assert [n.module for n in addmm][:4] == [
+        "transformer.h.0.attn.c_attn",
+        "transformer.h.0.attn.c_proj",
+        "transformer.h.0.mlp.c_fc",
+        "transformer.h.0.mlp.c_proj",
+    ]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -60,8 +64,8 @@ def test_cross_entropy_decomposition_matches_torch(reduction, smoothing):
     if reduction == "none":
         ref = ref * (t != -100)
     torch.testing.assert_close(ours, ref)
-    g_ref, = torch.autograd.grad(ref.sum(), x)
-    g, = torch.autograd.grad(ours.sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), x)
+    (g,) = torch.autograd.grad(ours.sum(), x)
     torch.testing.assert_close(g, g_ref)
 
 
@@ -86,8 +90,9 @@ def test_decomposed_graph_computes_the_same_loss():
     for ph in sig_inputs:
         fqn = next((n.fqn for n in graph.nodes if n.fx_node is ph and n.fqn), None)
         if ph.name.startswith("p_"):
-            values.append(params[fqn] if fqn else next(v for k, v in params.items()
-                                                       if "p_" + k.replace(".", "_") == ph.name))
+            values.append(
+                params[fqn] if fqn else next(v for k, v in params.items() if "p_" + k.replace(".", "_") == ph.name)
+            )
         elif ph.name.startswith("b_"):
             values.append(next(v for k, v in buffers.items() if "b_" + k.replace(".", "_") == ph.name))
         else:

@@ -19,8 +19,23 @@ def test_same_command_twice_gives_byte_identical_json(tmp_path):
     outs = []
     for i in range(2):
         out = tmp_path / f"plan{i}.json"
-        r = _run("plan", "gpt2-tiny", "--mesh", "2", "--axis-names", "tp", "--batch", "4", "--seq", "32",
-                 "--format", "json", "-o", str(out), "--timings")
+        r = _run(
+            "plan",
+            "gpt2-tiny",
+            "--mesh",
+            "2",
+            "--axis-names",
+            "tp",
+            "--batch",
+            "4",
+            "--seq",
+            "32",
+            "--format",
+            "json",
+            "-o",
+            str(out),
+            "--timings",
+        )
         assert r.returncode == 0, r.stderr
         outs.append(out.read_bytes())
         timings = json.loads(r.stderr.strip().splitlines()[-1])
@@ -40,8 +55,10 @@ def test_table_and_mem_cap_units(capsys):
 def test_bad_inputs_are_clear_errors(capsys):
     assert main(["plan", "no-such-model", "--mesh", "2"]) == 2
     assert "not a built-in model" in capsys.readouterr().err
-    assert main(["plan", "gpt2-tiny", "--mesh", "2", "--batch", "2", "--seq", "16", "--mem-cap", "1KiB",
-                 "--no-compare"]) == 2
+    assert (
+        main(["plan", "gpt2-tiny", "--mesh", "2", "--batch", "2", "--seq", "16", "--mem-cap", "1KiB", "--no-compare"])
+        == 2
+    )
     assert "smallest per-device memory any plan reaches" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "gpt2-tiny", "--mesh", "2x"])
@@ -55,8 +72,10 @@ def test_factory_models(tmp_path, capsys):
         "    m = torch.nn.Sequential(torch.nn.Linear(seq, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))\n"
         "    return m, (torch.randn(batch, seq),)\n"
     )
-    assert main(["plan", f"{f}:build", "--mesh", "2", "--batch", "8", "--seq", "16", "--format", "json",
-                 "--no-compare"]) == 0
+    assert (
+        main(["plan", f"{f}:build", "--mesh", "2", "--batch", "8", "--seq", "16", "--format", "json", "--no-compare"])
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert set(plan["params"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 

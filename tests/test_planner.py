@@ -19,13 +19,14 @@ def gpt2_tp4():
 
     model, args, kwargs = load_model("gpt2", batch=1, seq=1024)
     mesh = autopar.Mesh((4,), axis_names=("tp",))
-    return prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile="h100", dtype="fp32",
-                   optimizer="adamw")
+    return prepare(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, profile="h100", dtype="fp32", optimizer="adamw"
+    )
 
 
 def _block_params(plan, block: int) -> dict[str, list[str]]:
     prefix = f"transformer.h.{block}."
-    return {k[len(prefix):]: v["placements"] for k, v in plan.params.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v["placements"] for k, v in plan.params.items() if k.startswith(prefix)}
 
 
 def test_gpt2_megatron_plan_found_without_being_told(gpt2_tp4):
@@ -45,15 +46,21 @@ def test_gpt2_megatron_plan_found_without_being_told(gpt2_tp4):
         for ln in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"):
             assert p[ln] == ["R"]
         # activations: 2 all-reduces forward and 2 backward, or Megatron-SP's RS + AG pairs
-        acts = [c for c in plan.collectives if c["module"].startswith(f"transformer.h.{block}.")
-                and not c["tensor"].startswith("p_")]
+        acts = [
+            c
+            for c in plan.collectives
+            if c["module"].startswith(f"transformer.h.{block}.") and not c["tensor"].startswith("p_")
+        ]
         fwd = sorted(c["kind"] for c in acts if c["phase"] == "forward")
         bwd = sorted(c["kind"] for c in acts if c["phase"] == "backward")
         assert fwd in (["all_reduce"] * 2, ["all_gather"] * 2 + ["reduce_scatter"] * 2), fwd
         assert bwd in (["all_reduce"] * 2, ["all_gather"] * 2 + ["reduce_scatter"] * 2), bwd
     # no weight is all-gathered (only activations are)
-    assert not [c for c in plan.collectives if c["kind"] == "all_gather" and c["tensor"].startswith("p_")
-                and c["phase"] != "optimizer"]
+    assert not [
+        c
+        for c in plan.collectives
+        if c["kind"] == "all_gather" and c["tensor"].startswith("p_") and c["phase"] != "optimizer"
+    ]
     # vocab-parallel embedding + loss: the logits are never gathered
     assert plan.params["transformer.wte.weight"]["placements"] == ["S(0)"]
     assert plan.params["transformer.wte.weight"]["local_shape"] == [12565, 768]  # 50257 on 4: uneven
@@ -90,16 +97,17 @@ def test_infeasible_cap_names_smallest_reachable_memory(gpt2_tp4):
 def test_llama_and_bert_plan_every_op_covered_or_listed(tiny_model, name, mesh_shape):
     """Issue 2, done-when 4."""
     model, args, kwargs = tiny_model(name, 4, 32)
-    mesh = autopar.Mesh(mesh_shape, axis_names=("dp", "tp")[-len(mesh_shape):])
+    mesh = autopar.Mesh(mesh_shape, axis_names=("dp", "tp")[-len(mesh_shape) :])
     plan = autopar.plan(model, mesh, example_inputs=args, example_kwargs=kwargs, compare_families=False)
-    from autopar.strategies.base import rule_for
-    import torch
 
+    from autopar.strategies.base import registered_targets
+
+    covered_ops = {str(t) for t in registered_targets()}
+    fallback = {(f["node"], f["op"]) for f in plan.fallback_ops}
     for name_, node in plan.nodes.items():
-        op = node["op"]
-        target = eval("torch.ops." + op) if op.startswith("aten.") else None
-        covered = target is not None and rule_for(target) is not None
-        assert covered or {"node": name_, "op": op, "module": node["module"]} in plan.fallback_ops
+        assert (node["op"] in covered_ops) != ((name_, node["op"]) in fallback), name_
+    if name == "llama-tiny":
+        assert fallback  # its causal-mask building uses aten.index.Tensor, which has no rule: listed
     assert plan.memory["per_device_bytes"] > 0 and plan.cost["total_s"] > 0
 
 
@@ -128,8 +136,9 @@ def gpt2_dp8():
 
     model, args, kwargs = load_model("gpt2", batch=64, seq=1024)
     mesh = autopar.Mesh((8,), axis_names=("dp",))
-    return prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile="h100", dtype="fp32",
-                   optimizer="adamw")
+    return prepare(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, profile="h100", dtype="fp32", optimizer="adamw"
+    )
 
 
 def _block_weights(plan):
@@ -148,8 +157,11 @@ def test_gpt2_dp8_no_cap_is_data_parallel_in_every_block(gpt2_dp8):
     assert {(c["kind"], c["phase"], c["axis"]) for c in grads} == {("all_reduce", "backward", "dp")}
     assert len(grads) == len(block_weight_nodes)
     # the batch is split: activations inside the blocks are never communicated
-    assert not [c for c in plan.collectives if c["module"].startswith("transformer.h.")
-                and c["tensor"] not in block_weight_nodes]
+    assert not [
+        c
+        for c in plan.collectives
+        if c["module"].startswith("transformer.h.") and c["tensor"] not in block_weight_nodes
+    ]
 
 
 def test_gpt2_dp8_tighter_caps_shard_model_state_zero_style(gpt2_dp8):

@@ -1,26 +1,20 @@
 """Rules for data movement: views, lookups, attention, factories (and their kernels).
 
-Every registered op is validated on random data over meshes (2,), (4,) and (2, 2):
-each strategy's local op (or kernel) on every simulated rank, combined by the
-output placements, must equal the full op.  Ops whose arguments hold global sizes
-(view, expand, split, ...) run locally with ``views.localize_size_args``; the
-shared validator (``strategies.validate``) does not localize size arguments yet,
-so those ops go through ``_localized_verdicts`` below, a copy of its loop with that
-one step added.  The other ops use ``assert_rule_valid`` directly.
+Every registered op is validated on random data over meshes (2,), (4,) and (2, 2)
+with ``strategies.validate.assert_rule_valid``: each strategy's local op (or
+kernel) on every simulated rank, with global size arguments made local, combined
+by the output placements, must equal the full op.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.kernels import KERNELS, KernelContext
-from autopar.layout import combine, coordinates, dim_ranges, shard_tensor
 from autopar.placement import Replicate, Shard
-from autopar.strategies.base import FALLBACK, expand_to_mesh, registered_targets, rule_for
+from autopar.strategies.base import expand_to_mesh, registered_targets, rule_for
 from autopar.strategies.validate import assert_rule_valid, make_call
-from autopar.strategies.views import _SIZE_ARGS, localize_size_args
 
 aten = torch.ops.aten
 MESHES = [(2,), (4,), (2, 2)]
@@ -28,56 +22,6 @@ R = Replicate()
 
 
 # ----------------------------------------------------------------------------- harness
-
-
-def _localized_verdicts(target, args, kwargs, mesh_shape, block_hints, seed=0):
-    """(strategy, ok, message) per strategy, local calls with ``localize_size_args`` (see module doc)."""
-    call, full = make_call(target, args, kwargs, block_hints=block_hints)
-    flat, spec = pytree.tree_flatten((tuple(args), kwargs))
-    pos = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-    out = []
-    for s in expand_to_mesh(call, mesh_shape, rule_for(target)):
-        kernel = next((k for k in s.kernels if k not in (None, FALLBACK)), None)
-        local, msg = {}, "ok"
-        for coord in coordinates(mesh_shape):
-            lflat = list(flat)
-            for i, p in enumerate(pos):
-                lflat[p] = shard_tensor(flat[p], s.inputs[i], mesh_shape, coord, partial_seed=seed * 1_000_003 + i)
-            largs, lkwargs = pytree.tree_unflatten(lflat, spec)
-            shapes = [
-                tuple(sum(hi - lo for lo, hi in r) for r in dim_ranges(tuple(t.shape), s.outputs[j], mesh_shape, coord))
-                for j, t in enumerate(full)
-            ]
-            largs, lkwargs = localize_size_args(target, largs, lkwargs, shapes)
-            try:
-                if kernel is None:
-                    res = target(*largs, **lkwargs)
-                else:
-                    axes = tuple(a for a, k in enumerate(s.kernels) if k == kernel)
-                    res = KERNELS[kernel](
-                        KernelContext(mesh_shape, coord, s.inputs, call.inputs, axes), *largs, **lkwargs
-                    )
-            except Exception as e:  # noqa: BLE001  (a failing local op is a verdict)
-                msg = f"local op failed at {coord}: {type(e).__name__}: {e}"
-                break
-            local[coord] = [x for x in pytree.tree_leaves(res) if isinstance(x, torch.Tensor)]
-        if msg == "ok":
-            for j, want in enumerate(full):
-                try:
-                    got = combine({c: o[j] for c, o in local.items()}, s.outputs[j], mesh_shape, tuple(want.shape))
-                except (AssertionError, ValueError) as e:
-                    msg = f"output {j}: {e}"
-                    break
-                same = (
-                    torch.allclose(got, want, atol=1e-5, rtol=1e-4, equal_nan=True)
-                    if want.is_floating_point()
-                    else torch.equal(got, want)
-                )
-                if not same:
-                    msg = f"output {j}: combined value differs from the full op"
-                    break
-        out.append((s, msg == "ok", msg))
-    return out
 
 
 def _label(s) -> str:
@@ -92,14 +36,8 @@ def check(target, *args, mesh=(2,), hints=(), **kwargs) -> set[str]:
     tensor (one placement per mesh axis), plus `` @kernel`` when a kernel runs.
     """
     hints = frozenset(hints)
-    if target in _SIZE_ARGS:
-        verdicts = _localized_verdicts(target, args, kwargs, mesh, hints)
-        wrong = {_label(s): m for s, ok, m in verdicts if not ok}
-        assert not wrong, f"{target} on mesh {mesh}: {len(wrong)} of {len(verdicts)} strategies are wrong: {wrong}"
-        strategies = [s for s, _, _ in verdicts]
-    else:
-        checks = assert_rule_valid(target, args, kwargs, mesh_shape=mesh, block_hints=hints)
-        strategies = [c.strategy for c in checks]
+    checks = assert_rule_valid(target, args, kwargs, mesh_shape=mesh, block_hints=hints)
+    strategies = [c.strategy for c in checks]
     assert not any(s.fallback for s in strategies), f"{target}: reported as fallback"
     return {_label(s) for s in strategies}
 

@@ -100,6 +100,9 @@ def _reduce_domains(problem: SearchProblem) -> list[np.ndarray]:
     return [np.flatnonzero(a) for a in alive]
 
 
+_TIE = lambda v, dist: dist[v]
+
+
 def _order(scopes: list[tuple[int, ...]], k: list[int], spread: dict[int, int]) -> list[int]:
     """Greedy elimination order: smallest new table (product of the neighbours' k) first;
     ties go to the node nearest the one whose memory depends most on its choice, so
@@ -123,7 +126,7 @@ def _order(scopes: list[tuple[int, ...]], k: list[int], spread: dict[int, int]) 
             frontier = nxt
 
     def cost(v: int) -> tuple[int, int, int]:
-        return math.prod(k[w] for w in adj[v]), dist[v], len(adj[v])
+        return math.prod(k[w] for w in adj[v]), _TIE(v, dist), len(adj[v])
 
     current = {v: cost(v) for v in adj}
     heap = [(c, v) for v, c in current.items()]
@@ -332,6 +335,32 @@ class _Tab:
     m: np.ndarray
     xs: np.ndarray | None = None  # choice of the eliminated node per pair
     bp: np.ndarray | None = None  # (pairs, inputs): pair index into each input
+    keys: tuple | None = None  # search keys of :func:`_window`, built on first use
+
+
+def _window(tab: _Tab, e: np.ndarray, qp: np.ndarray | None, qs: np.ndarray | None, primary: str) -> tuple[np.ndarray, np.ndarray]:
+    """For each query, the pairs of entry ``e`` with primary <= qp and secondary <= qs.
+
+    Within an entry pairs are sorted by primary ascending (secondary descending), so
+    that is a contiguous range.  One searchsorted over all entries at once: a pair's
+    key is ``entry * width + rank of its value among the table's values``.
+    """
+    start, stop = tab.off[e], tab.off[e + 1]
+    if qp is None and qs is None:
+        return start, stop
+    if tab.keys is None:
+        ent = np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))
+        pv, sv = (tab.t, tab.m) if primary == "t" else (tab.m, tab.t)
+        sp, sn = np.sort(pv), np.sort(-sv)
+        width = pv.size + 1
+        tab.keys = (width, sp, ent * width + np.searchsorted(sp, pv, "right"), sn, ent * width + np.searchsorted(sn, -sv, "left"))
+    width, sp, kp, sn, ks = tab.keys
+    base = e * width
+    if qp is not None:
+        stop = np.minimum(stop, np.searchsorted(kp, base + np.searchsorted(sp, qp, "right"), "right"))
+    if qs is not None:
+        start = np.maximum(start, np.searchsorted(ks, base + np.searchsorted(sn, -qs, "left"), "left"))
+    return start, np.maximum(stop, start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,9 +454,17 @@ def _pareto_pass(
         ptrs: list[np.ndarray] = []
         for i, j in enumerate(order):
             tab = tabs[st.inputs[j]]
-            e = ents[j][cell]
-            rep, within = _expand(tab.off[e + 1] - tab.off[e])
-            q = tab.off[e][rep] + within
+            qt = qm = None  # the input's time / memory allowed by the pure bounds
+            for bd, seq in zip(live, rests):
+                if bd.wt and not bd.wm:
+                    q = (bd.limit + _tol(bd.limit) - seq[i][cell]) / bd.wt - t
+                    qt = q if qt is None else np.minimum(qt, q)
+                elif bd.wm and not bd.wt:
+                    q = (bd.limit + _tol(bd.limit) - seq[i][cell]) / bd.wm - m
+                    qm = q if qm is None else np.minimum(qm, q)
+            start, stop = _window(tab, ents[j][cell], *((qt, qm) if primary == "t" else (qm, qt)), primary)
+            rep, within = _expand(stop - start)
+            q = start[rep] + within
             cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
             ptrs = [p[rep] for p in ptrs] + [q]
             stats["max_combined"] = max(stats["max_combined"], cell.size)

@@ -22,12 +22,11 @@ equal) gives the op's full output.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-import torch
 from torch.utils import _pytree as pytree
 
 from ..placement import Partial, Placement, Replicate, Shard
@@ -71,7 +70,7 @@ class OpCall:
     outputs: tuple[TensorMeta, ...]
     block_hints: frozenset = frozenset()
 
-    def with_metas(self, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> "OpCall":
+    def with_metas(self, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> OpCall:
         """The same call with other tensor metas (used to descend to local shapes)."""
         it = iter(inputs)
         flat, spec = pytree.tree_flatten((self.args, self.kwargs))

@@ -29,8 +29,9 @@ from torch.utils import _pytree as pytree
 
 from ..kernels import KERNELS, KernelContext
 from ..layout import combine, coordinates, shard_tensor
-from ..spec import TensorMeta
+from ..spec import TensorMeta, local_shape
 from .base import FALLBACK, OpCall, OpStrategy, expand_to_mesh, rule_for
+from .views import localize_size_args
 
 __all__ = ["StrategyCheck", "make_call", "validate_op", "assert_rule_valid"]
 
@@ -135,6 +136,11 @@ def _check_strategy(
         except ValueError as e:  # e.g. a block count that does not divide some rank's piece
             return StrategyCheck(strategy, False, math.inf, f"input {i} cannot be laid out at {coord}: {e}")
         largs, lkwargs = pytree.tree_unflatten(local_flat, spec)
+        # size arguments (view, expand, split ...) are global in the graph: make them local
+        shapes = [
+            local_shape(tuple(o.shape), strategy.outputs[j], tuple(mesh_shape), coord) for j, o in enumerate(full_outs)
+        ]
+        largs, lkwargs = localize_size_args(call.target, tuple(largs), dict(lkwargs), shapes)
         try:
             with torch.no_grad():
                 if kernel is None:

@@ -1,0 +1,25 @@
+"""Runtime communication for executing plans on real ranks.
+
+- ``groups``: ``MeshGroups`` (one process group per mesh axis line) and
+  ``init_distributed`` (torchrun environment -> default process group).
+- ``redistribute``: ``redistribute_local`` runs ``transitions()``'s steps as
+  collectives; ``Redistribute`` / ``redistribute`` is its autograd function.
+- ``counter``: ``CollectiveCounter`` records what ran, to compare with the plan.
+"""
+
+from __future__ import annotations
+
+from .counter import CollectiveCounter, CollectiveRecord
+from .groups import MeshGroups, init_distributed
+from .redistribute import Redistribute, nesting_conflict, redistribute, redistribute_local
+
+__all__ = [
+    "CollectiveCounter",
+    "CollectiveRecord",
+    "MeshGroups",
+    "init_distributed",
+    "Redistribute",
+    "nesting_conflict",
+    "redistribute",
+    "redistribute_local",
+]

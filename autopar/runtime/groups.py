@@ -1,0 +1,173 @@
+"""Process groups for a device mesh: one ``torch.distributed`` group per (mesh axis, axis group).
+
+``MeshGroups(mesh)`` is built on every rank inside an initialized default process
+group whose world size is ``mesh.size``.  It creates, on every rank and in the same
+order, one group per line of ranks along each mesh axis (``Mesh.axis_groups``) —
+``dist.new_group`` is collective over the whole world, so skipping a group on one
+rank would hang the others — and keeps the groups this rank belongs to.
+
+Group rank vs axis coordinate: ``dist.new_group`` numbers a group's members in
+sorted global-rank order, which differs from their coordinate along the axis on a
+permuted mesh (``Mesh(..., ranks=...)``).  Collectives return pieces in group-rank
+order; ``axis_order(axis)`` gives, for each group rank, the member's axis
+coordinate so callers can put pieces back in mesh order.
+
+``init_distributed()`` initializes the default group from torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``): nccl with
+one GPU per rank (``cuda:LOCAL_RANK``) when CUDA is available, gloo on CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import Mesh
+
+__all__ = ["MeshGroups", "init_distributed"]
+
+logger = logging.getLogger(__name__)
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(backend: str | None = None, *, timeout: timedelta | None = None) -> str:
+    """Initialize the default process group from torchrun's environment; return the backend.
+
+    ``backend=None`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``.  With
+    nccl the current CUDA device is set to ``LOCAL_RANK`` before the group is
+    created (one GPU per rank).  Idempotent: when the default group already exists
+    it is left alone and its backend returned.  Raises ValueError when a torchrun
+    variable is missing.
+    """
+    if not dist.is_available():
+        raise ValueError("init_distributed: this torch build has no torch.distributed; install a build with it")
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"init_distributed: environment variables {missing} are not set; launch with torchrun "
+            "(torchrun --nproc-per-node N script.py) or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
+        if not torch.cuda.is_available():
+            raise ValueError(f"init_distributed: backend {backend!r} needs CUDA but no GPU is visible; use 'gloo'")
+        local_rank = int(os.environ.get("LOCAL_RANK", int(os.environ["RANK"]) % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    logger.info("initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+    return str(dist.get_backend())
+
+
+class MeshGroups:
+    """This rank's view of the mesh: its coordinate and one process group per mesh axis.
+
+    Contract: construct on every rank, in the same program order relative to other
+    ``dist.new_group`` calls (group creation is collective over the world).
+
+    ``native_reduce_scatter`` chooses how ``P(sum) -> S`` runs: ``True`` issues a real
+    (padded) reduce-scatter, ``False`` emulates it with an all-reduce and a local
+    slice (same result, more traffic).  ``None`` (default) means native on nccl and
+    emulated on other backends (gloo lacked reduce-scatter before torch 2.6).  Either
+    way the collective counter records one ``reduce_scatter`` with the planned bytes.
+    """
+
+    def __init__(self, mesh: Mesh, *, native_reduce_scatter: bool | None = None) -> None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"MeshGroups(mesh={mesh!r}): expected an autopar.Mesh, e.g. Mesh((2, 4), ('dp', 'tp'))")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                f"MeshGroups({mesh}): torch.distributed has no default process group; call "
+                "torch.distributed.init_process_group(...) (or autopar.runtime.init_distributed()) on every rank "
+                f"first, or launch the {mesh.size} ranks with torchrun"
+            )
+        world = dist.get_world_size()
+        if world != mesh.size:
+            dims = " * ".join(f"{n}({s})" for n, s in zip(mesh.axis_names, mesh.shape))
+            raise ValueError(
+                f"MeshGroups: world size {world} != mesh size {mesh.size} (mesh {mesh}: {dims}); launch "
+                f"{mesh.size} ranks (torchrun --nproc-per-node {mesh.size}) or use a mesh whose axis sizes "
+                f"multiply to {world}"
+            )
+        self._mesh = mesh
+        self._rank = dist.get_rank()
+        self._backend = str(dist.get_backend())
+        self._coordinate = mesh.coordinate(self._rank)
+        self._native_rs = ("nccl" in self._backend) if native_reduce_scatter is None else bool(native_reduce_scatter)
+        self._groups: list[dist.ProcessGroup] = []
+        self._members: list[tuple[int, ...]] = []
+        self._order: list[tuple[int, ...]] = []
+        for axis in range(mesh.ndim):
+            mine = None
+            for ranks in mesh.axis_groups(axis):  # every rank creates every group, same order
+                pg = dist.new_group(ranks=list(ranks))
+                if self._rank in ranks:
+                    mine = (pg, tuple(ranks))
+            if mine is None:
+                raise AssertionError(f"rank {self._rank} is in no group of mesh axis {axis} of {mesh}")
+            pg, ranks = mine
+            self._groups.append(pg)
+            self._members.append(ranks)
+            group_ranks = dist.get_process_group_ranks(pg)  # global ranks in group-rank order
+            self._order.append(tuple(mesh.coordinate(r)[axis] for r in group_ranks))
+
+    # ---- identity -------------------------------------------------------------------
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self._rank
+
+    @property
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's mesh coordinate."""
+        return self._coordinate
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:LOCAL_RANK`` on nccl (one GPU per rank), else ``cpu``."""
+        if "nccl" in self._backend:
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        return torch.device("cpu")
+
+    @property
+    def native_reduce_scatter(self) -> bool:
+        return self._native_rs
+
+    # ---- axes -----------------------------------------------------------------------
+    def axis_group(self, axis: int | str) -> dist.ProcessGroup:
+        """The process group of this rank's line of ranks along ``axis``."""
+        return self._groups[self._mesh.axis_index(axis)]
+
+    def axis_size(self, axis: int | str) -> int:
+        return self._mesh.shape[self._mesh.axis_index(axis)]
+
+    def axis_rank(self, axis: int | str) -> int:
+        """This rank's position in its axis group: its mesh coordinate on ``axis``."""
+        return self._coordinate[self._mesh.axis_index(axis)]
+
+    def axis_ranks(self, axis: int | str) -> tuple[int, ...]:
+        """Global ranks of this rank's axis group, in axis-coordinate order."""
+        return self._members[self._mesh.axis_index(axis)]
+
+    def axis_order(self, axis: int | str) -> tuple[int, ...]:
+        """For each group rank of the axis group, the member's axis coordinate."""
+        return self._order[self._mesh.axis_index(axis)]
+
+    def __repr__(self) -> str:
+        return f"MeshGroups({self._mesh}, rank={self._rank}, coordinate={self._coordinate}, backend={self._backend})"
