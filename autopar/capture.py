@@ -88,6 +88,7 @@ class OpGraph:
     model_name: str
     tied: dict[str, str]
     user_inputs: list[str]
+    placeholder_alias: dict[str, int] = field(default_factory=dict)  # tied alias placeholder -> node index
 
     def params(self) -> list[OpNode]:
         return [n for n in self.nodes if n.kind == "param"]
@@ -198,6 +199,7 @@ def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, 
     where: dict[fx.Node, int] = {}  # fx node -> OpNode index (single-output or multi-output op)
     proj: dict[fx.Node, tuple[int, int]] = {}  # getitem node -> (producer, output index)
     param_index: dict[str, int] = {}
+    aliases: dict[str, int] = {}
     for fxn in gm.graph.nodes:
         val = fxn.meta.get("val")
         if fxn.op == "placeholder":
@@ -208,6 +210,7 @@ def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, 
                 fqn = canonical.get(param_of[fxn.name], param_of[fxn.name])
                 if fqn in param_index:  # a tied alias placeholder: reuse the canonical node
                     where[fxn] = param_index[fqn]
+                    aliases[fxn.name] = param_index[fqn]
                     continue
                 node = OpNode(len(nodes), fxn.name, "param", meta, fqn=fqn, requires_grad=True, fx_node=fxn)
                 param_index[fqn] = node.index
@@ -271,4 +274,4 @@ def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, 
             if loss_output is None and meta.numel == 1 and meta.is_float and nodes[ref[0]].requires_grad:
                 loss_output = len(outputs)
             outputs.append(ref)
-    return OpGraph(nodes, outputs, loss_output, gm, model_name, tied, user_inputs)
+    return OpGraph(nodes, outputs, loss_output, gm, model_name, tied, user_inputs, aliases)

@@ -143,6 +143,9 @@ class ShardedInterpreter(fx.Interpreter):
         self.source_values = source_values or {}
         self.coordinate = tuple(groups.coordinate)
         self.by_fx = {n.fx_node: n for n in xplan.graph.nodes if n.fx_node is not None}
+        for fxn in self.module.graph.nodes:
+            if fxn.op == "placeholder" and fxn.name in xplan.graph.placeholder_alias:
+                self.by_fx[fxn] = xplan.graph.nodes[xplan.graph.placeholder_alias[fxn.name]]
         # value provenance: fx node -> (planning node name, output index) for placements
         self._origin: dict[fx.Node, tuple[str, int]] = {}
 

@@ -100,33 +100,18 @@ def _reduce_domains(problem: SearchProblem) -> list[np.ndarray]:
     return [np.flatnonzero(a) for a in alive]
 
 
-_TIE = lambda v, dist: dist[v]
-
-
-def _order(scopes: list[tuple[int, ...]], k: list[int], spread: dict[int, int]) -> list[int]:
-    """Greedy elimination order: smallest new table (product of the neighbours' k) first;
-    ties go to the node nearest the one whose memory depends most on its choice, so
-    the sweep starts there and that lump sits inside the messages, not outside, where
-    the Lagrangian bounds would only see its convex relaxation."""
+def _order(scopes: list[tuple[int, ...]], k: list[int]) -> list[int]:
+    """Greedy elimination order: smallest new table (product of the neighbours' k)
+    first, ties in topological order, so after the leaves and chains fold away one
+    front sweeps the residual stream from input to loss (one big message absorbing
+    small ones, never two big ones meeting)."""
     adj: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
     for s in scopes:
         for v in s:
             adj[v].update(w for w in s if w != v)
-    dist = dict.fromkeys(adj, len(k))
-    if spread:
-        frontier = [max(spread, key=lambda v: (spread[v], -v))]
-        dist[frontier[0]] = 0
-        while frontier:
-            nxt = []
-            for v in frontier:
-                for w in adj[v]:
-                    if dist[w] > dist[v] + 1:
-                        dist[w] = dist[v] + 1
-                        nxt.append(w)
-            frontier = nxt
 
-    def cost(v: int) -> tuple[int, int, int]:
-        return math.prod(k[w] for w in adj[v]), _TIE(v, dist), len(adj[v])
+    def cost(v: int) -> tuple[int, int]:
+        return math.prod(k[w] for w in adj[v]), v
 
     current = {v: cost(v) for v in adj}
     heap = [(c, v) for v, c in current.items()]
@@ -203,8 +188,7 @@ class _Model:
         self.steps: list[_Step] = []
         self.step_of: dict[int, _Step] = {}
         live = set(range(len(scopes)))
-        spread = {s[0]: int(m.max() - m.min()) for s, m in zip(scopes, self.m) if len(s) == 1}
-        for v in _order(scopes, k, spread) + [-1]:
+        for v in _order(scopes, k) + [-1]:
             inputs = tuple(sorted(holding.pop(v))) if v >= 0 else tuple(sorted(live))
             live.difference_update(inputs)
             for tid in inputs:
@@ -410,17 +394,24 @@ def _pareto_pass(
     for t, m, ok in zip(model.t, model.m, model.ok):
         flat = ok.reshape(-1)
         tabs.append(_Tab(np.concatenate([[0], np.cumsum(flat)]), t.reshape(-1)[flat], m.reshape(-1)[flat]))
+    # Stack the bounds: row b of every array below belongs to bound b; the last two
+    # rows are time/memory for the staircase test when ``stair`` is given.
     live = [bd for bd in bounds if np.isfinite(bd.limit)]
+    used = live + (bounds[:2] if stair is not None else [])
+    nl = len(live)
+    wt = np.array([bd.wt for bd in live])[:, None]
+    wm = np.array([bd.wm for bd in live])[:, None]
+    lim = np.array([bd.limit + _tol(bd.limit) for bd in live])[:, None]
+    pure_t = [b for b, bd in enumerate(live) if bd.wt and not bd.wm]
+    pure_m = [b for b, bd in enumerate(live) if bd.wm and not bd.wt]
     stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0}
     for si, st in enumerate(model.steps):
         kx = st.shape[-1] if st.var >= 0 else 1
-        row_ok = np.ones(math.prod(st.shape) // kx, bool)
-        for bd in live:
-            row_ok &= (bd.outs[st.out] + bd.ins[st.out]).reshape(-1) <= bd.limit + _tol(bd.limit)
+        best = np.stack([(bd.outs[st.out] + bd.ins[st.out]).reshape(-1) for bd in used]) if used else np.zeros((0, 1))
+        row_ok = (best[:nl] <= lim).all(axis=0) if nl else np.ones(math.prod(st.shape) // kx, bool)
         if stair is not None:
-            it, im = ((bd.outs[st.out] + bd.ins[st.out]).reshape(-1) for bd in bounds[:2])
-            row_ok &= np.isfinite(it) & np.isfinite(im)
-            row_ok[row_ok] &= ~_dominated(stair, it[row_ok], im[row_ok])
+            row_ok &= np.isfinite(best[-2:]).all(axis=0)
+            row_ok[row_ok] &= ~_dominated(stair, best[-2, row_ok], best[-1, row_ok])
         rows = np.flatnonzero(row_ok)
         cells = (rows[:, None] * kx + np.arange(kx)).reshape(-1)
         coords = np.unravel_index(cells, st.shape) if st.shape else ()
@@ -428,56 +419,40 @@ def _pareto_pass(
         for j, tid in enumerate(st.inputs):
             tshape = tuple(model.k[v] for v in model.all_scopes[tid])
             ents.append(np.ravel_multi_index(tuple(coords[p] for p in st.pos[j]), tshape) if tshape else np.zeros(cells.size, np.int64))
-        gathered = []  # per bound: (outside at the cell's row, inside of each input at the cell)
-        for bd in live + (bounds[:2] if stair is not None else []):
-            gathered.append((np.repeat(bd.outs[st.out].reshape(-1)[rows], kx), [bd.ins[tid].reshape(-1)[e] for tid, e in zip(st.inputs, ents)]))
-        cell_ok = np.ones(cells.size, bool)
-        for bd, (out, ins) in zip(live, gathered):
-            cell_ok &= out + sum(ins) <= bd.limit + _tol(bd.limit)
+        out = np.stack([np.repeat(bd.outs[st.out].reshape(-1)[rows], kx) for bd in used]) if used else np.zeros((0, cells.size))
+        ins = [np.stack([bd.ins[tid].reshape(-1)[e] for bd in used]) if used else out for tid, e in zip(st.inputs, ents)]
+        total = out + sum(ins)
+        cell_ok = (total[:nl] <= lim).all(axis=0)
         if stair is not None:
-            (out_t, ins_t), (out_m, ins_m) = gathered[-2:]
-            it, im = out_t + sum(ins_t), out_m + sum(ins_m)
-            cell_ok &= np.isfinite(it) & np.isfinite(im)
-            cell_ok[cell_ok] &= ~_dominated(stair, it[cell_ok], im[cell_ok])
+            cell_ok &= np.isfinite(total[-2:]).all(axis=0)
+            cell_ok[cell_ok] &= ~_dominated(stair, total[-2, cell_ok], total[-1, cell_ok])
         alive = np.flatnonzero(cell_ok)
         cells, ents = cells[alive], [e[alive] for e in ents]
         order = sorted(range(len(st.inputs)), key=lambda j: tabs[st.inputs[j]].t.size)
-        rests = []  # rests[b][i]: bound b's rest after folding order[:i+1]
-        for out, ins in gathered:
-            r = out[alive]
-            seq = [r]
-            for j in reversed(order[1:]):
-                r = r + ins[j][alive]
-                seq.append(r)
-            rests.append(seq[::-1])
+        rest = out[:, alive]
+        rests = [rest]  # rests[i]: (bounds, cells) rest after folding order[:i+1]
+        for j in reversed(order[1:]):
+            rest = rest + ins[j][:, alive]
+            rests.append(rest)
+        rests.reverse()
         cell, t, m = np.arange(cells.size), np.zeros(cells.size, np.int64), np.zeros(cells.size, np.int64)
         ptrs: list[np.ndarray] = []
         for i, j in enumerate(order):
             tab = tabs[st.inputs[j]]
-            qt = qm = None  # the input's time / memory allowed by the pure bounds
-            for bd, seq in zip(live, rests):
-                if bd.wt and not bd.wm:
-                    q = (bd.limit + _tol(bd.limit) - seq[i][cell]) / bd.wt - t
-                    qt = q if qt is None else np.minimum(qt, q)
-                elif bd.wm and not bd.wt:
-                    q = (bd.limit + _tol(bd.limit) - seq[i][cell]) / bd.wm - m
-                    qm = q if qm is None else np.minimum(qm, q)
+            rc = rests[i][:, cell]
+            # the input's time / memory still allowed by the pure time / memory bounds
+            qt = ((lim[pure_t] - rc[pure_t]) / wt[pure_t]).min(axis=0) - t if pure_t else None
+            qm = ((lim[pure_m] - rc[pure_m]) / wm[pure_m]).min(axis=0) - m if pure_m else None
             start, stop = _window(tab, ents[j][cell], *((qt, qm) if primary == "t" else (qm, qt)), primary)
             rep, within = _expand(stop - start)
             q = start[rep] + within
             cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
             ptrs = [p[rep] for p in ptrs] + [q]
             stats["max_combined"] = max(stats["max_combined"], cell.size)
-            keep = np.ones(cell.size, bool)
-            for bd, seq in zip(live, rests):
-                v = seq[i][cell]
-                if bd.wt:
-                    v = v + bd.wt * t
-                if bd.wm:
-                    v = v + bd.wm * m
-                keep &= v <= bd.limit + _tol(bd.limit)
+            rc = rests[i][:, cell]
+            keep = (rc[:nl] + wt * t + wm * m <= lim).all(axis=0)
             if stair is not None:
-                it, im = t + rests[-2][i][cell], m + rests[-1][i][cell]
+                it, im = t + rc[-2], m + rc[-1]
                 keep[keep] &= ~_dominated(stair, it[keep], im[keep])
             sel = np.flatnonzero(keep)
             if i + 1 < len(order):
@@ -570,6 +545,7 @@ def _hull(model: _Model, a: _Point, b: _Point, seen: list[_Point], budget: int =
 
 
 _THIN_GRIDS = (64, 512, 4096)  # memory buckets across [min-mem plan, min-time plan]
+_LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slopes, times lam*
 
 
 def _with_target(bounds: list[_Bound], target: int, cap: int | None) -> list[_Bound]:
@@ -632,7 +608,14 @@ def solve_dp(
         if vals_l is not None:
             bounds.append(_bound(model, 1.0, lam, ub + lam * cap, vals_l))
             lb = max(lb, float(vals_l[model.final]) - lam * cap)
-        stats.update(lower_bound=lb, lagrange_ub=ub, heuristic_s=0.0)
+        gap = (ub - lb) / max(abs(ub), 1)
+        for f in _LAMBDA_GRID if vals_l is not None and gap > 1e-3 else ():
+            # More slopes: a pair's best completion trades time for memory at its own rate.
+            p, vals = _scalar_plan(model, 1.0, lam * f)
+            seen.append(p)
+            bounds.append(_bound(model, 1.0, lam * f, 0.0, vals))
+        ub = min(p.time for p in seen if p.mem <= (cap if cap is not None else p.mem))
+        stats.update(lower_bound=lb, lagrange_ub=ub, heuristic_s=0.0, bounds=len(bounds))
         for grid in _THIN_GRIDS if cap is not None and ub > lb + _tol(lb) else ():
             # Thinned passes keep one pair per (entry, memory bucket): exact plans, fast,
             # and a UB near the optimum makes the exact pass below prune hard.
