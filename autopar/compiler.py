@@ -223,7 +223,9 @@ def compile(
 
     Must be called on every rank inside an initialized default process group whose
     world size equals ``mesh.size``.  ``example_inputs=None`` is not supported yet:
-    pass the inputs of the shapes you will train with.
+    pass the inputs of the shapes you will train with.  ``family`` forces the
+    search into one family (``"data parallel"``, ``"sharded parameters"``,
+    ``"tensor parallel"``).
     """
     from .runtime.groups import MeshGroups
 
@@ -255,7 +257,8 @@ def compile(
             dtype="fp32",
         )
         graph = ctx.graph
-        plan_obj = plan_from_context(ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=False)
+        plan_obj = plan_from_context(ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=False,
+                                     family=family)
     else:
         plan_obj = plan if isinstance(plan, Plan) else Plan.from_json(plan)
         if tuple(plan_obj.mesh.shape) != tuple(mesh.shape):

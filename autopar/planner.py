@@ -133,6 +133,8 @@ def plan_from_context(
 
     ``allow_state_sharding=False`` keeps every parameter's gradient and optimizer
     state with the parameter (no ZeRO-1/2), for runtimes that do not shard state.
+    ``family`` (one of ``FAMILIES``) confines the search to that family: a forced
+    data-parallel, sharded-parameter or tensor-parallel plan.
     """
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
     if solver not in ("dp", "ilp"):

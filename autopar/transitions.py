@@ -78,9 +78,14 @@ def transitions(
     1. un-shard, innermost axis first (a dim sharded by several axes is nested, so
        the last axis's pieces must be joined first): ``S -> R/P`` all-gather,
        ``S(i) -> S(j)`` all-to-all;
-    2. reduce Partials: ``P -> R`` all-reduce, ``P(sum) -> S`` reduce-scatter;
+    2. reduce Partials, innermost axis first: ``P -> R`` all-reduce,
+       ``P(sum) -> S`` reduce-scatter;
     3. free local steps, outermost axis first: ``R -> S`` slice, ``R -> P`` mask
        (listed with ``kind=None`` only when ``include_local``).
+
+    Before any step on axis ``a`` that moves dim ``d``, an inner axis ``b > a`` that
+    still shards ``d`` is all-gathered (and re-sliced in step 3): on the nested
+    layout axis ``b`` splits axis ``a``'s piece, so it must be joined first.
 
     Each step's bytes are measured on the placements the tensor has when the step
     runs, so the list is exactly what the runtime issues.
@@ -101,18 +106,31 @@ def transitions(
         current[axis] = new
 
     sizes = mesh_shape
+
+    def free_inner(axis: int, dims: set[int]) -> None:
+        # nested layout: an inner axis sharding a dim this step moves must be joined first
+        for b in reversed(range(axis + 1, len(src))):
+            q = current[b]
+            if sizes[b] > 1 and isinstance(q, Shard) and q.dim in dims:
+                step(b, "all_gather", Replicate())
+
+    def dims_of(*ps: Placement) -> set[int]:
+        return {p.dim for p in ps if isinstance(p, Shard)}
+
     for axis in reversed(range(len(src))):
         s, d = current[axis], dst[axis]
         if sizes[axis] == 1 or s == d or not isinstance(s, Shard):
             continue
+        free_inner(axis, dims_of(s, d))
         if isinstance(d, Shard):
             step(axis, "all_to_all", d)
         else:
             step(axis, "all_gather", Replicate())
-    for axis in range(len(src)):
+    for axis in reversed(range(len(src))):  # inner partials first: full = reduce_0(reduce_1(...))
         s, d = current[axis], dst[axis]
         if sizes[axis] == 1 or s == d or not isinstance(s, Partial):
             continue
+        free_inner(axis, dims_of(d))
         if isinstance(d, Shard) and s.op == "sum":
             step(axis, "reduce_scatter", d)
         else:
@@ -121,6 +139,7 @@ def transitions(
         s, d = current[axis], dst[axis]
         if sizes[axis] == 1 or s == d:
             continue
+        free_inner(axis, dims_of(d))
         step(axis, None, d)  # R -> S slice or R -> P mask
     return steps
 

@@ -2,8 +2,8 @@
 
 Truth: ``layout.shard_tensor`` gives every rank's piece before and after;
 ``layout.combine`` rebuilds Partial results and gradients; ``transitions()`` gives
-the exact collective list the counter must hold.  Each mesh runs in one spawn of
-N CPU processes (tests/dist_utils.py).
+the exact collective list the counter must hold.  All meshes of one world size run in
+one spawn of N CPU processes (tests/dist_utils.py); process startup dominates.
 """
 
 from __future__ import annotations
@@ -113,7 +113,15 @@ def _cases(mesh_shape, n_random: int, seed: int) -> tuple[list[dict], int]:
 
 
 # ---- worker (runs on every rank) -------------------------------------------------------
-def _redistribute_worker(rank: int, world: int, mesh_dict: dict, native_rs: bool, cases: list[dict]) -> dict:
+def _world_worker(rank: int, world: int, jobs: list[tuple], conflict: bool) -> dict:
+    """Every job (name, mesh, native reduce-scatter, cases) of one world size in one spawn (startup is the cost)."""
+    out = {name: _redistribute_job(mesh_dict, native_rs, cases) for name, mesh_dict, native_rs, cases in jobs}
+    if conflict:
+        out["conflict"] = _conflict_job()
+    return out
+
+
+def _redistribute_job(mesh_dict: dict, native_rs: bool, cases: list[dict]) -> dict:
     mesh = Mesh.from_dict(mesh_dict)
     groups = MeshGroups(mesh, native_reduce_scatter=native_rs)
     coord = groups.coordinate
@@ -190,12 +198,30 @@ def _check_case(c: dict, per_coord: dict, mesh: Mesh) -> None:
         assert _as_tuples(r["both"]) == want_both, f"{what}: forward+backward counter at {co} != transitions()"
 
 
+def _mesh_cases(name: str) -> tuple[list[dict], int]:
+    return _cases(MESHES[name][0].shape, n_random=70, seed=sum(map(ord, name)))
+
+
+@pytest.fixture(scope="module")
+def world_runs():
+    """world_runs(world) -> per-rank outputs of ``_world_worker`` for every mesh of that size (run once)."""
+    cache: dict[int, list[dict]] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            jobs = [(name, mesh.to_dict(), native_rs, _mesh_cases(name)[0])
+                    for name, (mesh, native_rs) in MESHES.items() if mesh.size == world]
+            cache[world] = run_ranks(_world_worker, world, jobs, world == 4)
+        return cache[world]
+
+    return get
+
+
 @pytest.mark.parametrize("name", list(MESHES))
-def test_redistribute_matches_layout_and_transitions(name):
-    mesh, native_rs = MESHES[name]
-    cases, skipped = _cases(mesh.shape, n_random=70, seed=sum(map(ord, name)))
-    out = run_ranks(_redistribute_worker, mesh.size, mesh.to_dict(), native_rs, cases)
-    by_rank = {o["info"]["rank"]: o for o in out}
+def test_redistribute_matches_layout_and_transitions(name, world_runs):
+    mesh, _ = MESHES[name]
+    cases, skipped = _mesh_cases(name)
+    by_rank = {o[name]["info"]["rank"]: o[name] for o in world_runs(mesh.size)}
     for rank, o in by_rank.items():
         info = o["info"]
         assert info["coordinate"] == mesh.coordinate(rank)
@@ -225,7 +251,7 @@ def test_redistribute_matches_layout_and_transitions(name):
 
 
 # ---- nested-layout conflicts -------------------------------------------------------------
-def _conflict_worker(rank: int, world: int) -> dict:
+def _conflict_job() -> dict:
     from autopar.runtime.redistribute import _run_step, _steps
 
     mesh = Mesh((2, 2))
@@ -249,8 +275,8 @@ def _conflict_worker(rank: int, world: int) -> dict:
             "kinds": [(s.kind, s.axis) for s in steps]}
 
 
-def test_nested_conflicts_are_refused_with_the_reason():
-    out = run_ranks(_conflict_worker, 4)
+def test_nested_conflicts_are_refused_with_the_reason(world_runs):
+    out = [o["conflict"] for o in world_runs(4)]
     r00 = next(o for o in out if o["coordinate"] == (0, 0))
     # transitions() plans a single axis-0 all_gather, which joins rows {0,1} and {4,5}: not rows 0..3
     assert r00["kinds"] == [("all_gather", 0)]

@@ -177,6 +177,39 @@ class SearchProblem:
         ]
         return hits
 
+    def allowed_choices(self) -> list[np.ndarray]:
+        """Per node, the strategies some forbidden-free plan may use: INF choices dropped,
+        then arc consistency (a choice needs a non-INF partner on every edge).
+
+        Raises :class:`InfeasibleError` when a node is left with nothing.
+        """
+        alive = [np.asarray(t < INF) for t in self.node_time]
+        ok = [np.asarray(t < INF) for t in self.edge_time]
+        incident: list[list[int]] = [[] for _ in range(self.n_nodes)]
+        for e, (u, v) in enumerate(self.edges):
+            incident[u].append(e)
+            incident[v].append(e)
+        queue = list(range(len(self.edges)))
+        queued = set(queue)
+        while queue:
+            e = queue.pop()
+            queued.discard(e)
+            u, v = self.edges[e]
+            pairs = ok[e] & alive[u][:, None] & alive[v][None, :]
+            for node, support in ((u, pairs.any(axis=1)), (v, pairs.any(axis=0))):
+                if (alive[node] & ~support).any():
+                    alive[node] = alive[node] & support
+                    fresh = [f for f in incident[node] if f not in queued]
+                    queued.update(fresh)
+                    queue.extend(fresh)
+        for i, a in enumerate(alive):
+            if not a.any():
+                raise InfeasibleError(
+                    f"node {self.names[i]}: every strategy is forbidden (INF time) or only has forbidden pairs with "
+                    "a neighbour, so every plan is forbidden; fix: allow a strategy (e.g. replicate) for it"
+                )
+        return [np.flatnonzero(a) for a in alive]
+
     def summary(self) -> str:
         ks = self.num_choices
         cap = "none" if self.mem_cap_bytes is None else f"{self.mem_cap_bytes} B"
