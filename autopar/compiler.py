@@ -78,6 +78,7 @@ class ShardedModule(nn.Module):
         buffers: dict[str, torch.Tensor],
         seed: int,
         arg_names: list[str],
+        state_keys: list[str],
     ) -> None:
         super().__init__()
         if input_mode not in ("global", "local"):
@@ -102,6 +103,7 @@ class ShardedModule(nn.Module):
             _set_param(self, node.fqn, nn.Parameter(local, requires_grad=full.requires_grad))
             self._param_node[node.fqn] = node.name
         self._buffers_full = {k: v.to(groups.device) for k, v in buffers.items()}
+        self._state_keys = list(state_keys)
         self.local_input_shapes = {
             n.fqn: local_shape(n.outputs[0].shape, self._xplan.sources[n.name][0], self.mesh.shape, coord)
             for n in graph.nodes
@@ -198,7 +200,7 @@ class ShardedModule(nn.Module):
         for alias, canon in self._graph.tied.items():
             out[alias] = out[canon]
         out.update({k: v.clone() for k, v in self._buffers_full.items()})
-        return out
+        return {k: out[k] for k in self._state_keys}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """{original FQN: full gradient} (None where no gradient was computed)."""
@@ -218,6 +220,7 @@ def compile(
     weights_from_rank0: bool = False,
     input_mode: str = "global",
     seed: int = 0,
+    family: str | None = None,
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
@@ -274,6 +277,7 @@ def compile(
         buffers=buffers,
         seed=seed,
         arg_names=arg_names,
+        state_keys=list(model.state_dict().keys()),
     )
 
 

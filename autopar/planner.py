@@ -5,8 +5,9 @@ the best plan under the cap, the planner solves the same problem restricted to
 each *family* so the report can show why the winner won:
 
 * ``data parallel``: every parameter replicated, its gradient and optimizer state too;
-* ``sharded parameters``: every parameter read whole by its consumers (so
-  all-gathered if stored sharded), storage and state free to shard (ZeRO/FSDP);
+* ``sharded parameters``: every parameter that can be is stored sharded and read
+  whole by its consumers, so it is all-gathered before use and its gradient
+  reduce-scattered (ZeRO-3/FSDP);
 * ``tensor parallel``: parameters read in the placement they are stored in
   (never all-gathered) and state kept with them.
 
@@ -128,6 +129,7 @@ def plan_from_context(
     solver: str = "dp",
     compare_families: bool = True,
     allow_state_sharding: bool = True,
+    family: str | None = None,
 ) -> Plan:
     """Search a prepared context under a cap (re-planning with another cap reuses the context).
 
@@ -140,14 +142,17 @@ def plan_from_context(
     if solver not in ("dp", "ilp"):
         raise ValueError(f"solver {solver!r}: expected 'dp' (dynamic programming) or 'ilp' (CP-SAT)")
     t0 = time.perf_counter()
-    allow_node = None
-    if not allow_state_sharding:
-        params = _param_nodes(ctx)
+    fam_node, allow_edge = family_restriction(ctx, family) if family else (None, None)
+    params = _param_nodes(ctx)
 
-        def allow_node(i: int, s: int) -> bool:
-            return i not in params or ctx.cand.strategies[i][s].state == ctx.cand.strategies[i][s].placement
+    def allow_node(i: int, s: int) -> bool:
+        if not allow_state_sharding and i in params:
+            st = ctx.cand.strategies[i][s]
+            if st.state != st.placement:
+                return False
+        return fam_node is None or fam_node(i, s)
 
-    problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node)
+    problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
     try:
         sol = _solve(problem, solver)
     except InfeasibleError as e:
@@ -171,6 +176,10 @@ def _param_nodes(ctx: PlanningContext) -> set[int]:
     return {n.index for n in ctx.graph.nodes if n.kind == "param"}
 
 
+def _is_sharded(placement) -> bool:
+    return any(isinstance(p, Shard) for p in placement)
+
+
 def family_restriction(ctx: PlanningContext, family: str):
     """(allow_node, allow_edge) that confine the search to one family."""
     params = _param_nodes(ctx)
@@ -191,8 +200,11 @@ def family_restriction(ctx: PlanningContext, family: str):
 
         return allow_node, None
     if family == "sharded parameters":
+        shardable = {i for i in params if any(_is_sharded(st.placement) for st in strategies[i])}
 
         def allow_node(i: int, s: int) -> bool:
+            if i in shardable:
+                return _is_sharded(strategies[i][s].placement)
             if i in params or ctx.graph.nodes[i].kind != "op":
                 return True
             return reads_param_whole(i, s)

@@ -21,3 +21,11 @@ def _model(name: str, batch: int, seq: int):
 def tiny_model():
     """tiny_model(name, batch, seq) -> (model, args, kwargs) on the meta device (cached)."""
     return _model
+
+
+def pytest_configure(config):
+    # tests/dist_utils.py is imported by multi-rank tests as a plain module
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))

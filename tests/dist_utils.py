@@ -43,14 +43,20 @@ def free_port() -> int:
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple, init: bool) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)  # N ranks share a few cores
     out = Path(out_dir)
     try:
         if init:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world_size, timeout=timedelta(seconds=60))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=60),
+            )
         result = fn(rank, world_size, *args)
         torch.save(result, out / f"rank{rank}.pt.tmp")
         os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
@@ -71,8 +77,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as tmp:
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tmp, args, init), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, port, tmp, args, init), daemon=True)
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -93,14 +101,21 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
-        errors = {r: (Path(tmp) / f"rank{r}.err").read_text() for r in range(world_size)
-                  if (Path(tmp) / f"rank{r}.err").exists()}
+        errors = {
+            r: (Path(tmp) / f"rank{r}.err").read_text()
+            for r in range(world_size)
+            if (Path(tmp) / f"rank{r}.err").exists()
+        }
         if failed or errors:
             first = min(errors) if errors else failed[0]
             detail = errors.get(first, f"exit code {procs[first].exitcode} and no traceback")
-            raise RankError(f"{fn.__name__} on {world_size} ranks: rank {first} failed "
-                            f"(failed ranks {sorted(set(failed) | set(errors))}):\n{detail}")
+            raise RankError(
+                f"{fn.__name__} on {world_size} ranks: rank {first} failed "
+                f"(failed ranks {sorted(set(failed) | set(errors))}):\n{detail}"
+            )
         if hung:
-            raise RankError(f"{fn.__name__} on {world_size} ranks: ranks {hung} still running after {timeout_s:.0f} s "
-                            "(a collective that not every rank issued?); stopped them")
+            raise RankError(
+                f"{fn.__name__} on {world_size} ranks: ranks {hung} still running after {timeout_s:.0f} s "
+                "(a collective that not every rank issued?); stopped them"
+            )
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -40,15 +40,44 @@ MESHES = {
 SHAPES = [(7, 15), (5, 12), (3, 15), (6, 12, 4)]
 
 HANDPICKED_1D = [
-    ("S(0)", "R"), ("S(1)[3]", "R"), ("S(0)", "S(1)"), ("S(1)[3]", "S(0)"), ("S(1)", "S(1)[3]"),
-    ("P(sum)", "S(0)"), ("P(sum)", "S(1)[3]"), ("P(max)", "R"), ("P(max)", "S(0)"), ("R", "P(sum)"),
-    ("R", "P(max)"), ("R", "S(1)[3]"), ("S(0)", "P(sum)"), ("P(sum)", "P(max)"), ("P(sum)", "R"),
+    ("S(0)", "R"),
+    ("S(1)[3]", "R"),
+    ("S(0)", "S(1)"),
+    ("S(1)[3]", "S(0)"),
+    ("S(1)", "S(1)[3]"),
+    ("P(sum)", "S(0)"),
+    ("P(sum)", "S(1)[3]"),
+    ("P(max)", "R"),
+    ("P(max)", "S(0)"),
+    ("R", "P(sum)"),
+    ("R", "P(max)"),
+    ("R", "S(1)[3]"),
+    ("S(0)", "P(sum)"),
+    ("P(sum)", "P(max)"),
+    ("P(sum)", "R"),
 ]
 HANDPICKED_2D = [
-    ("S(0),S(0)", "R,R"), ("S(0),S(1)", "S(1),S(0)"), ("P(sum),S(0)", "R,R"), ("S(0),P(sum)", "S(0),S(0)"),
-    ("R,R", "S(0),S(0)"), ("S(1)[3],S(1)", "R,R"), ("S(1),S(1)[3]", "R,S(1)[3]"), ("P(sum),P(sum)", "R,R"),
-    ("P(max),P(max)", "S(0),R"), ("P(sum),P(max)", "R,R"), ("S(0),S(0)", "S(0),R"), ("R,S(0)", "P(sum),S(0)"),
-    ("P(sum),R", "S(0),S(0)"), ("S(1),R", "S(1),S(1)"),
+    ("S(0),S(0)", "R,R"),
+    ("S(0),S(1)", "S(1),S(0)"),
+    ("P(sum),S(0)", "R,R"),
+    ("S(0),P(sum)", "S(0),S(0)"),
+    ("R,R", "S(0),S(0)"),
+    ("S(1)[3],S(1)", "R,R"),
+    ("S(1),S(1)[3]", "R,S(1)[3]"),
+    ("P(sum),P(sum)", "R,R"),
+    ("P(max),P(max)", "S(0),R"),
+    ("P(sum),P(max)", "R,R"),
+    ("S(0),S(0)", "S(0),R"),
+    ("R,S(0)", "P(sum),S(0)"),
+    ("P(sum),R", "S(0),S(0)"),
+    ("S(1),R", "S(1),S(1)"),
+    # nested: transitions() joins the inner shard of a moved dim first, then re-slices it
+    ("S(0),S(0)", "R,S(0)"),
+    ("R,S(0)", "S(0),S(0)"),
+    ("S(0),S(0)", "S(1),S(0)"),
+    ("P(sum),S(0)", "S(0),S(0)"),
+    ("S(1),S(0)", "S(0),S(0)"),
+    ("S(0),S(1)[3]", "S(1)[3],S(1)[3]"),
 ]
 
 
@@ -81,10 +110,12 @@ def _case(rng: random.Random, shape, src, dst, dtype, mesh_shape, seed: int) -> 
     split = [rng.random() < 0.5 for _ in mesh_shape]
     grad_src = tuple(consumer_grad_placement(p, s) for p, s in zip(dst, split))
     grad_dst = tuple(producer_grad_placement(p) for p in src)
-    backward = dtype.is_floating_point and nesting_conflict(TensorMeta(shape, dtype), grad_src, grad_dst,
-                                                            mesh_shape) is None
-    return dict(shape=shape, dtype=dtype, src=src, dst=dst, grad_src=grad_src, grad_dst=grad_dst,
-                backward=backward, seed=seed)
+    backward = (
+        dtype.is_floating_point and nesting_conflict(TensorMeta(shape, dtype), grad_src, grad_dst, mesh_shape) is None
+    )
+    return dict(
+        shape=shape, dtype=dtype, src=src, dst=dst, grad_src=grad_src, grad_dst=grad_dst, backward=backward, seed=seed
+    )
 
 
 def _cases(mesh_shape, n_random: int, seed: int) -> tuple[list[dict], int]:
@@ -93,10 +124,13 @@ def _cases(mesh_shape, n_random: int, seed: int) -> tuple[list[dict], int]:
     cases, skipped = [], 0
     hand = HANDPICKED_1D if len(mesh_shape) == 1 else HANDPICKED_2D
     for i, (s, d) in enumerate(hand):
-        shape = SHAPES[i % 2]
         src, dst = parse_placements(s), parse_placements(d)
-        if nesting_conflict(TensorMeta(shape, torch.float64), src, dst, mesh_shape) is None:
-            cases.append(_case(rng, shape, src, dst, torch.float64, mesh_shape, 1000 + i))
+        shape = next(
+            sh for sh in SHAPES[i % 2 :] + SHAPES if _layable(sh, src, mesh_shape) and _layable(sh, dst, mesh_shape)
+        )
+        reason = nesting_conflict(TensorMeta(shape, torch.float64), src, dst, mesh_shape)
+        assert reason is None, f"handpicked {s} -> {d} on {mesh_shape}: {reason}"
+        cases.append(_case(rng, shape, src, dst, torch.float64, mesh_shape, 1000 + i))
     while len(cases) < len(hand) + n_random:
         shape = rng.choice(SHAPES)
         dtype = rng.choice([torch.float64, torch.float64, torch.float32, torch.int64, torch.bool])
@@ -142,7 +176,10 @@ def _redistribute_job(mesh_dict: dict, native_rs: bool, cases: list[dict]) -> di
             res.update(y2=y2.detach(), grad=xr.grad, both=list(counter.records))
         results.append(res)
     info = {
-        "rank": groups.rank, "coordinate": coord, "backend": groups.backend, "device": str(groups.device),
+        "rank": groups.rank,
+        "coordinate": coord,
+        "backend": groups.backend,
+        "device": str(groups.device),
         "axis_rank": [groups.axis_rank(a) for a in range(mesh.ndim)],
         "axis_size": [groups.axis_size(a) for a in range(mesh.ndim)],
         "axis_ranks": [groups.axis_ranks(a) for a in range(mesh.ndim)],
@@ -152,8 +189,11 @@ def _redistribute_job(mesh_dict: dict, native_rs: bool, cases: list[dict]) -> di
 
 
 def _expected_records(meta: TensorMeta, src, dst, mesh_shape, phase: str) -> list[tuple]:
-    return [(s.kind, s.axis, phase, s.bytes, s.reduce_op)
-            for s in transitions(meta, src, dst, mesh_shape, include_local=True) if s.kind is not None]
+    return [
+        (s.kind, s.axis, phase, s.bytes, s.reduce_op)
+        for s in transitions(meta, src, dst, mesh_shape, include_local=True)
+        if s.kind is not None
+    ]
 
 
 def _as_tuples(records) -> list[tuple]:
@@ -192,7 +232,8 @@ def _check_case(c: dict, per_coord: dict, mesh: Mesh) -> None:
     assert all(_close(r["y2"], r["y"], exact=True) for r in per_coord.values()), f"{what}: autograd forward differs"
     got = combine(grads, c["grad_dst"], ms, shape)
     assert _close(got, grad_full, exact=False), (
-        f"{what}: gradient {','.join(map(str, c['grad_src']))} -> {','.join(map(str, c['grad_dst']))} wrong")
+        f"{what}: gradient {','.join(map(str, c['grad_src']))} -> {','.join(map(str, c['grad_dst']))} wrong"
+    )
     want_both = want_fwd + _expected_records(meta, c["grad_src"], c["grad_dst"], ms, "backward")
     for co, r in per_coord.items():
         assert _as_tuples(r["both"]) == want_both, f"{what}: forward+backward counter at {co} != transitions()"
@@ -205,13 +246,21 @@ def _mesh_cases(name: str) -> tuple[list[dict], int]:
 @pytest.fixture(scope="module")
 def world_runs():
     """world_runs(world) -> per-rank outputs of ``_world_worker`` for every mesh of that size (run once)."""
-    cache: dict[int, list[dict]] = {}
+    cache: dict[int, list[dict] | Exception] = {}
 
     def get(world: int) -> list[dict]:
         if world not in cache:
-            jobs = [(name, mesh.to_dict(), native_rs, _mesh_cases(name)[0])
-                    for name, (mesh, native_rs) in MESHES.items() if mesh.size == world]
-            cache[world] = run_ranks(_world_worker, world, jobs, world == 4)
+            jobs = [
+                (name, mesh.to_dict(), native_rs, _mesh_cases(name)[0])
+                for name, (mesh, native_rs) in MESHES.items()
+                if mesh.size == world
+            ]
+            try:
+                cache[world] = run_ranks(_world_worker, world, jobs, world == 4)
+            except Exception as e:  # fail every dependent test with the ranks' traceback, without re-running
+                cache[world] = e
+        if isinstance(cache[world], Exception):
+            raise cache[world]
         return cache[world]
 
     return get
@@ -229,8 +278,12 @@ def test_redistribute_matches_layout_and_transitions(name, world_runs):
         assert info["axis_size"] == list(mesh.shape)
         assert (info["backend"], info["device"]) == ("gloo", "cpu")
         for a in range(mesh.ndim):
-            line = tuple(r for r in mesh.ranks if mesh.coordinate(r)[:a] + mesh.coordinate(r)[a + 1:]
-                         == info["coordinate"][:a] + info["coordinate"][a + 1:])
+            line = tuple(
+                r
+                for r in mesh.ranks
+                if mesh.coordinate(r)[:a] + mesh.coordinate(r)[a + 1 :]
+                == info["coordinate"][:a] + info["coordinate"][a + 1 :]
+            )
             assert info["axis_ranks"][a] == line and sorted(info["pg_ranks"][a]) == sorted(line)
     kinds, flags = set(), set()
     for i, c in enumerate(cases):
@@ -251,43 +304,87 @@ def test_redistribute_matches_layout_and_transitions(name, world_runs):
 
 
 # ---- nested-layout conflicts -------------------------------------------------------------
+MIXED = (parse_placements("P(max),P(sum)"), parse_placements("R,P(sum)"))  # full = max_axis0(sum_axis1(...))
+
+
 def _conflict_job() -> dict:
     from autopar.runtime.redistribute import _run_step, _steps
 
     mesh = Mesh((2, 2))
     groups = MeshGroups(mesh)
-    full = torch.arange(8.0).reshape(8, 1)
-    src, dst = parse_placements("S(0),S(0)"), parse_placements("R,S(0)")
-    x = shard_tensor(full, src, mesh.shape, groups.coordinate)
+    src, dst = MIXED
+    meta = TensorMeta((4, 3), torch.float64)
+    full = _full(meta.shape, meta.dtype, 7)
+    x = shard_tensor(full, src, mesh.shape, groups.coordinate, partial_seed=7)
     try:
-        redistribute_local(x, TensorMeta((8, 1), torch.float32), src, dst, groups)
+        redistribute_local(x, meta, src, dst, groups)
         message = None
     except ValueError as e:
         message = str(e)
-    # what transitions()'s own steps would give if run anyway (one all_gather on axis 0)
-    steps, _ = _steps(TensorMeta((8, 1), torch.float32), src, dst, mesh.shape)
+    # what transitions()'s steps give if run anyway: one axis-0 all_reduce(max) ahead of the inner sum
+    steps, _ = _steps(meta, src, dst, mesh.shape)
     out, current = x, list(src)
     for st in steps:
-        out, _ = _run_step(out, st, current, (8, 1), groups)
+        out, _ = _run_step(out, st, current, meta.shape, groups)
         current[st.axis] = st.dst
-    return {"coordinate": groups.coordinate, "message": message, "unchecked": out.flatten().tolist(),
-            "want": shard_tensor(full, dst, mesh.shape, groups.coordinate).flatten().tolist(),
-            "kinds": [(s.kind, s.axis) for s in steps]}
+    return {
+        "coordinate": groups.coordinate,
+        "message": message,
+        "unchecked": out,
+        "full": full,
+        "kinds": [(s.kind, s.axis, s.reduce_op) for s in steps],
+    }
 
 
 def test_nested_conflicts_are_refused_with_the_reason(world_runs):
     out = [o["conflict"] for o in world_runs(4)]
-    r00 = next(o for o in out if o["coordinate"] == (0, 0))
-    # transitions() plans a single axis-0 all_gather, which joins rows {0,1} and {4,5}: not rows 0..3
-    assert r00["kinds"] == [("all_gather", 0)]
-    assert r00["unchecked"] == [0.0, 1.0, 4.0, 5.0] and r00["want"] == [0.0, 1.0, 2.0, 3.0]
+    assert out[0]["kinds"] == [("all_reduce", 0, "max")]
+    unchecked = combine({o["coordinate"]: o["unchecked"] for o in out}, MIXED[1], (2, 2), (4, 3))
+    assert not torch.allclose(unchecked, out[0]["full"])  # the refusal is needed: running it is wrong
     for o in out:
-        assert o["message"] is not None and "inner mesh axis 1 still shards (S(0))" in o["message"], o["message"]
-        assert "Fix:" in o["message"]
-    assert "reduce_axis0(reduce_axis1" in nesting_conflict(
-        TensorMeta((4, 4), torch.float32), parse_placements("P(max),P(sum)"), parse_placements("R,R"), (2, 2))
-    assert nesting_conflict(TensorMeta((4, 4), torch.float32), parse_placements("P(sum),P(sum)"),
-                            parse_placements("R,R"), (2, 2)) is None
+        assert o["message"] is not None and "reduce_axis0(reduce_axis1(...))" in o["message"], o["message"]
+        assert "inner mesh axis 1 is still P(sum)" in o["message"] and "Fix:" in o["message"]
+    assert (
+        nesting_conflict(
+            TensorMeta((4, 4), torch.float32), parse_placements("P(sum),P(sum)"), parse_placements("R,P(sum)"), (2, 2)
+        )
+        is None
+    )
+
+
+def test_conflict_checker_names_an_inner_shard():
+    """A step list that moves a dim an inner axis still shards (what transitions() gave before it joined
+    inner shards first) is named, so the runtime can never silently run one."""
+    from autopar.runtime.redistribute import _conflict
+    from autopar.transitions import AxisTransition
+
+    src = parse_placements("S(0),S(0)")
+    old_steps = [AxisTransition(0, "all_gather", 16, "sum", Shard(0), Replicate())]
+    reason = _conflict(old_steps, src, (2, 2), (8, 1))
+    assert reason is not None and "inner mesh axis 1 still shards (S(0))" in reason
+    assert (
+        _conflict(
+            transitions(TensorMeta((8, 1), torch.float32), src, parse_placements("R,S(0)"), (2, 2), include_local=True),
+            src,
+            (2, 2),
+            (8, 1),
+        )
+        is None
+    )
+
+
+def test_conflict_checker_names_a_placement_the_layout_cannot_hold():
+    """An all_to_all into S(1)[3] under an outer S(1) of 15 columns (pieces of 8 and 7) has no layout: named
+    before any collective runs, so no rank waits in a collective the others refused."""
+    from autopar.runtime.redistribute import _conflict
+    from autopar.transitions import AxisTransition
+
+    src = parse_placements("S(1),S(0)")
+    steps = [AxisTransition(1, "all_to_all", 24, "sum", Shard(0), Shard(1, 3))]
+    reason = _conflict(steps, src, (2, 2), (3, 15))
+    assert reason is not None and "(S(1), S(1)[3]), which the nested layout cannot hold" in reason
+    assert "not a multiple of 3 blocks" in reason
+    assert _conflict([], parse_placements("S(1),S(1)[3]"), (2, 2), (3, 15)).startswith("the source placements")
 
 
 # ---- MeshGroups errors and init_distributed -----------------------------------------------

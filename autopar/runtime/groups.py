@@ -76,7 +76,8 @@ class MeshGroups:
     ``native_reduce_scatter`` chooses how ``P(sum) -> S`` runs: ``True`` issues a real
     (padded) reduce-scatter, ``False`` emulates it with an all-reduce and a local
     slice (same result, more traffic).  ``None`` (default) means native on nccl and
-    emulated on other backends (gloo lacked reduce-scatter before torch 2.6).  Either
+    emulated on other backends (older gloo builds have no reduce-scatter; torch 2.13's
+    gloo does, and the tests run both paths on it).  Either
     way the collective counter records one ``reduce_scatter`` with the planned bytes.
     """
 

@@ -34,8 +34,13 @@ axis ``a < b`` left (``layout.py``).  A step on axis ``a`` that moves dim ``d`` 
 therefore only a collective over axis ``a``'s group while no inner axis ``b > a``
 shards ``d``; and reducing ``P(op)`` on axis ``a`` commutes with an inner
 ``P(op')`` only when ``op == op'``.  ``nesting_conflict`` names a step list that
-breaks either rule; ``redistribute_local`` refuses it with a ValueError rather than
-returning wrong values or issuing collectives the plan did not price.
+breaks either rule or passes through a placement the layout cannot hold (a block
+count that does not divide some rank's piece); ``redistribute_local`` refuses it
+with a ValueError rather than returning wrong values or issuing collectives the
+plan did not price.  The check is a pure function of (meta, src, dst, mesh shape),
+so every rank refuses before any collective and none is left waiting.  (A piece
+of the wrong shape on one rank is only detected there: the others then wait in
+the first collective until the process group's timeout.)
 
 ``Redistribute`` (``redistribute``) is the autograd function: forward moves the
 value ``src -> dst``, backward moves the gradient ``grad_src -> grad_dst`` (see
@@ -55,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..layout import dim_index
+from ..layout import coordinates, dim_index, dim_ranges
 from ..placement import Partial, Placement, Replicate, Shard, parse_placements
 from ..spec import TensorMeta, local_shape
 from ..transitions import AxisTransition, transitions
@@ -79,7 +84,24 @@ def _touched_dims(step: AxisTransition) -> tuple[int, ...]:
     return tuple(p.dim for p in (step.src, step.dst) if isinstance(p, Shard))
 
 
-def _conflict(steps: Sequence[AxisTransition], src: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> str | None:
+def _unlayable(shape: tuple[int, ...], placements: Sequence[Placement], mesh_shape: tuple[int, ...]) -> str | None:
+    """Why some coordinate has no piece under ``placements`` (a block count not dividing its piece), or None."""
+    if not any(isinstance(p, Shard) and p.blocks > 1 for p in placements):
+        return None  # plain shards always lay out (tensor_split sizes)
+    for coord in coordinates(mesh_shape):
+        try:
+            dim_ranges(shape, tuple(placements), mesh_shape, coord)
+        except ValueError as e:
+            return f"{e} (mesh coordinate {coord})"
+    return None
+
+
+def _conflict(
+    steps: Sequence[AxisTransition], src: tuple[Placement, ...], mesh_shape: tuple[int, ...], shape: tuple[int, ...]
+) -> str | None:
+    """Why the step list cannot run on the nested layout, or None (see the module docstring)."""
+    if (bad := _unlayable(shape, src, mesh_shape)) is not None:
+        return f"the source placements {_fmt(src)} do not lay out a {shape} tensor: {bad}"
     current = list(src)
     for st in steps:
         a = st.axis
@@ -90,25 +112,36 @@ def _conflict(steps: Sequence[AxisTransition], src: tuple[Placement, ...], mesh_
             if mesh_shape[b] == 1:
                 continue
             if isinstance(q, Shard) and q.dim in dims:
-                return (f"{what} moves dim {q.dim}, which inner mesh axis {b} still shards ({q}); on the nested "
-                        f"layout axis {b} splits axis {a}'s piece, so axis {b} must be un-sharded (all_gather) "
-                        f"before this step and re-sliced after it")
+                return (
+                    f"{what} moves dim {q.dim}, which inner mesh axis {b} still shards ({q}); on the nested "
+                    f"layout axis {b} splits axis {a}'s piece, so axis {b} must be un-sharded (all_gather) "
+                    f"before this step and re-sliced after it"
+                )
             if st.kind in ("all_reduce", "reduce_scatter") and isinstance(q, Partial) and q.op != st.src.op:
-                return (f"{what} reduces with {st.src.op} while inner mesh axis {b} is still {q}; the full value "
-                        f"is reduce_axis{a}(reduce_axis{b}(...)), so axis {b} must be reduced first")
+                return (
+                    f"{what} reduces with {st.src.op} while inner mesh axis {b} is still {q}; the full value "
+                    f"is reduce_axis{a}(reduce_axis{b}(...)), so axis {b} must be reduced first"
+                )
         current[a] = st.dst
+        if (bad := _unlayable(shape, current, mesh_shape)) is not None:
+            return (
+                f"{what} leaves the tensor in {_fmt(current)}, which the nested layout cannot hold: {bad}; "
+                "the step list should not pass through that placement"
+            )
     return None
 
 
 @functools.lru_cache(maxsize=4096)
-def _steps(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-           mesh_shape: tuple[int, ...]) -> tuple[tuple[AxisTransition, ...], str | None]:
+def _steps(
+    meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> tuple[tuple[AxisTransition, ...], str | None]:
     steps = tuple(transitions(meta, src, dst, mesh_shape, include_local=True))
-    return steps, _conflict(steps, src, mesh_shape)
+    return steps, _conflict(steps, src, mesh_shape, tuple(meta.shape))
 
 
-def nesting_conflict(meta: TensorMeta, src: Sequence[Placement], dst: Sequence[Placement],
-                     mesh_shape: Sequence[int]) -> str | None:
+def nesting_conflict(
+    meta: TensorMeta, src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]
+) -> str | None:
     """Why ``transitions(meta, src, dst, mesh_shape)`` cannot run on the nested layout, or None when it can."""
     return _steps(meta, tuple(parse_placements(src)), tuple(parse_placements(dst)), tuple(mesh_shape))[1]
 
@@ -116,8 +149,10 @@ def nesting_conflict(meta: TensorMeta, src: Sequence[Placement], dst: Sequence[P
 def _placements(value, groups: MeshGroups, what: str) -> tuple[Placement, ...]:
     ps = tuple(parse_placements(value))
     if len(ps) != groups.mesh.ndim:
-        raise ValueError(f"redistribute: {what} {_fmt(ps)} has {len(ps)} placements but mesh {groups.mesh} has "
-                         f"{groups.mesh.ndim} axes; give one placement per mesh axis")
+        raise ValueError(
+            f"redistribute: {what} {_fmt(ps)} has {len(ps)} placements but mesh {groups.mesh} has "
+            f"{groups.mesh.ndim} axes; give one placement per mesh axis"
+        )
     return ps
 
 
@@ -152,8 +187,9 @@ def _gather(flat: torch.Tensor, numels: list[int], groups: MeshGroups, axis: int
     return by_coord
 
 
-def _exchange(chunks: list[torch.Tensor], recv_numels: list[int], width: int, groups: MeshGroups,
-              axis: int) -> list[torch.Tensor]:
+def _exchange(
+    chunks: list[torch.Tensor], recv_numels: list[int], width: int, groups: MeshGroups, axis: int
+) -> list[torch.Tensor]:
     """All-to-all: ``chunks[c]`` goes to axis coordinate c; returns what each coordinate sent, by coordinate."""
     if width == 0:
         return [chunks[0].new_empty(0) for _ in chunks]
@@ -189,15 +225,20 @@ def _with(shape: Sequence[int], changes: dict[int, int]) -> tuple[int, ...]:
     return tuple(changes.get(d, s) for d, s in enumerate(shape))
 
 
-def _pieces_index(n: int, shard: Shard, parts: int) -> list[torch.Tensor]:
-    """For each axis coordinate, the indices (in a dim of ``n``) its piece holds."""
-    return [dim_index(n, [(shard, parts, m)]) for m in range(parts)]
+@functools.lru_cache(maxsize=1024)
+def _pieces_index_cpu(n: int, shard: Shard, parts: int) -> tuple[torch.Tensor, ...]:
+    return tuple(dim_index(n, [(shard, parts, m)]) for m in range(parts))
+
+
+def _pieces_index(n: int, shard: Shard, parts: int, device: torch.device) -> list[torch.Tensor]:
+    """For each axis coordinate, the indices (in a dim of ``n``) its piece holds, on ``device``."""
+    return [i.to(device) for i in _pieces_index_cpu(n, shard, parts)]
 
 
 def _step_all_gather(x: torch.Tensor, st: AxisTransition, frame: tuple[int, ...], groups: MeshGroups) -> torch.Tensor:
     shard, a = st.src, st.axis
     d, k = shard.dim, groups.axis_size(a)
-    idx = _pieces_index(frame[d], shard, k)
+    idx = _pieces_index(frame[d], shard, k, x.device)
     shapes = [_with(frame, {d: i.numel()}) for i in idx]
     xw = _wire(x)
     got = _gather(xw.reshape(-1), [math.prod(s) for s in shapes], groups, a)
@@ -215,10 +256,10 @@ def _step_all_to_all(x: torch.Tensor, st: AxisTransition, frame: tuple[int, ...]
     k, me = groups.axis_size(a), groups.axis_rank(a)
     si, sj = st.src, st.dst
     i, j = si.dim, sj.dim
-    src_idx = _pieces_index(frame[i], si, k)
-    dst_idx = _pieces_index(frame[j], sj, k)
     xw = _wire(x)
     if i != j:
+        src_idx = _pieces_index(frame[i], si, k, x.device)
+        dst_idx = _pieces_index(frame[j], sj, k, x.device)
         rest = math.prod(_with(frame, {i: 1, j: 1}))
         chunks = [xw.index_select(j, dst_idx[r]).reshape(-1) for r in range(k)]
         recv_shapes = [_with(frame, {i: src_idx[m].numel(), j: dst_idx[me].numel()}) for m in range(k)]
@@ -233,10 +274,14 @@ def _step_all_to_all(x: torch.Tensor, st: AxisTransition, frame: tuple[int, ...]
         return _unwire(out, x.dtype)
     # same dim, different blocks: rank m sends r the indices both own, in m's local order
     n = frame[i]
+    src_idx = _pieces_index_cpu(n, si, k)  # index bookkeeping on the CPU, moved to x.device where used
+    dst_idx = _pieces_index_cpu(n, sj, k)
     rest = math.prod(_with(frame, {i: 1}))
     common = [[int(torch.isin(src_idx[m], dst_idx[r]).sum()) for r in range(k)] for m in range(k)]
-    chunks = [xw.index_select(i, torch.isin(src_idx[me], dst_idx[r]).nonzero().flatten()).reshape(-1)
-              for r in range(k)]
+    chunks = [
+        xw.index_select(i, torch.isin(src_idx[me], dst_idx[r]).nonzero().flatten().to(x.device)).reshape(-1)
+        for r in range(k)
+    ]
     recv_shapes = [_with(frame, {i: common[m][me]}) for m in range(k)]
     width = rest * max(max(row) for row in common)
     got = _exchange(chunks, [math.prod(s) for s in recv_shapes], width, groups, a)
@@ -245,19 +290,20 @@ def _step_all_to_all(x: torch.Tensor, st: AxisTransition, frame: tuple[int, ...]
     out = xw.new_empty(_with(frame, {i: dst_idx[me].numel()}))
     for m in range(k):
         held = src_idx[m][torch.isin(src_idx[m], dst_idx[me])]
-        out.index_copy_(i, position[held], got[m].view(recv_shapes[m]))
+        out.index_copy_(i, position[held].to(x.device), got[m].view(recv_shapes[m]))
     return _unwire(out, x.dtype)
 
 
 def _step_reduce_scatter(x: torch.Tensor, st: AxisTransition, groups: MeshGroups) -> torch.Tensor:
     a, shard = st.axis, st.dst
     k, me = groups.axis_size(a), groups.axis_rank(a)
-    idx = _pieces_index(x.shape[shard.dim], shard, k)
+    idx = _pieces_index(x.shape[shard.dim], shard, k, x.device)
     if groups.native_reduce_scatter:
         chunks = [x.index_select(shard.dim, i).reshape(-1) for i in idx]
         shape = _with(x.shape, {shard.dim: idx[me].numel()})
         return _native_reduce_scatter(chunks, math.prod(shape), groups, a).view(shape)
-    # emulation (gloo before torch 2.6 has no reduce-scatter): all-reduce, keep this rank's piece
+    # emulation (older gloo builds have no reduce-scatter): all-reduce, keep this rank's piece; the
+    # counter still records one reduce_scatter with the planned bytes (the plan prices the real one)
     return _all_reduce(x, "sum", groups, a).index_select(shard.dim, idx[me])
 
 
@@ -265,8 +311,8 @@ def _step_local(x: torch.Tensor, st: AxisTransition, groups: MeshGroups) -> tupl
     """R -> S slice or R -> P mask; returns (tensor, whether it is a new tensor)."""
     me = groups.axis_rank(st.axis)
     if isinstance(st.dst, Shard):
-        idx = dim_index(x.shape[st.dst.dim], [(st.dst, groups.axis_size(st.axis), me)])
-        return x.index_select(st.dst.dim, idx), True
+        idx = _pieces_index_cpu(x.shape[st.dst.dim], st.dst, groups.axis_size(st.axis))[me]
+        return x.index_select(st.dst.dim, idx.to(x.device)), True
     if isinstance(st.dst, Partial):
         if st.dst.op == "sum" and me != 0:
             return torch.zeros_like(x), True
@@ -274,8 +320,9 @@ def _step_local(x: torch.Tensor, st: AxisTransition, groups: MeshGroups) -> tupl
     raise AssertionError(f"local step {st.src} -> {st.dst} on mesh axis {st.axis}: expected R -> S or R -> P")
 
 
-def _run_step(x: torch.Tensor, st: AxisTransition, current: list[Placement], shape: tuple[int, ...],
-              groups: MeshGroups) -> tuple[torch.Tensor, bool]:
+def _run_step(
+    x: torch.Tensor, st: AxisTransition, current: list[Placement], shape: tuple[int, ...], groups: MeshGroups
+) -> tuple[torch.Tensor, bool]:
     if st.kind is None:
         return _step_local(x, st, groups)
     mesh_shape = groups.mesh.shape
@@ -294,9 +341,16 @@ def _run_step(x: torch.Tensor, st: AxisTransition, current: list[Placement], sha
 
 
 # ---- public --------------------------------------------------------------------------
-def redistribute_local(x: torch.Tensor, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                       groups: MeshGroups, *, phase: str = "forward",
-                       counter: CollectiveCounter | None = None) -> torch.Tensor:
+def redistribute_local(
+    x: torch.Tensor,
+    meta: TensorMeta,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    groups: MeshGroups,
+    *,
+    phase: str = "forward",
+    counter: CollectiveCounter | None = None,
+) -> torch.Tensor:
     """This rank's piece under ``dst`` of the global tensor ``meta`` whose piece under ``src`` is ``x``.
 
     ``meta.shape`` is the global shape; bytes are counted with ``x.dtype``.  Runs
@@ -313,14 +367,18 @@ def redistribute_local(x: torch.Tensor, meta: TensorMeta, src: tuple[Placement, 
     shape = tuple(int(s) for s in meta.shape)
     want = local_shape(shape, src, mesh_shape, groups.coordinate)
     if tuple(x.shape) != want:
-        raise ValueError(f"redistribute {_fmt(src)} -> {_fmt(dst)}: the local piece has shape {tuple(x.shape)} but "
-                         f"a global {shape} tensor under {_fmt(src)} on mesh {groups.mesh} gives coordinate "
-                         f"{groups.coordinate} shape {want}; pass this rank's own piece (layout.shard_tensor)")
+        raise ValueError(
+            f"redistribute {_fmt(src)} -> {_fmt(dst)}: the local piece has shape {tuple(x.shape)} but "
+            f"a global {shape} tensor under {_fmt(src)} on mesh {groups.mesh} gives coordinate "
+            f"{groups.coordinate} shape {want}; pass this rank's own piece (layout.shard_tensor)"
+        )
     steps, conflict = _steps(TensorMeta(shape, x.dtype), src, dst, mesh_shape)
     if conflict is not None:
-        raise ValueError(f"redistribute a global {shape} tensor {_fmt(src)} -> {_fmt(dst)} on mesh "
-                         f"{groups.mesh}: transitions() gives steps the nested layout cannot run: {conflict}. "
-                         "Fix: plan this edge through an intermediate placement (e.g. replicate that axis first)")
+        raise ValueError(
+            f"redistribute a global {shape} tensor {_fmt(src)} -> {_fmt(dst)} on mesh "
+            f"{groups.mesh}: transitions() gives steps the nested layout cannot run: {conflict}. "
+            "Fix: plan this edge through an intermediate placement (e.g. replicate that axis first)"
+        )
     out, fresh = x.detach(), False
     with torch.no_grad():
         current = list(src)
@@ -357,14 +415,22 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # noqa: D102
-        g = redistribute_local(grad, ctx.meta, ctx.grad_src, ctx.grad_dst, ctx.groups, phase="backward",
-                               counter=ctx.counter)
+        g = redistribute_local(
+            grad, ctx.meta, ctx.grad_src, ctx.grad_dst, ctx.groups, phase="backward", counter=ctx.counter
+        )
         return g, None, None, None, None, None, None, None
 
 
-def redistribute(x: torch.Tensor, meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-                 grad_src: tuple[Placement, ...], grad_dst: tuple[Placement, ...], groups: MeshGroups,
-                 counter: CollectiveCounter | None = None) -> torch.Tensor:
+def redistribute(
+    x: torch.Tensor,
+    meta: TensorMeta,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    grad_src: tuple[Placement, ...],
+    grad_dst: tuple[Placement, ...],
+    groups: MeshGroups,
+    counter: CollectiveCounter | None = None,
+) -> torch.Tensor:
     """Differentiable ``redistribute_local``; checks both directions up front so errors surface in forward."""
     src, dst = _placements(src, groups, "src"), _placements(dst, groups, "dst")
     grad_src, grad_dst = _placements(grad_src, groups, "grad_src"), _placements(grad_dst, groups, "grad_dst")
@@ -373,7 +439,9 @@ def redistribute(x: torch.Tensor, meta: TensorMeta, src: tuple[Placement, ...], 
     shape = tuple(int(s) for s in meta.shape)
     conflict = _steps(TensorMeta(shape, x.dtype), grad_src, grad_dst, groups.mesh.shape)[1]
     if conflict is not None:
-        raise ValueError(f"redistribute a global {shape} tensor: the gradient's move {_fmt(grad_src)} -> "
-                         f"{_fmt(grad_dst)} on mesh {groups.mesh} cannot run on the nested layout: {conflict}. "
-                         "Fix: plan this edge through an intermediate placement")
+        raise ValueError(
+            f"redistribute a global {shape} tensor: the gradient's move {_fmt(grad_src)} -> "
+            f"{_fmt(grad_dst)} on mesh {groups.mesh} cannot run on the nested layout: {conflict}. "
+            "Fix: plan this edge through an intermediate placement"
+        )
     return Redistribute.apply(x, meta, src, dst, grad_src, grad_dst, groups, counter)
