@@ -11,7 +11,9 @@ each op it:
 2. rewrites size arguments (view/reshape/expand/split ...) from global to local
    shapes (``strategies.views.localize_size_args``);
 3. runs the aten op, or the strategy's local kernel (``kernels.KERNELS``), on the
-   local tensors.
+   local tensors.  A parameter that was all-gathered for the op is not kept for
+   backward: the op saves a handle and backward gathers it again (FSDP), as the
+   plan prices it.
 
 Randomness (dropout): the RNG is re-seeded per op from (seed, step, node, this
 rank's coordinates on the axes where the op's output is *sharded*), so ranks
@@ -22,6 +24,7 @@ seed policy.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import zlib
 from dataclasses import dataclass
@@ -121,6 +124,38 @@ class ExecutionPlan:
         return self.sources[name][1]
 
 
+@contextlib.contextmanager
+def _regather_saved(gathered: list, groups, counter):
+    """FSDP: an op that saves an all-gathered parameter keeps only a handle; backward gathers it again.
+
+    ``gathered`` lists (full tensor, (local shard, meta, src, dst)).  A saved tensor
+    that shares storage with a gathered parameter is packed as the recipe to
+    rebuild it (the shard and the view's size/stride/offset); unpacking issues the
+    plan's backward all-gather.  With nothing gathered this is a no-op.
+    """
+    if not gathered:
+        yield
+        return
+    from .runtime.redistribute import redistribute_local
+
+    def pack(t: torch.Tensor):
+        for full, recipe in gathered:
+            if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                return ("regather", recipe, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                        t.requires_grad)
+        return t
+
+    def unpack(packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] == "regather"):
+            return packed
+        _, (local, meta, src, dst), size, stride, offset, _ = packed
+        full = redistribute_local(local.detach(), meta, src, dst, groups, phase="backward", counter=counter)
+        return full.as_strided(size, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 class ShardedInterpreter(fx.Interpreter):
     """Runs the captured graph on this rank's local tensors (see the module docstring)."""
 
@@ -179,6 +214,7 @@ class ShardedInterpreter(fx.Interpreter):
         fx_flat = pytree.tree_flatten((node.args, node.kwargs))[0]
         pos = 0
         new_flat = []
+        regather: list[tuple[torch.Tensor, tuple]] = []
         for value, fx_arg in zip(flat, fx_flat):
             if isinstance(fx_arg, fx.Node) and isinstance(fx_arg.meta.get("val"), torch.Tensor):
                 src_node, out_idx = opnode.inputs[pos]
@@ -189,7 +225,10 @@ class ShardedInterpreter(fx.Interpreter):
                 grad_dst = self.xplan.grad_target(producer.name, out_idx)
                 meta = producer.outputs[out_idx]
                 if src != dst or grad_src != grad_dst:
+                    local = value
                     value = redistribute(value, meta, src, dst, grad_src, grad_dst, self.groups, self.counter)
+                    if producer.kind == "param" and src != dst:
+                        regather.append((value, (local, meta.with_shape(meta.shape), src, dst)))
                 pos += 1
             new_flat.append(value)
         args, kwargs = pytree.tree_unflatten(new_flat, spec)
@@ -198,11 +237,12 @@ class ShardedInterpreter(fx.Interpreter):
         ]
         args, kwargs = localize_size_args(target, tuple(args), dict(kwargs), shapes)
         kernel = {k for k in ex.kernels if k}
-        if target in RANDOM_OPS:
-            with torch.random.fork_rng(devices=self._rng_devices()):
-                torch.manual_seed(self._op_seed(opnode.index, ex))
-                return self._call(target, args, kwargs, kernel, ex, opnode)
-        return self._call(target, args, kwargs, kernel, ex, opnode)
+        with _regather_saved(regather, self.groups, self.counter):
+            if target in RANDOM_OPS:
+                with torch.random.fork_rng(devices=self._rng_devices()):
+                    torch.manual_seed(self._op_seed(opnode.index, ex))
+                    return self._call(target, args, kwargs, kernel, ex, opnode)
+            return self._call(target, args, kwargs, kernel, ex, opnode)
 
     def _call(self, target, args, kwargs, kernel, ex: NodeExec, opnode):
         if not kernel:

@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 _THIN_GRIDS = (64, 512, 4096)  # memory buckets across [min-memory plan, min-time plan]
 _LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slopes, times lam*
-_GRID_GAP = 1e-3  # relative gap (target - L) / target above which the extra slopes pay
+_GRID_GAP = 1e-3  # relative gap (target - L) / target above which extra slopes and thinned passes pay
 
 
 def _tol(bound: float | np.ndarray) -> float | np.ndarray:
@@ -568,16 +568,19 @@ def solve_dp(
             ub = min(p.time for p in seen if p.mem <= cap)
         bnd = _bounds(model, rows)
         stats.update(bounds_s=time.perf_counter() - start, rows=len(rows), lagrange_ub=ub)
-        for grid in _THIN_GRIDS if ub > lb + _tol(lb) else ():
+        for grid in _THIN_GRIDS if ub - lb > _GRID_GAP * abs(ub) else ():
+            # Coarse to fine; a band this narrow prunes hard whatever the target, so
+            # stop once a fine pass finds nothing better.
             tick = time.perf_counter()
             tabs, _ = _pareto_pass(model, bnd, _limits(bnd, ub, cap), beam=max(1, (fast.mem - small.mem) // grid))
             stats["heuristic_s"] += time.perf_counter() - tick
             fin = tabs[model.final]
             idx = _pick(fin, cap)
-            if idx >= 0 and fin.t[idx] < ub:
+            better = idx >= 0 and fin.t[idx] < ub
+            if better:
                 ub = int(fin.t[idx])
                 seen.append(_Point(ub, int(fin.m[idx]), _backtrack(model, tabs, idx)))
-            if ub <= lb + _tol(lb):
+            if ub <= lb + _tol(lb) or (grid >= _THIN_GRIDS[1] and not better):
                 break
         stats["upper_bound"] = ub
         tabs, pstats = _pareto_pass(model, bnd, _limits(bnd, ub, cap), progress=progress)
