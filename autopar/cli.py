@@ -3,6 +3,11 @@
     autopar plan MODEL --mesh 2x4 --axis-names dp,tp --mem-cap 40GiB --profile h100 \\
         --batch 8 --seq 1024 --dtype bf16 --format table|json [-o FILE] [--solver dp|ilp] [--timings]
     autopar models          # the built-in model names
+    autopar run MODEL --mesh 2x2 [--axis-names dp,tp] --steps 3 --check [--batch 4 --seq 32] \\
+        [--family auto|data-parallel|sharded-parameters|tensor-parallel] [--lr 1e-3]
+
+``run`` trains on local CPU ranks it spawns (or, under torchrun, as this rank) and,
+with ``--check``, compares with one device (autopar/launch.py); exit code 1 on FAIL.
 
 ``--batch`` is the global batch.  ``--timings`` prints, as the last line on
 stderr, one JSON object {"capture_s", "strategies_s", "search_s", "total_s",
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -62,7 +68,73 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-compare", action="store_true", help="skip the per-family comparison solves")
     pl.add_argument("--timings", action="store_true", help="print timings as JSON, last line on stderr")
     sub.add_parser("models", help="list the built-in models")
+    _add_run_parser(sub)
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return n
+
+
+_RUN_FAMILIES = {
+    "auto": None,
+    "data-parallel": "data parallel",
+    "sharded-parameters": "sharded parameters",
+    "tensor-parallel": "tensor parallel",
+}
+
+
+def _add_run_parser(sub) -> None:
+    r = sub.add_parser("run", help="train a compiled model on local ranks; --check compares with one device")
+    r.add_argument(
+        "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
+    )
+    r.add_argument(
+        "--mesh", type=_mesh_shape, default=(2,), help="mesh shape, e.g. 2 or 2x2 (default 2); one rank each"
+    )
+    r.add_argument("--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp")
+    r.add_argument("--steps", type=_positive_int, default=3, help="AdamW steps (default 3)")
+    r.add_argument("--check", action="store_true", help="dropout off; compare with the same model on one device")
+    r.add_argument("--batch", type=_positive_int, default=4, help="global batch (default 4)")
+    r.add_argument("--seq", type=_positive_int, default=32, help="sequence length (default 32)")
+    r.add_argument("--family", default="auto", choices=tuple(_RUN_FAMILIES), help="force a plan family (default auto)")
+    r.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    r.add_argument("--timeout", type=float, default=600.0, help="stop the ranks after this many seconds (default 600)")
+
+
+def _cmd_run(args) -> int:
+    from .launch import LaunchError, RunConfig, render_report, run
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # config warnings, once per rank, bury the report
+    try:
+        config = RunConfig(
+            model=args.model,
+            mesh_shape=args.mesh,
+            axis_names=tuple(args.axis_names.split(",")) if args.axis_names else None,
+            steps=args.steps,
+            check=args.check,
+            batch=args.batch,
+            seq=args.seq,
+            family=_RUN_FAMILIES[args.family],
+            lr=args.lr,
+            seed=args.seed,
+            timeout_s=args.timeout,
+        )
+        report = run(config)
+    except (ValueError, TypeError, LaunchError) as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    if report is None:  # a torchrun rank other than 0: rank 0 prints
+        return 0
+    sys.stdout.write(render_report(report))
+    return 1 if report.passed is False else 0
 
 
 def _cmd_plan(args) -> int:
@@ -118,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in builtin_models():
             print(f"{name:18s} {model_config(name).get('description', '')}")
         return 0
+    if args.command == "run":
+        return _cmd_run(args)
     return _cmd_plan(args)
 
 

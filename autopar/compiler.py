@@ -89,7 +89,8 @@ class ShardedModule(nn.Module):
         self._graph = graph
         self._xplan = ExecutionPlan.from_plan(graph, plan)
         self._groups = groups
-        self.collective_counter = None
+        self.collective_counter = None  # set a runtime.CollectiveCounter to record every collective issued
+        self.trace = None  # set a dict to record each op's local outputs (op node name -> tensors)
         self._seed = seed
         self._step = 0
         self._arg_names = arg_names
@@ -114,7 +115,13 @@ class ShardedModule(nn.Module):
     def forward(self, *args, **kwargs):
         values = self._source_values(args, kwargs)
         interp = ShardedInterpreter(
-            self._xplan, self._groups, self.collective_counter, seed=self._seed, step=self._step, source_values=values
+            self._xplan,
+            self._groups,
+            self.collective_counter,
+            seed=self._seed,
+            step=self._step,
+            source_values=values,
+            trace=self.trace,
         )
         self._step += 1
         outs = interp.run(*[None] * len([n for n in self._graph.gm.graph.nodes if n.op == "placeholder"]))

@@ -19,13 +19,14 @@ strategy (all on local shapes):
 For each edge ``u -> v`` and strategy pair: the forward transitions of the tensor
 from ``u``'s output placement to the placement ``v`` reads, and, when gradients
 flow, the backward transitions of its gradient (``transitions`` module).  A
-parameter that is all-gathered before use (sharded storage) is gathered again in
-backward and not kept (FSDP); an activation that is transitioned and saved by its
+parameter that is all-gathered before use (sharded storage) is not kept: when
+its consumer needs it in backward it is gathered again there (FSDP); an activation that is transitioned and saved by its
 consumer costs that copy's bytes on the edge.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,16 +63,15 @@ _SAVES_ALL_INPUTS = {
     "layer_norm",
     "native_layer_norm",
     "rms_norm",
-    "embedding",
     "scaled_dot_product_attention",
     "where",
-    "gather",
     "index",
     "sqrt",
     "cos",
     "sin",
 }
 _SAVES_LAST_TWO = {"addmm", "baddbmm"}  # bias not needed
+_SAVES_INDEX_ONLY = {"embedding", "gather"}
 _SAVES_OUTPUT = {
     "tanh",
     "exp",
@@ -100,6 +100,8 @@ def saved_inputs(node: OpNode) -> tuple[int, ...]:
         return tuple(range(max(0, n - 2), n))
     if name == "linear":
         return tuple(range(min(n, 2)))
+    if name in _SAVES_INDEX_ONLY:  # the looked-up table is not needed, only where the rows went
+        return (n - 1,)
     if name in _SAVES_ALL_INPUTS:
         return tuple(range(n))
     return ()
@@ -161,8 +163,13 @@ class Coster:
         key = (meta, src, dst)
         hit = self._trans_cache.get(key)
         if hit is None:
+            from .runtime.redistribute import nesting_conflict
+
             m = self.compute_meta(meta)
-            hit = sum(self.comm_time_s(t.kind, t.bytes, t.axis) for t in transitions(m, src, dst, self.mesh_shape))
+            if nesting_conflict(m, src, dst, self.mesh_shape) is not None:
+                hit = math.inf  # the runtime cannot run this move on the nested layout: forbidden
+            else:
+                hit = sum(self.comm_time_s(t.kind, t.bytes, t.axis) for t in transitions(m, src, dst, self.mesh_shape))
             self._trans_cache[key] = hit
         return hit
 
@@ -234,7 +241,7 @@ class Coster:
         su, sv = self.cand.strategies[u.index], self.cand.strategies[v.index]
         meta = u.outputs[out_idx]
         grad = u.requires_grad and v.requires_grad and meta.is_float
-        saves = pos in saved_inputs(v) and u.kind != "param"
+        saves = pos in saved_inputs(v) and u.kind != "param"  # a kept gathered parameter is re-gathered
         time = np.zeros((len(su), len(sv)))
         mem = np.zeros((len(su), len(sv)), dtype=np.int64)
         for a, s_u in enumerate(su):
@@ -246,8 +253,8 @@ class Coster:
                 dst = s_v.inputs[pos]
                 fwd = self.transition_time_s(meta, src, dst) if src != dst else 0.0
                 t = fwd
-                if fwd and u.kind == "param":
-                    t += fwd  # FSDP: gathered again in backward, not kept
+                if fwd and u.kind == "param" and pos in saved_inputs(v):
+                    t += fwd  # FSDP: the op keeps a handle, backward gathers it again
                 if grad:
                     g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s_v.split))
                     if g != grad_target:

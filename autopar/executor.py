@@ -168,6 +168,7 @@ class ShardedInterpreter(fx.Interpreter):
         seed: int = 0,
         step: int = 0,
         source_values: dict[str, torch.Tensor] | None = None,
+        trace: dict[str, list[torch.Tensor]] | None = None,
     ) -> None:
         super().__init__(xplan.graph.gm, garbage_collect_values=True)
         self.xplan = xplan
@@ -176,6 +177,7 @@ class ShardedInterpreter(fx.Interpreter):
         self.seed = seed
         self.step = step
         self.source_values = source_values or {}
+        self.trace = trace  # when a dict: op node name -> this rank's local outputs (for tests and debugging)
         self.coordinate = tuple(groups.coordinate)
         self.by_fx = {n.fx_node: n for n in xplan.graph.nodes if n.fx_node is not None}
         for fxn in self.module.graph.nodes:
@@ -241,8 +243,12 @@ class ShardedInterpreter(fx.Interpreter):
             if target in RANDOM_OPS:
                 with torch.random.fork_rng(devices=self._rng_devices()):
                     torch.manual_seed(self._op_seed(opnode.index, ex))
-                    return self._call(target, args, kwargs, kernel, ex, opnode)
-            return self._call(target, args, kwargs, kernel, ex, opnode)
+                    out = self._call(target, args, kwargs, kernel, ex, opnode)
+            else:
+                out = self._call(target, args, kwargs, kernel, ex, opnode)
+        if self.trace is not None:
+            self.trace[opnode.name] = [t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
 
     def _call(self, target, args, kwargs, kernel, ex: NodeExec, opnode):
         if not kernel:

@@ -84,7 +84,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             fwd = transitions(meta, src, dst, mesh_shape) if src != dst else []
             for t in fwd:
                 add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op)
-                if un.kind == "param":  # FSDP: gathered again for backward
+                if un.kind == "param" and pos in saves:  # FSDP: the op kept a handle; gathered again
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
             if (
                 pos in saves

@@ -43,7 +43,12 @@ class ProblemTables:
 
 
 def _ps(seconds: np.ndarray) -> np.ndarray:
-    return np.rint(np.asarray(seconds, dtype=np.float64) * PS_PER_S).astype(np.int64)
+    """Seconds as integer picoseconds; an infinite cost (a forbidden move) becomes ``INF``."""
+    s = np.asarray(seconds, dtype=np.float64)
+    finite = np.isfinite(s)
+    out = np.full(s.shape, INF, dtype=np.int64)
+    out[finite] = np.rint(s[finite] * PS_PER_S).astype(np.int64)
+    return out
 
 
 def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:

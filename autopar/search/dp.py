@@ -72,7 +72,8 @@ logger = logging.getLogger(__name__)
 
 _THIN_GRIDS = (64, 512, 4096)  # memory buckets across [min-memory plan, min-time plan]
 _LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slopes, times lam*
-_GRID_GAP = 1e-3  # relative gap (target - L) / target above which extra slopes and thinned passes pay
+_GRID_GAP = 1e-3  # relative gap (target - L) / target above which the extra slopes pay
+_THIN_GAP = 2e-4  # ... above which thinned passes pay
 
 
 def _tol(bound: float | np.ndarray) -> float | np.ndarray:
@@ -568,7 +569,7 @@ def solve_dp(
             ub = min(p.time for p in seen if p.mem <= cap)
         bnd = _bounds(model, rows)
         stats.update(bounds_s=time.perf_counter() - start, rows=len(rows), lagrange_ub=ub)
-        for grid in _THIN_GRIDS if ub - lb > _GRID_GAP * abs(ub) else ():
+        for grid in _THIN_GRIDS if ub - lb > _THIN_GAP * abs(ub) else ():
             # Coarse to fine; a band this narrow prunes hard whatever the target, so
             # stop once a fine pass finds nothing better.
             tick = time.perf_counter()

@@ -184,6 +184,12 @@ class SearchProblem:
         Raises :class:`InfeasibleError` when a node is left with nothing.
         """
         alive = [np.asarray(t < INF) for t in self.node_time]
+        dead = [self.names[i] for i, a in enumerate(alive) if not a.any()]
+        if dead:
+            raise InfeasibleError(
+                f"nodes {dead}: every strategy has INF time, so every plan is forbidden; fix: allow a strategy "
+                "(e.g. replicate) for each"
+            )
         ok = [np.asarray(t < INF) for t in self.edge_time]
         incident: list[list[int]] = [[] for _ in range(self.n_nodes)]
         for e, (u, v) in enumerate(self.edges):
@@ -196,18 +202,18 @@ class SearchProblem:
             queued.discard(e)
             u, v = self.edges[e]
             pairs = ok[e] & alive[u][:, None] & alive[v][None, :]
-            for node, support in ((u, pairs.any(axis=1)), (v, pairs.any(axis=0))):
+            for node, other, support in ((u, v, pairs.any(axis=1)), (v, u, pairs.any(axis=0))):
                 if (alive[node] & ~support).any():
                     alive[node] = alive[node] & support
+                    if not alive[node].any():
+                        raise InfeasibleError(
+                            f"node {self.names[node]}: no strategy has an allowed (non-INF) pair with the strategies "
+                            f"left to {self.names[other]}, so every plan is forbidden; fix: allow a resharding "
+                            "between them (or a strategy both accept)"
+                        )
                     fresh = [f for f in incident[node] if f not in queued]
                     queued.update(fresh)
                     queue.extend(fresh)
-        for i, a in enumerate(alive):
-            if not a.any():
-                raise InfeasibleError(
-                    f"node {self.names[i]}: every strategy is forbidden (INF time) or only has forbidden pairs with "
-                    "a neighbour, so every plan is forbidden; fix: allow a strategy (e.g. replicate) for it"
-                )
         return [np.flatnonzero(a) for a in alive]
 
     def summary(self) -> str:

@@ -1,0 +1,550 @@
+"""``autopar run``: train a compiled model on local ranks and check it against one device.
+
+    autopar run gpt2-tiny --mesh 2x2 --axis-names dp,tp --steps 3 --check
+
+``run(config)`` is the whole command; ``render_report`` turns its result into text.
+
+* **Where it runs.** With no torchrun environment, ``run`` spawns ``mesh.size`` CPU
+  processes (spawn context, gloo on 127.0.0.1 with a free port), each with a
+  collective timeout, and stops them all at ``config.timeout_s`` or as soon as one
+  fails, so it never hangs; results come back as files (``torch.save``).  Under
+  torchrun (``RANK`` and ``WORLD_SIZE`` set) this process *is* one rank
+  (``runtime.init_distributed``), and rank 0 gathers the others' results.
+* **What a rank does** (``train_rank``): build the model (``build_model``: seeded
+  random weights, dropout off under ``check``), ``autopar.compile`` it, train
+  ``steps`` AdamW steps on the same global batch, and record the loss and time of
+  each step and the bytes it holds after the last step: its local parameter
+  shards, their ``.grad`` and every tensor in the optimizer state (AdamW's step
+  counters included), beside the plan's ``memory`` figures.
+* **The check** (``reference_run``, ``compare``): the same model trained on one
+  device.  The loss of every step on every rank, the other outputs (the logits)
+  and every gradient of step 0, and every parameter after the last step must pass
+  ``torch.isclose`` with ``RTOL``/``ATOL`` (the tolerances of tests/test_execution.py).
+  Each quantity reports its largest absolute deviation and the worst tensor.
+
+Errors: bad input raises ``ValueError``; a rank that fails or outlives the deadline
+raises ``LaunchError`` carrying that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .mesh import Mesh
+from .units import format_bytes
+
+__all__ = [
+    "RunConfig",
+    "RankResult",
+    "TrainRecord",
+    "Deviation",
+    "RunReport",
+    "LaunchError",
+    "run",
+    "train_rank",
+    "reference_run",
+    "build_model",
+    "compare",
+    "render_report",
+    "RTOL",
+    "ATOL",
+]
+
+log = logging.getLogger(__name__)
+
+RTOL, ATOL = 1e-4, 1e-5
+FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or hung; the message carries the first failing rank's traceback."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """What ``autopar run`` trains, where, and how long (see the module docstring)."""
+
+    model: str
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...] | None = None
+    steps: int = 3
+    check: bool = False
+    batch: int = 4
+    seq: int = 32
+    family: str | None = None
+    lr: float = 1e-3
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={getattr(self, k)}" for k in ("steps", "batch", "seq") if getattr(self, k) < 1]
+        if bad:
+            raise ValueError(f"autopar run: {', '.join(bad)}: expected >= 1; pass e.g. --steps 3 --batch 4 --seq 32")
+        if not self.lr > 0:
+            raise ValueError(f"autopar run: lr={self.lr}: expected a positive learning rate, e.g. --lr 1e-3")
+        if not self.timeout_s > 0:
+            raise ValueError(f"autopar run: timeout_s={self.timeout_s}: expected a positive number of seconds")
+        if self.family is not None and self.family not in FAMILIES:
+            raise ValueError(f"autopar run: family {self.family!r}: expected None (auto) or one of {FAMILIES}")
+        self.mesh()  # validates the shape and the axis names
+
+    def mesh(self) -> Mesh:
+        names = self.axis_names
+        if names is None:
+            names = ("dp",) if len(self.mesh_shape) == 1 else tuple(f"axis{i}" for i in range(len(self.mesh_shape)))
+        return Mesh(self.mesh_shape, axis_names=names)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainRecord:
+    """What a training run produced: per-step losses, step-0 outputs and grads, final params.
+
+    The tensors are full (unsharded) and only kept where they are compared: on the
+    reference and on rank 0 under ``check``; elsewhere they are empty.
+    """
+
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]
+    outputs: tuple[torch.Tensor, ...] = ()
+    output_names: tuple[str, ...] = ()
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    """One rank's run: its training record, the memory it held and the plan's figures."""
+
+    rank: int
+    coordinate: tuple[int, ...]
+    family: str
+    record: TrainRecord
+    held_bytes: dict[str, int]
+    plan_memory: dict[str, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Deviation:
+    """The largest ``|distributed - reference|`` of one quantity, and whether all of it is within tolerance."""
+
+    quantity: str
+    tensors: int
+    max_abs: float
+    worst: str
+    ok: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    """Everything ``render_report`` prints; ``passed`` is None without ``check``."""
+
+    config: RunConfig
+    launcher: str
+    ranks: tuple[RankResult, ...]
+    reference: TrainRecord | None
+    deviations: tuple[Deviation, ...]
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.reference is None else all(d.ok for d in self.deviations)
+
+
+# ---- one training run -------------------------------------------------------------------
+def build_model(config: RunConfig, device: torch.device | str = "cpu"):
+    """(model, args, kwargs): seeded random weights, in train mode, dropout off under ``check``."""
+    from .models import load_model
+
+    torch.manual_seed(config.seed)  # factories draw their weights from the global generator too
+    model, args, kwargs = load_model(config.model, batch=config.batch, seq=config.seq, device="cpu")
+    if config.check:
+        _disable_dropout(model)
+    model.train()
+    device = torch.device(device)
+    if device.type != "cpu":
+        model = model.to(device)
+        args = tuple(a.to(device) if torch.is_tensor(a) else a for a in args)
+        kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    return model, args, kwargs
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    # dropout masks differ by design between one device and a sharded run, so the check needs p=0;
+    # HF attention reads its probability from the config or a float attribute, not a Dropout module
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+def _flat(out) -> list[tuple[str, Any]]:
+    """A model's outputs as (name, value) in the order torch.export flattens them."""
+    if isinstance(out, Mapping):  # HF ModelOutput: its non-None fields, in order
+        items = [(str(k), v) for k, v in out.items() if v is not None]
+    elif isinstance(out, (tuple, list)):
+        items = [(f"output[{i}]", v) for i, v in enumerate(out)]
+    else:
+        items = [("output", out)]
+    return [(k, v) for k, v in items if torch.is_tensor(v)]
+
+
+def _loss_index(flat: list[tuple[str, Any]], where: str) -> int:
+    # the same rule as capture's loss_output: the first float scalar that carries a gradient
+    for i, (_, v) in enumerate(flat):
+        if v.numel() == 1 and v.is_floating_point() and v.requires_grad:
+            return i
+    raise ValueError(
+        f"{where}: the model returns no scalar loss (outputs {[k for k, _ in flat]}); autopar run trains the "
+        "model's own loss: make the factory pass labels (built-in models do) or return a loss"
+    )
+
+
+def _train(forward, module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, where: str):
+    """(TrainRecord, held bytes after the last step) of ``steps`` AdamW steps through ``forward``.
+
+    ``module.full_grads``/``full_state_dict`` (a ShardedModule) are collective, so every
+    rank calls them; only ``keep`` ones hold on to the result.
+    """
+    sharded = hasattr(module, "full_grads")
+    opt = torch.optim.AdamW(module.parameters(), lr=config.lr)
+    losses, times, outputs, names, grads, held = [], [], (), (), {}, {}
+    for step in range(config.steps):
+        t0 = time.perf_counter()
+        flat = _flat(forward(*args, **kwargs))
+        loss_at = _loss_index(flat, where)
+        loss = flat[loss_at][1]
+        loss.backward()
+        dt = time.perf_counter() - t0
+        if step == 0 and config.check:
+            outputs = tuple(v.detach().cpu() for i, (_, v) in enumerate(flat) if i != loss_at)
+            names = tuple(k for i, (k, _) in enumerate(flat) if i != loss_at)
+            if sharded:
+                grads = module.full_grads()
+            else:
+                grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in module.named_parameters()}
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(dt + time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if step == config.steps - 1:
+            held = _held_bytes(module, opt)
+        opt.zero_grad()
+    params = {}
+    if config.check:
+        params = (
+            module.full_state_dict() if sharded else {k: v.detach().clone() for k, v in module.state_dict().items()}
+        )
+    if not keep:
+        outputs, grads, params = (), {}, {}
+    cpu = {k: None if v is None else v.cpu() for k, v in grads.items()}
+    record = TrainRecord(tuple(losses), tuple(times), outputs, names, cpu, {k: v.cpu() for k, v in params.items()})
+    return record, held
+
+
+def _held_bytes(module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    params = list(module.parameters())
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
+    }
+
+
+def train_rank(config: RunConfig) -> RankResult:
+    """This rank's run, inside an initialized default process group of ``mesh.size`` ranks."""
+    import autopar
+
+    mesh = config.mesh()
+    rank = dist.get_rank()
+    model, args, kwargs = build_model(config)
+    sharded = autopar.compile(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, family=config.family, seed=config.seed
+    )
+    del model
+    where = f"autopar run {config.model}, rank {rank}"
+    record, held = _train(sharded, sharded, args, kwargs, config, keep=rank == 0, where=where)
+    return RankResult(rank, tuple(mesh.coordinate(rank)), sharded.plan.family, record, held, dict(sharded.plan.memory))
+
+
+def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> TrainRecord:
+    """The same model, weights, batch and optimizer on one device."""
+    model, args, kwargs = build_model(config, device)
+    record, _ = _train(model, model, args, kwargs, config, keep=True, where=f"autopar run {config.model}")
+    return record
+
+
+# ---- comparison -------------------------------------------------------------------------
+def _deviation(quantity: str, pairs: list[tuple[str, Any, Any]]) -> Deviation:
+    worst, max_abs, ok = "-", 0.0, True
+    for name, got, want in pairs:
+        if got is None and want is None:
+            continue
+        if got is None or want is None or tuple(got.shape) != tuple(want.shape):
+            shapes = [None if t is None else tuple(t.shape) for t in (got, want)]
+            return Deviation(quantity, len(pairs), math.inf, f"{name} (shape {shapes[0]} vs {shapes[1]})", False)
+        got, want = got.detach().double().cpu(), want.detach().double().cpu()
+        diff = float((got - want).abs().max()) if got.numel() else 0.0
+        if math.isnan(diff):
+            diff = math.inf
+        ok = ok and bool(torch.isclose(got, want, rtol=RTOL, atol=ATOL).all())
+        if diff > max_abs or worst == "-":
+            worst, max_abs = name, diff
+    return Deviation(quantity, len(pairs), max_abs, worst, ok)
+
+
+def compare(ranks: tuple[RankResult, ...], reference: TrainRecord) -> list[Deviation]:
+    """Losses of every rank and step, step-0 outputs and grads and final params of rank 0."""
+    losses = [
+        (f"rank {r.rank} step {s}", torch.tensor(a), torch.tensor(b))
+        for r in ranks
+        for s, (a, b) in enumerate(zip(r.record.losses, reference.losses))
+    ]
+    r0 = next(r for r in ranks if r.rank == 0).record
+    devs = [_deviation("loss (every step, every rank)", losses)]
+    if len(r0.outputs) != len(reference.outputs):
+        devs.append(Deviation("outputs (step 0)", len(reference.outputs), math.inf, "number of outputs differs", False))
+    elif reference.outputs:
+        names = reference.output_names  # a sharded module returns a flat tuple: the reference names it
+        devs.append(_deviation(", ".join(names) + " (step 0)", list(zip(names, r0.outputs, reference.outputs))))
+
+    def keyed(quantity: str, got: Mapping, want: Mapping) -> Deviation:
+        if got.keys() != want.keys():
+            odd = sorted(set(got) ^ set(want))
+            return Deviation(quantity, len(want), math.inf, f"names differ: {odd[:3]}", False)
+        return _deviation(quantity, [(k, got[k], want[k]) for k in want])
+
+    devs.append(keyed("gradients (step 0)", r0.grads, reference.grads))
+    devs.append(keyed(f"parameters after step {len(reference.losses) - 1}", r0.params, reference.params))
+    return devs
+
+
+# ---- launching ----------------------------------------------------------------------------
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(config: RunConfig, rank: int, world: int, port: int, out_dir: str, threads: int) -> None:
+    """Entry point of one spawned rank: gloo init, ``train_rank``, result or traceback to a file."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.set_num_threads(threads)  # the ranks share this machine's cores
+    out = Path(out_dir)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=config.timeout_s),
+        )
+        result = train_rank(config)
+        torch.save(result, out / f"rank{rank}.pt.tmp")
+        os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(config: RunConfig, *, while_waiting=None) -> tuple[tuple[RankResult, ...], Any]:
+    """Run ``train_rank`` on ``mesh.size`` spawned gloo ranks; ``while_waiting()`` runs in the parent meanwhile."""
+    import torch.multiprocessing as mp
+
+    world = config.mesh().size
+    threads = max(1, (os.cpu_count() or 1) // world)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    extra = None
+    with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
+        procs = [
+            ctx.Process(target=_child, args=(config, r, world, port, tmp, threads), daemon=True) for r in range(world)
+        ]
+        failed: list[int] = []
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + config.timeout_s
+            if while_waiting is not None:
+                extra = while_waiting()
+            while time.monotonic() < deadline:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed or all(p.exitcode == 0 for p in procs):
+                    break
+                time.sleep(0.05)
+        finally:
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        errors = {r: (Path(tmp) / f"rank{r}.err") for r in range(world)}
+        errors = {r: f.read_text() for r, f in errors.items() if f.exists()}
+        if failed or errors:
+            first = min(errors) if errors else failed[0]
+            detail = errors.get(first, f"exit code {procs[first].exitcode} and no traceback")
+            raise LaunchError(
+                f"rank {first} of {world} failed (failed ranks {sorted(set(failed) | set(errors))}):\n{detail}"
+            )
+        if hung:
+            raise LaunchError(
+                f"ranks {hung} of {world} still running after {config.timeout_s:.0f} s (a collective that not every "
+                "rank issued?); stopped them. Pass a larger --timeout if the model is just slow"
+            )
+        results = tuple(torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world))
+    return results, extra
+
+
+def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None, torch.device]:
+    from .runtime.groups import init_distributed
+
+    mesh = config.mesh()
+    world = int(os.environ["WORLD_SIZE"])
+    if world != mesh.size:
+        dims = " * ".join(f"{n}({s})" for n, s in zip(mesh.axis_names, mesh.shape))
+        raise ValueError(
+            f"autopar run under torchrun: WORLD_SIZE={world} but mesh {dims} = {mesh.size}; "
+            f"launch torchrun --nproc-per-node {mesh.size} or pass a --mesh of {world} devices"
+        )
+    backend = init_distributed(timeout=timedelta(seconds=config.timeout_s))
+    try:
+        result = train_rank(config)
+        rank = dist.get_rank()
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+    finally:
+        dist.destroy_process_group()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if "nccl" in backend else torch.device("cpu")
+    return (tuple(gathered) if rank == 0 else None), device
+
+
+def run(config: RunConfig) -> RunReport | None:
+    """Train on ``mesh.size`` ranks (spawned, or this torchrun rank) and compare with one device under ``check``.
+
+    Returns the report where it is complete: in the spawning parent, or on torchrun
+    rank 0; other torchrun ranks get None.
+    """
+    from .models import load_model
+
+    load_model(config.model, batch=config.batch, seq=config.seq, device="meta")  # bad names fail here, fast
+    if _under_torchrun():
+        ranks, device = _as_torchrun_rank(config)
+        if ranks is None:
+            return None
+        reference = reference_run(config, device) if config.check else None
+        launcher = "torchrun"
+    else:
+        # the parent is idle while the ranks plan and train: it runs the reference meanwhile
+        ranks, reference = _spawn(config, while_waiting=(lambda: reference_run(config)) if config.check else None)
+        launcher = "spawned local CPU processes, gloo"
+    deviations = tuple(compare(ranks, reference)) if reference is not None else ()
+    return RunReport(config, launcher, ranks, reference, deviations)
+
+
+# ---- report -----------------------------------------------------------------------------
+def render_report(report: RunReport, *, width: int = 140) -> str:
+    """The report as rich tables: losses per step, the check, memory per rank."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    cfg, ref = report.config, report.reference
+    mesh = cfg.mesh()
+    r0 = next(r for r in report.ranks if r.rank == 0)
+    con.print(
+        escape(
+            f"autopar run: {cfg.model} on mesh {dict(zip(mesh.axis_names, mesh.shape))}, {len(report.ranks)} ranks "
+            f"({report.launcher}); batch {cfg.batch}, seq {cfg.seq}, {cfg.steps} AdamW steps (lr {cfg.lr:g}), "
+            f"dropout {'off' if cfg.check else 'as configured'}"
+        )
+    )
+    con.print(escape(f"plan: {r0.family}" + ("" if cfg.family is None else f" (forced family: {cfg.family})")))
+
+    t = Table(title="training (rank 0)", title_justify="left")
+    for col in ("step", "loss", *(("one-device loss", "|Δ|") if ref else ()), "step time"):
+        t.add_column(col, justify="right")
+    for step, loss in enumerate(r0.record.losses):
+        cells = [str(step), f"{loss:.6f}"]
+        if ref:
+            cells += [f"{ref.losses[step]:.6f}", f"{abs(loss - ref.losses[step]):.2e}"]
+        t.add_row(*cells, f"{r0.record.step_times_s[step] * 1e3:.1f} ms")
+    con.print(t)
+
+    if ref is not None:
+        t = Table(title=f"check against one device (rtol {RTOL:g}, atol {ATOL:g})", title_justify="left")
+        for col, just in (
+            ("quantity", "left"),
+            ("tensors", "right"),
+            ("max |Δ|", "right"),
+            ("worst", "left"),
+            ("within tolerance", "left"),
+        ):
+            t.add_column(col, justify=just)
+        for d in report.deviations:
+            t.add_row(escape(d.quantity), str(d.tensors), f"{d.max_abs:.2e}", escape(d.worst), "yes" if d.ok else "NO")
+        con.print(t)
+        worst = max(report.deviations, key=lambda d: d.max_abs)
+        con.print(
+            f"check: {'PASS' if report.passed else 'FAIL'} (largest deviation {worst.max_abs:.2e}, "
+            f"{escape(worst.quantity)})"
+        )
+
+    t = Table(title=f"memory per rank after step {cfg.steps - 1}: held vs the plan's figures", title_justify="left")
+    t.add_column("rank", justify="right")
+    t.add_column("coordinate", justify="right")
+    keys = ("params", "grads", "optimizer")
+    for k in (*keys, "total"):
+        t.add_column(f"{k} held", justify="right")
+        t.add_column("plan", justify="right")
+    for r in report.ranks:
+        plan = [r.plan_memory.get(k) for k in keys]
+        held = [r.held_bytes.get(k, 0) for k in keys]
+        plan.append(None if None in plan else sum(plan))
+        held.append(sum(held))
+        cells = [format_bytes(n) for pair in zip(held, plan) for n in pair]
+        t.add_row(str(r.rank), str(r.coordinate), *cells)
+    con.print(t)
+    con.print(
+        f"held: local parameter shards, their .grad and every optimizer state tensor (AdamW's step counters "
+        f"included). The plan also counts activations ({format_bytes(r0.plan_memory.get('activations'))}); its "
+        f"per-device total is {format_bytes(r0.plan_memory.get('per_device_bytes'))}."
+    )
+    return buf.getvalue()

@@ -1,0 +1,199 @@
+"""The search: the exact DP against brute force and against CP-SAT, to the picosecond."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from autopar.search import INF, InfeasibleError, SearchProblem, min_memory, solve_brute_force, solve_cpsat, solve_dp
+from autopar.search.generate import random_problem, transformer_like_problem
+
+
+def _brute_frontier(problem: SearchProblem) -> list[tuple[int, int]]:
+    pts = sorted({problem.evaluate(c) for c in itertools.product(*map(range, problem.num_choices)) if not problem.forbidden_in(c)})
+    out: list[tuple[int, int]] = []
+    for t, m in pts:
+        if not out or m < out[-1][1]:
+            out.append((t, m))
+    return out
+
+
+def _check_plan(problem: SearchProblem, sol) -> None:
+    assert problem.evaluate(sol.choice) == (sol.time, sol.mem_bytes)
+    assert problem.forbidden_in(sol.choice) == []
+    if problem.mem_cap_bytes is not None:
+        assert sol.mem_bytes <= problem.mem_cap_bytes
+
+
+def _tiny(seed: int) -> SearchProblem:
+    rng = np.random.default_rng(seed)
+    quantile = [0.0, 0.1, 0.3, 0.6, None][seed % 5]
+    return random_problem(seed, int(rng.integers(1, 8)), int(rng.integers(1, 5)), edge_prob=0.3, cap_quantile=quantile)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_matches_brute_force_on_tiny_problems(seed: int) -> None:
+    problem = _tiny(seed)
+    try:
+        want = solve_brute_force(problem)
+    except InfeasibleError as err:
+        with pytest.raises(InfeasibleError) as got:
+            solve_dp(problem)
+        assert got.value.min_mem_bytes == err.min_mem_bytes
+        return
+    got = solve_dp(problem, frontier=seed % 2 == 0)
+    _check_plan(problem, got)
+    assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)  # both break time ties by memory
+    assert got.optimal and got.solver == "dp"
+    if seed % 2 == 0:
+        assert got.stats["frontier"] == _brute_frontier(problem)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_min_memory_matches_brute_force(seed: int) -> None:
+    problem = _tiny(seed).with_cap(None)
+    plans = [c for c in itertools.product(*map(range, problem.num_choices)) if not problem.forbidden_in(c)]
+    want = min((problem.evaluate(c)[1], problem.evaluate(c)[0]) for c in plans)
+    got = min_memory(problem)
+    assert (got.mem_bytes, got.time) == want
+    assert problem.evaluate(got.choice) == (got.time, got.mem_bytes)
+
+
+def _small(seed: int) -> SearchProblem:
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(4, 17))
+    max_k = int(rng.integers(1, 5))
+    edge_prob = float(rng.choice([0.05, 0.15, 0.3]))
+    quantile = float(rng.choice([0.02, 0.1, 0.25, 0.5, 0.9]))
+    return random_problem(1000 + seed, n, max_k, edge_prob=edge_prob, cap_quantile=quantile, inf_prob=0.08)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dp_equals_cpsat_optimum_exactly(seed: int) -> None:
+    problem = _small(seed)
+    try:
+        ref = solve_cpsat(problem, time_limit_s=30)
+    except InfeasibleError as err:
+        with pytest.raises(InfeasibleError) as got:
+            solve_dp(problem)
+        assert got.value.min_mem_bytes == err.min_mem_bytes
+        return
+    assert ref.optimal, f"CP-SAT did not prove optimality on {problem.summary()}"
+    got = solve_dp(problem)
+    _check_plan(problem, ref)
+    _check_plan(problem, got)
+    assert got.time == ref.time
+
+
+def test_cap_binds_and_both_solvers_agree_on_a_small_transformer() -> None:
+    problem = transformer_like_problem(1, 3, seed=1, cap_fraction=0.5, chain_ops=0.5)
+    free = solve_dp(problem.with_cap(None))
+    assert free.mem_bytes > problem.mem_cap_bytes  # the cap really binds
+    got, ref = solve_dp(problem), solve_cpsat(problem, time_limit_s=60)
+    assert ref.optimal
+    assert got.time == ref.time > free.time
+    _check_plan(problem, got)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_infeasible_cap_reports_the_brute_force_minimum(seed: int) -> None:
+    problem = _tiny(100 + seed).with_cap(None)
+    least = min(problem.evaluate(c)[1] for c in itertools.product(*map(range, problem.num_choices)) if not problem.forbidden_in(c))
+    problem = problem.with_cap(least - 1)
+    for solver in (solve_dp, solve_cpsat, solve_brute_force):
+        with pytest.raises(InfeasibleError) as err:
+            solver(problem)
+        assert err.value.min_mem_bytes == least
+        assert err.value.cap_bytes == least - 1
+        assert err.value.min_mem_solution.mem_bytes == least
+        assert str(least) in str(err.value) and str(least - 1) in str(err.value)
+    # exactly at the minimum it fits
+    assert solve_dp(problem.with_cap(least)).mem_bytes == least
+
+
+def _chain(times: list[list[int]], pair: list[list[int]], cap: int | None = None) -> SearchProblem:
+    arr = [np.array(t, np.int64) for t in times]
+    return SearchProblem(
+        tuple(f"op{i}" for i in range(len(arr))),
+        tuple(arr),
+        tuple(np.zeros_like(a) for a in arr),
+        tuple((i, i + 1) for i in range(len(arr) - 1)),
+        tuple(np.array(pair, np.int64) for _ in range(len(arr) - 1)),
+        tuple(None for _ in range(len(arr) - 1)),
+        cap,
+    )
+
+
+def test_forbidden_entries_are_avoided() -> None:
+    # The cheapest choice (0) of op1 is forbidden, and so is pair (1, 1) on every edge.
+    problem = _chain([[5, 1], [INF, 3], [2, 4]], [[0, 7], [7, INF]])
+    for solver in (solve_dp, solve_cpsat, solve_brute_force):
+        sol = solver(problem)
+        assert sol.choice == (0, 1, 0) and sol.time == 5 + 3 + 2 + 7 + 7
+    # With forbidden entries everywhere on random problems, no plan uses one.
+    for seed in range(10):
+        problem = random_problem(seed, 12, 4, edge_prob=0.2, cap_quantile=None, inf_prob=0.4)
+        _check_plan(problem, solve_dp(problem))
+
+
+def test_every_plan_forbidden_raises() -> None:
+    with pytest.raises(InfeasibleError, match="op1"):
+        solve_dp(_chain([[1, 2], [INF, INF], [1, 1]], [[0, 0], [0, 0]]))
+    # Each choice alone is fine, but the triangle's pairs admit no plan.
+    ne = np.array([[INF, 0], [0, INF]], np.int64)
+    problem = SearchProblem(
+        ("a", "b", "c"),
+        tuple(np.zeros(2, np.int64) for _ in range(3)),
+        tuple(np.zeros(2, np.int64) for _ in range(3)),
+        ((0, 1), (1, 2), (0, 2)),
+        (ne, ne, ne),
+        (None, None, None),
+        None,
+    )
+    for solver in (solve_dp, solve_cpsat):
+        with pytest.raises(InfeasibleError):
+            solver(problem)
+
+
+def test_degenerate_problems() -> None:
+    empty = SearchProblem((), (), (), (), (), (), 10, 7)
+    assert (solve_dp(empty).time, solve_dp(empty).mem_bytes) == (0, 7)
+    single = _chain([[4]], [], cap=None)
+    assert solve_dp(single).choice == (0,)
+    ones = _chain([[4], [1], [2]], [[3]])
+    assert solve_dp(ones).time == 4 + 1 + 2 + 3 + 3
+
+
+def test_progress_reports_every_step() -> None:
+    calls: list[tuple[int, int]] = []
+    solve_dp(random_problem(3, 30, 4, edge_prob=0.1, cap_quantile=0.3), progress=lambda d, n: calls.append((d, n)))
+    total = calls[-1][1]
+    assert [d for d, _ in calls[-total:]] == list(range(1, total + 1))
+
+
+def test_validation_names_the_culprit() -> None:
+    good = _chain([[1, 2], [3, 4]], [[0, 1], [1, 0]])
+    with pytest.raises(ValueError, match=r"node_time\[1\] \(op1\): expected dtype int64"):
+        SearchProblem(good.names, (good.node_time[0], np.array([1.0, 2.0])), good.node_mem, good.edges, good.edge_time, good.edge_mem, None)
+    with pytest.raises(ValueError, match=r"edges\[0\] = \(1, 0\): expected 0 <= u < v"):
+        SearchProblem(good.names, good.node_time, good.node_mem, ((1, 0),), good.edge_time, good.edge_mem, None)
+    with pytest.raises(ValueError, match=r"edge_time\[0\] \(op0 -> op1\): expected shape \(2, 2\)"):
+        SearchProblem(good.names, good.node_time, good.node_mem, good.edges, (np.zeros((2, 3), np.int64),), good.edge_mem, None)
+    with pytest.raises(ValueError, match="duplicate edge"):
+        SearchProblem(good.names, good.node_time, good.node_mem, good.edges * 2, good.edge_time * 2, good.edge_mem * 2, None)
+    with pytest.raises(ValueError, match="choice has 1 entries"):
+        good.evaluate((0,))
+
+
+@pytest.mark.parametrize("k", [4, 10])
+def test_transformer_like_twelve_layers(k: int) -> None:
+    problem = transformer_like_problem(12, k, seed=0, cap_fraction=0.5)
+    assert 900 <= problem.n_nodes <= 1200
+    sol = solve_dp(problem)
+    _check_plan(problem, sol)
+    free = solve_dp(problem.with_cap(None))
+    assert free.mem_bytes > problem.mem_cap_bytes >= min_memory(problem).mem_bytes
+    assert sol.time >= free.time
+    assert sol.stats["lower_bound"] <= sol.time <= sol.stats["upper_bound"]
