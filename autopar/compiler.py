@@ -256,19 +256,8 @@ def compile(
     full_params = _full_parameters(model, state_dict, weights_from_rank0)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     if plan is None:
-        from .planner import plan_from_context, prepare
-
-        ctx = prepare(
-            model,
-            mesh,
-            example_inputs=args,
-            example_kwargs=kwargs,
-            profile=profile or _default_profile(groups),
-            dtype="fp32",
-        )
-        graph = ctx.graph
-        plan_obj = plan_from_context(ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=False,
-                                     family=family)
+        plan_obj, graph = _plan_on_rank0(model, mesh, args, kwargs, groups, mem_cap=mem_cap, profile=profile,
+                                         family=family)
     else:
         plan_obj = plan if isinstance(plan, Plan) else Plan.from_json(plan)
         if tuple(plan_obj.mesh.shape) != tuple(mesh.shape):
@@ -286,6 +275,35 @@ def compile(
         arg_names=arg_names,
         state_keys=list(model.state_dict().keys()),
     )
+
+
+def _plan_on_rank0(model, mesh, args, kwargs, groups, *, mem_cap, profile, family) -> tuple[Plan, OpGraph]:
+    """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
+
+    One search instead of one per rank, and every rank runs the very same plan.
+    The others only trace the model (cheap) to execute it.
+    """
+    from .planner import plan_from_context, prepare
+
+    box: list = [None]
+    graph = None
+    if dist.get_rank() == 0:
+        try:
+            ctx = prepare(model, mesh, example_inputs=args, example_kwargs=kwargs,
+                          profile=profile or _default_profile(groups), dtype="fp32")
+            graph = ctx.graph
+            box[0] = plan_from_context(ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=False,
+                                       family=family).to_json()
+        except Exception as e:  # tell the other ranks instead of leaving them waiting
+            box[0] = e
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise ValueError(f"planning failed on rank 0: {box[0]}") from box[0]
+    if graph is None:
+        graph = capture(model, args, kwargs)
+    return Plan.from_json(box[0]), graph
 
 
 def _arg_names(model: nn.Module, n: int) -> list[str]:

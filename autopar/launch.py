@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .mesh import Mesh
+from .plan_types import Plan
 from .units import format_bytes
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "train_rank",
     "reference_run",
     "build_model",
+    "plan_once",
     "compare",
     "render_report",
     "RTOL",
@@ -167,16 +169,20 @@ class RunReport:
 
 # ---- one training run -------------------------------------------------------------------
 def build_model(config: RunConfig, device: torch.device | str = "cpu"):
-    """(model, args, kwargs): seeded random weights, in train mode, dropout off under ``check``."""
+    """(model, args, kwargs): seeded random weights, in train mode, dropout off under ``check``.
+
+    ``device="meta"`` builds the same model without weights (for planning).
+    """
     from .models import load_model
 
+    device = torch.device(device)
     torch.manual_seed(config.seed)  # factories draw their weights from the global generator too
-    model, args, kwargs = load_model(config.model, batch=config.batch, seq=config.seq, device="cpu")
+    build_on = "meta" if device.type == "meta" else "cpu"
+    model, args, kwargs = load_model(config.model, batch=config.batch, seq=config.seq, device=build_on)
     if config.check:
         _disable_dropout(model)
     model.train()
-    device = torch.device(device)
-    if device.type != "cpu":
+    if device.type not in ("cpu", "meta"):
         model = model.to(device)
         args = tuple(a.to(device) if torch.is_tensor(a) else a for a in args)
         kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
@@ -273,15 +279,32 @@ def _held_bytes(module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]
     }
 
 
-def train_rank(config: RunConfig) -> RankResult:
-    """This rank's run, inside an initialized default process group of ``mesh.size`` ranks."""
+def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
+    """The plan ``autopar.compile`` would make on every rank, made once (on a meta-device model).
+
+    Same settings as ``compile``'s own search (fp32, no state sharding, ``family``),
+    so the ranks only capture and shard.  Planning once also keeps the search's
+    memory in one process instead of one copy per rank.
+    """
+    from .planner import plan_from_context, prepare
+
+    model, args, kwargs = build_model(config, "meta")
+    ctx = prepare(model, config.mesh(), example_inputs=args, example_kwargs=kwargs, profile=profile, dtype="fp32")
+    return plan_from_context(ctx, compare_families=False, allow_state_sharding=False, family=config.family)
+
+
+def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
+    """This rank's run, inside an initialized default process group of ``mesh.size`` ranks.
+
+    ``plan=None`` lets ``autopar.compile`` plan on this rank.
+    """
     import autopar
 
     mesh = config.mesh()
     rank = dist.get_rank()
     model, args, kwargs = build_model(config)
     sharded = autopar.compile(
-        model, mesh, example_inputs=args, example_kwargs=kwargs, family=config.family, seed=config.seed
+        model, mesh, example_inputs=args, example_kwargs=kwargs, family=config.family, seed=config.seed, plan=plan
     )
     del model
     where = f"autopar run {config.model}, rank {rank}"
@@ -352,7 +375,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(config: RunConfig, rank: int, world: int, port: int, out_dir: str, threads: int) -> None:
+def _child(config: RunConfig, plan: Plan, rank: int, world: int, port: int, out_dir: str, threads: int) -> None:
     """Entry point of one spawned rank: gloo init, ``train_rank``, result or traceback to a file."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -368,7 +391,7 @@ def _child(config: RunConfig, rank: int, world: int, port: int, out_dir: str, th
             world_size=world,
             timeout=timedelta(seconds=config.timeout_s),
         )
-        result = train_rank(config)
+        result = train_rank(config, plan)
         torch.save(result, out / f"rank{rank}.pt.tmp")
         os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
     except BaseException:
@@ -379,7 +402,7 @@ def _child(config: RunConfig, rank: int, world: int, port: int, out_dir: str, th
             dist.destroy_process_group()
 
 
-def _spawn(config: RunConfig, *, while_waiting=None) -> tuple[tuple[RankResult, ...], Any]:
+def _spawn(config: RunConfig, plan: Plan, *, while_waiting=None) -> tuple[tuple[RankResult, ...], Any]:
     """Run ``train_rank`` on ``mesh.size`` spawned gloo ranks; ``while_waiting()`` runs in the parent meanwhile."""
     import torch.multiprocessing as mp
 
@@ -390,7 +413,8 @@ def _spawn(config: RunConfig, *, while_waiting=None) -> tuple[tuple[RankResult, 
     extra = None
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         procs = [
-            ctx.Process(target=_child, args=(config, r, world, port, tmp, threads), daemon=True) for r in range(world)
+            ctx.Process(target=_child, args=(config, plan, r, world, port, tmp, threads), daemon=True)
+            for r in range(world)
         ]
         failed: list[int] = []
         try:
@@ -431,6 +455,14 @@ def _spawn(config: RunConfig, *, while_waiting=None) -> tuple[tuple[RankResult, 
     return results, extra
 
 
+def _profile(device: torch.device) -> str:
+    from types import SimpleNamespace
+
+    from .compiler import _default_profile
+
+    return _default_profile(SimpleNamespace(device=device))  # what compile picks for this rank's device
+
+
 def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None, torch.device]:
     from .runtime.groups import init_distributed
 
@@ -443,14 +475,24 @@ def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None,
             f"launch torchrun --nproc-per-node {mesh.size} or pass a --mesh of {world} devices"
         )
     backend = init_distributed(timeout=timedelta(seconds=config.timeout_s))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if "nccl" in backend else torch.device("cpu")
     try:
-        result = train_rank(config)
         rank = dist.get_rank()
+        # rank 0 plans and sends the plan, or its error, so that a bad input fails every rank at once
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                box[0] = plan_once(config, profile=_profile(device))
+            except (ValueError, TypeError) as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        result = train_rank(config, box[0])
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
     finally:
         dist.destroy_process_group()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if "nccl" in backend else torch.device("cpu")
     return (tuple(gathered) if rank == 0 else None), device
 
 
@@ -460,9 +502,6 @@ def run(config: RunConfig) -> RunReport | None:
     Returns the report where it is complete: in the spawning parent, or on torchrun
     rank 0; other torchrun ranks get None.
     """
-    from .models import load_model
-
-    load_model(config.model, batch=config.batch, seq=config.seq, device="meta")  # bad names fail here, fast
     if _under_torchrun():
         ranks, device = _as_torchrun_rank(config)
         if ranks is None:
@@ -470,8 +509,10 @@ def run(config: RunConfig) -> RunReport | None:
         reference = reference_run(config, device) if config.check else None
         launcher = "torchrun"
     else:
-        # the parent is idle while the ranks plan and train: it runs the reference meanwhile
-        ranks, reference = _spawn(config, while_waiting=(lambda: reference_run(config)) if config.check else None)
+        plan = plan_once(config)  # gloo ranks: compile's own choice of profile is "cpu"
+        # the parent is idle while the ranks capture and train: it runs the reference meanwhile
+        waiting = (lambda: reference_run(config)) if config.check else None
+        ranks, reference = _spawn(config, plan, while_waiting=waiting)
         launcher = "spawned local CPU processes, gloo"
     deviations = tuple(compare(ranks, reference)) if reference is not None else ()
     return RunReport(config, launcher, ranks, reference, deviations)

@@ -110,28 +110,31 @@ def test_compiled_training_matches_single_device(name, mesh_shape, families):
                                            msg=lambda m: f"{where}: param {k} after {STEPS} steps: {m}")
 
 
-def _count_rank_fn(rank, world, name, mesh_shape, axis_names, family):
+def _count_rank_fn(rank, world, name, mesh_shape, axis_names):
     import autopar
     from autopar.runtime import CollectiveCounter
 
-    model, args, kwargs = _model(name)
-    sharded = autopar.compile(model, autopar.Mesh(mesh_shape, axis_names=axis_names), example_inputs=args,
-                              example_kwargs=kwargs, family=family)
-    sharded.collective_counter = CollectiveCounter()
-    loss, _ = sharded(*args, **kwargs)
-    loss.backward()
-    counted = [(r.kind, axis_names[r.axis], r.phase, r.bytes) for r in sharded.collective_counter.records]
-    planned = [(c["kind"], c["axis"], c["phase"], c["bytes"]) for c in sharded.plan.collectives]
-    return sharded.plan.family, sorted(counted), sorted(planned)
+    out = {}
+    for family in FAMILIES:
+        model, args, kwargs = _model(name)
+        sharded = autopar.compile(model, autopar.Mesh(mesh_shape, axis_names=axis_names), example_inputs=args,
+                                  example_kwargs=kwargs, family=family)
+        sharded.collective_counter = CollectiveCounter()
+        loss, _ = sharded(*args, **kwargs)
+        loss.backward()
+        counted = [(r.kind, axis_names[r.axis], r.phase, r.bytes) for r in sharded.collective_counter.records]
+        planned = [(c["kind"], c["axis"], c["phase"], c["bytes"]) for c in sharded.plan.collectives]
+        out[family] = (sharded.plan.family, sorted(counted), sorted(planned))
+    return out
 
 
-@pytest.mark.parametrize("family", [None, "tensor parallel", "sharded parameters", "data parallel"])
-def test_collectives_counted_at_run_time_equal_the_plan(family):
-    """Issue 3, done-when 3: kind, axis, phase and bytes of every collective of one step."""
-    results = run_ranks(_count_rank_fn, 4, "gpt2-tiny", (2, 2), ("dp", "tp"), family, timeout_s=300)
-    for rank, (label, counted, planned) in enumerate(results):
-        assert planned, f"plan {label} has no collective: nothing to compare"
-        assert counted == planned, f"rank {rank}, plan {label}: counted != planned"
+def test_collectives_counted_at_run_time_equal_the_plan():
+    """Issue 3, done-when 3: kind, axis, phase and bytes of every collective of one step, every family."""
+    results = run_ranks(_count_rank_fn, 4, "gpt2-tiny", (2, 2), ("dp", "tp"), timeout_s=600)
+    for rank, per_family in enumerate(results):
+        for family, (label, counted, planned) in per_family.items():
+            assert planned, f"plan {label} has no collective: nothing to compare"
+            assert counted == planned, f"rank {rank}, plan {family or 'auto'} ({label}): counted != planned"
 
 
 def _dropout_rank_fn(rank, world, mesh_shape, axis_names):

@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 _THIN_GRIDS = (64, 512, 4096)  # memory buckets across [min-memory plan, min-time plan]
 _LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slopes, times lam*
-_GRID_GAP = 1e-3  # relative gap (target - L) / target above which the extra slopes pay
+_GRID_GAP = 5e-3  # relative gap (target - L) / target above which the extra slopes pay
 _THIN_GAP = 2e-4  # ... above which thinned passes pay
 
 
@@ -300,6 +300,7 @@ class _Tab:
     xs: np.ndarray | None = None  # choice of the eliminated node per pair
     bp: np.ndarray | None = None  # (pairs, inputs): pair index into each input
     keys: tuple | None = None  # search keys of :func:`_window`, built on first use
+    wide: bool = False  # some entry holds many pairs: worth :func:`_window`
 
 
 def _window(tab: _Tab, e: np.ndarray, qp: np.ndarray | None, qs: np.ndarray | None, primary: str) -> tuple[np.ndarray, np.ndarray]:
@@ -307,7 +308,7 @@ def _window(tab: _Tab, e: np.ndarray, qp: np.ndarray | None, qs: np.ndarray | No
     run by primary ascending (secondary descending), so that is one range.  One
     searchsorted for all entries: a pair's key is ``entry * width + rank of its value``."""
     start, stop = tab.off[e], tab.off[e + 1]
-    if (qp is None and qs is None) or tab.xs is None:
+    if qp is None and qs is None:
         return start, stop
     if tab.keys is None:
         ent = np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))
@@ -387,15 +388,24 @@ def _pareto_pass(
         single = True  # at most one pair per cell so far: no Pareto filter needed
         for i, j in enumerate(order):
             tab = tabs[st.inputs[j]]
-            rc = rests[i][:, cell]
-            qt = ((lim[pure_t] - rc[pure_t]) / bnd.wt[pure_t]).min(axis=0) - t if pure_t.size else None
-            qm = ((lim[pure_m] - rc[pure_m]) / bnd.wm[pure_m]).min(axis=0) - m if pure_m.size else None
-            start, stop = _window(tab, ents[j][cell], *((qt, qm) if primary == "t" else (qm, qt)), primary)
+            e = ents[j][cell]
+            if tab.wide:
+                rc = rests[i][:, cell]
+                qt = ((lim[pure_t] - rc[pure_t]) / bnd.wt[pure_t]).min(axis=0) - t if pure_t.size else None
+                qm = ((lim[pure_m] - rc[pure_m]) / bnd.wm[pure_m]).min(axis=0) - m if pure_m.size else None
+                start, stop = _window(tab, e, *((qt, qm) if primary == "t" else (qm, qt)), primary)
+            else:
+                start, stop = tab.off[e], tab.off[e + 1]
             counts = stop - start
-            single = single and bool((counts <= 1).all())
-            rep = np.repeat(np.arange(counts.size), counts)
-            q = start[rep] + np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
-            cell, t, m, rc = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q], rc[:, rep]
+            if single and counts.max(initial=0) <= 1:
+                rep = np.flatnonzero(counts)
+                q = start[rep]
+            else:
+                single = False
+                rep = np.repeat(np.arange(counts.size), counts)
+                q = start[rep] + np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
+            cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
+            rc = rests[i][:, cell]
             ptrs = [p[rep] for p in ptrs] + [q]
             stats["max_combined"] = max(stats["max_combined"], cell.size)
             keep = (rc + bnd.wt * t + bnd.wm * m <= lim).all(axis=0)
@@ -416,7 +426,7 @@ def _pareto_pass(
         for i, j in enumerate(order):
             bp[:, j] = ptrs[i][sel]
         off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=row_ok.size))])
-        tabs.append(_Tab(off, t[sel], m[sel], cells[cell[sel]] % kx, bp))
+        tabs.append(_Tab(off, t[sel], m[sel], cells[cell[sel]] % kx, bp, wide=bool(np.diff(off).max(initial=0) > 8)))
         stats["max_pairs"] = max(stats["max_pairs"], int(sel.size))
         stats["pairs"] += int(sel.size)
         if progress is not None:
