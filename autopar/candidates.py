@@ -58,6 +58,7 @@ class CandidateGraph:
 def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGraph:
     """Enumerate strategies for every node (ops first, then sources, which read their consumers)."""
     hints = block_hints(graph)
+    constant = constant_nodes(graph)
     strategies: list[list] = [[] for _ in graph.nodes]
     cache: dict[str, list[OpStrategy]] = {}
     for node in graph.nodes:
@@ -65,19 +66,46 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
             continue
         call = replace(node.call, block_hints=frozenset(hints.get(node.index, ())))
         node.call = call
-        key = repr((call.target, call.args, call.kwargs, call.inputs, call.outputs, sorted(call.block_hints)))
+        key = repr((call.target, call.args, call.kwargs, call.inputs, call.outputs, sorted(call.block_hints),
+                    node.index in constant))
         if key not in cache:
-            cache[key] = expand_to_mesh(call, mesh_shape, rule_for(call.target))
+            options = expand_to_mesh(call, mesh_shape, rule_for(call.target))
+            if node.index in constant:
+                options = [s for s in options if _all_replicated(s)] or options[-1:]
+            cache[key] = options
         strategies[node.index] = cache[key]
     consumers = graph.consumers()
     for node in graph.nodes:
         if node.kind == "op":
+            continue
+        if node.index in constant:
+            full = tuple(Replicate() for _ in mesh_shape)
+            strategies[node.index] = [SourceStrategy(full, full)]
             continue
         # sources are never stored Partial: a consumer reading P gets it from R for free
         wanted = {s.inputs[pos] for c, pos, _ in consumers[node.index] for s in strategies[c]}
         wanted = {w for w in wanted if not any(isinstance(p, Partial) for p in w)}
         strategies[node.index] = _source_strategies(node, wanted, mesh_shape)
     return CandidateGraph(graph, mesh_shape, strategies)
+
+
+def constant_nodes(graph: OpGraph) -> set[int]:
+    """Nodes that depend on no user input and no parameter (buffers, arange, masks built from them).
+
+    They are the same every step (a compiler would fold them), so they are kept
+    replicated: their consumers take any piece of a replicated value for free, so
+    nothing is lost in communication, and the search does not carry them, which
+    matters because they are read by every layer (rotary tables, causal masks).
+    """
+    out: set[int] = set()
+    for node in graph.nodes:
+        if node.kind == "buffer" or (node.kind == "op" and all(src in out for src, _ in node.inputs)):
+            out.add(node.index)
+    return out
+
+
+def _all_replicated(s: OpStrategy) -> bool:
+    return all(isinstance(p, Replicate) for pl in s.inputs + s.outputs for p in pl)
 
 
 def _plain_shard_options(meta: TensorMeta, axis_size: int) -> list[Placement]:

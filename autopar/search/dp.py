@@ -115,7 +115,7 @@ class _Step:
     inputs: tuple[int, ...]
     scope: tuple[int, ...]
     shape: tuple[int, ...]  # joint axes: scope, then var
-    bcast: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per input: transpose, broadcast shape
+    bcast: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per input: transpose (rows first), joint shape
     pos: tuple[tuple[int, ...], ...]  # per input: joint axis of each of its scope nodes
     out: int
 
@@ -169,7 +169,7 @@ class _Model:
                 pos = tuple(joint.index(w) for w in scopes[tid])
                 bshape = [k[w] if w in scopes[tid] else 1 for w in joint]
                 poss.append(pos)
-                bcast.append((tuple(int(p) for p in np.argsort(pos)), tuple(bshape)))
+                bcast.append(((0,) + tuple(int(p) + 1 for p in np.argsort(pos)), tuple(bshape)))
             step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), tuple(poss), len(scopes))
             scopes.append(scope)
             self.steps.append(step)
@@ -185,9 +185,9 @@ class _Model:
 
 
 def _bc(step: _Step, j: int, arr: np.ndarray) -> np.ndarray:
-    """Input j's table laid onto the step's joint axes (size-1 where it has none)."""
+    """Input j's (rows, *scope) table laid onto the step's joint axes (size 1 where it has none)."""
     perm, bshape = step.bcast[j]
-    return arr.transpose(perm).reshape(bshape)
+    return arr.transpose(perm).reshape((arr.shape[0],) + bshape)
 
 
 def _joint(step: _Step, vals: list, skip: int = -1) -> np.ndarray:
@@ -195,36 +195,41 @@ def _joint(step: _Step, vals: list, skip: int = -1) -> np.ndarray:
     for j, tid in enumerate(step.inputs):
         if j != skip:
             acc = acc + _bc(step, j, vals[tid])
-    return np.broadcast_to(acc, step.shape)
+    return acc
 
 
-def _inside(model: _Model, wt: float, wm: float) -> tuple[list, dict[int, np.ndarray]]:
-    """Min-sum elimination of ``wt T + wm M``: inside value of every table, argmins."""
-    vals: list = [np.where(ok, wt * t.astype(float) + wm * m.astype(float), np.inf) for t, m, ok in zip(model.t, model.m, model.ok)]
+def _inside(model: _Model, w: np.ndarray) -> tuple[list, dict[int, np.ndarray]]:
+    """Min-sum elimination of ``w[b, 0] T + w[b, 1] M`` for every row b at once:
+    inside values (rows, *scope) of every table, and the argmins."""
+    vals: list = []
+    for t, m, ok in zip(model.t, model.m, model.ok):
+        shape = (-1,) + (1,) * t.ndim
+        vals.append(np.where(ok, w[:, 0].reshape(shape) * t + w[:, 1].reshape(shape) * m, np.inf))
     vals += [None] * len(model.steps)
     args: dict[int, np.ndarray] = {}
     for st in model.steps:
         joint = _joint(st, vals)
         if st.var < 0:
-            vals[st.out] = np.asarray(joint, float)
+            vals[st.out] = joint
         else:
-            arg = args[st.out] = joint.argmin(axis=-1)
-            vals[st.out] = np.take_along_axis(joint, arg[..., None], axis=-1)[..., 0]
+            args[st.out] = joint.argmin(axis=-1)
+            vals[st.out] = joint.min(axis=-1)
     return vals, args
 
 
 def _outside(model: _Model, vals: list) -> list:
     """Outside value of every eliminated table (the reverse pass of the docstring)."""
+    rows = vals[0].shape[0]
     outs: list = [None] * len(vals)
-    outs[model.final] = np.zeros(())
+    outs[model.final] = np.zeros(rows)
     for st in reversed(model.steps):
         oh = outs[st.out] if st.var < 0 else outs[st.out][..., None]
         for j, tid in enumerate(st.inputs):
             if tid >= model.n_orig:
-                rest = np.broadcast_to(oh + _joint(st, vals, skip=j), st.shape)
+                rest = np.broadcast_to(oh + _joint(st, vals, skip=j), (rows,) + st.shape)
                 perm, bshape = st.bcast[j]
-                axes = tuple(a for a, size in enumerate(bshape) if size == 1)
-                outs[tid] = np.asarray(rest.min(axis=axes) if axes else rest).transpose(np.argsort(perm))
+                axes = tuple(1 + a for a, size in enumerate(bshape) if size == 1)
+                outs[tid] = (rest.min(axis=axes) if axes else rest).transpose(np.argsort(perm))
     return outs
 
 
@@ -235,39 +240,40 @@ class _Point:
     choice: tuple[int, ...]
 
 
-def _scalar_plan(model: _Model, wt: float, wm: float) -> tuple[_Point, list]:
-    """The argmin plan of ``wt T + wm M`` (exactly re-evaluated) and the inside values."""
-    vals, args = _inside(model, wt, wm)
-    if not np.isfinite(vals[model.final]):
+def _plans(model: _Model, w: np.ndarray) -> tuple[list[_Point], list]:
+    """Per row of weights, the argmin plan of ``w_t T + w_m M`` (re-evaluated exactly),
+    and the inside values."""
+    vals, args = _inside(model, w)
+    if not np.isfinite(vals[model.final]).all():
         raise InfeasibleError(f"{model.problem.summary()}: every plan hits a forbidden (INF) choice or pair; fix the strategy lists")
-    red = np.zeros(len(model.k), np.int64)
+    red = np.zeros((len(w), len(model.k)), np.int64)
+    rows = np.arange(len(w))
     for st in reversed(model.steps):
         if st.var >= 0:
-            red[st.var] = args[st.out][tuple(red[w] for w in st.scope)]
-    choice = model.original_choice(red)
-    t, m = model.problem.evaluate(choice)
-    return _Point(t, m, choice), vals
+            red[:, st.var] = args[st.out][(rows,) + tuple(red[:, v] for v in st.scope)]
+    points = []
+    for r in red:
+        choice = model.original_choice(r)
+        points.append(_Point(*model.problem.evaluate(choice), choice))
+    return points, vals
 
 
 @dataclass(slots=True)
 class _Bounds:
     """Bound rows stacked: row b is ``wt[b] T + wm[b] M``; per table ``ins`` (rows,
-    entries), and for eliminated tables ``outs`` and ``best = ins + outs``."""
+    entries), and for eliminated tables ``outs``."""
 
     wt: np.ndarray  # (rows, 1)
     wm: np.ndarray
     ins: list
     outs: list
-    best: list
 
 
-def _bounds(model: _Model, rows: list[tuple[float, float, list]]) -> _Bounds:
-    outs = [_outside(model, vals) for _, _, vals in rows]
-    n = len(rows[0][2])
-    ins = [np.stack([vals[tid].reshape(-1) for _, _, vals in rows]) for tid in range(n)]
-    out = [None if tid < model.n_orig else np.stack([o[tid].reshape(-1) for o in outs]) for tid in range(n)]
-    best = [None if o is None else o + i for o, i in zip(out, ins)]
-    return _Bounds(np.array([[r[0]] for r in rows]), np.array([[r[1]] for r in rows]), ins, out, best)
+def _bounds(model: _Model, w: np.ndarray, vals: list) -> _Bounds:
+    outs = _outside(model, vals)
+    ins = [v.reshape(len(w), -1) for v in vals]
+    outs = [None if tid < model.n_orig else o.reshape(len(w), -1) for tid, o in enumerate(outs)]
+    return _Bounds(w[:, :1].astype(float), w[:, 1:2].astype(float), ins, outs)
 
 
 def _pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -357,7 +363,7 @@ def _pareto_pass(
     stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0}
     for si, st in enumerate(model.steps):
         kx = st.shape[-1] if st.var >= 0 else 1
-        best = bnd.best[st.out]
+        best = bnd.ins[st.out] + bnd.outs[st.out]
         row_ok = (best <= lim).all(axis=0)
         if stair is not None:
             row_ok &= np.isfinite(best[:2]).all(axis=0)
@@ -447,8 +453,9 @@ def _backtrack(model: _Model, tabs: list, p: int) -> tuple[int, ...]:
 
 
 def _min_memory(model: _Model, start: float) -> Solution:
-    point, vals = _scalar_plan(model, 0.0, 1.0)
-    tabs, stats = _pareto_pass(model, _bounds(model, [(0.0, 1.0, vals)]), np.array([float(point.mem)]), primary="m")
+    w = np.array([[0.0, 1.0]])
+    (point,), vals = _plans(model, w)
+    tabs, stats = _pareto_pass(model, _bounds(model, w, vals), np.array([float(point.mem)]), primary="m")
     if tabs[model.final].t.size == 0:
         raise AssertionError(f"min_memory: the DP lost the min-memory plan ({point.mem} B); internal pruning bug")
     choice = _backtrack(model, tabs, 0)
@@ -467,7 +474,7 @@ def _lagrange(model: _Model, lo: _Point, hi: _Point, cap: int, seen: list[_Point
     lam, vals = 0.0, []
     for _ in range(64):
         lam = max(0.0, (hi.time - lo.time) / (lo.mem - hi.mem))
-        p, vals = _scalar_plan(model, 1.0, lam)
+        (p,), vals = _plans(model, np.array([[1.0, lam]]))
         seen.append(p)
         line = lo.time + lam * lo.mem
         if p.time + lam * p.mem >= line - _tol(line):
@@ -483,7 +490,7 @@ def _hull(model: _Model, a: _Point, b: _Point, seen: list[_Point], budget: int =
         p, q = segs.pop()
         if p.time < q.time and p.mem > q.mem:
             lam = (q.time - p.time) / (p.mem - q.mem)
-            r, _ = _scalar_plan(model, 1.0, lam)
+            (r,), _ = _plans(model, np.array([[1.0, lam]]))
             budget -= 1
             line = p.time + lam * p.mem
             if r.time + lam * r.mem < line - _tol(line):
@@ -540,13 +547,10 @@ def solve_dp(
     start = time.perf_counter()
     model = _Model(problem)
     cap = problem.mem_cap_bytes
-    fast, vals_t = _scalar_plan(model, 1.0, 0.0)
-    seen, rows, small, lam = [fast], [(1.0, 0.0, vals_t)], fast, 0.0
-    if cap is not None or frontier:
-        small, vals_m = _scalar_plan(model, 0.0, 1.0)
-        seen.append(small)
-        rows.append((0.0, 1.0, vals_m))
-    lb = float(vals_t[model.final])
+    w = np.array([[1.0, 0.0], [0.0, 1.0]] if cap is not None or frontier else [[1.0, 0.0]])
+    seen, vals = _plans(model, w)
+    fast, small = seen[0], seen[-1]
+    lb, lam = float(vals[model.final][0]), 0.0
     if cap is not None and fast.mem > cap:
         if small.mem > cap:  # the min-sum argmin is exact up to float ties: settle it
             exact = _min_memory(model, start)
@@ -555,15 +559,23 @@ def solve_dp(
             small = _Point(exact.time, exact.mem_bytes, exact.choice)
             seen.append(small)
         lam, vals_l = _lagrange(model, fast, small, cap, seen)
-        rows.append((1.0, lam, vals_l))
-        lb = max(lb, float(vals_l[model.final]) - lam * cap)
+        lb = max(lb, float(vals_l[model.final][0]) - lam * cap)
+        ub = min(p.time for p in seen if p.mem <= cap)
+        if ub - lb > _GRID_GAP * abs(ub):  # extra slopes, solved as one batch
+            grid = np.array([[1.0, lam * f] for f in _LAMBDA_GRID])
+            pts, vals_g = _plans(model, grid)
+            seen += pts
+            w, vals_l = np.concatenate([w, [[1.0, lam]], grid]), [np.concatenate(x) for x in zip(vals_l, vals_g)]
+        else:
+            w = np.concatenate([w, [[1.0, lam]]])
+        vals = [np.concatenate(x) for x in zip(vals, vals_l)]
     stats: dict = {"nodes": problem.n_nodes, "steps": len(model.steps), "lambda": lam, "lower_bound": lb, "heuristic_s": 0.0}
-    stats["width"] = max((len(st.shape) for st in model.steps), default=0)
+    stats.update(width=max((len(st.shape) for st in model.steps), default=0), rows=len(w))
     if frontier:
         _hull(model, fast, small, seen)
         known = sorted((p.time, p.mem) for p in seen)
         stair = (np.array([x[0] for x in known], float), np.minimum.accumulate(np.array([x[1] for x in known], float)))
-        bnd = _bounds(model, rows[:2])
+        bnd = _bounds(model, w[:2], [v[:2] for v in vals])
         stats["bounds_s"] = time.perf_counter() - start
         tabs, pstats = _pareto_pass(model, bnd, np.full(2, np.inf), stair=stair, progress=progress)
         fin = tabs[model.final]
@@ -571,14 +583,8 @@ def solve_dp(
         stats["frontier"] = [(int(a), int(b)) for a, b in pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]]
     else:
         ub = min(p.time for p in seen if cap is None or p.mem <= cap)
-        if lam > 0 and (ub - lb) > _GRID_GAP * abs(ub):
-            for f in _LAMBDA_GRID:
-                p, vals = _scalar_plan(model, 1.0, lam * f)
-                seen.append(p)
-                rows.append((1.0, lam * f, vals))
-            ub = min(p.time for p in seen if p.mem <= cap)
-        bnd = _bounds(model, rows)
-        stats.update(bounds_s=time.perf_counter() - start, rows=len(rows), lagrange_ub=ub)
+        bnd = _bounds(model, w, vals)
+        stats.update(bounds_s=time.perf_counter() - start, lagrange_ub=ub)
         for grid in _THIN_GRIDS if ub - lb > _THIN_GAP * abs(ub) else ():
             # Coarse to fine; a band this narrow prunes hard whatever the target, so
             # stop once a fine pass finds nothing better.

@@ -1,0 +1,259 @@
+"""Time one training step of a Llama-shaped model: autopar against PyTorch's own parallelisms.
+
+    python scripts/bench_step.py                      # defaults: a few minutes on a 2-core CPU box
+    python scripts/bench_step.py --hidden 512 --layers 8 --iters 10
+
+What it measures.  One step = forward + backward (the model's own loss, from
+``labels``) + ``AdamW.step()`` + ``zero_grad()``, on ``--ranks`` CPU processes with
+gloo (one thread each), for a ``transformers.LlamaForCausalLM`` built from a
+``LlamaConfig`` with random weights.  Five variants train the same weights on the
+same global batch inside the same processes:
+
+    autopar auto      autopar.compile(...), the plan the search picks
+    autopar TP        autopar.compile(..., family="tensor parallel")
+    torch TP          parallelize_module on a 1-D DeviceMesh, Megatron's plan: ColwiseParallel for
+                      q/k/v/gate/up, RowwiseParallel for o/down; embedding, norms and lm_head replicated
+    autopar DP        autopar.compile(..., family="data parallel")
+    torch DDP         DistributedDataParallel, each rank on its 1/ranks slice of the batch
+
+Every model returns only its loss (a wrapper around the HF model), so no variant
+pays for gathering logits it does not need.  Measurements alternate: after
+``--warmup`` steps of each variant, ``--iters`` rounds each time every variant
+once (the order rotates per round), each step timed on rank 0 between two
+barriers, so the slowest rank sets the time and background load hits every
+variant alike.  It prints the median step time of each variant and the ratios.
+
+How to read the ratios.  ``autopar auto / torch TP``, ``autopar TP / torch TP`` and
+``autopar DP / torch DDP`` are median autopar time over median peer time from this
+run: below 1.0 autopar is faster, above 1.0 slower (1.25 = 25 % slower).  CPU gloo
+timings say how much overhead autopar's interpreter and collectives add relative
+to PyTorch's, not what a GPU cluster would see; compare ratios, not seconds, and
+only between runs on the same machine.  The first-step losses of all variants
+should agree (same weights, same batch); if they do not, the ratio compares
+different work.
+
+Notes.  With transformers >= 4.48 Llama attention reshapes with ``-1`` heads, so
+the tensor-parallel peer needs no ``num_heads`` patching (older versions would:
+see the PyTorch TP tutorial).  ``autopar DP`` is "parameters replicated", and the
+planner may still split activations on non-batch dimensions; the table shows the
+family each autopar plan was classified as.  Printing only: no assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+VARIANTS = ("autopar auto", "autopar TP", "torch TP", "autopar DP", "torch DDP")
+PAIRS = (("autopar auto", "torch TP"), ("autopar TP", "torch TP"), ("autopar DP", "torch DDP"))
+
+
+class LossOnly(nn.Module):
+    """The HF model's own loss and nothing else (no logits to return or gather)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=4, help="CPU gloo ranks (default 4)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    p.add_argument("--ffn", type=int, default=688)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="global batch")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each variant")
+    p.add_argument("--iters", type=int, default=5, help="timed rounds (each runs every variant once)")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    return p
+
+
+def _config(a):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads or a.heads,
+        intermediate_size=a.ffn,
+        vocab_size=a.vocab,
+        max_position_embeddings=max(a.seq, 128),
+        use_cache=False,
+        attention_dropout=0.0,
+    )
+
+
+def _torch_tp(model: LossOnly, ranks: int) -> LossOnly:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",))
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+def _build(a, rank: int, world: int):
+    """{variant: (step function, module)} and the global batch."""
+    import autopar
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LossOnly(LlamaForCausalLM(_config(a)))
+    base.train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen)
+    labels = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen)
+    per = a.batch // world
+    local = (ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])
+    mesh = autopar.Mesh((world,), axis_names=("x",))
+
+    models: dict[str, tuple[nn.Module, tuple]] = {}
+    for name, family in (("autopar auto", None), ("autopar TP", "tensor parallel"), ("autopar DP", "data parallel")):
+        models[name] = (
+            autopar.compile(copy.deepcopy(base), mesh, example_inputs=(ids, labels), family=family),
+            (ids, labels),
+        )
+    models["torch TP"] = (_torch_tp(copy.deepcopy(base), world), (ids, labels))
+    models["torch DDP"] = (nn.parallel.DistributedDataParallel(copy.deepcopy(base)), local)
+
+    steps = {}
+    for name, (module, inputs) in models.items():
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+        def step(module=module, inputs=inputs, opt=opt) -> float:
+            loss = module(*inputs)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return float(loss.detach())
+
+        steps[name] = step
+    families = {n: m.plan.family for n, (m, _) in models.items() if hasattr(m, "plan")}
+    return steps, families
+
+
+def _rank(rank: int, world: int, port: int, a) -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=a.timeout),
+    )
+    try:
+        t0 = time.perf_counter()
+        steps, families = _build(a, rank, world)
+        build_s = time.perf_counter() - t0
+        first_loss = {}
+        for name in VARIANTS:
+            for i in range(a.warmup):
+                loss = steps[name]()
+                if i == 0:
+                    if name == "torch DDP":  # each rank saw its slice: the mean is the global loss
+                        t = torch.tensor(loss)
+                        dist.all_reduce(t)
+                        loss = float(t) / world
+                    first_loss[name] = loss
+        times: dict[str, list[float]] = {n: [] for n in VARIANTS}
+        for it in range(a.iters):
+            order = VARIANTS[it % len(VARIANTS) :] + VARIANTS[: it % len(VARIANTS)]
+            for name in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                steps[name]()
+                dist.barrier()
+                times[name].append(time.perf_counter() - t0)
+        if rank == 0:
+            _report(a, world, times, first_loss, families, build_s)
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(a, world: int, times, first_loss, families, build_s: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=120)
+    kv = a.kv_heads or a.heads
+    con.print(
+        f"Llama: hidden {a.hidden}, {a.layers} layers, {a.heads} heads ({kv} kv), ffn {a.ffn}, vocab {a.vocab}; "
+        f"batch {a.batch} x seq {a.seq}; {world} CPU gloo ranks, 1 thread each; torch {torch.__version__}"
+    )
+    con.print(f"warmup {a.warmup} steps each, then {a.iters} interleaved rounds; setup {build_s:.1f} s")
+    t = Table(title="one training step (forward + backward + AdamW), median over rounds", title_justify="left")
+    for col in ("variant", "median", "min", "max", "first loss", "autopar plan"):
+        t.add_column(col, justify="left" if col in ("variant", "autopar plan") else "right")
+    med = {n: statistics.median(v) for n, v in times.items()}
+    for name in VARIANTS:
+        v = times[name]
+        t.add_row(
+            name,
+            f"{med[name] * 1e3:.1f} ms",
+            f"{min(v) * 1e3:.1f} ms",
+            f"{max(v) * 1e3:.1f} ms",
+            f"{first_loss[name]:.5f}",
+            families.get(name, "-"),
+        )
+    con.print(t)
+    r = Table(title="ratios (autopar / peer; < 1 means autopar is faster)", title_justify="left")
+    for col in ("pair", "ratio"):
+        r.add_column(col, justify="left" if col == "pair" else "right")
+    for mine, peer in PAIRS:
+        r.add_row(f"{mine} / {peer}", f"{med[mine] / med[peer]:.2f}")
+    con.print(r)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    kv = a.kv_heads or a.heads
+    problems = [
+        f"--{k} {v} is not divisible by --ranks {a.ranks}"
+        for k, v in (("heads", a.heads), ("kv-heads", kv), ("ffn", a.ffn), ("batch", a.batch))
+        if v % a.ranks
+    ]
+    if a.hidden % a.heads:
+        problems.append(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+    if problems:
+        print("bench_step: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(a.ranks, port, a), nprocs=a.ranks, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
