@@ -13,7 +13,7 @@ strategy (all on local shapes):
   is sharded but the parameter is not (ZeRO-1/2), the all-gather of the updated
   parameter;
 * memory = activations saved for backward (the node's output, at its placement,
-  when a consumer saves it; the dropout mask at 1 byte per element) and, for
+  when a consumer saves it; the dropout mask at the profile's bytes per element) and, for
   parameters, parameters + gradients + optimizer state (``costmodel.memory``).
 
 For each edge ``u -> v`` and strategy pair: the forward transitions of the tensor
@@ -65,13 +65,14 @@ _SAVES_ALL_INPUTS = {
     "rms_norm",
     "scaled_dot_product_attention",
     "where",
+    "gather",
     "index",
     "sqrt",
     "cos",
     "sin",
 }
 _SAVES_LAST_TWO = {"addmm", "baddbmm"}  # bias not needed
-_SAVES_INDEX_ONLY = {"embedding", "gather"}
+_SAVES_INDEX_ONLY = {"embedding"}
 _SAVES_OUTPUT = {
     "tanh",
     "exp",
@@ -227,7 +228,8 @@ class Coster:
             if (node.index, o) in self.saved_outputs or (o == 0 and saves_output(node)):
                 total += self.local_bytes(meta, strategy.outputs[o])
         if node.kind == "op" and node.requires_grad and _op_name(node.target) in ("dropout", "native_dropout"):
-            total += local_meta(node.outputs[0], strategy.outputs[0], self.mesh_shape).numel  # bool mask
+            mask = local_meta(node.outputs[0], strategy.outputs[0], self.mesh_shape).numel
+            total += mask * self.settings.profile.dropout_mask_bytes
         return total
 
     def node_mem_bytes(self, node: OpNode, strategy) -> int:

@@ -3,7 +3,7 @@
 ``cross_entropy_loss(x, t)`` on logits ``x`` of shape (N, C) becomes the
 numerically stable log-sum-exp form
 
-    m    = amax(x, 1, keepdim).detach()          # P(max) when C is sharded
+    m    = amax(x.detach(), 1, keepdim)          # P(max) when C is sharded; no grad, so nothing saved
     z    = x - m
     s    = sum(exp(z), 1, keepdim)               # P(sum) when C is sharded
     zt   = gather(z, 1, t')                      # masked gather: P(sum) when C is sharded
@@ -74,7 +74,7 @@ def _decompose_cross_entropy(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
     num_classes = x.meta["val"].shape[1]
     e = lambda target, *a, **k: _emit(graph, fake_mode, node, target, *a, **k)  # noqa: E731
     with graph.inserting_before(node):
-        m = e(aten.detach.default, e(aten.amax.default, x, [1], True))
+        m = e(aten.amax.default, e(aten.detach.default, x), [1], True)  # no grad: amax keeps nothing
         z = e(aten.sub.Tensor, x, m)
         s = e(aten.sum.dim_IntList, e(aten.exp.default, z), [1], True)
         log_s = e(aten.log.default, s)
@@ -103,7 +103,7 @@ def cross_entropy_reference(
     x: torch.Tensor, t: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
 ) -> torch.Tensor:
     """The decomposition above in eager PyTorch (tests compare it with F.cross_entropy)."""
-    m = x.amax(1, keepdim=True).detach()
+    m = x.detach().amax(1, keepdim=True)
     z = x - m
     log_s = z.exp().sum(1, keepdim=True).log()
     valid = t != ignore_index

@@ -86,7 +86,9 @@ class DeviceProfile:
     ``grad_reduce_overlap`` is the fraction of the time of collectives that reduce
     *parameter gradients* in backward that is hidden behind backward compute (DDP
     and FSDP bucket them and overlap them with the rest of backward); collectives on
-    activations and the optimizer-step all-gather are never discounted.  ``memory_bytes``
+    activations and the optimizer-step all-gather are never discounted.
+    ``dropout_mask_bytes`` is what a training dropout keeps per element for
+    backward (a bool mask in CUDA's native_dropout; the CPU path keeps a float mask).  ``memory_bytes``
     is the device memory the datasheet states; the planner decides the headroom.
     """
 
@@ -102,6 +104,7 @@ class DeviceProfile:
     memory_efficiency: float
     source: str
     grad_reduce_overlap: float = 0.0
+    dropout_mask_bytes: int = 1
 
     def __post_init__(self) -> None:
         missing = [k for k in PEAK_FLOPS_KEYS if k not in self.peak_flops]
@@ -253,6 +256,9 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     where = f"device profile {path}"
     data = dict(data)
     overlap = data.pop("grad_reduce_overlap", 0.0)  # optional: older calibration files lack it
+    mask_bytes = data.pop("dropout_mask_bytes", 1)
+    if not isinstance(mask_bytes, int) or mask_bytes < 1:
+        raise ValueError(f"{where}: dropout_mask_bytes must be an int >= 1, got {mask_bytes!r}")
     if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0 <= overlap < 1:
         raise ValueError(f"{where}: grad_reduce_overlap must be a number in [0, 1), got {overlap!r}")
     top = _take(data, _TOP_KEYS, where)
@@ -260,4 +266,5 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     links = {
         key: LinkProfile(**_take(top.pop(key), _LINK_KEYS, f"{where} [{key}]")) for key in ("intra_node", "inter_node")
     }
-    return DeviceProfile(peak_flops=peak, **links, **top, grad_reduce_overlap=float(overlap))
+    return DeviceProfile(peak_flops=peak, **links, **top, grad_reduce_overlap=float(overlap),
+                         dropout_mask_bytes=mask_bytes)

@@ -36,7 +36,10 @@ Notes.  With transformers >= 4.48 Llama attention reshapes with ``-1`` heads, so
 the tensor-parallel peer needs no ``num_heads`` patching (older versions would:
 see the PyTorch TP tutorial).  ``autopar DP`` is "parameters replicated", and the
 planner may still split activations on non-batch dimensions; the table shows the
-family each autopar plan was classified as.  Printing only: no assertions.
+family each autopar plan was classified as and which parameters it shards.  At the
+default sizes the forced tensor-parallel family may keep the layer weights replicated
+(its batch split is cheaper than sharding them); ``--tp-mem-cap 80MiB`` makes it shard
+them, for a tensor-parallel plan against Megatron's.  Printing only: no assertions.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import socket
 import statistics
 import sys
@@ -83,6 +87,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each variant")
     p.add_argument("--iters", type=int, default=5, help="timed rounds (each runs every variant once)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="device profile autopar plans for (default: compile's choice for gloo ranks, 'cpu'); "
+        "e.g. h100 to run a GPU-shaped plan on these CPU ranks",
+    )
+    p.add_argument(
+        "--tp-mem-cap",
+        default=None,
+        help="per-device memory cap for the autopar TP plan (e.g. 80MiB): at small batch the forced "
+        "tensor-parallel family may keep layer weights replicated; a cap makes it shard them",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
     return p
 
@@ -124,8 +140,9 @@ def _torch_tp(model: LossOnly, ranks: int) -> LossOnly:
 
 def _build(a, rank: int, world: int):
     """{variant: (step function, module)} and the global batch."""
-    import autopar
     from transformers import LlamaForCausalLM
+
+    import autopar
 
     torch.manual_seed(0)
     base = LossOnly(LlamaForCausalLM(_config(a)))
@@ -140,7 +157,7 @@ def _build(a, rank: int, world: int):
     models: dict[str, tuple[nn.Module, tuple]] = {}
     for name, family in (("autopar auto", None), ("autopar TP", "tensor parallel"), ("autopar DP", "data parallel")):
         models[name] = (
-            autopar.compile(copy.deepcopy(base), mesh, example_inputs=(ids, labels), family=family),
+            autopar.compile(copy.deepcopy(base), mesh, example_inputs=(ids, labels), family=family, profile=a.profile),
             (ids, labels),
         )
     models["torch TP"] = (_torch_tp(copy.deepcopy(base), world), (ids, labels))
@@ -158,8 +175,16 @@ def _build(a, rank: int, world: int):
             return float(loss.detach())
 
         steps[name] = step
-    families = {n: m.plan.family for n, (m, _) in models.items() if hasattr(m, "plan")}
-    return steps, families
+    plans = {n: _describe(m.plan) for n, (m, _) in models.items() if hasattr(m, "plan")}
+    return steps, plans
+
+
+def _describe(plan) -> str:
+    """The plan's family and which parameters it stores sharded (the family name alone hides that)."""
+    sharded = [k for k, v in plan.params.items() if any(p.startswith("S") for p in v["placements"])]
+    groups = sorted({re.sub(r"^(model\.)+", "", re.sub(r"\.\d+\.", ".*.", k)).removesuffix(".weight") for k in sharded})
+    shown = ", ".join(groups[:4]) + (", ..." if len(groups) > 4 else "")
+    return f"{plan.family}; {len(sharded)}/{len(plan.params)} params sharded" + (f" ({shown})" if shown else "")
 
 
 def _rank(rank: int, world: int, port: int, a) -> None:
@@ -174,7 +199,7 @@ def _rank(rank: int, world: int, port: int, a) -> None:
     )
     try:
         t0 = time.perf_counter()
-        steps, families = _build(a, rank, world)
+        steps, plans = _build(a, rank, world)
         build_s = time.perf_counter() - t0
         first_loss = {}
         for name in VARIANTS:
@@ -196,20 +221,21 @@ def _rank(rank: int, world: int, port: int, a) -> None:
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
         if rank == 0:
-            _report(a, world, times, first_loss, families, build_s)
+            _report(a, world, times, first_loss, plans, build_s)
     finally:
         dist.destroy_process_group()
 
 
-def _report(a, world: int, times, first_loss, families, build_s: float) -> None:
+def _report(a, world: int, times, first_loss, plans, build_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=120)
+    con = Console(width=160)
     kv = a.kv_heads or a.heads
     con.print(
         f"Llama: hidden {a.hidden}, {a.layers} layers, {a.heads} heads ({kv} kv), ffn {a.ffn}, vocab {a.vocab}; "
-        f"batch {a.batch} x seq {a.seq}; {world} CPU gloo ranks, 1 thread each; torch {torch.__version__}"
+        f"batch {a.batch} x seq {a.seq}; {world} CPU gloo ranks, 1 thread each; torch {torch.__version__}; "
+        f"autopar profile {a.profile or 'cpu (default)'}; autopar TP cap {a.tp_mem_cap or 'none'}"
     )
     con.print(f"warmup {a.warmup} steps each, then {a.iters} interleaved rounds; setup {build_s:.1f} s")
     t = Table(title="one training step (forward + backward + AdamW), median over rounds", title_justify="left")
@@ -224,10 +250,11 @@ def _report(a, world: int, times, first_loss, families, build_s: float) -> None:
             f"{min(v) * 1e3:.1f} ms",
             f"{max(v) * 1e3:.1f} ms",
             f"{first_loss[name]:.5f}",
-            families.get(name, "-"),
+            plans.get(name, "-"),
         )
     con.print(t)
-    r = Table(title="ratios (autopar / peer; < 1 means autopar is faster)", title_justify="left")
+    con.print("ratios: median autopar step / median peer step (< 1: autopar faster)")
+    r = Table()
     for col in ("pair", "ratio"):
         r.add_column(col, justify="left" if col == "pair" else "right")
     for mine, peer in PAIRS:
