@@ -155,9 +155,15 @@ def _build(a, rank: int, world: int):
     mesh = autopar.Mesh((world,), axis_names=("x",))
 
     models: dict[str, tuple[nn.Module, tuple]] = {}
-    for name, family in (("autopar auto", None), ("autopar TP", "tensor parallel"), ("autopar DP", "data parallel")):
+    for name, family, cap in (
+        ("autopar auto", None, None),
+        ("autopar TP", "tensor parallel", a.tp_mem_cap),
+        ("autopar DP", "data parallel", None),
+    ):
         models[name] = (
-            autopar.compile(copy.deepcopy(base), mesh, example_inputs=(ids, labels), family=family, profile=a.profile),
+            autopar.compile(
+                copy.deepcopy(base), mesh, example_inputs=(ids, labels), family=family, profile=a.profile, mem_cap=cap
+            ),
             (ids, labels),
         )
     models["torch TP"] = (_torch_tp(copy.deepcopy(base), world), (ids, labels))

@@ -74,6 +74,7 @@ _THIN_GRIDS = (64, 512, 4096)  # memory buckets across [min-memory plan, min-tim
 _LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slopes, times lam*
 _GRID_GAP = 5e-3  # relative gap (target - L) / target above which the extra slopes pay
 _THIN_GAP = 2e-4  # ... above which thinned passes pay
+_HULL_ROWS = 16  # frontier mode: hull plans probed, each gap between two gets its slope row
 
 
 def _tol(bound: float | np.ndarray) -> float | np.ndarray:
@@ -329,11 +330,16 @@ def _window(tab: _Tab, e: np.ndarray, qp: np.ndarray | None, qs: np.ndarray | No
     return start, np.maximum(stop, start)
 
 
-def _dominated(stair: tuple[np.ndarray, np.ndarray], it: np.ndarray, im: np.ndarray) -> np.ndarray:
-    """Whether a known plan (stair: times ascending, running-min memories) is clearly
-    at least as good as the ideal completion (it, im) in time and in memory."""
-    at = np.searchsorted(stair[0], it - _tol(it), side="right") - 1
-    return (at >= 0) & (stair[1][np.maximum(at, 0)] <= im - _tol(im))
+def _in_gaps(gaps: tuple[np.ndarray, ...], bnd: _Bounds, t: np.ndarray, m: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """Whether a pair (t, m) with these rests may still complete to a plan that no known
+    plan dominates.  Such a plan lies below-left of a gap corner (cx, cy) = (time of
+    the next known plan, memory of this one), i.e. meets the cap/target test with
+    target cx, cap cy on the time row, the memory row and that gap's hull slope row."""
+    cx, cy, row = gaps
+    ok = (t + rest[0] <= cx[:, None] + _tol(cx[:, None])) & (m + rest[1] <= cy[:, None] + _tol(cy[:, None]))
+    lhs = bnd.wt[row] * t + bnd.wm[row] * m + rest[row]
+    rhs = bnd.wt[row] * cx[:, None] + bnd.wm[row] * cy[:, None]
+    return (ok & (lhs <= rhs + _tol(rhs))).any(axis=0)
 
 
 def _pareto_pass(
@@ -342,14 +348,14 @@ def _pareto_pass(
     limits: np.ndarray,
     *,
     primary: str = "t",
-    stair: tuple[np.ndarray, np.ndarray] | None = None,
+    gaps: tuple[np.ndarray, ...] | None = None,
     beam: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list, dict]:
     """Eliminate every node over Pareto sets (the recurrence of the module docstring).
 
-    ``limits`` holds B per bound row (inf: not used).  ``stair`` drops pairs whose
-    ideal completion (rows 0, 1 = time, memory) a known plan dominates.  ``beam``
+    ``limits`` holds B per bound row (inf: not used).  ``gaps`` (frontier mode) keeps
+    only pairs that may complete below a gap between known plans (:func:`_in_gaps`).  ``beam``
     (heuristic) keeps per entry and memory bucket of that width the fastest and the
     smallest pair.
     """
@@ -365,9 +371,9 @@ def _pareto_pass(
         kx = st.shape[-1] if st.var >= 0 else 1
         best = bnd.ins[st.out] + bnd.outs[st.out]
         row_ok = (best <= lim).all(axis=0)
-        if stair is not None:
-            row_ok &= np.isfinite(best[:2]).all(axis=0)
-            row_ok[row_ok] &= ~_dominated(stair, best[0, row_ok], best[1, row_ok])
+        if gaps is not None:
+            row_ok &= np.isfinite(best).all(axis=0)
+            row_ok[row_ok] &= _in_gaps(gaps, bnd, 0.0, 0.0, best[:, row_ok])
         rows = np.flatnonzero(row_ok)
         cells = (rows[:, None] * kx + np.arange(kx)).reshape(-1)
         coords = np.unravel_index(cells, st.shape) if st.shape else ()
@@ -379,9 +385,9 @@ def _pareto_pass(
         ins = [bnd.ins[tid][:, e] for tid, e in zip(st.inputs, ents)]
         total = out + sum(ins)
         cell_ok = (total <= lim).all(axis=0)
-        if stair is not None:
-            cell_ok &= np.isfinite(total[:2]).all(axis=0)
-            cell_ok[cell_ok] &= ~_dominated(stair, total[0, cell_ok], total[1, cell_ok])
+        if gaps is not None:
+            cell_ok &= np.isfinite(total).all(axis=0)
+            cell_ok[cell_ok] &= _in_gaps(gaps, bnd, 0.0, 0.0, total[:, cell_ok])
         alive = np.flatnonzero(cell_ok)
         cells, ents = cells[alive], [e[alive] for e in ents]
         order = sorted(range(len(st.inputs)), key=lambda j: tabs[st.inputs[j]].t.size)
@@ -415,8 +421,8 @@ def _pareto_pass(
             ptrs = [p[rep] for p in ptrs] + [q]
             stats["max_combined"] = max(stats["max_combined"], cell.size)
             keep = (rc + bnd.wt * t + bnd.wm * m <= lim).all(axis=0)
-            if stair is not None:
-                keep[keep] &= ~_dominated(stair, t[keep] + rc[0, keep], m[keep] + rc[1, keep])
+            if gaps is not None:
+                keep[keep] &= _in_gaps(gaps, bnd, t[keep], m[keep], rc[:, keep])
             sel = np.flatnonzero(keep)
             if i + 1 < len(order) and not single:
                 sel = sel[_pareto_keep(cell[sel], *((t[sel], m[sel]) if primary == "t" else (m[sel], t[sel])))]
@@ -572,14 +578,23 @@ def solve_dp(
     stats: dict = {"nodes": problem.n_nodes, "steps": len(model.steps), "lambda": lam, "lower_bound": lb, "heuristic_s": 0.0}
     stats.update(width=max((len(st.shape) for st in model.steps), default=0), rows=len(w))
     if frontier:
-        _hull(model, fast, small, seen)
-        known = sorted((p.time, p.mem) for p in seen)
-        stair = (np.array([x[0] for x in known], float), np.minimum.accumulate(np.array([x[1] for x in known], float)))
-        bnd = _bounds(model, w[:2], [v[:2] for v in vals])
+        _hull(model, fast, small, seen, budget=_HULL_ROWS)
+        hull = sorted({(p.time, p.mem) for p in seen})
+        hull = [q for i, q in enumerate(hull) if all(q[1] < r[1] for r in hull[:i])]
+        slopes = np.array([[1.0, (b[0] - a[0]) / (a[1] - b[1])] for a, b in zip(hull, hull[1:])]).reshape(-1, 2)
+        pts, vals_h = _plans(model, slopes) if len(slopes) else ([], None)
+        seen += pts
+        if vals_h is not None:
+            w, vals = np.concatenate([w, slopes]), [np.concatenate(x) for x in zip(vals, vals_h)]
+        big = 1e300  # an open end: faster than the fastest plan, or smaller than the smallest
+        cx = np.array([hull[0][0]] + [b[0] for b in hull[1:]] + [big], float)
+        cy = np.array([big] + [a[1] for a in hull[:-1]] + [hull[-1][1]], float)
+        gaps = (cx, cy, np.array([0] + list(range(2, 2 + len(slopes))) + [1]))
+        bnd = _bounds(model, w, vals)
         stats["bounds_s"] = time.perf_counter() - start
-        tabs, pstats = _pareto_pass(model, bnd, np.full(2, np.inf), stair=stair, progress=progress)
+        tabs, pstats = _pareto_pass(model, bnd, np.full(len(w), np.inf), gaps=gaps, progress=progress)
         fin = tabs[model.final]
-        pts = np.concatenate([np.stack([fin.t, fin.m], 1), np.array(known, np.int64).reshape(-1, 2)])
+        pts = np.concatenate([np.stack([fin.t, fin.m], 1), np.array([(p.time, p.mem) for p in seen], np.int64)])
         stats["frontier"] = [(int(a), int(b)) for a, b in pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]]
     else:
         ub = min(p.time for p in seen if cap is None or p.mem <= cap)
