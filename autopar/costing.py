@@ -158,7 +158,9 @@ class Coster:
         return 1.0 - self.settings.profile.grad_reduce_overlap if producer.kind == "param" else 1.0
 
     def comm_time_s(self, kind: str, nbytes: int, axis: int) -> float:
-        return collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
+        """Ring time on the axis's link plus one kernel launch (a collective is a kernel too)."""
+        t = collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
+        return t + self.settings.profile.kernel_overhead_s if t > 0 else 0.0
 
     def transition_time_s(self, meta: TensorMeta, src, dst) -> float:
         key = (meta, src, dst)

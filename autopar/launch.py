@@ -227,8 +227,8 @@ def _loss_index(flat: list[tuple[str, Any]], where: str) -> int:
     )
 
 
-def _train(forward, module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, where: str):
-    """(TrainRecord, held bytes after the last step) of ``steps`` AdamW steps through ``forward``.
+def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, where: str):
+    """(TrainRecord, held bytes after the last step) of ``steps`` AdamW steps of ``module``.
 
     ``module.full_grads``/``full_state_dict`` (a ShardedModule) are collective, so every
     rank calls them; only ``keep`` ones hold on to the result.
@@ -238,7 +238,7 @@ def _train(forward, module: nn.Module, args, kwargs, config: RunConfig, *, keep:
     losses, times, outputs, names, grads, held = [], [], (), (), {}, {}
     for step in range(config.steps):
         t0 = time.perf_counter()
-        flat = _flat(forward(*args, **kwargs))
+        flat = _flat(module(*args, **kwargs))
         loss_at = _loss_index(flat, where)
         loss = flat[loss_at][1]
         loss.backward()
@@ -310,14 +310,14 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
     )
     del model
     where = f"autopar run {config.model}, rank {rank}"
-    record, held = _train(sharded, sharded, args, kwargs, config, keep=rank == 0, where=where)
+    record, held = _train(sharded, args, kwargs, config, keep=rank == 0, where=where)
     return RankResult(rank, tuple(mesh.coordinate(rank)), sharded.plan.family, record, held, dict(sharded.plan.memory))
 
 
 def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> TrainRecord:
     """The same model, weights, batch and optimizer on one device."""
     model, args, kwargs = build_model(config, device)
-    record, _ = _train(model, model, args, kwargs, config, keep=True, where=f"autopar run {config.model}")
+    record, _ = _train(model, args, kwargs, config, keep=True, where=f"autopar run {config.model}")
     return record
 
 
@@ -411,7 +411,7 @@ def _child(config: RunConfig, plan: Plan, rank: int, world: int, port: int, out_
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # model-config warnings, once per rank
     torch.set_num_threads(threads)  # the ranks share this machine's cores
     out = Path(out_dir)
     try:
@@ -441,6 +441,7 @@ def _spawn(config: RunConfig, plan: Plan, *, while_waiting=None) -> tuple[tuple[
     threads = max(1, (os.cpu_count() or 1) // world)
     ctx = mp.get_context("spawn")
     port = _free_port()
+    log.info("spawning %d gloo ranks (127.0.0.1:%d, %d threads each)", world, port, threads)
     extra = None
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         procs = [
@@ -473,7 +474,9 @@ def _spawn(config: RunConfig, plan: Plan, *, while_waiting=None) -> tuple[tuple[
         errors = {r: f.read_text() for r, f in errors.items() if f.exists()}
         if failed or errors:
             first = min(errors) if errors else failed[0]
-            detail = errors.get(first, f"exit code {procs[first].exitcode} and no traceback")
+            code = procs[first].exitcode
+            killed = f"killed by signal {-code}" + (" (SIGKILL: often the out-of-memory killer)" if code == -9 else "")
+            detail = errors.get(first, killed if code is not None and code < 0 else f"exit code {code}, no traceback")
             raise LaunchError(
                 f"rank {first} of {world} failed (failed ranks {sorted(set(failed) | set(errors))}):\n{detail}"
             )
