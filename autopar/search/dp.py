@@ -75,6 +75,7 @@ _LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slope
 _GRID_GAP = 5e-3  # relative gap (target - L) / target above which the extra slopes pay
 _THIN_GAP = 2e-4  # ... above which thinned passes pay
 _HULL_ROWS = 16  # frontier mode: hull plans probed, each gap between two gets its slope row
+_FRONTIER_PAIRS = 2_000_000  # frontier mode: pairs in one bucket before falling back to thinned
 
 
 def _tol(bound: float | np.ndarray) -> float | np.ndarray:
@@ -299,6 +300,10 @@ def _pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
     return o[keep]
 
 
+class _TooBig(RuntimeError):
+    """A pass outgrew its pair budget."""
+
+
 @dataclass(slots=True)
 class _Tab:
     off: np.ndarray  # CSR offsets over the table's entries
@@ -351,13 +356,16 @@ def _pareto_pass(
     gaps: tuple[np.ndarray, ...] | None = None,
     beam: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    values_only: bool = False,
+    max_pairs: int | None = None,
 ) -> tuple[list, dict]:
     """Eliminate every node over Pareto sets (the recurrence of the module docstring).
 
     ``limits`` holds B per bound row (inf: not used).  ``gaps`` (frontier mode) keeps
     only pairs that may complete below a gap between known plans (:func:`_in_gaps`).  ``beam``
     (heuristic) keeps per entry and memory bucket of that width the fastest and the
-    smallest pair.
+    smallest pair.  ``values_only`` frees tables once used and keeps no back-pointers
+    (the final pairs' values only); ``max_pairs`` raises :class:`_TooBig` past that.
     """
     tabs = []
     for t, m, ok in zip(model.t, model.m, model.ok):
@@ -420,6 +428,8 @@ def _pareto_pass(
             rc = rests[i][:, cell]
             ptrs = [p[rep] for p in ptrs] + [q]
             stats["max_combined"] = max(stats["max_combined"], cell.size)
+            if max_pairs is not None and cell.size > max_pairs:
+                raise _TooBig(f"{cell.size} pairs eliminating node {st.var}")
             keep = (rc + bnd.wt * t + bnd.wm * m <= lim).all(axis=0)
             if gaps is not None:
                 keep[keep] &= _in_gaps(gaps, bnd, t[keep], m[keep], rc[:, keep])
@@ -434,9 +444,12 @@ def _pareto_pass(
             edge = np.ones(sel.size + 1, bool)
             edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
             sel = sel[edge[:-1] | edge[1:]]
-        bp = np.empty((sel.size, len(order)), np.int64)
+        bp = None if values_only else np.empty((sel.size, len(order)), np.int64)
         for i, j in enumerate(order):
-            bp[:, j] = ptrs[i][sel]
+            if values_only:
+                tabs[st.inputs[j]] = None
+            else:
+                bp[:, j] = ptrs[i][sel]
         off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=row_ok.size))])
         tabs.append(_Tab(off, t[sel], m[sel], cells[cell[sel]] % kx, bp, wide=bool(np.diff(off).max(initial=0) > 8)))
         stats["max_pairs"] = max(stats["max_pairs"], int(sel.size))
@@ -502,6 +515,38 @@ def _hull(model: _Model, a: _Point, b: _Point, seen: list[_Point], budget: int =
             if r.time + lam * r.mem < line - _tol(line):
                 seen.append(r)
                 segs += [(p, r), (r, q)]
+
+
+def _frontier(model: _Model, seen: list[_Point], w: np.ndarray, vals: list) -> tuple[list[tuple[int, int]], bool]:
+    """The (time, memory) Pareto frontier, cap ignored, and whether it is exact: past
+    :data:`_FRONTIER_PAIRS` pairs in one bucket the pass is redone thinned (every point
+    a real plan, gaps narrower than a 1/4096 of the memory range may be missed)."""
+    fast, small = seen[0], seen[1]
+    seen = list(seen)
+    _hull(model, fast, small, seen, budget=_HULL_ROWS)
+    hull = sorted({(p.time, p.mem) for p in seen})
+    hull = [q for i, q in enumerate(hull) if all(q[1] < r[1] for r in hull[:i])]
+    slopes = np.array([[1.0, (b[0] - a[0]) / (a[1] - b[1])] for a, b in zip(hull, hull[1:])]).reshape(-1, 2)
+    if len(slopes):
+        pts, vals_h = _plans(model, slopes)
+        seen += pts
+        w, vals = np.concatenate([w, slopes]), [np.concatenate(x) for x in zip(vals, vals_h)]
+    big = 1e300  # an open end: faster than the fastest plan, or smaller than the smallest
+    cx = np.array([hull[0][0]] + [b[0] for b in hull[1:]] + [big], float)
+    cy = np.array([big] + [a[1] for a in hull[:-1]] + [hull[-1][1]], float)
+    gaps = (cx, cy, np.array([0] + list(range(2, 2 + len(slopes))) + [1]))
+    bnd = _bounds(model, w, vals)
+    limits = np.full(len(w), np.inf)
+    try:
+        tabs, _ = _pareto_pass(model, bnd, limits, gaps=gaps, values_only=True, max_pairs=_FRONTIER_PAIRS)
+        exact = True
+    except _TooBig as err:
+        logger.info("frontier: %s, thinning to 1/4096 of the memory range", err)
+        tabs, _ = _pareto_pass(model, bnd, limits, gaps=gaps, values_only=True, beam=max(1, (fast.mem - small.mem) // 4096))
+        exact = False
+    fin = tabs[model.final]
+    pts = np.concatenate([np.stack([fin.t, fin.m], 1), np.array([(p.time, p.mem) for p in seen], np.int64)])
+    return [(int(a), int(b)) for a, b in pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]], exact
 
 
 def _limits(bnd: _Bounds, target: float, cap: int | None) -> np.ndarray:
@@ -578,43 +623,25 @@ def solve_dp(
     stats: dict = {"nodes": problem.n_nodes, "steps": len(model.steps), "lambda": lam, "lower_bound": lb, "heuristic_s": 0.0}
     stats.update(width=max((len(st.shape) for st in model.steps), default=0), rows=len(w))
     if frontier:
-        _hull(model, fast, small, seen, budget=_HULL_ROWS)
-        hull = sorted({(p.time, p.mem) for p in seen})
-        hull = [q for i, q in enumerate(hull) if all(q[1] < r[1] for r in hull[:i])]
-        slopes = np.array([[1.0, (b[0] - a[0]) / (a[1] - b[1])] for a, b in zip(hull, hull[1:])]).reshape(-1, 2)
-        pts, vals_h = _plans(model, slopes) if len(slopes) else ([], None)
-        seen += pts
-        if vals_h is not None:
-            w, vals = np.concatenate([w, slopes]), [np.concatenate(x) for x in zip(vals, vals_h)]
-        big = 1e300  # an open end: faster than the fastest plan, or smaller than the smallest
-        cx = np.array([hull[0][0]] + [b[0] for b in hull[1:]] + [big], float)
-        cy = np.array([big] + [a[1] for a in hull[:-1]] + [hull[-1][1]], float)
-        gaps = (cx, cy, np.array([0] + list(range(2, 2 + len(slopes))) + [1]))
-        bnd = _bounds(model, w, vals)
-        stats["bounds_s"] = time.perf_counter() - start
-        tabs, pstats = _pareto_pass(model, bnd, np.full(len(w), np.inf), gaps=gaps, progress=progress)
+        stats["frontier"], stats["frontier_exact"] = _frontier(model, seen, w[:2], [v[:2] for v in vals])
+    ub = min(p.time for p in seen if cap is None or p.mem <= cap)
+    bnd = _bounds(model, w, vals)
+    stats.update(bounds_s=time.perf_counter() - start, lagrange_ub=ub)
+    for grid in _THIN_GRIDS if ub - lb > _THIN_GAP * abs(ub) else ():
+        # Coarse to fine; a band this narrow prunes hard whatever the target, so
+        # stop once a fine pass finds nothing better.
+        tick = time.perf_counter()
+        tabs, _ = _pareto_pass(model, bnd, _limits(bnd, ub, cap), beam=max(1, (fast.mem - small.mem) // grid))
+        stats["heuristic_s"] += time.perf_counter() - tick
         fin = tabs[model.final]
-        pts = np.concatenate([np.stack([fin.t, fin.m], 1), np.array([(p.time, p.mem) for p in seen], np.int64)])
-        stats["frontier"] = [(int(a), int(b)) for a, b in pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]]
-    else:
-        ub = min(p.time for p in seen if cap is None or p.mem <= cap)
-        bnd = _bounds(model, w, vals)
-        stats.update(bounds_s=time.perf_counter() - start, lagrange_ub=ub)
-        for grid in _THIN_GRIDS if ub - lb > _THIN_GAP * abs(ub) else ():
-            # Coarse to fine; a band this narrow prunes hard whatever the target, so
-            # stop once a fine pass finds nothing better.
-            tick = time.perf_counter()
-            tabs, _ = _pareto_pass(model, bnd, _limits(bnd, ub, cap), beam=max(1, (fast.mem - small.mem) // grid))
-            stats["heuristic_s"] += time.perf_counter() - tick
-            fin = tabs[model.final]
-            idx = _pick(fin, cap)
-            better = idx >= 0 and fin.t[idx] < ub
-            if better:
-                ub = int(fin.t[idx])
-                seen.append(_Point(ub, int(fin.m[idx]), _backtrack(model, tabs, idx)))
-            if ub <= lb + _tol(lb) or (grid >= _THIN_GRIDS[1] and not better):
-                break
-        stats["upper_bound"] = ub
-        tabs, pstats = _pareto_pass(model, bnd, _limits(bnd, ub, cap), progress=progress)
+        idx = _pick(fin, cap)
+        better = idx >= 0 and fin.t[idx] < ub
+        if better:
+            ub = int(fin.t[idx])
+            seen.append(_Point(ub, int(fin.m[idx]), _backtrack(model, tabs, idx)))
+        if ub <= lb + _tol(lb) or (grid >= _THIN_GRIDS[1] and not better):
+            break
+    stats["upper_bound"] = ub
+    tabs, pstats = _pareto_pass(model, bnd, _limits(bnd, ub, cap), progress=progress)
     stats.update(pstats)
     return _finish(model, tabs, seen, stats, start)
