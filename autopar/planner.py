@@ -8,8 +8,9 @@ each *family* so the report can show why the winner won:
 * ``sharded parameters``: every parameter that can be is stored sharded and read
   whole by its consumers, so it is all-gathered before use and its gradient
   reduce-scattered (ZeRO-3/FSDP);
-* ``tensor parallel``: parameters read in the placement they are stored in
-  (never all-gathered) and state kept with them.
+* ``tensor parallel``: every weight matrix stored sharded and read in that
+  placement (never all-gathered), state kept with it; vectors (biases, norm
+  weights) may stay replicated, as in Megatron.
 
 Families are restrictions of the one search space, not rules that build plans.
 """
@@ -211,11 +212,13 @@ def family_restriction(ctx: PlanningContext, family: str):
 
         return allow_node, None
     if family == "tensor parallel":
+        matrices = {i for i in params if ctx.graph.nodes[i].outputs[0].ndim >= 2
+                    and any(_is_sharded(st.placement) for st in strategies[i])}
 
         def allow_node(i: int, s: int) -> bool:
             if i in params:
                 st = strategies[i][s]
-                return st.state == st.placement
+                return st.state == st.placement and (i not in matrices or _is_sharded(st.placement))
             return True
 
         def allow_edge(u: int, a: int, v: int, b: int) -> bool:
