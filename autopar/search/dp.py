@@ -1,66 +1,64 @@
 """Exact search: bucket elimination over Pareto sets of (time, memory).
 
 Objective and constraints (``c`` picks one strategy per node; see ``problem.py``)
-* objective  minimize ``T(c) = sum_i t_i(c_i) + sum_(u,v) t_uv(c_u, c_v)``      -- :func:`solve_dp`
-* memory     ``M(c) = base + sum_i m_i(c_i) + sum_(u,v) m_uv(c_u, c_v) <= cap``  -- pruned in
-  :func:`_pareto_pass`, enforced by the final pick in :func:`_finish`
-* forbidden  no ``INF`` choice or pair: domains cut by arc consistency
-  (``SearchProblem.allowed_choices``), forbidden pairs are empty entries in :class:`_Model`
+* objective  minimize ``T(c) = sum_i t_i(c_i) + sum_(u,v) t_uv(c_u, c_v)``       -- :func:`solve_dp`
+* memory     ``M(c) = base + sum_i m_i(c_i) + sum_(u,v) m_uv(c_u, c_v) <= cap``   -- pruned in
+             :func:`_pareto_pass`, enforced by the final pick in :func:`_finish`
+* forbidden  no ``INF`` choice or pair: arc consistency cuts the domains
+             (``SearchProblem.allowed_choices``); forbidden pairs are empty entries (:class:`_Model`)
 
-Factors.  Node i gives a unary factor, edge (u, v) a binary one: a table holding, for
-each assignment of its scope, a Pareto set of (t, m) pairs.  Nodes left with one
-strategy are conditioned away and factors with equal scopes merged (:class:`_Model`).
+Factors.  Node i gives a unary factor, edge (u, v) a binary one: a table holding, per
+assignment of its scope, a Pareto set of (t, m) pairs.  Nodes left with one strategy
+are conditioned away; factors with equal scopes are merged (:class:`_Model`).
 
-Elimination (:func:`_pareto_pass`).  Nodes go greedily, smallest new table first,
-ties in topological order (:func:`_order`): parameters (leaves) fold into their
-consumer, chain ops into an edge, residual blocks reduce series-parallel, and one
-front sweeps the stream.  Eliminating x with bucket ``F_1..F_r`` (the factors whose
-scope holds x) makes, for every assignment s of the other scope nodes,
+Elimination (:func:`_pareto_pass`).  Greedy order, smallest new table first, ties in
+topological order (:func:`_order`): parameters (leaves) fold into their consumer, chain
+ops into an edge, residual blocks reduce series-parallel, one front sweeps the stream.
+Eliminating x with bucket ``F_1..F_r`` (the factors whose scope holds x) gives
 
-    g(s) = Pareto( U_x  F_1(s, x) (+) F_2(s, x) (+) ... (+) F_r(s, x) )
+    g(s) = Pareto( U_x  F_1(s, x) (+) ... (+) F_r(s, x) )    for each assignment s
 
-where ``A (+) B = {(t + t', m + m')}`` and ``Pareto`` drops dominated pairs (sort by
-(t, m); keep a pair iff its m is below every m before it, :func:`_pareto_keep`).
-Pareto(A (+) B) = Pareto(Pareto(A) (+) B), so the bucket is folded one factor at a
-time.  Each pair keeps x and the pair indices it came from, for :func:`_backtrack`.
+with ``A (+) B = {(t + t', m + m')}``; ``Pareto`` drops dominated pairs (sort by (t, m),
+keep a pair iff its m is below every m before it: :func:`_pareto_keep`).  Since
+Pareto(A (+) B) = Pareto(Pareto(A) (+) B) the bucket is folded one factor at a time.
+Each pair keeps x and the pairs it came from, for :func:`_backtrack`.
 
-Bounds.  A min-sum pass with weights (w_t, w_m) (:func:`_inside`, then :func:`_outside`
-in reverse, same order) gives every table its inside value ``I_g(s) = min over its
-pairs of w_t t + w_m m`` and outside value ``O_g(s)``, the same minimum over every
-factor not below g::
+Bounds.  Min-sum with weight rows (w_t, w_m) (:func:`_inside`, :func:`_outside`: the same
+order, then its reverse) gives every table ``I_g(s)``, the least ``w_t t + w_m m`` of its
+pairs, and ``O_g(s)``, the same least over all factors not below g::
 
     I_g(s) = min_x sum_j I_{F_j}(s, x)
     O_{F_j}(s_j) = min over (s, x) \\ s_j of [ O_g(s) + sum_{l != j} I_{F_l}(s, x) ]
 
-A pair (t, m) at cell (s, x) of g's bucket is dropped when ``w_t t + w_m m + rest > B``,
-rest = ``O_g(s)`` + inside values of the bucket factors not folded in yet, for rows
-  - time      (1, 0):   B = target (a time some plan under the cap reaches)
-  - memory    (0, 1):   B = cap
-  - Lagrange  (1, lam): B = target + lam cap.  lam* (:func:`_lagrange`) is the slope of
-    the convex hull of the (T, M) frontier where it crosses the cap (each step solves
-    ``min T + lam M`` by min-sum and moves lam to the line through the two hull plans
-    around the cap, Eisner-Severance); ``L = min T + lam*(M - cap)`` is a lower bound.
-    When ``target - L`` is large, lam* x 2^-4..2^4 are added: a pair's completion trades
-    time for memory at its own rate, and the hull may be far from convex.
-Whole entries s and cells (s, x) are tested first (their best pair is their min-sum
-value), and the pure rows cut each fold to a contiguous range of the next input's
-pairs (:func:`_window`).  Floats prune only with a margin (:func:`_tol`): rounding
-keeps extra pairs, never loses one, so the result is exact.
+A pair (t, m) at cell (s, x) goes when ``w_t t + w_m m + rest > B`` (rest = ``O_g(s)`` plus
+the ``I`` of the bucket factors not folded yet) on any row:
+  time (1, 0), B = target;  memory (0, 1), B = cap;  Lagrange (1, lam), B = target + lam cap.
+lam* (:func:`_lagrange`) is the slope of the hull of the (T, M) frontier where it crosses
+the cap (solve ``min T + lam M``; move lam to the line through the hull plans either side
+of the cap: Eisner-Severance); ``L = min T + lam*(M - cap)`` bounds the optimum below.
+When ``target - L`` is large lam* x 2^-4..2^4 are added too: a pair's completion trades
+time for memory at its own rate.  Entries s and cells (s, x) are tested before any pair,
+and the time/memory rows cut each fold to one range of the next factor's pairs
+(:func:`_window`).  Floats prune only past a margin (:func:`_tol`): rounding keeps extra
+pairs, never loses one, so the optimum is exact.
 
-Target.  Thinned passes (one fastest and one smallest pair per entry and memory
-bucket; every pair kept is a real plan) find a near-optimal plan cheaply; its time is
-the target of the one exact pass.  ``frontier=True`` drops cap and target: a pair goes
-when a known hull plan (:func:`_hull`) dominates its ideal completion ``(t + O_t, m + O_m)``.
+Target.  The time of the best plan met so far.  Thinned passes (per entry and memory
+bucket only the fastest and the smallest pair, each a real plan) improve it cheaply
+before the one exact pass.  ``frontier=True`` (:func:`_frontier`) drops cap and target:
+a pair stays while it may complete below a gap of the known plans' staircase
+(:func:`_in_gaps`); past ``_FRONTIER_POINTS`` pairs an entry is thinned (flagged).
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,8 +72,7 @@ _THIN_GRIDS = (64, 512, 4096)  # memory buckets across [min-memory plan, min-tim
 _LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slopes, times lam*
 _GRID_GAP = 5e-3  # relative gap (target - L) / target above which the extra slopes pay
 _THIN_GAP = 2e-4  # ... above which thinned passes pay
-_HULL_ROWS = 16  # frontier mode: hull plans probed, each gap between two gets its slope row
-_FRONTIER_PAIRS = 2_000_000  # frontier mode: pairs in one bucket before falling back to thinned
+_FRONTIER_POINTS = 32  # frontier mode: at most this many pairs per entry (else not exact)
 
 
 def _tol(bound: float | np.ndarray) -> float | np.ndarray:
@@ -211,11 +208,9 @@ def _inside(model: _Model, w: np.ndarray) -> tuple[list, dict[int, np.ndarray]]:
     args: dict[int, np.ndarray] = {}
     for st in model.steps:
         joint = _joint(st, vals)
-        if st.var < 0:
-            vals[st.out] = joint
-        else:
-            args[st.out] = joint.argmin(axis=-1)
-            vals[st.out] = joint.min(axis=-1)
+        if st.var >= 0:
+            args[st.out], joint = joint.argmin(axis=-1), joint.min(axis=-1)
+        vals[st.out] = joint
     return vals, args
 
 
@@ -235,8 +230,7 @@ def _outside(model: _Model, vals: list) -> list:
     return outs
 
 
-@dataclass(frozen=True, slots=True)
-class _Point:
+class _Point(NamedTuple):
     time: int
     mem: int
     choice: tuple[int, ...]
@@ -253,11 +247,8 @@ def _plans(model: _Model, w: np.ndarray) -> tuple[list[_Point], list]:
     for st in reversed(model.steps):
         if st.var >= 0:
             red[:, st.var] = args[st.out][(rows,) + tuple(red[:, v] for v in st.scope)]
-    points = []
-    for r in red:
-        choice = model.original_choice(r)
-        points.append(_Point(*model.problem.evaluate(choice), choice))
-    return points, vals
+    choices = [model.original_choice(r) for r in red]
+    return [_Point(*model.problem.evaluate(c), c) for c in choices], vals
 
 
 @dataclass(slots=True)
@@ -272,10 +263,8 @@ class _Bounds:
 
 
 def _bounds(model: _Model, w: np.ndarray, vals: list) -> _Bounds:
-    outs = _outside(model, vals)
-    ins = [v.reshape(len(w), -1) for v in vals]
-    outs = [None if tid < model.n_orig else o.reshape(len(w), -1) for tid, o in enumerate(outs)]
-    return _Bounds(w[:, :1].astype(float), w[:, 1:2].astype(float), ins, outs)
+    outs = [o if o is None else o.reshape(len(w), -1) for o in _outside(model, vals)]
+    return _Bounds(w[:, :1].astype(float), w[:, 1:2].astype(float), [v.reshape(len(w), -1) for v in vals], outs)
 
 
 def _pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -300,10 +289,6 @@ def _pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
     return o[keep]
 
 
-class _TooBig(RuntimeError):
-    """A pass outgrew its pair budget."""
-
-
 @dataclass(slots=True)
 class _Tab:
     off: np.ndarray  # CSR offsets over the table's entries
@@ -315,36 +300,34 @@ class _Tab:
     wide: bool = False  # some entry holds many pairs: worth :func:`_window`
 
 
-def _window(tab: _Tab, e: np.ndarray, qp: np.ndarray | None, qs: np.ndarray | None, primary: str) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs of entry ``e`` with primary <= qp and secondary <= qs: within an entry pairs
-    run by primary ascending (secondary descending), so that is one range.  One
-    searchsorted for all entries: a pair's key is ``entry * width + rank of its value``."""
+def _window(tab: _Tab, e: np.ndarray, qt: np.ndarray | None, qm: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of entry ``e`` with t <= qt and m <= qm: within an entry pairs run by t
+    ascending (m descending), so that is one range.  One searchsorted for all entries:
+    a pair's key is ``entry * width + rank of its value among the table's``."""
     start, stop = tab.off[e], tab.off[e + 1]
-    if qp is None and qs is None:
-        return start, stop
     if tab.keys is None:
         ent = np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))
-        pv, sv = (tab.t, tab.m) if primary == "t" else (tab.m, tab.t)
-        sp, sn, width = np.sort(pv), np.sort(-sv), pv.size + 1
-        tab.keys = (width, sp, ent * width + np.searchsorted(sp, pv, "right"), sn, ent * width + np.searchsorted(sn, -sv, "left"))
-    width, sp, kp, sn, ks = tab.keys
-    if qp is not None:
-        stop = np.minimum(stop, np.searchsorted(kp, e * width + np.searchsorted(sp, qp, "right"), "right"))
-    if qs is not None:
-        start = np.maximum(start, np.searchsorted(ks, e * width + np.searchsorted(sn, -qs, "left"), "left"))
+        st, sm, width = np.sort(tab.t), np.sort(-tab.m), tab.t.size + 1
+        tab.keys = (width, st, ent * width + np.searchsorted(st, tab.t, "right"), sm, ent * width + np.searchsorted(sm, -tab.m, "left"))
+    width, st, kt, sm, km = tab.keys
+    if qt is not None:
+        stop = np.minimum(stop, np.searchsorted(kt, e * width + np.searchsorted(st, qt, "right"), "right"))
+    if qm is not None:
+        start = np.maximum(start, np.searchsorted(km, e * width + np.searchsorted(sm, -qm, "left"), "left"))
     return start, np.maximum(stop, start)
 
 
 def _in_gaps(gaps: tuple[np.ndarray, ...], bnd: _Bounds, t: np.ndarray, m: np.ndarray, rest: np.ndarray) -> np.ndarray:
-    """Whether a pair (t, m) with these rests may still complete to a plan that no known
-    plan dominates.  Such a plan lies below-left of a gap corner (cx, cy) = (time of
-    the next known plan, memory of this one), i.e. meets the cap/target test with
-    target cx, cap cy on the time row, the memory row and that gap's hull slope row."""
+    """Whether pair (t, m) may complete to a plan no known plan dominates: below-left of
+    some gap corner (cx, cy) = (next known plan's time, this one's memory), i.e. passing
+    the target cx / cap cy test on the time, memory and that gap's slope rows."""
     cx, cy, row = gaps
-    ok = (t + rest[0] <= cx[:, None] + _tol(cx[:, None])) & (m + rest[1] <= cy[:, None] + _tol(cy[:, None]))
-    lhs = bnd.wt[row] * t + bnd.wm[row] * m + rest[row]
-    rhs = bnd.wt[row] * cx[:, None] + bnd.wm[row] * cy[:, None]
-    return (ok & (lhs <= rhs + _tol(rhs))).any(axis=0)
+    ok = np.zeros(rest.shape[1], bool)
+    ti, mi = t + rest[0], m + rest[1]
+    for x, y, r in zip(cx, cy, row):
+        rhs = bnd.wt[r, 0] * x + bnd.wm[r, 0] * y
+        ok |= (ti <= x + _tol(x)) & (mi <= y + _tol(y)) & (bnd.wt[r, 0] * t + bnd.wm[r, 0] * m + rest[r] <= rhs + _tol(rhs))
+    return ok
 
 
 def _pareto_pass(
@@ -352,21 +335,17 @@ def _pareto_pass(
     bnd: _Bounds,
     limits: np.ndarray,
     *,
-    primary: str = "t",
     gaps: tuple[np.ndarray, ...] | None = None,
     beam: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     values_only: bool = False,
-    max_pairs: int | None = None,
 ) -> tuple[list, dict]:
     """Eliminate every node over Pareto sets (the recurrence of the module docstring).
 
-    ``limits`` holds B per bound row (inf: not used).  ``gaps`` (frontier mode) keeps
-    only pairs that may complete below a gap between known plans (:func:`_in_gaps`).  ``beam``
+    ``limits``: B per bound row (inf: unused).  ``gaps``: see :func:`_in_gaps`.  ``beam``
     (heuristic) keeps per entry and memory bucket of that width the fastest and the
-    smallest pair.  ``values_only`` frees tables once used and keeps no back-pointers
-    (the final pairs' values only); ``max_pairs`` raises :class:`_TooBig` past that.
-    """
+    smallest pair, or (``beam < 0``) at most ``-beam`` pairs per entry, evenly spaced.
+    ``values_only`` frees tables once used and keeps no back-pointers."""
     tabs = []
     for t, m, ok in zip(model.t, model.m, model.ok):
         flat = ok.reshape(-1)
@@ -374,7 +353,7 @@ def _pareto_pass(
     lim = (limits + _tol(limits))[:, None]
     pure_t = np.flatnonzero((bnd.wm[:, 0] == 0) & np.isfinite(limits))
     pure_m = np.flatnonzero((bnd.wt[:, 0] == 0) & np.isfinite(limits))
-    stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0}
+    stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0, "thinned": False}
     for si, st in enumerate(model.steps):
         kx = st.shape[-1] if st.var >= 0 else 1
         best = bnd.ins[st.out] + bnd.outs[st.out]
@@ -409,11 +388,11 @@ def _pareto_pass(
         for i, j in enumerate(order):
             tab = tabs[st.inputs[j]]
             e = ents[j][cell]
-            if tab.wide:
+            if tab.wide and (pure_t.size or pure_m.size):
                 rc = rests[i][:, cell]
                 qt = ((lim[pure_t] - rc[pure_t]) / bnd.wt[pure_t]).min(axis=0) - t if pure_t.size else None
                 qm = ((lim[pure_m] - rc[pure_m]) / bnd.wm[pure_m]).min(axis=0) - m if pure_m.size else None
-                start, stop = _window(tab, e, *((qt, qm) if primary == "t" else (qm, qt)), primary)
+                start, stop = _window(tab, e, qt, qm)
             else:
                 start, stop = tab.off[e], tab.off[e + 1]
             counts = stop - start
@@ -428,32 +407,36 @@ def _pareto_pass(
             rc = rests[i][:, cell]
             ptrs = [p[rep] for p in ptrs] + [q]
             stats["max_combined"] = max(stats["max_combined"], cell.size)
-            if max_pairs is not None and cell.size > max_pairs:
-                raise _TooBig(f"{cell.size} pairs eliminating node {st.var}")
             keep = (rc + bnd.wt * t + bnd.wm * m <= lim).all(axis=0)
             if gaps is not None:
                 keep[keep] &= _in_gaps(gaps, bnd, t[keep], m[keep], rc[:, keep])
             sel = np.flatnonzero(keep)
             if i + 1 < len(order) and not single:
-                sel = sel[_pareto_keep(cell[sel], *((t[sel], m[sel]) if primary == "t" else (m[sel], t[sel])))]
+                sel = sel[_pareto_keep(cell[sel], t[sel], m[sel])]
             cell, t, m, ptrs = cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
         group = cells[cell] // kx
-        sel = _pareto_keep(group, *((t, m) if primary == "t" else (m, t)))
+        sel = _pareto_keep(group, t, m)
         if beam is not None and sel.size > 1:
-            g, bucket = group[sel], (m[sel] if primary == "t" else t[sel]) // beam
+            g = group[sel]
+            if beam > 0:  # memory buckets of width beam
+                bucket = m[sel] // beam
+            else:  # at most -beam pairs per entry, evenly spaced by rank
+                first = np.searchsorted(g, g)
+                size = np.searchsorted(g, g, side="right") - first
+                bucket = (np.arange(g.size) - first) * -beam // size
+                stats["thinned"] |= bool(size.max() > -beam)
             edge = np.ones(sel.size + 1, bool)
             edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
-            sel = sel[edge[:-1] | edge[1:]]
+            sel = sel[edge[:-1] | edge[1:]] if beam > 0 else sel[edge[:-1]]
         bp = None if values_only else np.empty((sel.size, len(order)), np.int64)
         for i, j in enumerate(order):
             if values_only:
-                tabs[st.inputs[j]] = None
+                tabs[st.inputs[j]] = None  # consumed
             else:
                 bp[:, j] = ptrs[i][sel]
         off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=row_ok.size))])
         tabs.append(_Tab(off, t[sel], m[sel], cells[cell[sel]] % kx, bp, wide=bool(np.diff(off).max(initial=0) > 8)))
-        stats["max_pairs"] = max(stats["max_pairs"], int(sel.size))
-        stats["pairs"] += int(sel.size)
+        stats["max_pairs"], stats["pairs"] = max(stats["max_pairs"], sel.size), stats["pairs"] + sel.size
         if progress is not None:
             progress(si + 1, len(model.steps))
     return tabs, stats
@@ -472,9 +455,11 @@ def _backtrack(model: _Model, tabs: list, p: int) -> tuple[int, ...]:
 
 
 def _min_memory(model: _Model, start: float) -> Solution:
-    w = np.array([[0.0, 1.0]])
-    (point,), vals = _plans(model, w)
-    tabs, stats = _pareto_pass(model, _bounds(model, w, vals), np.array([float(point.mem)]), primary="m")
+    swapped = copy.copy(model)  # memory first, then time: the pass minimizes "t", then "m"
+    swapped.t, swapped.m = model.m, model.t
+    w = np.array([[1.0, 0.0]])
+    (point,), vals = _plans(swapped, w)
+    tabs, stats = _pareto_pass(swapped, _bounds(swapped, w, vals), np.array([float(point.mem)]))
     if tabs[model.final].t.size == 0:
         raise AssertionError(f"min_memory: the DP lost the min-memory plan ({point.mem} B); internal pruning bug")
     choice = _backtrack(model, tabs, 0)
@@ -502,51 +487,30 @@ def _lagrange(model: _Model, lo: _Point, hi: _Point, cap: int, seen: list[_Point
     return lam, vals
 
 
-def _hull(model: _Model, a: _Point, b: _Point, seen: list[_Point], budget: int = 24) -> None:
-    """Supported plans of the frontier between a (fast) and b (small), into ``seen``."""
-    segs = [(a, b)]
-    while segs and budget > 0:
-        p, q = segs.pop()
-        if p.time < q.time and p.mem > q.mem:
-            lam = (q.time - p.time) / (p.mem - q.mem)
-            (r,), _ = _plans(model, np.array([[1.0, lam]]))
-            budget -= 1
-            line = p.time + lam * p.mem
-            if r.time + lam * r.mem < line - _tol(line):
-                seen.append(r)
-                segs += [(p, r), (r, q)]
-
-
 def _frontier(model: _Model, seen: list[_Point], w: np.ndarray, vals: list) -> tuple[list[tuple[int, int]], bool]:
-    """The (time, memory) Pareto frontier, cap ignored, and whether it is exact: past
-    :data:`_FRONTIER_PAIRS` pairs in one bucket the pass is redone thinned (every point
-    a real plan, gaps narrower than a 1/4096 of the memory range may be missed)."""
+    """The (time, memory) Pareto frontier, cap ignored, and whether it is exact (an
+    entry with more than ``_FRONTIER_POINTS`` pairs keeps that many, evenly spaced)."""
     fast, small = seen[0], seen[1]
-    seen = list(seen)
-    _hull(model, fast, small, seen, budget=_HULL_ROWS)
-    hull = sorted({(p.time, p.mem) for p in seen})
-    hull = [q for i, q in enumerate(hull) if all(q[1] < r[1] for r in hull[:i])]
-    slopes = np.array([[1.0, (b[0] - a[0]) / (a[1] - b[1])] for a, b in zip(hull, hull[1:])]).reshape(-1, 2)
+    slope = max(small.time - fast.time, 1) / max(fast.mem - small.mem, 1)
+    seen = seen + _plans(model, np.array([[1.0, slope * 2.0**e] for e in range(-8, 9)]))[0]
+    known = [(p.time, p.mem) for p in seen]
+    known = [known[i] for i in _pareto_keep(np.zeros(len(known), np.int64), *np.array(known, np.int64).T)]
+    slopes = np.array([[1.0, (b[0] - a[0]) / (a[1] - b[1])] for a, b in zip(known, known[1:])]).reshape(-1, 2)
     if len(slopes):
         pts, vals_h = _plans(model, slopes)
         seen += pts
         w, vals = np.concatenate([w, slopes]), [np.concatenate(x) for x in zip(vals, vals_h)]
-    big = 1e300  # an open end: faster than the fastest plan, or smaller than the smallest
-    cx = np.array([hull[0][0]] + [b[0] for b in hull[1:]] + [big], float)
-    cy = np.array([big] + [a[1] for a in hull[:-1]] + [hull[-1][1]], float)
-    gaps = (cx, cy, np.array([0] + list(range(2, 2 + len(slopes))) + [1]))
+    big = 1e300  # open ends: faster than the fastest known plan, smaller than the smallest
+    gaps = (
+        np.array([known[0][0]] + [b[0] for b in known[1:]] + [big], float),
+        np.array([big] + [a[1] for a in known[:-1]] + [known[-1][1]], float),
+        np.array([0] + list(range(2, 2 + len(slopes))) + [1]),
+    )
     bnd = _bounds(model, w, vals)
-    limits = np.full(len(w), np.inf)
-    try:
-        tabs, _ = _pareto_pass(model, bnd, limits, gaps=gaps, values_only=True, max_pairs=_FRONTIER_PAIRS)
-        exact = True
-    except _TooBig as err:
-        logger.info("frontier: %s, thinning to 1/4096 of the memory range", err)
-        tabs, _ = _pareto_pass(model, bnd, limits, gaps=gaps, values_only=True, beam=max(1, (fast.mem - small.mem) // 4096))
-        exact = False
+    tabs, pstats = _pareto_pass(model, bnd, np.full(len(w), np.inf), gaps=gaps, values_only=True, beam=-_FRONTIER_POINTS)
     fin = tabs[model.final]
     pts = np.concatenate([np.stack([fin.t, fin.m], 1), np.array([(p.time, p.mem) for p in seen], np.int64)])
-    return [(int(a), int(b)) for a, b in pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]], exact
+    return [(int(a), int(b)) for a, b in pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]], not pstats["thinned"]
 
 
 def _limits(bnd: _Bounds, target: float, cap: int | None) -> np.ndarray:
@@ -568,12 +532,7 @@ def _finish(model: _Model, tabs: list, seen: list[_Point], stats: dict, start: f
     idx = _pick(fin, cap)
     cands = [(int(fin.t[idx]), int(fin.m[idx]), idx)] if idx >= 0 else []
     cands += [(p.time, p.mem, p) for p in seen if cap is None or p.mem <= cap]
-    if not cands:
-        exact = _min_memory(model, start)
-        if exact.mem_bytes > (cap or 0):
-            raise InfeasibleError.over_cap(problem, exact)
-        raise AssertionError(f"solve_dp: no plan survived on {problem.summary()}; internal pruning bug")
-    best_t, best_m, ref = min(cands, key=lambda c: (c[0], c[1]))
+    best_t, best_m, ref = min(cands, key=lambda c: (c[0], c[1]))  # seen holds a plan that fits
     choice = ref.choice if isinstance(ref, _Point) else _backtrack(model, tabs, ref)
     if problem.evaluate(choice) != (best_t, best_m):
         raise AssertionError(f"solve_dp: plan re-evaluates to {problem.evaluate(choice)}, DP said ({best_t}, {best_m})")
@@ -591,9 +550,10 @@ def solve_dp(
     """Minimum time under the memory cap, exactly (ties broken by memory).
 
     ``progress(done, total)`` is called after each node of the exact pass.
-    ``frontier=True`` also returns the whole (time, mem) Pareto frontier, cap ignored,
-    sorted by time, in ``stats["frontier"]``.  Raises :class:`InfeasibleError` when no
-    plan fits the cap (or every plan is forbidden).
+    ``frontier=True`` also returns the (time, mem) Pareto frontier, cap ignored, sorted
+    by time, in ``stats["frontier"]``; ``stats["frontier_exact"]`` says whether it is
+    complete (see :func:`_frontier`).  Raises :class:`InfeasibleError` when no plan fits
+    the cap (or every plan is forbidden).
     """
     start = time.perf_counter()
     model = _Model(problem)
@@ -611,15 +571,13 @@ def solve_dp(
             seen.append(small)
         lam, vals_l = _lagrange(model, fast, small, cap, seen)
         lb = max(lb, float(vals_l[model.final][0]) - lam * cap)
+        w, vals = np.concatenate([w, [[1.0, lam]]]), [np.concatenate(x) for x in zip(vals, vals_l)]
         ub = min(p.time for p in seen if p.mem <= cap)
         if ub - lb > _GRID_GAP * abs(ub):  # extra slopes, solved as one batch
             grid = np.array([[1.0, lam * f] for f in _LAMBDA_GRID])
             pts, vals_g = _plans(model, grid)
             seen += pts
-            w, vals_l = np.concatenate([w, [[1.0, lam]], grid]), [np.concatenate(x) for x in zip(vals_l, vals_g)]
-        else:
-            w = np.concatenate([w, [[1.0, lam]]])
-        vals = [np.concatenate(x) for x in zip(vals, vals_l)]
+            w, vals = np.concatenate([w, grid]), [np.concatenate(x) for x in zip(vals, vals_g)]
     stats: dict = {"nodes": problem.n_nodes, "steps": len(model.steps), "lambda": lam, "lower_bound": lb, "heuristic_s": 0.0}
     stats.update(width=max((len(st.shape) for st in model.steps), default=0), rows=len(w))
     if frontier:
@@ -637,8 +595,8 @@ def solve_dp(
         idx = _pick(fin, cap)
         better = idx >= 0 and fin.t[idx] < ub
         if better:
-            ub = int(fin.t[idx])
-            seen.append(_Point(ub, int(fin.m[idx]), _backtrack(model, tabs, idx)))
+            seen.append(_Point(int(fin.t[idx]), int(fin.m[idx]), _backtrack(model, tabs, idx)))
+            ub = seen[-1].time
         if ub <= lb + _tol(lb) or (grid >= _THIN_GRIDS[1] and not better):
             break
     stats["upper_bound"] = ub
