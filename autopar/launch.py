@@ -32,14 +32,10 @@ import io
 import logging
 import math
 import os
-import socket
-import tempfile
 import time
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +44,7 @@ from torch import nn
 
 from .mesh import Mesh
 from .plan_types import Plan
+from .runtime.spawn import RankError, spawn_ranks
 from .units import format_bytes
 
 __all__ = [
@@ -400,93 +397,24 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(config: RunConfig, plan: Plan, rank: int, world: int, port: int, out_dir: str, threads: int) -> None:
-    """Entry point of one spawned rank: gloo init, ``train_rank``, result or traceback to a file."""
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # model-config warnings, once per rank
-    torch.set_num_threads(threads)  # the ranks share this machine's cores
-    out = Path(out_dir)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=config.timeout_s),
-        )
-        result = train_rank(config, plan)
-        torch.save(result, out / f"rank{rank}.pt.tmp")
-        os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_entry(rank: int, world: int, config: RunConfig, plan: Plan) -> RankResult:
+    """What one spawned rank runs (gloo is already initialized by the spawner)."""
+    return train_rank(config, plan)
 
 
 def _spawn(config: RunConfig, plan: Plan, *, while_waiting=None) -> tuple[tuple[RankResult, ...], Any]:
     """Run ``train_rank`` on ``mesh.size`` spawned gloo ranks; ``while_waiting()`` runs in the parent meanwhile."""
-    import torch.multiprocessing as mp
-
     world = config.mesh().size
     threads = max(1, (os.cpu_count() or 1) // world)
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    log.info("spawning %d gloo ranks (127.0.0.1:%d, %d threads each)", world, port, threads)
-    extra = None
-    with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
-        procs = [
-            ctx.Process(target=_child, args=(config, plan, r, world, port, tmp, threads), daemon=True)
-            for r in range(world)
-        ]
-        failed: list[int] = []
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + config.timeout_s
-            if while_waiting is not None:
-                extra = while_waiting()
-            while time.monotonic() < deadline:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed or all(p.exitcode == 0 for p in procs):
-                    break
-                time.sleep(0.05)
-        finally:
-            hung = [r for r, p in enumerate(procs) if p.is_alive()]
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-        errors = {r: (Path(tmp) / f"rank{r}.err") for r in range(world)}
-        errors = {r: f.read_text() for r, f in errors.items() if f.exists()}
-        if failed or errors:
-            first = min(errors) if errors else failed[0]
-            code = procs[first].exitcode
-            killed = f"killed by signal {-code}" + (" (SIGKILL: often the out-of-memory killer)" if code == -9 else "")
-            detail = errors.get(first, killed if code is not None and code < 0 else f"exit code {code}, no traceback")
-            raise LaunchError(
-                f"rank {first} of {world} failed (failed ranks {sorted(set(failed) | set(errors))}):\n{detail}"
-            )
-        if hung:
-            raise LaunchError(
-                f"ranks {hung} of {world} still running after {config.timeout_s:.0f} s (a collective that not every "
-                "rank issued?); stopped them. Pass a larger --timeout if the model is just slow"
-            )
-        results = tuple(torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world))
-    return results, extra
+    log.info("spawning %d gloo ranks (%d threads each)", world, threads)
+    try:
+        results, extra = spawn_ranks(_rank_entry, world, config, plan, timeout_s=config.timeout_s,
+                                     collective_timeout_s=config.timeout_s, threads=threads,
+                                     env={"TRANSFORMERS_VERBOSITY": "error"}, while_waiting=while_waiting)
+    except RankError as e:
+        hint = " Pass a larger --timeout if the model is just slow." if "still running" in str(e) else ""
+        raise LaunchError(f"{e}{hint}") from None
+    return tuple(results), extra
 
 
 def _profile(device: torch.device) -> str:
