@@ -12,7 +12,13 @@ from autopar.search.generate import random_problem, transformer_like_problem
 
 
 def _brute_frontier(problem: SearchProblem) -> list[tuple[int, int]]:
-    pts = sorted({problem.evaluate(c) for c in itertools.product(*map(range, problem.num_choices)) if not problem.forbidden_in(c)})
+    pts = sorted(
+        {
+            problem.evaluate(c)
+            for c in itertools.product(*map(range, problem.num_choices))
+            if not problem.forbidden_in(c)
+        }
+    )
     out: list[tuple[int, int]] = []
     for t, m in pts:
         if not out or m < out[-1][1]:
@@ -48,7 +54,7 @@ def test_dp_matches_brute_force_on_tiny_problems(seed: int) -> None:
     assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)  # both break time ties by memory
     assert got.optimal and got.solver == "dp"
     if seed % 2 == 0:
-        assert got.stats["frontier"] == _brute_frontier(problem)
+        assert got.stats["frontier_exact"] and got.stats["frontier"] == _brute_frontier(problem)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -100,7 +106,11 @@ def test_cap_binds_and_both_solvers_agree_on_a_small_transformer() -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_infeasible_cap_reports_the_brute_force_minimum(seed: int) -> None:
     problem = _tiny(100 + seed).with_cap(None)
-    least = min(problem.evaluate(c)[1] for c in itertools.product(*map(range, problem.num_choices)) if not problem.forbidden_in(c))
+    least = min(
+        problem.evaluate(c)[1]
+        for c in itertools.product(*map(range, problem.num_choices))
+        if not problem.forbidden_in(c)
+    )
     problem = problem.with_cap(least - 1)
     for solver in (solve_dp, solve_cpsat, solve_brute_force):
         with pytest.raises(InfeasibleError) as err:
@@ -176,13 +186,25 @@ def test_progress_reports_every_step() -> None:
 def test_validation_names_the_culprit() -> None:
     good = _chain([[1, 2], [3, 4]], [[0, 1], [1, 0]])
     with pytest.raises(ValueError, match=r"node_time\[1\] \(op1\): expected dtype int64"):
-        SearchProblem(good.names, (good.node_time[0], np.array([1.0, 2.0])), good.node_mem, good.edges, good.edge_time, good.edge_mem, None)
+        SearchProblem(
+            good.names,
+            (good.node_time[0], np.array([1.0, 2.0])),
+            good.node_mem,
+            good.edges,
+            good.edge_time,
+            good.edge_mem,
+            None,
+        )
     with pytest.raises(ValueError, match=r"edges\[0\] = \(1, 0\): expected 0 <= u < v"):
         SearchProblem(good.names, good.node_time, good.node_mem, ((1, 0),), good.edge_time, good.edge_mem, None)
     with pytest.raises(ValueError, match=r"edge_time\[0\] \(op0 -> op1\): expected shape \(2, 2\)"):
-        SearchProblem(good.names, good.node_time, good.node_mem, good.edges, (np.zeros((2, 3), np.int64),), good.edge_mem, None)
+        SearchProblem(
+            good.names, good.node_time, good.node_mem, good.edges, (np.zeros((2, 3), np.int64),), good.edge_mem, None
+        )
     with pytest.raises(ValueError, match="duplicate edge"):
-        SearchProblem(good.names, good.node_time, good.node_mem, good.edges * 2, good.edge_time * 2, good.edge_mem * 2, None)
+        SearchProblem(
+            good.names, good.node_time, good.node_mem, good.edges * 2, good.edge_time * 2, good.edge_mem * 2, None
+        )
     with pytest.raises(ValueError, match="choice has 1 entries"):
         good.evaluate((0,))
 
@@ -197,3 +219,13 @@ def test_transformer_like_twelve_layers(k: int) -> None:
     assert free.mem_bytes > problem.mem_cap_bytes >= min_memory(problem).mem_bytes
     assert sol.time >= free.time
     assert sol.stats["lower_bound"] <= sol.time <= sol.stats["upper_bound"]
+
+
+def test_frontier_of_a_transformer_spans_both_extremes() -> None:
+    problem = transformer_like_problem(2, 6, seed=3, cap_fraction=None)
+    front = solve_dp(problem, frontier=True).stats["frontier"]
+    assert all(a[0] < b[0] and a[1] > b[1] for a, b in zip(front, front[1:]))  # a staircase
+    fastest, smallest = solve_dp(problem), min_memory(problem)
+    assert front[0] == (fastest.time, fastest.mem_bytes)
+    assert front[-1] == (smallest.time, smallest.mem_bytes)
+    assert len(front) > 10

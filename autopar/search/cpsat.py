@@ -30,7 +30,9 @@ __all__ = ["solve_cpsat"]
 logger = logging.getLogger(__name__)
 
 
-def _build(problem: SearchProblem) -> tuple[cp_model.CpModel, list[dict[int, cp_model.IntVar]], cp_model.LinearExpr, cp_model.LinearExpr, int]:
+def _build(
+    problem: SearchProblem,
+) -> tuple[cp_model.CpModel, list[dict[int, cp_model.IntVar]], cp_model.LinearExpr, cp_model.LinearExpr, int]:
     """The model, ``x`` per node (choice -> Boolean), the time and memory expressions,
     and the number of Booleans."""
     model = cp_model.CpModel()
@@ -78,7 +80,13 @@ def _build(problem: SearchProblem) -> tuple[cp_model.CpModel, list[dict[int, cp_
             model.add(sum(ys) == x[u][s])
         for t, ys in cols.items():
             model.add(sum(ys) == x[v][t])
-    return model, x, cp_model.LinearExpr.sum(time_terms), cp_model.LinearExpr.sum(mem_terms) + problem.base_mem_bytes, n_bools
+    return (
+        model,
+        x,
+        cp_model.LinearExpr.sum(time_terms),
+        cp_model.LinearExpr.sum(mem_terms) + problem.base_mem_bytes,
+        n_bools,
+    )
 
 
 def _solve(model: cp_model.CpModel, time_limit_s: float | None, workers: int) -> tuple[cp_model.CpSolver, int]:
@@ -100,9 +108,14 @@ def _min_memory(problem: SearchProblem, time_limit_s: float | None, workers: int
     model.minimize(m_expr)
     solver, status = _solve(model, time_limit_s, workers)
     if status == cp_model.INFEASIBLE:
-        raise InfeasibleError(f"{problem.summary()}: every assignment hits a forbidden (INF) choice or pair; fix the strategy lists")
+        raise InfeasibleError(
+            f"{problem.summary()}: every assignment hits a forbidden (INF) choice or pair; fix the strategy lists"
+        )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise TimeoutError(f"CP-SAT min-memory on {problem.summary()}: no plan within time_limit_s={time_limit_s}; fix: raise the limit")
+        raise TimeoutError(
+            f"CP-SAT min-memory on {problem.summary()}: no plan within time_limit_s={time_limit_s}; "
+            "fix: raise the limit"
+        )
     proven = status == cp_model.OPTIMAL
     model.add(m_expr == int(round(solver.objective_value)))
     model.minimize(t_expr)
@@ -137,6 +150,13 @@ def solve_cpsat(problem: SearchProblem, *, time_limit_s: float | None = None, wo
     if t != int(round(solver.objective_value)):
         raise AssertionError(f"solve_cpsat: plan re-evaluates to time {t}, CP-SAT reported {solver.objective_value}")
     elapsed = time.perf_counter() - start
-    stats = {"status": solver.status_name(status), "best_bound": solver.best_objective_bound, "booleans": n_bools, "wall_s": solver.wall_time}
-    logger.info("solve_cpsat: %s -> %s time %d ps, mem %d B in %.3fs", problem.summary(), stats["status"], t, m, elapsed)
+    stats = {
+        "status": solver.status_name(status),
+        "best_bound": solver.best_objective_bound,
+        "booleans": n_bools,
+        "wall_s": solver.wall_time,
+    }
+    logger.info(
+        "solve_cpsat: %s -> %s time %d ps, mem %d B in %.3fs", problem.summary(), stats["status"], t, m, elapsed
+    )
     return Solution(choice, t, m, status == cp_model.OPTIMAL, "cpsat", elapsed, stats)

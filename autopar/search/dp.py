@@ -8,8 +8,7 @@ Objective and constraints (``c`` picks one strategy per node; see ``problem.py``
              (``SearchProblem.allowed_choices``); forbidden pairs are empty entries (:class:`_Model`)
 
 Factors.  Node i gives a unary factor, edge (u, v) a binary one: a table holding, per
-assignment of its scope, a Pareto set of (t, m) pairs.  Nodes left with one strategy
-are conditioned away; factors with equal scopes are merged (:class:`_Model`).
+assignment of its scope, a Pareto set of (t, m) pairs (:class:`_Model`).
 
 Elimination (:func:`_pareto_pass`).  Greedy order, smallest new table first, ties in
 topological order (:func:`_order`): parameters (leaves) fold into their consumer, chain
@@ -18,10 +17,9 @@ Eliminating x with bucket ``F_1..F_r`` (the factors whose scope holds x) gives
 
     g(s) = Pareto( U_x  F_1(s, x) (+) ... (+) F_r(s, x) )    for each assignment s
 
-with ``A (+) B = {(t + t', m + m')}``; ``Pareto`` drops dominated pairs (sort by (t, m),
-keep a pair iff its m is below every m before it: :func:`_pareto_keep`).  Since
-Pareto(A (+) B) = Pareto(Pareto(A) (+) B) the bucket is folded one factor at a time.
-Each pair keeps x and the pairs it came from, for :func:`_backtrack`.
+with ``A (+) B = {(t + t', m + m')}``; ``Pareto`` drops dominated pairs (:func:`_pareto_keep`).
+Pareto(A (+) B) = Pareto(Pareto(A) (+) B), so the bucket is folded one factor at a time;
+each pair keeps x and the pairs it came from, for :func:`_backtrack`.
 
 Bounds.  Min-sum with weight rows (w_t, w_m) (:func:`_inside`, :func:`_outside`: the same
 order, then its reverse) gives every table ``I_g(s)``, the least ``w_t t + w_m m`` of its
@@ -126,9 +124,8 @@ class _Model:
         self.problem = problem
         self.allowed = problem.allowed_choices()
         k = self.k = [len(a) for a in self.allowed]
-        acc: dict[tuple[int, ...], list[np.ndarray]] = {
-            (): [np.zeros((), np.int64), np.full((), problem.base_mem_bytes, np.int64), np.ones((), bool)]
-        }
+        base = [np.zeros((), np.int64), np.full((), problem.base_mem_bytes, np.int64), np.ones((), bool)]
+        acc: dict[tuple[int, ...], list[np.ndarray]] = {(): base}  # scope -> [t, m, allowed]
 
         def add(nodes: tuple[int, ...], t: np.ndarray, m: np.ndarray) -> None:
             scope = tuple(v for v in nodes if k[v] > 1)
@@ -138,19 +135,18 @@ class _Model:
             old = acc.get(scope)
             acc[scope] = [t, m, ok] if old is None else [old[0] + t, old[1] + m, old[2] & ok]
 
-        for i in range(problem.n_nodes):
-            add((i,), problem.node_time[i][self.allowed[i]], problem.node_mem[i][self.allowed[i]])
-        for e, (u, v) in enumerate(problem.edges):
+        for i, al in enumerate(self.allowed):
+            add((i,), problem.node_time[i][al], problem.node_mem[i][al])
+        for (u, v), et, em in zip(problem.edges, problem.edge_time, problem.edge_mem):
             ix = np.ix_(self.allowed[u], self.allowed[v])
-            em = problem.edge_mem[e]
-            add((u, v), problem.edge_time[e][ix], np.zeros((k[u], k[v]), np.int64) if em is None else em[ix])
+            add((u, v), et[ix], np.zeros((k[u], k[v]), np.int64) if em is None else em[ix])
         scopes = list(acc)
         self.t, self.m, self.ok = ([acc[s][i] for s in scopes] for i in range(3))
         self.n_orig = len(scopes)
-        holding: dict[int, set[int]] = {}
+        holding: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
         for tid, s in enumerate(scopes):
             for v in s:
-                holding.setdefault(v, set()).add(tid)
+                holding[v].add(tid)
         self.steps: list[_Step] = []
         self.step_of: dict[int, _Step] = {}
         live = set(range(len(scopes)))
@@ -241,7 +237,7 @@ def _plans(model: _Model, w: np.ndarray) -> tuple[list[_Point], list]:
     and the inside values."""
     vals, args = _inside(model, w)
     if not np.isfinite(vals[model.final]).all():
-        raise InfeasibleError(f"{model.problem.summary()}: every plan hits a forbidden (INF) choice or pair; fix the strategy lists")
+        raise InfeasibleError(f"{model.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
     red = np.zeros((len(w), len(model.k)), np.int64)
     rows = np.arange(len(w))
     for st in reversed(model.steps):
@@ -308,7 +304,8 @@ def _window(tab: _Tab, e: np.ndarray, qt: np.ndarray | None, qm: np.ndarray | No
     if tab.keys is None:
         ent = np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))
         st, sm, width = np.sort(tab.t), np.sort(-tab.m), tab.t.size + 1
-        tab.keys = (width, st, ent * width + np.searchsorted(st, tab.t, "right"), sm, ent * width + np.searchsorted(sm, -tab.m, "left"))
+        kt, km = ent * width + np.searchsorted(st, tab.t, "right"), ent * width + np.searchsorted(sm, -tab.m, "left")
+        tab.keys = (width, st, kt, sm, km)
     width, st, kt, sm, km = tab.keys
     if qt is not None:
         stop = np.minimum(stop, np.searchsorted(kt, e * width + np.searchsorted(st, qt, "right"), "right"))
@@ -326,7 +323,8 @@ def _in_gaps(gaps: tuple[np.ndarray, ...], bnd: _Bounds, t: np.ndarray, m: np.nd
     ti, mi = t + rest[0], m + rest[1]
     for x, y, r in zip(cx, cy, row):
         rhs = bnd.wt[r, 0] * x + bnd.wm[r, 0] * y
-        ok |= (ti <= x + _tol(x)) & (mi <= y + _tol(y)) & (bnd.wt[r, 0] * t + bnd.wm[r, 0] * m + rest[r] <= rhs + _tol(rhs))
+        lhs = bnd.wt[r, 0] * t + bnd.wm[r, 0] * m + rest[r]
+        ok |= (ti <= x + _tol(x)) & (mi <= y + _tol(y)) & (lhs <= rhs + _tol(rhs))
     return ok
 
 
@@ -343,8 +341,8 @@ def _pareto_pass(
     """Eliminate every node over Pareto sets (the recurrence of the module docstring).
 
     ``limits``: B per bound row (inf: unused).  ``gaps``: see :func:`_in_gaps`.  ``beam``
-    (heuristic) keeps per entry and memory bucket of that width the fastest and the
-    smallest pair, or (``beam < 0``) at most ``-beam`` pairs per entry, evenly spaced.
+    (heuristic) keeps the fastest and the smallest pair per entry and memory bucket of
+    that width, or (``beam < 0``) of ``-beam`` rank buckets (evenly spaced).
     ``values_only`` frees tables once used and keeps no back-pointers."""
     tabs = []
     for t, m, ok in zip(model.t, model.m, model.ok):
@@ -367,7 +365,7 @@ def _pareto_pass(
         ents = []
         for j, tid in enumerate(st.inputs):
             tshape = tuple(model.k[v] for v in model.scopes[tid])
-            ents.append(np.ravel_multi_index(tuple(coords[p] for p in st.pos[j]), tshape) if tshape else np.zeros(cells.size, np.int64))
+            ents.append(np.ravel_multi_index(tuple(coords[p] for p in st.pos[j]), tshape) if tshape else 0 * cells)
         out = np.repeat(bnd.outs[st.out][:, rows], kx, axis=1)
         ins = [bnd.ins[tid][:, e] for tid, e in zip(st.inputs, ents)]
         total = out + sum(ins)
@@ -427,7 +425,7 @@ def _pareto_pass(
                 stats["thinned"] |= bool(size.max() > -beam)
             edge = np.ones(sel.size + 1, bool)
             edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
-            sel = sel[edge[:-1] | edge[1:]] if beam > 0 else sel[edge[:-1]]
+            sel = sel[edge[:-1] | edge[1:]]  # first and last of each bucket: the entry's extremes stay
         bp = None if values_only else np.empty((sel.size, len(order)), np.int64)
         for i, j in enumerate(order):
             if values_only:
@@ -501,16 +499,15 @@ def _frontier(model: _Model, seen: list[_Point], w: np.ndarray, vals: list) -> t
         seen += pts
         w, vals = np.concatenate([w, slopes]), [np.concatenate(x) for x in zip(vals, vals_h)]
     big = 1e300  # open ends: faster than the fastest known plan, smaller than the smallest
-    gaps = (
-        np.array([known[0][0]] + [b[0] for b in known[1:]] + [big], float),
-        np.array([big] + [a[1] for a in known[:-1]] + [known[-1][1]], float),
-        np.array([0] + list(range(2, 2 + len(slopes))) + [1]),
-    )
+    cx = np.array([known[0][0]] + [b[0] for b in known[1:]] + [big], float)
+    cy = np.array([big] + [a[1] for a in known[:-1]] + [known[-1][1]], float)
+    gaps = (cx, cy, np.array([0] + list(range(2, 2 + len(slopes))) + [1]))
     bnd = _bounds(model, w, vals)
-    tabs, pstats = _pareto_pass(model, bnd, np.full(len(w), np.inf), gaps=gaps, values_only=True, beam=-_FRONTIER_POINTS)
+    tabs, pst = _pareto_pass(model, bnd, np.full(len(w), np.inf), gaps=gaps, values_only=True, beam=-_FRONTIER_POINTS)
     fin = tabs[model.final]
     pts = np.concatenate([np.stack([fin.t, fin.m], 1), np.array([(p.time, p.mem) for p in seen], np.int64)])
-    return [(int(a), int(b)) for a, b in pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]], not pstats["thinned"]
+    front = pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]
+    return [(int(a), int(b)) for a, b in front], not pst["thinned"]
 
 
 def _limits(bnd: _Bounds, target: float, cap: int | None) -> np.ndarray:
@@ -537,7 +534,7 @@ def _finish(model: _Model, tabs: list, seen: list[_Point], stats: dict, start: f
     if problem.evaluate(choice) != (best_t, best_m):
         raise AssertionError(f"solve_dp: plan re-evaluates to {problem.evaluate(choice)}, DP said ({best_t}, {best_m})")
     stats["solve_s"] = time.perf_counter() - start
-    logger.info("solve_dp: %s -> %d ps, %d B in %.3fs (max pairs %d)", problem.summary(), best_t, best_m, stats["solve_s"], stats["max_pairs"])
+    logger.info("solve_dp: %s -> (%d ps, %d B) in %.3fs", problem.summary(), best_t, best_m, stats["solve_s"])
     return Solution(choice, best_t, best_m, True, "dp", stats["solve_s"], stats)
 
 
@@ -578,16 +575,14 @@ def solve_dp(
             pts, vals_g = _plans(model, grid)
             seen += pts
             w, vals = np.concatenate([w, grid]), [np.concatenate(x) for x in zip(vals, vals_g)]
-    stats: dict = {"nodes": problem.n_nodes, "steps": len(model.steps), "lambda": lam, "lower_bound": lb, "heuristic_s": 0.0}
-    stats.update(width=max((len(st.shape) for st in model.steps), default=0), rows=len(w))
+    stats: dict = {"nodes": problem.n_nodes, "lambda": lam, "lower_bound": lb, "heuristic_s": 0.0, "rows": len(w)}
     if frontier:
         stats["frontier"], stats["frontier_exact"] = _frontier(model, seen, w[:2], [v[:2] for v in vals])
     ub = min(p.time for p in seen if cap is None or p.mem <= cap)
     bnd = _bounds(model, w, vals)
     stats.update(bounds_s=time.perf_counter() - start, lagrange_ub=ub)
     for grid in _THIN_GRIDS if ub - lb > _THIN_GAP * abs(ub) else ():
-        # Coarse to fine; a band this narrow prunes hard whatever the target, so
-        # stop once a fine pass finds nothing better.
+        # Coarse to fine; stop once a fine pass finds nothing better.
         tick = time.perf_counter()
         tabs, _ = _pareto_pass(model, bnd, _limits(bnd, ub, cap), beam=max(1, (fast.mem - small.mem) // grid))
         stats["heuristic_s"] += time.perf_counter() - tick
@@ -599,7 +594,5 @@ def solve_dp(
             ub = seen[-1].time
         if ub <= lb + _tol(lb) or (grid >= _THIN_GRIDS[1] and not better):
             break
-    stats["upper_bound"] = ub
     tabs, pstats = _pareto_pass(model, bnd, _limits(bnd, ub, cap), progress=progress)
-    stats.update(pstats)
-    return _finish(model, tabs, seen, stats, start)
+    return _finish(model, tabs, seen, {**stats, **pstats, "upper_bound": ub}, start)

@@ -59,10 +59,13 @@ def random_problem(
     node_mem = tuple(rng.integers(0, max_value, k).astype(np.int64) for k in ks)
     edge_time = tuple(forbid(rng.integers(0, max_value, (ks[u], ks[v]))) for u, v in edges)
     edge_mem = tuple(
-        None if rng.random() < 0.4 else rng.integers(0, max_value // 2 + 1, (ks[u], ks[v])).astype(np.int64) for u, v in edges
+        None if rng.random() < 0.4 else rng.integers(0, max_value // 2 + 1, (ks[u], ks[v])).astype(np.int64)
+        for u, v in edges
     )
     base = int(rng.integers(0, max_value))
-    problem = SearchProblem(tuple(f"n{i}" for i in range(n_nodes)), node_time, node_mem, tuple(edges), edge_time, edge_mem, None, base)
+    problem = SearchProblem(
+        tuple(f"n{i}" for i in range(n_nodes)), node_time, node_mem, tuple(edges), edge_time, edge_mem, None, base
+    )
     if cap_quantile is None:
         return problem
     mems = []
@@ -82,7 +85,9 @@ class _Builder:
         # One vocabulary of layouts shared by all nodes (same id = same layout, free edge).
         self.shard = np.concatenate([[1.0], rng.choice([2.0, 4.0, 8.0], k - 1)]) if k > 1 else np.ones(1)
         inv = 1.0 / self.shard
-        self.reshard = np.abs(inv[:, None] - inv[None, :]) + 0.5 * rng.uniform(0.5, 1.5, (k, k)) * np.minimum(inv[:, None], inv[None, :])
+        self.reshard = np.abs(inv[:, None] - inv[None, :]) + 0.5 * rng.uniform(0.5, 1.5, (k, k)) * np.minimum(
+            inv[:, None], inv[None, :]
+        )
         np.fill_diagonal(self.reshard, 0.0)
         self.op_comm = rng.uniform(0.0, 1.0, k) * (rng.random(k) < 0.5)
         self.op_comm[0] = 0.0
@@ -98,9 +103,15 @@ class _Builder:
 
     def _layouts(self, k: int) -> np.ndarray:
         k = max(1, min(k, self.k))
-        return np.sort(np.concatenate([[0], self.rng.choice(np.arange(1, self.k), k - 1, replace=False)])).astype(int) if k > 1 else np.zeros(1, int)
+        return (
+            np.sort(np.concatenate([[0], self.rng.choice(np.arange(1, self.k), k - 1, replace=False)])).astype(int)
+            if k > 1
+            else np.zeros(1, int)
+        )
 
-    def _add(self, name: str, layouts: np.ndarray, size_bytes: float, t: np.ndarray, m: np.ndarray, inputs: tuple[int, ...]) -> int:
+    def _add(
+        self, name: str, layouts: np.ndarray, size_bytes: float, t: np.ndarray, m: np.ndarray, inputs: tuple[int, ...]
+    ) -> int:
         node = len(self.names)
         forbid = (self.rng.random(layouts.size) < 0.03) & (layouts != 0)
         self.names.append(name)
@@ -141,7 +152,9 @@ class _Builder:
         saved = out_bytes / self.shard[lay] * noise
         node = self._add(name, lay, out_bytes, compute + comm, saved, inputs)
         for j in range(self.rng.poisson(self.chain_ops)):  # views, casts, dropout, copies
-            node = self._add(f"{name}.view{j}", self.layouts[node], out_bytes, np.full(lay.size, 1e5), np.zeros(lay.size), (node,))
+            node = self._add(
+                f"{name}.view{j}", self.layouts[node], out_bytes, np.full(lay.size, 1e5), np.zeros(lay.size), (node,)
+            )
         return node
 
 
@@ -179,7 +192,12 @@ def transformer_like_problem(
         ln = b.op(f"{p}.ln1", (x, b.param(f"{p}.ln1.w", h, k=3), b.param(f"{p}.ln1.b", h, k=3)), 5 * tokens * h, act)
         qkv = []
         for name in "qkv":
-            lin = b.op(f"{p}.{name}", (ln, b.param(f"{p}.{name}.w", h * h), b.param(f"{p}.{name}.b", h, k=4)), 2 * tokens * h * h, act)
+            lin = b.op(
+                f"{p}.{name}",
+                (ln, b.param(f"{p}.{name}.w", h * h), b.param(f"{p}.{name}.b", h, k=4)),
+                2 * tokens * h * h,
+                act,
+            )
             qkv.append(lin)
         scores = b.op(f"{p}.scores", (qkv[0], qkv[1]), 2 * tokens * 1024 * h, act * 2)
         mask = b.param(f"{p}.mask", 1024 * 1024 / 2, k=1)
@@ -188,9 +206,16 @@ def transformer_like_problem(
         o = b.op(f"{p}.o", (ctx, b.param(f"{p}.o.w", h * h), b.param(f"{p}.o.b", h, k=4)), 2 * tokens * h * h, act)
         x = b.op(f"{p}.add1", (x, o), tokens * h, act)
         ln = b.op(f"{p}.ln2", (x, b.param(f"{p}.ln2.w", h, k=3), b.param(f"{p}.ln2.b", h, k=3)), 5 * tokens * h, act)
-        fc1 = b.op(f"{p}.fc1", (ln, b.param(f"{p}.fc1.w", 4 * h * h), b.param(f"{p}.fc1.b", 4 * h, k=4)), 8 * tokens * h * h, 4 * act)
+        fc1 = b.op(
+            f"{p}.fc1",
+            (ln, b.param(f"{p}.fc1.w", 4 * h * h), b.param(f"{p}.fc1.b", 4 * h, k=4)),
+            8 * tokens * h * h,
+            4 * act,
+        )
         gelu = b.op(f"{p}.gelu", (fc1,), 8 * tokens * h, 4 * act)
-        fc2 = b.op(f"{p}.fc2", (gelu, b.param(f"{p}.fc2.w", 4 * h * h), b.param(f"{p}.fc2.b", h, k=4)), 8 * tokens * h * h, act)
+        fc2 = b.op(
+            f"{p}.fc2", (gelu, b.param(f"{p}.fc2.w", 4 * h * h), b.param(f"{p}.fc2.b", h, k=4)), 8 * tokens * h * h, act
+        )
         x = b.op(f"{p}.add2", (x, fc2), tokens * h, act)
     ln = b.op("ln_f", (x, b.param("ln_f.w", h, k=3), b.param("ln_f.b", h, k=3)), 5 * tokens * h, act)
     head = wte if tied else b.param("lm_head.w", vocab * h)
@@ -215,5 +240,12 @@ def transformer_like_problem(
     low = min_memory(problem).mem_bytes
     high = solve_dp(problem).mem_bytes
     cap = int(low + cap_fraction * (high - low))
-    logger.info("transformer_like_problem(%d layers, k=%d): min mem %d B, min-time plan mem %d B, cap %d B", layers, k, low, high, cap)
+    logger.info(
+        "transformer_like_problem(%d layers, k=%d): min mem %d B, min-time plan mem %d B, cap %d B",
+        layers,
+        k,
+        low,
+        high,
+        cap,
+    )
     return problem.with_cap(cap)

@@ -44,7 +44,9 @@ def _check_array(label: str, arr: object, shape: tuple[int, ...] | None, ndim: i
         want = shape if shape is not None else f"{ndim}-D"
         bad.append(f"{label}: expected shape {want}, got {arr.shape}")
     elif arr.size and (int(arr.max()) > INF or int(arr.min()) < -INF):
-        bad.append(f"{label}: values must lie in [-INF, INF] (INF = {INF} marks forbidden), got {arr.min()}..{arr.max()}")
+        bad.append(
+            f"{label}: values must lie in [-INF, INF] (INF = {INF} marks forbidden), got {arr.min()}..{arr.max()}"
+        )
 
 
 def _readonly(arr: np.ndarray) -> np.ndarray:
@@ -82,9 +84,15 @@ class SearchProblem:
             ("edge_mem", self.edge_mem, len(self.edges)),
         ):
             if len(seq) != want:
-                bad.append(f"{label}: expected {want} entries (one per {'node' if want == n else 'edge'}), got {len(seq)}")
+                bad.append(
+                    f"{label}: expected {want} entries (one per {'node' if want == n else 'edge'}), got {len(seq)}"
+                )
         if bad:
-            raise ValueError("SearchProblem is malformed:\n" + "\n".join(f"  - {b}" for b in bad) + "\nfix: build one array per node and per edge")
+            raise ValueError(
+                "SearchProblem is malformed:\n"
+                + "\n".join(f"  - {b}" for b in bad)
+                + "\nfix: build one array per node and per edge"
+            )
         edges = tuple((int(u), int(v)) for u, v in self.edges)
         ks: list[int] = []
         for i in range(n):
@@ -101,7 +109,10 @@ class SearchProblem:
                 bad.append(f"edges[{e}] = ({u}, {v}): expected 0 <= u < v < {n} (nodes in topological order)")
                 continue
             if (u, v) in seen:
-                bad.append(f"edges[{e}] = ({u}, {v}) ({names[u]} -> {names[v]}): duplicate edge; merge duplicates by adding their matrices")
+                bad.append(
+                    f"edges[{e}] = ({u}, {v}) ({names[u]} -> {names[v]}): duplicate edge; "
+                    "merge duplicates by adding their matrices"
+                )
             seen.add((u, v))
             shape = (ks[u], ks[v])
             _check_array(f"edge_time[{e}] ({names[u]} -> {names[v]})", self.edge_time[e], shape, 2, bad)
@@ -117,7 +128,8 @@ class SearchProblem:
                 "SearchProblem is invalid:\n"
                 + "\n".join(f"  - {b}" for b in bad[:_MAX_BULLETS])
                 + more
-                + "\nfix: give int64 arrays, node_time[i] of shape (k_i,), edge matrices of shape (k_u, k_v), edges with u < v"
+                + "\nfix: give int64 arrays, node_time[i] of shape (k_i,), edge matrices of shape (k_u, k_v), "
+                "edges with u < v"
             )
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "edges", edges)
@@ -141,17 +153,35 @@ class SearchProblem:
     def with_cap(self, mem_cap_bytes: int | None) -> SearchProblem:
         """The same problem under another memory cap."""
         return SearchProblem(
-            self.names, self.node_time, self.node_mem, self.edges, self.edge_time, self.edge_mem, mem_cap_bytes, self.base_mem_bytes
+            self.names,
+            self.node_time,
+            self.node_mem,
+            self.edges,
+            self.edge_time,
+            self.edge_mem,
+            mem_cap_bytes,
+            self.base_mem_bytes,
         )
 
     def _check_choice(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> tuple[int, ...]:
         c = tuple(int(x) for x in choice)
         if len(c) != self.n_nodes:
-            raise ValueError(f"choice has {len(c)} entries but the problem has {self.n_nodes} nodes; give one strategy index per node")
+            raise ValueError(
+                f"choice has {len(c)} entries but the problem has {self.n_nodes} nodes; "
+                "give one strategy index per node"
+            )
         ks = self.num_choices
-        bad = [f"  - node {i} ({self.names[i]}): choice {c[i]} not in 0..{ks[i] - 1}" for i in range(len(c)) if not 0 <= c[i] < ks[i]]
+        bad = [
+            f"  - node {i} ({self.names[i]}): choice {c[i]} not in 0..{ks[i] - 1}"
+            for i in range(len(c))
+            if not 0 <= c[i] < ks[i]
+        ]
         if bad:
-            raise ValueError("choice out of range:\n" + "\n".join(bad[:_MAX_BULLETS]) + "\nfix: pick an index below k_i for every node")
+            raise ValueError(
+                "choice out of range:\n"
+                + "\n".join(bad[:_MAX_BULLETS])
+                + "\nfix: pick an index below k_i for every node"
+            )
         return c
 
     def evaluate(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> tuple[int, int]:
@@ -284,7 +314,10 @@ def solve_brute_force(problem: SearchProblem, *, max_assignments: int = 2_000_00
     ks = problem.num_choices
     total = math.prod(ks)
     if total > max_assignments:
-        raise ValueError(f"brute force over {problem.summary()}: {total} assignments > max_assignments={max_assignments}; use solve_dp")
+        raise ValueError(
+            f"brute force over {problem.summary()}: {total} assignments > max_assignments={max_assignments}; "
+            "use solve_dp"
+        )
     best: tuple[int, int, tuple[int, ...]] | None = None
     least: tuple[int, int, tuple[int, ...]] | None = None
     cap = problem.mem_cap_bytes
@@ -298,7 +331,9 @@ def solve_brute_force(problem: SearchProblem, *, max_assignments: int = 2_000_00
             best = (t, m, c)
     elapsed = time.perf_counter() - start
     if least is None:
-        raise InfeasibleError(f"{problem.summary()}: every assignment hits a forbidden (INF) choice or pair; fix the strategy lists")
+        raise InfeasibleError(
+            f"{problem.summary()}: every assignment hits a forbidden (INF) choice or pair; fix the strategy lists"
+        )
     if best is None:
         raise InfeasibleError.over_cap(problem, Solution(least[2], least[0], least[1], True, "brute", elapsed))
     return Solution(best[2], best[0], best[1], True, "brute", elapsed, {"assignments": total})
