@@ -74,7 +74,8 @@ _FRONTIER_POINTS = 32  # frontier mode: at most this many pairs per entry (else 
 
 
 def _tol(bound: float | np.ndarray) -> float | np.ndarray:
-    """Float slack for pruning: far above rounding error, far below one unit of cost."""
+    """Float slack for pruning: well above the rounding of sums of int64 costs, so a float
+    test never drops a pair that the exact integer test would keep."""
     return 1e-9 * np.abs(bound) + 1.0
 
 
@@ -592,7 +593,7 @@ def solve_dp(
         if better:
             seen.append(_Point(int(fin.t[idx]), int(fin.m[idx]), _backtrack(model, tabs, idx)))
             ub = seen[-1].time
-        if ub <= lb + _tol(lb) or (grid >= _THIN_GRIDS[1] and not better):
+        if ub <= lb + _tol(lb) or (grid != _THIN_GRIDS[0] and not better):
             break
     tabs, pstats = _pareto_pass(model, bnd, _limits(bnd, ub, cap), progress=progress)
     return _finish(model, tabs, seen, {**stats, **pstats, "upper_bound": ub}, start)
