@@ -32,7 +32,7 @@ import torch
 
 from .placement import Partial, Placement, Replicate, Shard, shard_sizes
 
-__all__ = ["shard_tensor", "combine", "dim_index", "dim_ranges", "coordinates"]
+__all__ = ["shard_tensor", "combine", "dim_index", "dim_ranges", "coordinates", "unlayable_reason"]
 
 
 def coordinates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -100,6 +100,21 @@ def dim_ranges(
         _runs(dim_index(size, _entries(d, placements, mesh_shape, coordinate), where=f"dim {d}: "))
         for d, size in enumerate(shape)
     ]
+
+
+def unlayable_reason(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> str | None:
+    """Why some mesh coordinate has no piece under ``placements`` (a block count not dividing
+    its piece), or None when every coordinate can be laid out."""
+    if not any(isinstance(p, Shard) and p.blocks > 1 for p in placements):
+        return None  # plain shards always lay out (tensor_split sizes)
+    for coord in coordinates(mesh_shape):
+        try:
+            dim_ranges(shape, tuple(placements), mesh_shape, coord)
+        except ValueError as e:
+            return f"{e} (mesh coordinate {coord})"
+    return None
 
 
 def _dim_indices(shape, placements, mesh_shape, coordinate) -> list[torch.Tensor | None]:

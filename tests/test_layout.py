@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from autopar.layout import combine, coordinates, dim_ranges, shard_tensor
+from autopar.layout import combine, coordinates, dim_ranges, shard_tensor, unlayable_reason
 from autopar.placement import Partial, Replicate, Shard, parse_placements, shard_sizes
 from autopar.spec import local_shape
 
@@ -38,12 +38,7 @@ def _random_placements(rng: random.Random, shape, mesh_shape, *, partial: bool):
 
 
 def _layable(shape, placements, mesh_shape) -> bool:
-    try:
-        for c in coordinates(mesh_shape):
-            dim_ranges(shape, placements, mesh_shape, c)
-    except ValueError:
-        return False
-    return True
+    return unlayable_reason(tuple(shape), tuple(placements), tuple(mesh_shape)) is None
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
-from autopar.layout import combine, coordinates, dim_ranges, shard_tensor
+from autopar.layout import combine, shard_tensor, unlayable_reason
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Replicate, Shard, parse_placements
 from autopar.runtime import (
@@ -91,12 +91,7 @@ def _full(shape, dtype, seed: int) -> torch.Tensor:
 
 
 def _layable(shape, placements, mesh_shape) -> bool:
-    try:
-        for c in coordinates(mesh_shape):
-            dim_ranges(shape, placements, mesh_shape, c)
-    except ValueError:
-        return False
-    return True
+    return unlayable_reason(tuple(shape), tuple(placements), tuple(mesh_shape)) is None
 
 
 def _random_placements(rng: random.Random, shape, mesh_shape, partial: bool):

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..layout import coordinates, dim_index, dim_ranges
+from ..layout import dim_index, unlayable_reason
 from ..placement import Partial, Placement, Replicate, Shard, parse_placements
 from ..spec import TensorMeta, local_shape
 from ..transitions import AxisTransition, transitions
@@ -84,23 +84,11 @@ def _touched_dims(step: AxisTransition) -> tuple[int, ...]:
     return tuple(p.dim for p in (step.src, step.dst) if isinstance(p, Shard))
 
 
-def _unlayable(shape: tuple[int, ...], placements: Sequence[Placement], mesh_shape: tuple[int, ...]) -> str | None:
-    """Why some coordinate has no piece under ``placements`` (a block count not dividing its piece), or None."""
-    if not any(isinstance(p, Shard) and p.blocks > 1 for p in placements):
-        return None  # plain shards always lay out (tensor_split sizes)
-    for coord in coordinates(mesh_shape):
-        try:
-            dim_ranges(shape, tuple(placements), mesh_shape, coord)
-        except ValueError as e:
-            return f"{e} (mesh coordinate {coord})"
-    return None
-
-
 def _conflict(
     steps: Sequence[AxisTransition], src: tuple[Placement, ...], mesh_shape: tuple[int, ...], shape: tuple[int, ...]
 ) -> str | None:
     """Why the step list cannot run on the nested layout, or None (see the module docstring)."""
-    if (bad := _unlayable(shape, src, mesh_shape)) is not None:
+    if (bad := unlayable_reason(shape, src, mesh_shape)) is not None:
         return f"the source placements {_fmt(src)} do not lay out a {shape} tensor: {bad}"
     current = list(src)
     for st in steps:
@@ -123,7 +111,7 @@ def _conflict(
                     f"is reduce_axis{a}(reduce_axis{b}(...)), so axis {b} must be reduced first"
                 )
         current[a] = st.dst
-        if (bad := _unlayable(shape, current, mesh_shape)) is not None:
+        if (bad := unlayable_reason(shape, current, mesh_shape)) is not None:
             return (
                 f"{what} leaves the tensor in {_fmt(current)}, which the nested layout cannot hold: {bad}; "
                 "the step list should not pass through that placement"
