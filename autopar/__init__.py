@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, parse_placement, parse_placements
+from .shard_op import shard
 from .spec import ShardingSpec, TensorMeta
 
 __version__ = "0.1.0"
@@ -28,6 +29,8 @@ __all__ = [
     "CaptureError",
     "compile",
     "ShardedModule",
+    "shard",
+    "Layout",
 ]
 
 
@@ -45,6 +48,10 @@ def __getattr__(name: str):
         from . import compiler
 
         return getattr(compiler, name)
+    if name == "Layout":
+        from .hints import Layout
+
+        return Layout
     if name == "CaptureError":
         from .capture import CaptureError
 

@@ -66,8 +66,17 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
             continue
         call = replace(node.call, block_hints=frozenset(hints.get(node.index, ())))
         node.call = call
-        key = repr((call.target, call.args, call.kwargs, call.inputs, call.outputs, sorted(call.block_hints),
-                    node.index in constant))
+        key = repr(
+            (
+                call.target,
+                call.args,
+                call.kwargs,
+                call.inputs,
+                call.outputs,
+                sorted(call.block_hints),
+                node.index in constant,
+            )
+        )
         if key not in cache:
             options = expand_to_mesh(call, mesh_shape, rule_for(call.target))
             if node.index in constant:
@@ -75,6 +84,7 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
             cache[key] = options
         strategies[node.index] = cache[key]
     consumers = graph.consumers()
+    sources: dict[tuple, list[SourceStrategy]] = {}  # equal sources share one list (a layer's weights)
     for node in graph.nodes:
         if node.kind == "op":
             continue
@@ -84,8 +94,11 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
             continue
         # sources are never stored Partial: a consumer reading P gets it from R for free
         wanted = {s.inputs[pos] for c, pos, _ in consumers[node.index] for s in strategies[c]}
-        wanted = {w for w in wanted if not any(isinstance(p, Partial) for p in w)}
-        strategies[node.index] = _source_strategies(node, wanted, mesh_shape)
+        wanted = frozenset(w for w in wanted if not any(isinstance(p, Partial) for p in w))
+        key = (node.kind, node.outputs, wanted)
+        if key not in sources:
+            sources[key] = _source_strategies(node, set(wanted), mesh_shape)
+        strategies[node.index] = sources[key]
     return CandidateGraph(graph, mesh_shape, strategies)
 
 
@@ -162,7 +175,7 @@ def _source_strategies(node: OpNode, wanted: set, mesh_shape: tuple[int, ...]) -
 def _state_options(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]):
     """State placements: the parameter's own, or additionally sharded on replicated axes."""
     per_axis = []
-    for axis, (p, size) in enumerate(zip(pl, mesh_shape)):
+    for p, size in zip(pl, mesh_shape):
         opts = [p]
         if isinstance(p, Replicate) and size > 1:
             d = _zero_dim(meta, size, pl)

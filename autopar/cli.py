@@ -1,13 +1,20 @@
 """The ``autopar`` command line: a thin shell over the Python API.
 
     autopar plan MODEL --mesh 2x4 --axis-names dp,tp --mem-cap 40GiB --profile h100 \\
-        --batch 8 --seq 1024 --dtype bf16 --format table|json [-o FILE] [--solver dp|ilp] [--timings]
+        --batch 8 --seq 1024 --dtype bf16 --format table|json [-o FILE] [--solver dp|ilp] [--timings] \\
+        [--hint 'PATTERN=R,S(1)' ...] [--hints FILE.json|FILE.toml] [--strict-hints]
     autopar models          # the built-in model names
     autopar run MODEL --mesh 2x2 [--axis-names dp,tp] --steps 3 --check [--batch 4 --seq 32] \\
         [--family auto|data-parallel|sharded-parameters|tensor-parallel] [--lr 1e-3]
 
 ``run`` trains on local CPU ranks it spawns (or, under torchrun, as this rank) and,
 with ``--check``, compares with one device (autopar/launch.py); exit code 1 on FAIL.
+
+``--hint`` (repeatable) gives one semi-auto hint (``autopar.hints``): placements
+split on top-level commas (``'*.mlp.c_fc.weight=R,S(1)'``), ``replicate`` for a
+module region, or a MindSpore tuple (``'encoder.layer.0.intermediate.dense=((2,1),(1,4))'``).
+``--hints`` reads a JSON or TOML table of ``pattern = value`` (lists of placements,
+``"replicate"``, or ``[[2, 1], [1, 4]]``); ``--hint`` entries override it.
 
 ``--batch`` is the global batch.  ``--timings`` prints, as the last line on
 stderr, one JSON object {"capture_s", "strategies_s", "search_s", "total_s",
@@ -17,12 +24,16 @@ stderr, one JSON object {"capture_s", "strategies_s", "search_s", "total_s",
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import logging
 import os
 import resource
 import sys
 import time
+from pathlib import Path
+
+import tomllib
 
 from .mesh import Mesh
 from .units import parse_bytes
@@ -67,9 +78,65 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-o", "--output", default=None, help="write the plan JSON to this file")
     pl.add_argument("--no-compare", action="store_true", help="skip the per-family comparison solves")
     pl.add_argument("--timings", action="store_true", help="print timings as JSON, last line on stderr")
+    pl.add_argument(
+        "--hint",
+        action="append",
+        default=[],
+        type=_hint_arg,
+        metavar="PATTERN=VALUE",
+        help="fix placements: 'PATTERN=R,S(1)' (parameters), 'PATTERN=replicate' (modules), "
+        "'MODULE=((2,1),(1,4))' (a matmul, MindSpore form); repeatable",
+    )
+    pl.add_argument("--hints", default=None, help="JSON or TOML file of pattern = value hints")
+    pl.add_argument("--strict-hints", action="store_true", help="a hint pattern that matches nothing is an error")
     sub.add_parser("models", help="list the built-in models")
     _add_run_parser(sub)
     return p
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside parentheses and brackets (``S(1)[3],R`` -> ``['S(1)[3]', 'R']``)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
+
+
+def _hint_arg(text: str) -> tuple[str, object]:
+    pattern, sep, value = text.partition("=")
+    if not sep or not pattern.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(
+            f"--hint {text!r}: expected PATTERN=VALUE, e.g. '*.mlp.c_fc.weight=R,S(1)' or 'transformer.h.*=replicate'"
+        )
+    value = value.strip()
+    if value.startswith("(("):
+        try:
+            return pattern.strip(), ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"--hint {text!r}: {value} is not a tuple like ((2, 1), (1, 4))") from None
+    return pattern.strip(), value if value.lower() == "replicate" else _split_top_level(value)
+
+
+def _load_hints(path: str | None, given: list[tuple[str, object]]) -> dict | None:
+    """The hints of ``--hints FILE`` (JSON or TOML) updated by each ``--hint``; None when there are none."""
+    hints: dict = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"--hints {path}: no such file; pass a .json or .toml file of pattern = value")
+        text = file.read_text()
+        hints = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+        if not isinstance(hints, dict):
+            raise ValueError(f"--hints {path}: expected a table of pattern = value, got {type(hints).__name__}")
+    hints.update(dict(given))
+    return hints or None
 
 
 def _positive_int(text: str) -> int:
@@ -140,6 +207,7 @@ def _cmd_run(args) -> int:
 def _cmd_plan(args) -> int:
     from .models import load_model
     from .planner import MemoryCapError, plan
+    from .progress import TerminalProgress
     from .report import render_table
 
     t0 = time.perf_counter()
@@ -148,8 +216,10 @@ def _cmd_plan(args) -> int:
         if args.axis_names
         else (("dp",) if len(args.mesh) == 1 else tuple(f"axis{i}" for i in range(len(args.mesh))))
     )
+    bar = TerminalProgress()  # stages and a bar on a terminal when planning takes over a second
     try:
         mesh = Mesh(args.mesh, axis_names=names)
+        hints = _load_hints(args.hints, args.hint)
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=args.seq)
         result = plan(
             model,
@@ -162,10 +232,15 @@ def _cmd_plan(args) -> int:
             optimizer=args.optimizer,
             solver=args.solver,
             compare_families=not args.no_compare,
+            hints=hints,
+            strict=args.strict_hints,
+            progress=bar,
         )
     except (MemoryCapError, ValueError, TypeError) as e:
+        bar.close()
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
+    bar.close()
     if args.output:
         result.to_json(args.output)
     if args.format == "json":

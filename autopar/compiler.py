@@ -20,12 +20,29 @@ Where the shards come from: ``model`` with real weights on every rank (each keep
 its piece); a meta-device ``model`` plus a full ``state_dict``; or
 ``weights_from_rank0=True``, where rank 0 alone holds real weights and sends each
 parameter to the others.
+
+ZeRO-1/2: where the plan shards a parameter's gradient and optimizer state beyond
+its placement, the ``nn.Parameter`` is the state shard (a view into the piece
+forward reads) and the optimizer step's all-gather runs right after
+``opt.step()`` (``runtime/zero.py``).  ``model_state_bytes(opt)`` gives the bytes
+held, to compare with ``plan.memory``.
+
+Lazy compile: ``example_inputs=None`` plans on the first call (see ``compile``).
+Bad input fails before any collective where it can: a plan for another mesh,
+model or input shapes (``_load_plan``, ``_check_plan_inputs``), ranks that
+disagree on the input shapes at compile time; world size != mesh size and a
+missing process group fail in ``MeshGroups``.  Inputs of other shapes than the
+compiled ones raise in ``forward`` (on the ranks that pass them: give every rank
+the same shapes, or the others wait in their first collective until the process
+group's timeout).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +51,16 @@ import torch.distributed as dist
 from torch import nn
 
 from .capture import OpGraph, capture
-from .executor import ExecutionPlan, ShardedInterpreter
+from .executor import ExecutionPlan, SavedBytes, ShardedInterpreter
 from .layout import shard_tensor
 from .mesh import Mesh
 from .placement import Replicate
 from .plan_types import Plan
+from .runtime.buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
+from .runtime.zero import StateShards
 from .spec import TensorMeta, local_shape
 
-__all__ = ["compile", "ShardedModule"]
+__all__ = ["compile", "ShardedModule", "NotCompiledError"]
 
 log = logging.getLogger(__name__)
 
@@ -69,51 +88,103 @@ class ShardedModule(nn.Module):
 
     def __init__(
         self,
-        graph: OpGraph,
-        plan: Plan,
         groups,
         *,
+        build: Callable[[tuple, dict], tuple[OpGraph, Plan, list[str]]],
         input_mode: str,
         full_params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
         seed: int,
-        arg_names: list[str],
         state_keys: list[str],
+        grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     ) -> None:
         super().__init__()
         if input_mode not in ("global", "local"):
             raise ValueError(f"input_mode {input_mode!r}: expected 'global' (same batch everywhere) or 'local'")
-        self.plan = plan
-        self.mesh = plan.mesh
+        self.mesh = groups.mesh
         self.input_mode = input_mode
-        self._graph = graph
-        self._xplan = ExecutionPlan.from_plan(graph, plan)
         self._groups = groups
+        self._build = build  # (args, kwargs) -> (graph, plan, argument names); None once compiled
+        self._plan: Plan | None = None
+        self._graph: OpGraph | None = None
+        self._xplan: ExecutionPlan | None = None
+        self._local_input_shapes: dict[str, tuple[int, ...]] = {}
+        self._zero = StateShards(groups)  # ZeRO-1/2 parameters (runtime/zero.py)
+        self._bucket_bytes = grad_bucket_bytes
+        self._buckets: GradBuckets | None = None  # data-parallel gradient buckets (runtime/buckets.py)
         self.collective_counter = None  # set a runtime.CollectiveCounter to record every collective issued
         self.trace = None  # set a dict to record each op's local outputs (op node name -> tensors)
+        self.saved_bytes = None  # after a forward: executor.SavedBytes, what it saved for backward
         self._seed = seed
         self._step = 0
-        self._arg_names = arg_names
-        coord = tuple(groups.coordinate)
-        self._coord = coord
-        self._param_node: dict[str, str] = {}
-        for node in graph.params():
-            placement = self._xplan.sources[node.name][0]
-            full = full_params[node.fqn]
-            local = shard_tensor(full.detach(), placement, self.mesh.shape, coord).clone().to(groups.device)
-            _set_param(self, node.fqn, nn.Parameter(local, requires_grad=full.requires_grad))
-            self._param_node[node.fqn] = node.name
+        self._arg_names: list[str] = []
+        self._coord = tuple(groups.coordinate)
+        # until compiled: the full parameters under their names, so an optimizer can be built before a lazy
+        # compile; compiling re-points each Parameter object at this rank's piece (``.data``)
+        self._full_params: dict[str, torch.Tensor] | None = dict(full_params)
+        for fqn, full in full_params.items():
+            _set_param(self, fqn, nn.Parameter(full.detach(), requires_grad=full.requires_grad))
         self._buffers_full = {k: v.to(groups.device) for k, v in buffers.items()}
         self._state_keys = list(state_keys)
-        self.local_input_shapes = {
-            n.fqn: local_shape(n.outputs[0].shape, self._xplan.sources[n.name][0], self.mesh.shape, coord)
+
+    def _compile(self, args: tuple, kwargs: dict) -> None:
+        """Capture (and plan, unless given a plan) for these inputs; shard the parameters."""
+        graph, plan, self._arg_names = self._build(args, kwargs)
+        xplan = ExecutionPlan.from_plan(graph, plan)
+        params = dict(self.named_parameters())
+        for node in graph.params():
+            placement, state = xplan.sources[node.name]
+            full, param = self._full_params[node.fqn], params[node.fqn]
+            if state == placement:
+                param.data = (
+                    shard_tensor(full.detach(), placement, self.mesh.shape, self._coord).clone().to(self._groups.device)
+                )
+            else:
+                self._zero.add(node.name, node.fqn, full, placement, state, param=param)
+        self._graph, self._xplan, self._plan = graph, xplan, plan
+        self._local_input_shapes = {
+            n.fqn: local_shape(n.outputs[0].shape, xplan.sources[n.name][0], self.mesh.shape, self._coord)
             for n in graph.nodes
             if n.kind == "input"
         }
+        bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes else {}
+        sizes = {n.name: params[n.fqn].numel() * params[n.fqn].element_size() for n in graph.params()}
+        self._buckets = GradBuckets(self._groups, bucketed, sizes, self._bucket_bytes) if bucketed else None
+        self._build = self._full_params = None
+        if self._zero:
+            _sync_after_optimizer_steps(self)
+
+    def _compiled(self, what: str) -> None:
+        if self._build is not None:
+            raise NotCompiledError(
+                f"sharded.{what}: this module has not been compiled yet: autopar.compile got no example inputs, "
+                "so it plans on its first call; call it once with a batch (every rank, same shapes), or pass "
+                "example_inputs= to autopar.compile"
+            )
+
+    @property
+    def plan(self) -> Plan:
+        """The Plan this module runs (NotCompiledError before the first call of a lazily compiled module)."""
+        self._compiled("plan")
+        return self._plan
+
+    @property
+    def local_input_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Input name -> the local shape this rank's piece has (what ``input_mode='local'`` expects)."""
+        self._compiled("local_input_shapes")
+        return self._local_input_shapes
 
     # ---- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._build is not None:
+            self._compile(args, kwargs)
+        self._zero.sync(self.collective_counter)  # shards updated outside an optimizer step (see runtime/zero.py)
         values = self._source_values(args, kwargs)
+        if self._buckets is not None:
+            params = dict(self.named_parameters())
+            self._buckets.begin({n.name: params[n.fqn] for n in self._graph.params()}, self.collective_counter)
+            values = {k: self._buckets.wrap(k, v) if k in self._buckets else v for k, v in values.items()}
+        self.saved_bytes = SavedBytes(self.parameters())  # what this forward saved for backward (measured)
         interp = ShardedInterpreter(
             self._xplan,
             self._groups,
@@ -122,6 +193,9 @@ class ShardedModule(nn.Module):
             step=self._step,
             source_values=values,
             trace=self.trace,
+            saved=self.saved_bytes,
+            state_shards=self._zero.shards(),
+            buckets=self._buckets,
         )
         self._step += 1
         outs = interp.run(*[None] * len([n for n in self._graph.gm.graph.nodes if n.op == "placeholder"]))
@@ -132,9 +206,10 @@ class ShardedModule(nn.Module):
         given.update(kwargs)
         values: dict[str, torch.Tensor] = {}
         params = dict(self.named_parameters())
+        zero_buffers = self._zero.buffers()
         for n in self._graph.nodes:
             if n.kind == "param":
-                values[n.name] = params[n.fqn]
+                values[n.name] = zero_buffers[n.name] if n.name in zero_buffers else params[n.fqn]
             elif n.kind == "buffer":
                 full = self._buffers_full[n.fqn]
                 values[n.name] = shard_tensor(full, self._xplan.sources[n.name][0], self.mesh.shape, self._coord)
@@ -195,8 +270,10 @@ class ShardedModule(nn.Module):
     def _full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
         from .runtime.redistribute import redistribute_local
 
+        if self._build is not None:  # not compiled yet: parameters (and gradients) are still full
+            return local.detach().clone()
         node = self._graph.nodes[next(n.index for n in self._graph.params() if n.fqn == fqn)]
-        placement = self._xplan.sources[node.name][0]
+        placement = self._xplan.sources[node.name][1]  # a parameter and its gradient live at the state placement
         meta = TensorMeta(node.outputs[0].shape, local.dtype)
         full = tuple(Replicate() for _ in self.mesh.shape)
         return redistribute_local(local.detach(), meta, placement, full, self._groups)
@@ -213,6 +290,52 @@ class ShardedModule(nn.Module):
         """{original FQN: full gradient} (None where no gradient was computed)."""
         return {fqn: None if p.grad is None else self._full(p.grad, fqn) for fqn, p in self.named_parameters()}
 
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and ``optimizer``'s state: to compare with ``plan.memory``.
+
+        ``params`` counts each distinct storage behind the parameters once, at its
+        size: a ZeRO shard is a view of its parameter's buffer, so it is the buffer
+        (the piece under the parameter's placement) that counts, as the plan does.
+        ``optimizer`` counts per-element state (tensors shaped like their parameter),
+        not scalar counters such as AdamW's ``step``.
+        """
+        params = list(self.parameters())
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        state = optimizer.state if optimizer is not None else {}
+        return {
+            "params": sum(storages.values()),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "optimizer": sum(
+                v.numel() * v.element_size()
+                for p in params
+                for v in state.get(p, {}).values()
+                if torch.is_tensor(v) and v.shape == p.shape
+            ),
+        }
+
+
+class NotCompiledError(RuntimeError):
+    """A lazily compiled ``ShardedModule`` was asked for its plan before its first call."""
+
+
+def _sync_after_optimizer_steps(module: ShardedModule) -> None:
+    """After every optimizer step that updates one of ``module``'s ZeRO shards, all-gather them (runtime/zero.py).
+
+    A global ``torch.optim`` step post-hook, so any torch optimizer works without
+    being registered; it holds the module weakly and is removed with it.
+    """
+    ref = weakref.ref(module)
+
+    def hook(optimizer, args, kwargs) -> None:
+        mod = ref()
+        if mod is not None and mod._zero.holds(p for group in optimizer.param_groups for p in group["params"]):
+            mod._zero.sync(mod.collective_counter)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(hook)
+    weakref.finalize(module, handle.remove)
+
 
 def compile(
     model: nn.Module,
@@ -228,56 +351,102 @@ def compile(
     input_mode: str = "global",
     seed: int = 0,
     family: str | None = None,
+    allow_state_sharding: bool = True,
+    grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    hints: dict | None = None,
+    input_placements=None,
+    output_placements=None,
+    strict: bool = False,
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
     Must be called on every rank inside an initialized default process group whose
-    world size equals ``mesh.size``.  ``example_inputs=None`` is not supported yet:
-    pass the inputs of the shapes you will train with.  ``family`` forces the
-    search into one family (``"data parallel"``, ``"sharded parameters"``,
-    ``"tensor parallel"``).
+    world size equals ``mesh.size``.  ``family`` forces the search into one family
+    (``"data parallel"``, ``"sharded parameters"``, ``"tensor parallel"``);
+    ``allow_state_sharding=False`` keeps every gradient and optimizer state with its
+    parameter (no ZeRO-1/2; see ``runtime/zero.py`` for how ZeRO plans run).
+    ``grad_bucket_bytes``: data-parallel gradient all-reduces are issued per bucket
+    of about that many bytes, overlapped with backward (``runtime/buckets.py``);
+    ``None`` or 0 issues the plan's per-edge all-reduces one by one.
+
+    ``example_inputs=None`` (and no ``example_kwargs``) compiles lazily: the module
+    captures and plans on its first call, with that call's inputs (every rank must
+    call with the same shapes; this is checked), and later calls must keep those
+    shapes.  Until then ``parameters()`` are the full parameters, so an optimizer
+    can be built first: compiling re-points the same Parameter objects at this
+    rank's pieces; ``.plan`` raises ``NotCompiledError``.  Lazy compilation needs
+    ``input_mode="global"`` (local pieces do not say the global shapes).
+
+    ``hints``, ``input_placements``, ``output_placements``, ``strict``: semi-auto
+    mode, passed to the planner as in ``autopar.plan`` (ignored with ``plan=``).
+
+    A ``plan=`` is checked against the model (mesh, parameter names and shapes,
+    input shapes) before anything runs, on every rank alike.
     """
     from .runtime.groups import MeshGroups
 
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh")
-    groups = MeshGroups(mesh)
-    if example_inputs is None and example_kwargs is None:
+    lazy = example_inputs is None and example_kwargs is None
+    if lazy and input_mode == "local":
         raise ValueError(
-            "autopar.compile needs example_inputs (and/or example_kwargs) with the shapes you will "
-            "train with; lazy compilation on the first call is not implemented yet"
+            "autopar.compile(example_inputs=None, input_mode='local'): a lazy compile plans from the first call's "
+            "inputs, which in local mode are only this rank's pieces; pass example_inputs= with the global "
+            "shapes, or use input_mode='global'"
         )
-    args = (
-        tuple(example_inputs)
-        if isinstance(example_inputs, (tuple, list))
-        else (() if example_inputs is None else (example_inputs,))
-    )
-    kwargs = dict(example_kwargs or {})
+    plan_obj = None if plan is None else _load_plan(plan, mesh, model)
+    groups = MeshGroups(mesh)
     full_params = _full_parameters(model, state_dict, weights_from_rank0)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-    if plan is None:
-        plan_obj, graph = _plan_on_rank0(model, mesh, args, kwargs, groups, mem_cap=mem_cap, profile=profile,
-                                         family=family)
-    else:
-        plan_obj = plan if isinstance(plan, Plan) else Plan.from_json(plan)
-        if tuple(plan_obj.mesh.shape) != tuple(mesh.shape):
-            raise ValueError(f"the plan is for mesh {plan_obj.mesh} but compile got {mesh}; pass the plan's mesh")
-        graph = capture(model, args, kwargs)
-    arg_names = _arg_names(model, len(args))
-    return ShardedModule(
-        graph,
-        plan_obj,
+
+    def build(args: tuple, kwargs: dict) -> tuple[OpGraph, Plan, list[str]]:
+        _check_same_inputs_on_every_rank(args, kwargs)
+        if plan_obj is None:
+            found, graph = _plan_on_rank0(
+                model,
+                mesh,
+                args,
+                kwargs,
+                groups,
+                mem_cap=mem_cap,
+                profile=profile,
+                family=family,
+                allow_state_sharding=allow_state_sharding,
+                hint_options={
+                    "hints": hints,
+                    "input_placements": input_placements,
+                    "output_placements": output_placements,
+                    "strict": strict,
+                },
+            )
+        else:
+            found, graph = plan_obj, capture(model, args, kwargs)
+            _check_plan_inputs(found, graph)
+        return graph, found, _arg_names(model, len(args))
+
+    sharded = ShardedModule(
         groups,
+        build=build,
         input_mode=input_mode,
         full_params=full_params,
         buffers=buffers,
         seed=seed,
-        arg_names=arg_names,
         state_keys=list(model.state_dict().keys()),
+        grad_bucket_bytes=grad_bucket_bytes,
     )
+    if not lazy:
+        args = (
+            tuple(example_inputs)
+            if isinstance(example_inputs, (tuple, list))
+            else (() if example_inputs is None else (example_inputs,))
+        )
+        sharded._compile(args, dict(example_kwargs or {}))
+    return sharded
 
 
-def _plan_on_rank0(model, mesh, args, kwargs, groups, *, mem_cap, profile, family) -> tuple[Plan, OpGraph]:
+def _plan_on_rank0(
+    model, mesh, args, kwargs, groups, *, mem_cap, profile, family, allow_state_sharding=True, hint_options=None
+) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
     One search instead of one per rank, and every rank runs the very same plan.
@@ -289,11 +458,19 @@ def _plan_on_rank0(model, mesh, args, kwargs, groups, *, mem_cap, profile, famil
     graph = None
     if dist.get_rank() == 0:
         try:
-            ctx = prepare(model, mesh, example_inputs=args, example_kwargs=kwargs,
-                          profile=profile or _default_profile(groups), dtype="fp32")
+            ctx = prepare(
+                model,
+                mesh,
+                example_inputs=args,
+                example_kwargs=kwargs,
+                profile=profile or _default_profile(groups),
+                dtype="fp32",
+                **(hint_options or {}),
+            )
             graph = ctx.graph
-            box[0] = plan_from_context(ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=False,
-                                       family=family).to_json()
+            box[0] = plan_from_context(
+                ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=allow_state_sharding, family=family
+            ).to_json()
         except Exception as e:  # tell the other ranks instead of leaving them waiting
             box[0] = e
             dist.broadcast_object_list(box, src=0)
@@ -338,3 +515,79 @@ def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> 
             out[k] = t.requires_grad_(p.requires_grad)
         return out
     return params
+
+
+def _bullets(items: list[str], limit: int = 5) -> str:
+    more = f"\n  - ... and {len(items) - limit} more" if len(items) > limit else ""
+    return "".join(f"\n  - {m}" for m in items[:limit]) + more
+
+
+def _shape_differences(got: dict, planned: dict, where: str) -> list[str]:
+    """One line per name whose shape differs between ``got`` (``where``: "in the model", "given") and the plan."""
+    bad = [
+        f"{name}: shape {shape} {where}, {planned[name]} in the plan"
+        if name in planned
+        else f"{name}: {where} {shape}, not in the plan"
+        for name, shape in got.items()
+        if planned.get(name) != shape
+    ]
+    return bad + [f"{name}: in the plan {shape}, not {where}" for name, shape in planned.items() if name not in got]
+
+
+def _load_plan(plan, mesh: Mesh, model: nn.Module) -> Plan:
+    """``plan`` as a Plan, checked against the mesh and the model's parameter names and shapes."""
+    if isinstance(plan, Plan):
+        found = plan
+    elif isinstance(plan, (str, Path)):
+        found = Plan.from_json(plan)
+    else:
+        raise TypeError(f"plan={type(plan).__name__}: expected an autopar Plan or the path of a plan JSON file")
+    if tuple(found.mesh.shape) != tuple(mesh.shape):
+        raise ValueError(
+            f"the plan is for mesh {found.mesh} (shape {tuple(found.mesh.shape)}) but compile got {mesh} (shape "
+            f"{tuple(mesh.shape)}); pass autopar.Mesh({tuple(found.mesh.shape)}, axis_names="
+            f"{tuple(found.mesh.axis_names)}) or re-plan for this mesh"
+        )
+    planned: dict[str, tuple[int, ...]] = {}
+    for fqn, entry in found.params.items():
+        for name in (fqn, *entry.get("tied_to", ())):
+            planned[name] = tuple(entry["shape"])
+    held = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    if bad := _shape_differences(held, planned, "in the model"):
+        raise ValueError(
+            f"the plan (for {found.model}) does not match the model {type(model).__name__}: {len(bad)} parameters "
+            f"differ:{_bullets(bad)}\nFix: pass the plan made for this model (autopar plan ... -o plan.json), "
+            "or leave plan= out to let compile plan it"
+        )
+    return found
+
+
+def _check_plan_inputs(plan: Plan, graph: OpGraph) -> None:
+    """The inputs the plan was made for have the shapes of the inputs compile got."""
+    got = {n.fqn: tuple(n.outputs[0].shape) for n in graph.nodes if n.kind == "input"}
+    planned = {k: tuple(v["shape"]) for k, v in plan.inputs.items() if v.get("kind") == "input"}
+    if bad := _shape_differences(got, planned, "given"):
+        raise ValueError(
+            f"the inputs do not match the plan's (for {plan.model}):{_bullets(bad)}\nFix: pass inputs of the "
+            "shapes the plan was made for, or re-plan with these inputs"
+        )
+
+
+def _input_signature(args: tuple, kwargs: dict) -> list[str]:
+    flat = torch.utils._pytree.tree_flatten((args, kwargs))[0]
+    return [f"{tuple(t.shape)} {t.dtype}".replace("torch.", "") if torch.is_tensor(t) else repr(t) for t in flat]
+
+
+def _check_same_inputs_on_every_rank(args: tuple, kwargs: dict) -> None:
+    """Every rank compiles with inputs of the same shapes (else their graphs differ and collectives would hang)."""
+    mine = _input_signature(args, kwargs)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [r for r, sig in enumerate(every) if sig != every[0]]
+    if differ:
+        raise ValueError(
+            "autopar.compile: the ranks got inputs of different shapes:"
+            + _bullets([f"rank {r}: {', '.join(every[r])}" for r in [0, *differ]], limit=4)
+            + "\nFix: every rank passes the same global batch (input_mode='global'); for per-rank data "
+            "compile with example_inputs of the global shapes and input_mode='local'"
+        )

@@ -12,22 +12,29 @@ strategy (all on local shapes):
   parameter, its gradient and its optimizer state) + for each axis where the state
   is sharded but the parameter is not (ZeRO-1/2), the all-gather of the updated
   parameter;
-* memory = activations saved for backward (the node's output, at its placement,
-  when a consumer saves it; the dropout mask at the profile's bytes per element) and, for
-  parameters, parameters + gradients + optimizer state (``costmodel.memory``).
+* memory = activations saved for backward and, for parameters, parameters +
+  gradients + optimizer state (``costmodel.memory``).  What each op keeps is
+  derived from the op itself (``autopar.saved``: its inputs, outputs and own
+  tensors, on the local shapes; scaled_dot_product_attention in the profile's
+  ``attention_saves`` form, a dropout mask at its ``dropout_mask_bytes``).  A kept
+  tensor costs its storage root's bytes once (a view keeps its base), as a node
+  term (the op's own tensors, an output its op keeps) or on the input edges of
+  the ops that keep it (``Coster._kept_for_backward``), so the total stays a sum
+  of node and edge terms.
 
 For each edge ``u -> v`` and strategy pair: the forward transitions of the tensor
 from ``u``'s output placement to the placement ``v`` reads, and, when gradients
 flow, the backward transitions of its gradient (``transitions`` module).  A
 parameter that is all-gathered before use (sharded storage) is not kept: when
-its consumer needs it in backward it is gathered again there (FSDP); an activation that is transitioned and saved by its
+its consumer needs it in backward it is gathered again there (FSDP); an
+activation that is moved (the executor makes a new tensor) and kept by its
 consumer costs that copy's bytes on the edge.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,77 +46,16 @@ from costmodel.profiles import DeviceProfile
 
 from .candidates import CandidateGraph, SourceStrategy
 from .capture import OpNode
-from .placement import Placement, Replicate
+from .placement import Placement
+from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
 from .spec import TensorMeta, local_meta
+from .strategies.views import localize_size_args
 from .transitions import consumer_grad_placement, producer_grad_placement, transitions
 
-__all__ = ["TrainingSettings", "Coster", "saved_inputs", "saves_output"]
+__all__ = ["TrainingSettings", "Coster"]
 
 aten = torch.ops.aten
-
-# Inputs (positions among tensor inputs) an op keeps for its backward, and whether
-# it keeps its output.  Names are aten op names without overload.
-_SAVES_ALL_INPUTS = {
-    "mm",
-    "bmm",
-    "matmul",
-    "einsum",
-    "mul",
-    "div",
-    "pow",
-    "gelu",
-    "silu",
-    "log",
-    "layer_norm",
-    "native_layer_norm",
-    "rms_norm",
-    "scaled_dot_product_attention",
-    "where",
-    "gather",
-    "index",
-    "sqrt",
-    "cos",
-    "sin",
-}
-_SAVES_LAST_TWO = {"addmm", "baddbmm"}  # bias not needed
-_SAVES_INDEX_ONLY = {"embedding"}
-_SAVES_OUTPUT = {
-    "tanh",
-    "exp",
-    "rsqrt",
-    "sigmoid",
-    "softmax",
-    "_softmax",
-    "log_softmax",
-    "_log_softmax",
-    "scaled_dot_product_attention",
-}
-
-
-def _op_name(target) -> str:
-    parts = str(target).split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
-
-
-def saved_inputs(node: OpNode) -> tuple[int, ...]:
-    """Positions of the tensor inputs ``node`` saves for backward (none if no grad flows)."""
-    if node.kind != "op" or not node.requires_grad:
-        return ()
-    name = _op_name(node.target)
-    n = len(node.inputs)
-    if name in _SAVES_LAST_TWO:
-        return tuple(range(max(0, n - 2), n))
-    if name == "linear":
-        return tuple(range(min(n, 2)))
-    if name in _SAVES_INDEX_ONLY:  # the looked-up table is not needed, only where the rows went
-        return (n - 1,)
-    if name in _SAVES_ALL_INPUTS:
-        return tuple(range(n))
-    return ()
-
-
-def saves_output(node: OpNode) -> bool:
-    return node.kind == "op" and node.requires_grad and _op_name(node.target) in _SAVES_OUTPUT
+_DROPOUT = {aten.dropout.default, aten.native_dropout.default}
 
 
 @dataclass(frozen=True)
@@ -132,11 +78,59 @@ class Coster:
         self.links = [settings.profile.link_for_axis(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._trans_cache: dict = {}
         self._consumers = self.graph.consumers()
-        saved = set()
+        self._layouts = memory_layouts(self.graph)
+        self._bytes_cache: dict = {}  # (meta, placements) -> local bytes at compute precision
+        self._internal_cache: dict = {}  # (id(strategy), node_mem_key) -> internal bytes (strategies outlive it)
+        self._saved = {n.index: self._saved_by(n, n.call, None) for n in self.graph.nodes if n.kind == "op"}
+        self._root = storage_roots(self.graph)
+        self.saved_outputs, self.edge_shares = self._kept_for_backward()
+
+    def _kept_for_backward(self):
+        """Where each storage kept for backward is paid: (roots paid as node terms, edge shares).
+
+        Every saved tensor refers to a storage root (``saved.storage_roots``: a view
+        keeps its base).  A root its own op keeps (an output saved by the op that
+        makes it) is paid once as a node term (``saved_outputs``).  Any other root is
+        paid on the input edges of the ops that keep it (or a view of it): the
+        executor hands an op a new tensor when its edge moves (``runtime.redistribute``
+        never aliases), which that op then keeps instead; when the edge does not move,
+        the op keeps the storage its input views.  So each of the root's ``k`` saving
+        edges pays, when it does not move, ``1/k`` of the storage under the input it
+        reads (its tensor's local bytes scaled by root numel / tensor numel: the whole
+        base a view keeps, assuming the view is split across ranks like its base),
+        and when it moves, the copy.  Exact when all or none of the ``k`` edges move;
+        when some do, the root is under-paid by their shares; a copy made higher up a
+        view chain is priced as the root scaled to the view.  Parameters (and views
+        of them) are model state.
+        """
+        by_root: dict[tuple[int, int], set] = {}
         for v in self.graph.nodes:
-            for pos in saved_inputs(v):
-                saved.add(v.inputs[pos])
-        self.saved_outputs = saved  # (node, output index) kept for backward by some consumer
+            saved = self._saved.get(v.index)
+            if saved is None:
+                continue
+            refs = [(v.inputs[pos], (v.index, pos)) for pos in saved.inputs]
+            refs += [((v.index, o), None) for o in saved.outputs]
+            for ref, edge in refs:
+                root = self._root.get(ref, ref)
+                if self.graph.nodes[root[0]].kind != "param":
+                    by_root.setdefault(root, set()).add(edge)
+        kept = {root for root, edges in by_root.items() if None in edges}
+        shares = {}
+        for root, edges in by_root.items():
+            real = sorted(e for e in edges if e is not None)
+            rnode = self.graph.nodes[root[0]]
+            for k, edge in enumerate(real):
+                shares[edge] = (root in kept, k, len(real), rnode.outputs[root[1]].numel)
+        return kept, shares
+
+    def edge_mem_key(self, v: OpNode, pos: int) -> tuple:
+        """What ``edge_matrices`` depends on beyond the tensor, the two strategy lists and the nodes' kinds."""
+        return (self.edge_shares.get((v.index, pos)), pos in self.saved_inputs(v))
+
+    def node_mem_key(self, node: OpNode) -> tuple:
+        """What ``node_mem_bytes`` depends on beyond the call, the strategies and ``saved_outputs``."""
+        nodes = self.graph.nodes
+        return tuple((nodes[u].requires_grad, self._layouts.get((u, o))) for u, o in node.inputs)
 
     # ---- sizes ----------------------------------------------------------------------
     def compute_meta(self, meta: TensorMeta) -> TensorMeta:
@@ -146,7 +140,11 @@ class Coster:
         return meta
 
     def local_bytes(self, meta: TensorMeta, placements: tuple[Placement, ...]) -> int:
-        return local_meta(self.compute_meta(meta), placements, self.mesh_shape).nbytes
+        key = (meta, placements)
+        hit = self._bytes_cache.get(key)
+        if hit is None:
+            hit = self._bytes_cache[key] = local_meta(self.compute_meta(meta), placements, self.mesh_shape).nbytes
+        return hit
 
     # ---- collectives ----------------------------------------------------------------
     def grad_exposed(self, producer: OpNode) -> float:
@@ -221,18 +219,102 @@ class Coster:
         st_local = local_meta(meta, s.state, self.mesh_shape).numel
         return model_state_bytes(p_local, st_local, self.settings.precision, self.settings.optimizer)
 
+    # ---- saved for backward -------------------------------------------------------------
+    def _saved_by(self, node: OpNode, call, strategy) -> SavedForBackward:
+        """What ``node`` keeps for backward on ``call``'s metas (global, or one rank's local under ``strategy``)."""
+        if node.kind != "op" or not node.requires_grad:
+            return NOTHING_SAVED
+        nodes = self.graph.nodes
+        rg = tuple(nodes[u].requires_grad and nodes[u].outputs[o].is_float for u, o in node.inputs)
+        kernel = self._kernel(node, strategy) if strategy is not None else None
+        layouts = tuple(self._layouts.get(i) for i in node.inputs)
+        return saved_for_backward(
+            call, rg, layouts=layouts, attention=self.settings.profile.attention_saves, kernel=kernel
+        )
+
+    def _kernel(self, node: OpNode, strategy):
+        """(fn, ctx) of the local kernel ``strategy`` runs instead of the op, at coordinate 0; None: the op."""
+        from .kernels import KERNELS, KernelContext
+
+        names = {k for k in strategy.kernels if k}
+        if len(names) != 1 or next(iter(names)) not in KERNELS:
+            return None
+        name = next(iter(names))
+        axes = tuple(a for a, k in enumerate(strategy.kernels) if k == name)
+        ctx = KernelContext(self.mesh_shape, (0,) * len(self.mesh_shape), strategy.inputs, node.call.inputs, axes)
+        return KERNELS[name], ctx
+
+    def saved_inputs(self, node: OpNode) -> tuple[int, ...]:
+        """Positions of the tensor inputs ``node`` keeps for backward (none if no grad flows)."""
+        saved = self._saved.get(node.index)
+        return saved.inputs if saved is not None else ()
+
+    def internal_bytes(self, node: OpNode, strategy) -> int:
+        """Bytes of the tensors ``node`` makes for its backward under ``strategy`` (one rank's, coordinate 0).
+
+        Derived from the local op (``saved.saved_for_backward``); a training dropout's
+        mask is the profile's ``dropout_mask_bytes`` per element (its form is device
+        dependent: a float mask on CPU, a bool one on CUDA).  An op that makes no
+        tensor of its own on the global shapes makes none on local ones (unless a
+        local kernel runs instead), which spares most ops a local trace.
+        """
+        if node.kind != "op" or not node.requires_grad or isinstance(strategy, SourceStrategy):
+            return 0
+        if node.target in _DROPOUT and self._saved[node.index].internal_bytes:  # p > 0 in training: a mask
+            mask = local_meta(node.outputs[0], strategy.outputs[0], self.mesh_shape).numel
+            return mask * self.settings.profile.dropout_mask_bytes
+        if not self._saved[node.index].internal_bytes and not any(strategy.kernels):
+            return 0
+        key = (id(strategy), self.node_mem_key(node))
+        hit = self._internal_cache.get(key)
+        if hit is None:
+            hit = self._internal_cache[key] = self._local_internal_bytes(node, strategy)
+        return hit
+
+    def _local_internal_bytes(self, node: OpNode, strategy) -> int:
+        call = node.call
+        ins = tuple(local_meta(self.compute_meta(m), p, self.mesh_shape) for m, p in zip(call.inputs, strategy.inputs))
+        outs = tuple(
+            local_meta(self.compute_meta(m), p, self.mesh_shape) for m, p in zip(call.outputs, strategy.outputs)
+        )
+        local = call.with_metas(ins, outs)
+        args, kwargs = localize_size_args(local.target, local.args, local.kwargs, [o.shape for o in outs])
+        local = replace(local, args=tuple(args), kwargs=dict(kwargs))
+        return self._saved_by(node, local, strategy).internal_bytes
+
     def activation_bytes(self, node: OpNode, strategy) -> int:
-        """Bytes this node keeps alive for backward under ``strategy``."""
+        """Bytes this node keeps alive for backward under ``strategy``.
+
+        Its outputs whose storage some op keeps (``saved_outputs``: the op's own
+        output, or a consumer's saved input or a view of it, each storage once) and
+        the tensors it makes for its own backward (``internal_bytes``).
+        """
         if node.kind == "param":
             return 0
         total = 0
         for o, meta in enumerate(node.outputs):
-            if (node.index, o) in self.saved_outputs or (o == 0 and saves_output(node)):
+            if (node.index, o) in self.saved_outputs:
                 total += self.local_bytes(meta, strategy.outputs[o])
-        if node.kind == "op" and node.requires_grad and _op_name(node.target) in ("dropout", "native_dropout"):
-            mask = local_meta(node.outputs[0], strategy.outputs[0], self.mesh_shape).numel
-            total += mask * self.settings.profile.dropout_mask_bytes
-        return total
+        return total + self.internal_bytes(node, strategy)
+
+    def edge_saved_bytes(self, u: OpNode, out_idx: int, v: OpNode, pos: int, src, dst, grad_moves: bool = False) -> int:
+        """Bytes kept for backward that the edge ``u.out_idx -> v.input[pos]`` pays (see ``_kept_for_backward``).
+
+        The edge moves when it has a transition in either direction (``src != dst``,
+        or ``grad_moves``: the gradient's placement changes, e.g. Megatron's f, an
+        identity forward): the executor then hands ``v`` a new tensor.
+        """
+        share = self.edge_shares.get((v.index, pos))
+        if share is None or u.kind == "param":
+            return 0
+        if src != dst or grad_moves:
+            return self.local_bytes(u.outputs[out_idx], dst)
+        root_kept, k, n, root_numel = share
+        if root_kept:
+            return 0
+        meta = u.outputs[out_idx]
+        nbytes = self.local_bytes(meta, src) * root_numel // max(meta.numel, 1)
+        return nbytes // n + (nbytes % n if k == 0 else 0)
 
     def node_mem_bytes(self, node: OpNode, strategy) -> int:
         if node.kind == "param":
@@ -245,7 +327,7 @@ class Coster:
         su, sv = self.cand.strategies[u.index], self.cand.strategies[v.index]
         meta = u.outputs[out_idx]
         grad = u.requires_grad and v.requires_grad and meta.is_float
-        saves = pos in saved_inputs(v) and u.kind != "param"  # a kept gathered parameter is re-gathered
+        regather = u.kind == "param" and pos in self.saved_inputs(v)  # a kept gathered parameter: gathered again
         time = np.zeros((len(su), len(sv)))
         mem = np.zeros((len(su), len(sv)), dtype=np.int64)
         for a, s_u in enumerate(su):
@@ -257,18 +339,11 @@ class Coster:
                 dst = s_v.inputs[pos]
                 fwd = self.transition_time_s(meta, src, dst) if src != dst else 0.0
                 t = fwd
-                if fwd and u.kind == "param" and pos in saved_inputs(v):
+                if fwd and regather:
                     t += fwd  # FSDP: the op keeps a handle, backward gathers it again
-                if grad:
-                    g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s_v.split))
-                    if g != grad_target:
-                        t += self.transition_time_s(meta, g, grad_target) * self.grad_exposed(u)
+                g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s_v.split))
+                if grad and g != grad_target:
+                    t += self.transition_time_s(meta, g, grad_target) * self.grad_exposed(u)
                 time[a, b] = t
-                if saves and src != dst and _changes_data(src, dst):
-                    mem[a, b] = self.local_bytes(meta, dst)
+                mem[a, b] = self.edge_saved_bytes(u, out_idx, v, pos, src, dst, g != grad_target)
         return time, mem
-
-
-def _changes_data(src, dst) -> bool:
-    """A transition that makes a new tensor (not a free local slice of a replicated one)."""
-    return any(not isinstance(s, Replicate) and s != d for s, d in zip(src, dst))

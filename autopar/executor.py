@@ -41,7 +41,7 @@ from .spec import local_shape
 from .strategies.views import localize_size_args
 from .transitions import consumer_grad_placement, producer_grad_placement
 
-__all__ = ["ExecutionPlan", "ShardedInterpreter", "RANDOM_OPS"]
+__all__ = ["ExecutionPlan", "ShardedInterpreter", "SavedBytes", "RANDOM_OPS"]
 
 aten = torch.ops.aten
 RANDOM_OPS = {
@@ -100,14 +100,8 @@ class ExecutionPlan:
                 if n.fqn not in plan.params:
                     raise ValueError(f"the plan has no placement for parameter {n.fqn}; re-plan this model")
                 p = plan.params[n.fqn]
-                pl, st = parse_placements(p["placements"]), parse_placements(p["state_placements"])
-                if st != pl:
-                    raise ValueError(
-                        f"parameter {n.fqn}: the plan shards its optimizer state ({','.join(map(str, st))}) beyond "
-                        f"its placement ({','.join(map(str, pl))}); executing ZeRO-1/2 state sharding is not "
-                        "supported yet: plan with autopar.compile (which excludes it) or edit the plan"
-                    )
-                sources[n.name] = (pl, pl)
+                # (placement, state placement): gradients go to the state (ZeRO-1/2 when they differ)
+                sources[n.name] = (parse_placements(p["placements"]), parse_placements(p["state_placements"]))
             elif n.kind in ("input", "buffer"):
                 pl = parse_placements(plan.inputs[n.fqn or n.name]["placements"])
                 sources[n.name] = (pl, tuple(producer_grad_placement(p) for p in pl))
@@ -124,16 +118,57 @@ class ExecutionPlan:
         return self.sources[name][1]
 
 
+class SavedBytes:
+    """What one forward packed for backward, measured by the executor's saved-tensor hook.
+
+    ``add`` is called with every tensor an op saves for backward.  Parameters (a
+    rank's local shards, the all-gathered copies the executor makes and views of
+    either) are model state, not activations, and are not counted.  Every other
+    saved tensor counts once per *storage*, at the storage's size: a saved view
+    keeps its whole base alive, and two ops saving the same tensor (or views of
+    one) hold one copy, as autograd does.  Only sizes are kept, never the tensors.
+    ``by_op`` (storage bytes first recorded by each op node) helps find where a
+    prediction is off.
+    """
+
+    def __init__(self, params) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self._params = {StorageWeakRef(p.untyped_storage()) for p in params}
+        self._gathered: list = []
+        self._storages: dict = {}
+        self.by_op: dict[str, int] = {}
+
+    def add_parameter(self, t: torch.Tensor) -> None:
+        """Mark ``t`` (a parameter's copy made by a transition) as model state for the rest of the forward."""
+        self._gathered.append(self._ref(t.untyped_storage()))
+
+    def add(self, t: torch.Tensor, op: str = "") -> None:
+        ref = self._ref(t.untyped_storage())
+        if ref in self._params or ref in self._storages or any(g == ref and not g.expired() for g in self._gathered):
+            return
+        self._storages[ref] = t.untyped_storage().nbytes()
+        self.by_op[op] = self.by_op.get(op, 0) + self._storages[ref]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the distinct storages saved (parameters excluded)."""
+        return sum(self._storages.values())
+
+
 @contextlib.contextmanager
-def _regather_saved(gathered: list, groups, counter):
+def _regather_saved(gathered: list, groups, counter, record: SavedBytes | None = None, op: str = ""):
     """FSDP: an op that saves an all-gathered parameter keeps only a handle; backward gathers it again.
 
     ``gathered`` lists (full tensor, (local shard, meta, src, dst)).  A saved tensor
     that shares storage with a gathered parameter is packed as the recipe to
     rebuild it (the shard and the view's size/stride/offset); unpacking issues the
-    plan's backward all-gather.  With nothing gathered this is a no-op.
+    plan's backward all-gather.  Every other saved tensor is kept as is and, when
+    ``record`` is given, measured there (``SavedBytes``).  With nothing gathered and
+    no record this is a no-op.
     """
-    if not gathered:
+    if not gathered and record is None:
         yield
         return
     from .runtime.redistribute import redistribute_local
@@ -141,8 +176,9 @@ def _regather_saved(gathered: list, groups, counter):
     def pack(t: torch.Tensor):
         for full, recipe in gathered:
             if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                return ("regather", recipe, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                        t.requires_grad)
+                return ("regather", recipe, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad)
+        if record is not None:
+            record.add(t, op)
         return t
 
     def unpack(packed):
@@ -169,6 +205,9 @@ class ShardedInterpreter(fx.Interpreter):
         step: int = 0,
         source_values: dict[str, torch.Tensor] | None = None,
         trace: dict[str, list[torch.Tensor]] | None = None,
+        saved: SavedBytes | None = None,
+        state_shards: dict[str, torch.Tensor] | None = None,
+        buckets=None,
     ) -> None:
         super().__init__(xplan.graph.gm, garbage_collect_values=True)
         self.xplan = xplan
@@ -178,6 +217,10 @@ class ShardedInterpreter(fx.Interpreter):
         self.step = step
         self.source_values = source_values or {}
         self.trace = trace  # when a dict: op node name -> this rank's local outputs (for tests and debugging)
+        self.saved = saved  # when given: the bytes ops save for backward are measured there
+        # ZeRO-1/2: param node name -> its state shard (its source value is the buffer; runtime/zero.py)
+        self.state_shards = state_shards or {}
+        self.buckets = buckets  # runtime.buckets.GradBuckets: data-parallel gradients reduced in buckets, or None
         self.coordinate = tuple(groups.coordinate)
         self.by_fx = {n.fx_node: n for n in xplan.graph.nodes if n.fx_node is not None}
         for fxn in self.module.graph.nodes:
@@ -211,6 +254,7 @@ class ShardedInterpreter(fx.Interpreter):
             return super().call_function(target, args, kwargs)
         ex = self.xplan.nodes[opnode.name]
         from .runtime.redistribute import redistribute
+        from .runtime.zero import from_state_shard
 
         flat, spec = pytree.tree_flatten((args, kwargs))
         fx_flat = pytree.tree_flatten((node.args, node.kwargs))[0]
@@ -226,11 +270,22 @@ class ShardedInterpreter(fx.Interpreter):
                 grad_src = tuple(consumer_grad_placement(p, s) for p, s in zip(dst, ex.split))
                 grad_dst = self.xplan.grad_target(producer.name, out_idx)
                 meta = producer.outputs[out_idx]
-                if src != dst or grad_src != grad_dst:
+                if self.buckets is not None and self.buckets.defers(producer.name):
+                    self.buckets.note(producer.name, meta, grad_src, grad_dst)  # reduced in a bucket instead
+                    grad_dst = grad_src
+                shard = self.state_shards.get(producer.name)
+                if shard is not None or src != dst or grad_src != grad_dst:
                     local = value
-                    value = redistribute(value, meta, src, dst, grad_src, grad_dst, self.groups, self.counter)
+                    if shard is None:
+                        value = redistribute(value, meta, src, dst, grad_src, grad_dst, self.groups, self.counter)
+                    else:  # read the ZeRO buffer; the gradient goes to the state shard
+                        value = from_state_shard(
+                            shard, value, meta, src, dst, grad_src, grad_dst, self.groups, self.counter
+                        )
                     if producer.kind == "param" and src != dst:
                         regather.append((value, (local, meta.with_shape(meta.shape), src, dst)))
+                    if producer.kind == "param" and self.saved is not None:
+                        self.saved.add_parameter(value)  # a moved copy of a parameter is model state too
                 pos += 1
             new_flat.append(value)
         args, kwargs = pytree.tree_unflatten(new_flat, spec)
@@ -239,7 +294,7 @@ class ShardedInterpreter(fx.Interpreter):
         ]
         args, kwargs = localize_size_args(target, tuple(args), dict(kwargs), shapes)
         kernel = {k for k in ex.kernels if k}
-        with _regather_saved(regather, self.groups, self.counter):
+        with _regather_saved(regather, self.groups, self.counter, self.saved, opnode.name):
             if target in RANDOM_OPS:
                 with torch.random.fork_rng(devices=self._rng_devices()):
                     torch.manual_seed(self._op_seed(opnode.index, ex))
@@ -247,7 +302,9 @@ class ShardedInterpreter(fx.Interpreter):
             else:
                 out = self._call(target, args, kwargs, kernel, ex, opnode)
         if self.trace is not None:
-            self.trace[opnode.name] = [t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.trace[opnode.name] = [
+                t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+            ]
         return out
 
     def _call(self, target, args, kwargs, kernel, ex: NodeExec, opnode):

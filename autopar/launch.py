@@ -251,8 +251,10 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
         opt.step()
         times.append(dt + time.perf_counter() - t0)
         losses.append(float(loss.detach()))
-        if step == config.steps - 1:
-            held = _held_bytes(module, opt)
+        if step == config.steps - 1 and sharded:
+            held = module.model_state_bytes(opt)
+            if getattr(module, "saved_bytes", None) is not None:  # measured by the executor's saved-tensor hook
+                held["activations"] = module.saved_bytes.total_bytes
         opt.zero_grad()
     params = {}
     if config.check:
@@ -266,22 +268,10 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
     return record, held
 
 
-def _held_bytes(module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    params = list(module.parameters())
-    return {
-        "params": sum(nbytes(p) for p in params),
-        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
-    }
-
-
 def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     """The plan ``autopar.compile`` would make on every rank, made once (on a meta-device model).
 
-    Same settings as ``compile``'s own search (fp32, no state sharding, ``family``),
+    Same settings as ``compile``'s own search (fp32, ZeRO state sharding allowed, ``family``),
     so the ranks only capture and shard.  Planning once also keeps the search's
     memory in one process instead of one copy per rank.
     """
@@ -289,7 +279,7 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
 
     model, args, kwargs = build_model(config, "meta")
     ctx = prepare(model, config.mesh(), example_inputs=args, example_kwargs=kwargs, profile=profile, dtype="fp32")
-    return plan_from_context(ctx, compare_families=False, allow_state_sharding=False, family=config.family)
+    return plan_from_context(ctx, compare_families=False, family=config.family)
 
 
 def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
@@ -408,9 +398,17 @@ def _spawn(config: RunConfig, plan: Plan, *, while_waiting=None) -> tuple[tuple[
     threads = max(1, (os.cpu_count() or 1) // world)
     log.info("spawning %d gloo ranks (%d threads each)", world, threads)
     try:
-        results, extra = spawn_ranks(_rank_entry, world, config, plan, timeout_s=config.timeout_s,
-                                     collective_timeout_s=config.timeout_s, threads=threads,
-                                     env={"TRANSFORMERS_VERBOSITY": "error"}, while_waiting=while_waiting)
+        results, extra = spawn_ranks(
+            _rank_entry,
+            world,
+            config,
+            plan,
+            timeout_s=config.timeout_s,
+            collective_timeout_s=config.timeout_s,
+            threads=threads,
+            env={"TRANSFORMERS_VERBOSITY": "error"},
+            while_waiting=while_waiting,
+        )
     except RankError as e:
         hint = " Pass a larger --timeout if the model is just slow." if "still running" in str(e) else ""
         raise LaunchError(f"{e}{hint}") from None
@@ -549,8 +547,20 @@ def render_report(report: RunReport, *, width: int = 140) -> str:
         t.add_row(str(r.rank), str(r.coordinate), *cells)
     con.print(t)
     con.print(
-        f"held: local parameter shards, their .grad and every optimizer state tensor (AdamW's step counters "
-        f"included). The plan also counts activations ({format_bytes(r0.plan_memory.get('activations'))}); its "
-        f"per-device total is {format_bytes(r0.plan_memory.get('per_device_bytes'))}."
+        "held: each distinct storage behind the local parameters (a ZeRO shard is a view of its parameter), "
+        "their .grad, and every optimizer state tensor shaped like its parameter (AdamW's scalar step counters "
+        f"are not model state). The plan's per-device total is {format_bytes(r0.plan_memory.get('per_device_bytes'))}."
+    )
+    t = Table(title="activations saved for backward: measured vs plan", title_justify="left")
+    for col in ("rank", "measured", "plan", "plan error"):
+        t.add_column(col, justify="right")
+    for r in report.ranks:
+        saved, planned = r.held_bytes.get("activations"), r.plan_memory.get("activations")
+        error = f"{(planned - saved) / saved:+.1%}" if saved and planned is not None else "-"
+        t.add_row(str(r.rank), format_bytes(saved), format_bytes(planned), error)
+    con.print(t)
+    con.print(
+        "measured: the distinct storages the last forward packed for backward (saved-tensor hooks in the "
+        "executor; parameters excluded). The plan's figure is for the largest piece (coordinate 0)."
     )
     return buf.getvalue()

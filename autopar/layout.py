@@ -110,10 +110,17 @@ def unlayable_reason(
     if not any(isinstance(p, Shard) and p.blocks > 1 for p in placements):
         return None  # plain shards always lay out (tensor_split sizes)
     for coord in coordinates(mesh_shape):
-        try:
-            dim_ranges(shape, tuple(placements), mesh_shape, coord)
-        except ValueError as e:
-            return f"{e} (mesh coordinate {coord})"
+        for d, size in enumerate(shape):
+            # dim_index's piece sizes, without building index tensors (this runs per transition priced)
+            n = size
+            for shard, parts, index in _entries(d, placements, mesh_shape, coord):
+                if n % shard.blocks:
+                    return (
+                        f"dim {d}: {shard}: the local piece of this dim has {n} elements (global {size}), not a "
+                        f"multiple of {shard.blocks} blocks; use a block count that divides every rank's piece "
+                        f"(mesh coordinate {coord})"
+                    )
+                n = shard_sizes(n // shard.blocks, parts)[index] * shard.blocks
     return None
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = [
     "Shard",
@@ -76,7 +75,7 @@ class Partial:
     __repr__ = __str__
 
 
-Placement = Union[Shard, Replicate, Partial]
+Placement = Shard | Replicate | Partial
 
 _SHARD_RE = re.compile(r"^S\((\d+)\)(?:\[(\d+)\])?$")
 _PARTIAL_RE = re.compile(r"^P\((sum|max)\)$")

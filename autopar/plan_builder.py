@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from .candidates import SourceStrategy
-from .costing import saved_inputs
 from .placement import Replicate, format_placements
 from .plan_types import Plan
 from .problem_builder import PS_PER_S
@@ -76,7 +75,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 op_comm += coster.comm_time_s(c.kind, c.bytes, axis)
                 add(c.kind, axis, c.phase, c.bytes, n, n.name, c.reduce_op)
         compute_s += coster.node_time_s(n, s) - op_comm
-        saves = saved_inputs(n)
+        saves = coster.saved_inputs(n)
         for pos, (u, o) in enumerate(n.inputs):
             un, su = graph.nodes[u], strat[u]
             meta = coster.compute_meta(un.outputs[o])
@@ -86,19 +85,14 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op)
                 if un.kind == "param" and pos in saves:  # FSDP: the op kept a handle; gathered again
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
-            if (
-                pos in saves
-                and un.kind != "param"
-                and any(not isinstance(a, Replicate) and a != b for a, b in zip(src, dst))
-            ):
-                mem["activations"] += coster.local_bytes(un.outputs[o], dst)
+            g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s.split))
+            target = su.state if isinstance(su, SourceStrategy) else tuple(producer_grad_placement(p) for p in src)
+            mem["activations"] += coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
-                g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s.split))
-                target = su.state if isinstance(su, SourceStrategy) else tuple(producer_grad_placement(p) for p in src)
                 if g != target:
                     for t in transitions(meta, g, target, mesh_shape):
                         add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op, coster.grad_exposed(un))
-    for k, (u, o) in enumerate(ctx.tables.sinks):
+    for u, o in ctx.tables.sinks:
         un = graph.nodes[u]
         full = tuple(Replicate() for _ in mesh_shape)
         for t in transitions(coster.compute_meta(un.outputs[o]), strat[u].outputs[o], full, mesh_shape):

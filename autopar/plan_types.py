@@ -17,7 +17,10 @@ Schema (placements in the printed form, one entry per mesh axis)::
     memory {per_device_bytes, params, grads, optimizer, activations, cap_bytes},
     fallback_ops [{node, op, module}],
     family, alternatives [{family, feasible, total_s, compute_s, comm_s, per_device_bytes}],
-    search {solver, optimal, objective_ps, num_nodes, num_choices}
+    search {solver, optimal, objective_ps, num_nodes, num_choices},
+    hints {params {FQN: placements}, inputs {name: placements},
+           ops {fx name: {inputs {pos: placements}, outputs {index: placements}}}, replicate [patterns]}
+           (only when the plan was hinted: the normalized hints, see ``autopar.hints``)
 
 ``phase`` is ``forward``, ``backward`` or ``optimizer`` (the all-gather of updated
 parameters after a ZeRO-sharded optimizer step).
@@ -56,6 +59,7 @@ class Plan:
     alternatives: list[dict[str, Any]]
     search: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)
+    hints: dict[str, Any] = field(default_factory=dict)
 
     # ---- convenience ------------------------------------------------------------------
     def param_placements(self, fqn: str) -> tuple[Placement, ...]:
@@ -89,7 +93,7 @@ class Plan:
             "family": self.family,
             "alternatives": self.alternatives,
             "search": self.search,
-        }
+        } | ({"hints": self.hints} if self.hints else {})
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
@@ -119,6 +123,7 @@ class Plan:
             family=d["family"],
             alternatives=d["alternatives"],
             search=d["search"],
+            hints=d.get("hints", {}),
         )
 
     @classmethod

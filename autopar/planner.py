@@ -13,6 +13,9 @@ each *family* so the report can show why the winner won:
   weights) may stay replicated, as in Megatron.
 
 Families are restrictions of the one search space, not rules that build plans.
+User hints (``hints=``, ``input_placements=``, ``output_placements=``, and
+``autopar.shard`` calls in the model) are one more restriction (``autopar.hints``):
+hinted nodes keep only the strategies that match, the search places the rest.
 """
 
 from __future__ import annotations
@@ -20,22 +23,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from costmodel import load_profile, optimizer_spec, precision
 
-from .candidates import CandidateGraph, build_candidates
+from .candidates import CandidateGraph, SourceStrategy, build_candidates
 from .capture import OpGraph, capture
 from .costing import Coster, TrainingSettings
+from .hints import ResolvedHints, resolve_hints
 from .mesh import Mesh
 from .placement import Replicate, Shard
 from .plan_builder import assemble_plan
 from .plan_types import Plan
 from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem
+from .repeat import Blocks, find_blocks
 from .search import InfeasibleError, Solution, solve_cpsat, solve_dp
+from .search.chain import ChainError, solve_chain
 from .units import format_bytes, parse_bytes
 
 __all__ = ["plan", "PlanningContext", "prepare", "FAMILIES", "MemoryCapError"]
@@ -60,6 +66,8 @@ class PlanningContext:
     tables: ProblemTables
     settings: dict[str, Any]
     timings: dict[str, float]
+    hints: ResolvedHints | None = None  # the hints given to prepare (autopar.shard calls always)
+    blocks: Blocks | None = None  # repeated layers: the search solves one and chains them (search.chain)
 
 
 def prepare(
@@ -71,8 +79,17 @@ def prepare(
     profile: str = "h100",
     dtype: str = "fp32",
     optimizer: str = "adamw",
+    hints: dict[str, Any] | None = None,
+    input_placements=None,
+    output_placements=None,
+    strict: bool = False,
 ) -> PlanningContext:
-    """Capture the model and price every candidate (the part of planning independent of the cap)."""
+    """Capture the model and price every candidate (the part of planning independent of the cap).
+
+    The hints (``autopar.hints``) are checked here and kept in the context; a hinted
+    placement no candidate has (a parameter stored in a layout no consumer reads)
+    is added as a candidate, so the search can keep it.
+    """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))")
     timings: dict[str, float] = {}
@@ -82,12 +99,34 @@ def prepare(
     t1 = time.perf_counter()
     settings = TrainingSettings(load_profile(profile), precision(dtype), optimizer_spec(optimizer))
     cand = build_candidates(graph, mesh.shape)
+    resolved = resolve_hints(
+        graph, mesh, hints, input_placements=input_placements, output_placements=output_placements, strict=strict
+    )
+    cand = _with_sources(cand, resolved.missing_sources(cand))
     coster = Coster(cand, settings)
     tables = build_tables(cand, coster)
     timings["strategies_s"] = time.perf_counter() - t1
     return PlanningContext(
-        graph, mesh, cand, coster, tables, {"profile": profile, "dtype": dtype, "optimizer": optimizer}, timings
+        graph,
+        mesh,
+        cand,
+        coster,
+        tables,
+        {"profile": profile, "dtype": dtype, "optimizer": optimizer},
+        timings,
+        resolved,
+        find_blocks(graph),
     )
+
+
+def _with_sources(cand: CandidateGraph, extra: dict[int, tuple]) -> CandidateGraph:
+    """The candidates plus, per source node, one more placement (stored with its state)."""
+    if not extra:
+        return cand
+    strategies = list(cand.strategies)
+    for i, placement in extra.items():
+        strategies[i] = strategies[i] + [SourceStrategy(placement, placement)]
+    return CandidateGraph(cand.graph, cand.mesh_shape, strategies)
 
 
 def plan(
@@ -102,7 +141,11 @@ def plan(
     optimizer: str = "adamw",
     solver: str = "dp",
     compare_families: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    hints: dict[str, Any] | None = None,
+    input_placements=None,
+    output_placements=None,
+    strict: bool = False,
 ) -> Plan:
     """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
 
@@ -110,7 +153,17 @@ def plan(
     fine).  ``mem_cap``: bytes or a string with units (``"40GiB"``); None: no cap.
     ``solver``: ``"dp"`` (exact dynamic programming) or ``"ilp"`` (CP-SAT).
     Raises ``MemoryCapError`` when no plan fits, naming the smallest reachable memory.
+
+    Semi-auto mode (``autopar.hints`` has the forms and checks): ``hints`` maps
+    parameter-FQN patterns to placements (``{"*.mlp.c_fc.weight": ["R", "S(1)"]}``),
+    module patterns to ``"replicate"`` or to a MindSpore-style matmul strategy
+    (``((2, 1), (1, 4))``); ``input_placements``/``output_placements`` fix graph
+    inputs and outputs.  Hinted tensors keep their placements; the search chooses
+    the rest.  A pattern matching nothing warns (``strict=True``: raises).
+    ``progress(stage, done, total)`` is called as planning goes (``autopar.progress`` draws it).
     """
+    if progress is not None:
+        progress("capture + strategies", 0, 1)
     ctx = prepare(
         model,
         mesh,
@@ -119,8 +172,12 @@ def plan(
         profile=profile,
         dtype=dtype,
         optimizer=optimizer,
+        hints=hints,
+        input_placements=input_placements,
+        output_placements=output_placements,
+        strict=strict,
     )
-    return plan_from_context(ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families)
+    return plan_from_context(ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families, progress=progress)
 
 
 def plan_from_context(
@@ -131,6 +188,11 @@ def plan_from_context(
     compare_families: bool = True,
     allow_state_sharding: bool = True,
     family: str | None = None,
+    hints: dict[str, Any] | None = None,
+    input_placements=None,
+    output_placements=None,
+    strict: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Plan:
     """Search a prepared context under a cap (re-planning with another cap reuses the context).
 
@@ -138,26 +200,35 @@ def plan_from_context(
     state with the parameter (no ZeRO-1/2), for runtimes that do not shard state.
     ``family`` (one of ``FAMILIES``) confines the search to that family: a forced
     data-parallel, sharded-parameter or tensor-parallel plan.
+    ``hints``/``input_placements``/``output_placements``/``strict`` (as in ``plan``)
+    replace the hints given to ``prepare``; None keeps those.
     """
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
     if solver not in ("dp", "ilp"):
         raise ValueError(f"solver {solver!r}: expected 'dp' (dynamic programming) or 'ilp' (CP-SAT)")
     t0 = time.perf_counter()
+    ctx, resolved = _hinted_context(ctx, hints, input_placements, output_placements, strict)
+    hinted = resolved.allowed(ctx.cand)
     fam_node, allow_edge = family_restriction(ctx, family) if family else (None, None)
     params = _param_nodes(ctx)
 
     def allow_node(i: int, s: int) -> bool:
+        if i in hinted and s not in hinted[i]:
+            return False
         if not allow_state_sharding and i in params:
             st = ctx.cand.strategies[i][s]
             if st.state != st.placement:
                 return False
         return fam_node is None or fam_node(i, s)
 
+    _check_family_keeps_hints(ctx, family, hinted, allow_node)
     problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
     try:
-        sol = _solve(problem, solver)
+        sol = _solve(problem, solver, ctx.blocks, progress)
     except InfeasibleError as e:
-        raise _cap_error(ctx, cap, e) from None
+        if e.min_mem_bytes is None and hinted:
+            raise _contradiction_error(ctx, resolved) from None
+        raise _cap_error(ctx, cap, e, keep) from None
     choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
     search_s = time.perf_counter() - t0
     alternatives = _family_alternatives(ctx, cap, solver) if compare_families else []
@@ -165,11 +236,62 @@ def plan_from_context(
     settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
     result = assemble_plan(ctx, choice, sol, settings, alternatives)
     result.timings = timings
+    result.hints = dict(resolved.record)
     return result
 
 
-def _solve(problem, solver: str) -> Solution:
-    return solve_dp(problem) if solver == "dp" else solve_cpsat(problem)
+def _hinted_context(ctx: PlanningContext, hints, input_placements, output_placements, strict: bool):
+    """(context, resolved hints): the context's own hints, or new ones with any candidates they add."""
+    if hints is None and input_placements is None and output_placements is None:
+        resolved = ctx.hints or resolve_hints(ctx.graph, ctx.mesh)
+        return ctx, resolved
+    resolved = resolve_hints(
+        ctx.graph,
+        ctx.mesh,
+        hints,
+        input_placements=input_placements,
+        output_placements=output_placements,
+        strict=strict,
+    )
+    extra = resolved.missing_sources(ctx.cand)
+    if extra:  # a fresh context: the caller's one stays valid for unhinted plans
+        cand = _with_sources(ctx.cand, extra)
+        coster = Coster(cand, ctx.coster.settings)
+        ctx = replace(ctx, cand=cand, coster=coster, tables=build_tables(cand, coster), hints=resolved)
+    return ctx, resolved
+
+
+def _check_family_keeps_hints(ctx: PlanningContext, family: str | None, hinted: dict, allow_node) -> None:
+    if family is None:
+        return
+    for i, kept in hinted.items():
+        if not any(allow_node(i, s) for s in kept):
+            node = ctx.graph.nodes[i]
+            raise ValueError(
+                f"family {family!r} and the hints on {node.fqn or node.name} (shape {node.outputs[0].shape}) "
+                f"exclude each other on {ctx.mesh}: no strategy keeps both.\n"
+                "Fix: drop the family (family=None) to let the search complete the hints, or change the hints."
+            )
+
+
+def _contradiction_error(ctx: PlanningContext, resolved: ResolvedHints) -> ValueError:
+    labels = sorted({label for ls in resolved.labels.values() for label in ls})
+    return ValueError(
+        f"the hints {', '.join(labels)} together leave no valid plan of {ctx.graph.model_name} on {ctx.mesh}: "
+        "every plan needs a move between hinted placements that autopar cannot make.\n"
+        "Fix: hint fewer tensors, or placements that a collective can connect."
+    )
+
+
+def _solve(problem, solver: str, blocks: Blocks | None = None, progress=None) -> Solution:
+    if solver != "dp":
+        return solve_cpsat(problem)
+    if blocks is not None:
+        try:
+            return solve_chain(problem, [list(b) for b in blocks.nodes], progress=progress)
+        except ChainError as e:
+            log.info("the %d repeated blocks under %s do not chain (%s); solving flat", blocks.count, blocks.prefix, e)
+    return solve_dp(problem, progress=None if progress is None else lambda done, total: progress("search", done, total))
 
 
 # ---- families ---------------------------------------------------------------------------
@@ -212,8 +334,11 @@ def family_restriction(ctx: PlanningContext, family: str):
 
         return allow_node, None
     if family == "tensor parallel":
-        matrices = {i for i in params if ctx.graph.nodes[i].outputs[0].ndim >= 2
-                    and any(_is_sharded(st.placement) for st in strategies[i])}
+        matrices = {
+            i
+            for i in params
+            if ctx.graph.nodes[i].outputs[0].ndim >= 2 and any(_is_sharded(st.placement) for st in strategies[i])
+        }
 
         def allow_node(i: int, s: int) -> bool:
             if i in params:
@@ -275,7 +400,7 @@ def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> 
         problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
         entry: dict[str, Any] = {"family": family}
         try:
-            sol = _solve(problem, solver)
+            sol = _solve(problem, solver, ctx.blocks)
             choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
             entry.update(feasible=True, **_summary(ctx, choice))
         except InfeasibleError as e:
@@ -304,13 +429,12 @@ def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
 
 
 # ---- infeasible caps ----------------------------------------------------------------------
-def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError) -> MemoryCapError:
+def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep) -> MemoryCapError:
     from .plan_builder import breakdown
 
     sol = err.min_mem_solution
     lines = [f"no plan of {ctx.graph.model_name} on {ctx.mesh} fits the memory cap of {format_bytes(cap)} per device."]
     if sol is not None:
-        problem, keep = to_problem(ctx.tables, None)
         choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
         mem = breakdown(ctx, choice)["memory"]
         parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}

@@ -66,6 +66,7 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
             n.outputs,
             n.index if n.kind != "op" else None,
             tuple(o for o in range(len(n.outputs)) if (n.index, o) in coster.saved_outputs),
+            coster.node_mem_key(n),
         )
         if key not in cache:
             cache[key] = (
@@ -90,6 +91,7 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
                 v.requires_grad,
                 un.outputs[o],
                 v.call.target,
+                coster.edge_mem_key(v, pos),
             )
             if key not in ecache:
                 t, m = coster.edge_matrices(un, o, v, pos)
@@ -153,20 +155,23 @@ def to_problem(
         if len(idx) == 0:
             raise AssertionError(f"restriction leaves node {tables.names[i]} without a strategy")
         keep.append(idx)
+    whole = [len(keep[i]) == len(tables.node_time_ps[i]) for i in range(n)]  # unrestricted: share the arrays
     edge_time, edge_mem = [], []
     for (u, v), t, m in zip(tables.edge_keys, tables.edge_time_ps, tables.edge_mem):
-        t = t[np.ix_(keep[u], keep[v])].copy()
+        if not (whole[u] and whole[v]):
+            t, m = t[np.ix_(keep[u], keep[v])], m[np.ix_(keep[u], keep[v])]
         if allow_edge is not None:
+            t = t.copy()
             for a, sa in enumerate(keep[u]):
                 for b, sb in enumerate(keep[v]):
                     if not allow_edge(u, int(sa), v, int(sb)):
                         t[a, b] = INF
         edge_time.append(t)
-        edge_mem.append(m[np.ix_(keep[u], keep[v])])
+        edge_mem.append(m)
     problem = SearchProblem(
         names=tuple(tables.names),
-        node_time=tuple(tables.node_time_ps[i][keep[i]] for i in range(n)),
-        node_mem=tuple(tables.node_mem[i][keep[i]] for i in range(n)),
+        node_time=tuple(tables.node_time_ps[i] if whole[i] else tables.node_time_ps[i][keep[i]] for i in range(n)),
+        node_mem=tuple(tables.node_mem[i] if whole[i] else tables.node_mem[i][keep[i]] for i in range(n)),
         edges=tuple(tables.edge_keys),
         edge_time=tuple(edge_time),
         edge_mem=tuple(edge_mem),

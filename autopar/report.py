@@ -4,6 +4,10 @@ Rows are grouped so a 48-layer model reads like a 2-layer one: parameter and
 module names have their block index replaced by ``*`` (``transformer.h.*.mlp.c_fc``),
 and a group whose members all agree is one row.  Collectives are counted *per
 block* (per instance of the group).
+
+A hinted plan (semi-auto mode) has a ``given`` column: ``hint`` where a hint fixed
+the parameter's placement, ``search`` where the search chose it; the family
+comparison is then of the unhinted families, so it shows what the hints cost.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
         f"solver {s['solver']} ({'optimal' if plan.search['optimal'] else 'not proven optimal'})"
     )
     con.print(f"plan: {plan.family}")
+    if plan.hints:
+        h = plan.hints
+        ops = sum(len(e["inputs"]) + len(e["outputs"]) for e in h.get("ops", {}).values())
+        regions = f", regions kept replicated: {', '.join(h['replicate'])}" if h.get("replicate") else ""
+        con.print(
+            f"hints: {len(h.get('params', {}))} parameters, {len(h.get('inputs', {}))} inputs and {ops} op "
+            f"tensors given{regions}; the search chose the rest"
+        )
     con.print(_params_table(plan))
     con.print(_collectives_table(plan))
     con.print(_totals_table(plan))
@@ -64,27 +76,27 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
 
 def _params_table(plan: Plan) -> Table:
     t = Table(title="parameters (per group)", title_justify="left")
-    for col in ("parameter", "count", "shape", "placements", "state", "local shape"):
+    hinted = plan.hints.get("params", {})
+    for col in ("parameter", "count", "shape", "placements", "state", "local shape") + (("given",) if hinted else ()):
         t.add_column(col)
     groups: dict[str, list] = defaultdict(list)
     for fqn, p in plan.params.items():
-        groups[group_name(fqn)].append(p)
+        groups[group_name(fqn)].append((p, "hint" if fqn in hinted else "search"))
     for name, members in groups.items():
-        variants = {(tuple(p["placements"]), tuple(p["state_placements"]), tuple(p["local_shape"])) for p in members}
-        for pl, st, loc in sorted(variants):
-            n = sum(
-                1
-                for p in members
-                if (tuple(p["placements"]), tuple(p["state_placements"]), tuple(p["local_shape"])) == (pl, st, loc)
-            )
-            t.add_row(
+        keys = [
+            (tuple(p["placements"]), tuple(p["state_placements"]), tuple(p["local_shape"]), given)
+            for p, given in members
+        ]
+        for pl, st, loc, given in sorted(set(keys)):
+            row = [
                 name,
-                str(n),
-                str(tuple(members[0]["shape"])),
+                str(keys.count((pl, st, loc, given))),
+                str(tuple(members[0][0]["shape"])),
                 ",".join(pl),
                 "same" if st == pl else ",".join(st),
                 str(loc),
-            )
+            ]
+            t.add_row(*row, *((given,) if hinted else ()))
     return t
 
 
@@ -117,7 +129,8 @@ def _totals_table(plan: Plan) -> Table:
 
 
 def _families_table(plan: Plan) -> Table:
-    t = Table(title="why this plan: best plan of each family under the same cap", title_justify="left")
+    without = " (without the hints)" if plan.hints else ""
+    t = Table(title=f"why this plan: best plan of each family under the same cap{without}", title_justify="left")
     for col in ("family", "step time", "compute", "communication", "memory / device", "fits cap"):
         t.add_column(col)
     t.add_row(

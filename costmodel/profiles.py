@@ -34,6 +34,7 @@ __all__ = [
     "LinkProfile",
     "DeviceProfile",
     "PEAK_FLOPS_KEYS",
+    "ATTENTION_SAVES",
     "config_dir",
     "available_profiles",
     "load_profile",
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: The dtype keys every profile's ``peak_flops`` table must have (dense, no sparsity).
 PEAK_FLOPS_KEYS = ("float32", "bfloat16", "float16")
+#: What scaled_dot_product_attention keeps for backward (``DeviceProfile.attention_saves``).
+ATTENTION_SAVES = ("traced", "flash")
 
 _CONFIG_ENV = "AUTOPAR_CONFIG_DIR"
 
@@ -88,8 +91,14 @@ class DeviceProfile:
     and FSDP bucket them and overlap them with the rest of backward); collectives on
     activations and the optimizer-step all-gather are never discounted.
     ``dropout_mask_bytes`` is what a training dropout keeps per element for
-    backward (a bool mask in CUDA's native_dropout; the CPU path keeps a float mask).  ``memory_bytes``
-    is the device memory the datasheet states; the planner decides the headroom.
+    backward (a bool mask in CUDA's native_dropout; the CPU path keeps a float mask).
+    ``attention_saves`` is what scaled_dot_product_attention keeps for backward on
+    this device: ``"flash"`` (CUDA's fused flash / memory-efficient kernels: q, k, v,
+    the output and a float32 logsumexp per query row) or ``"traced"`` (what PyTorch
+    runs on CPU tensors, derived by running the op: the fused CPU kernel without
+    dropout, the math path, which keeps the attention matrix, with it; see
+    ``autopar.saved``).  ``memory_bytes`` is the device memory the datasheet
+    states; the planner decides the headroom.
     """
 
     name: str
@@ -105,6 +114,7 @@ class DeviceProfile:
     source: str
     grad_reduce_overlap: float = 0.0
     dropout_mask_bytes: int = 1
+    attention_saves: str = "traced"
 
     def __post_init__(self) -> None:
         missing = [k for k in PEAK_FLOPS_KEYS if k not in self.peak_flops]
@@ -126,6 +136,11 @@ class DeviceProfile:
         if not (self.kernel_overhead_s >= 0 and math.isfinite(self.kernel_overhead_s)):
             raise ValueError(
                 f"device profile {self.name!r}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}"
+            )
+        if self.attention_saves not in ATTENTION_SAVES:
+            raise ValueError(
+                f"device profile {self.name!r}: attention_saves must be one of {ATTENTION_SAVES}, "
+                f"got {self.attention_saves!r}"
             )
         for key in ("matmul_efficiency", "memory_efficiency"):
             value = getattr(self, key)
@@ -257,6 +272,9 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     data = dict(data)
     overlap = data.pop("grad_reduce_overlap", 0.0)  # optional: older calibration files lack it
     mask_bytes = data.pop("dropout_mask_bytes", 1)
+    attention = data.pop("attention_saves", "traced")  # optional: older files lack it
+    if not isinstance(attention, str):
+        raise ValueError(f"{where}: attention_saves must be a string {ATTENTION_SAVES}, got {attention!r}")
     if not isinstance(mask_bytes, int) or mask_bytes < 1:
         raise ValueError(f"{where}: dropout_mask_bytes must be an int >= 1, got {mask_bytes!r}")
     if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0 <= overlap < 1:
@@ -266,5 +284,11 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     links = {
         key: LinkProfile(**_take(top.pop(key), _LINK_KEYS, f"{where} [{key}]")) for key in ("intra_node", "inter_node")
     }
-    return DeviceProfile(peak_flops=peak, **links, **top, grad_reduce_overlap=float(overlap),
-                         dropout_mask_bytes=mask_bytes)
+    return DeviceProfile(
+        peak_flops=peak,
+        **links,
+        **top,
+        grad_reduce_overlap=float(overlap),
+        dropout_mask_bytes=mask_bytes,
+        attention_saves=attention,
+    )

@@ -39,7 +39,11 @@ planner may still split activations on non-batch dimensions; the table shows the
 family each autopar plan was classified as and which parameters it shards.  At the
 default sizes the forced tensor-parallel family may keep the layer weights replicated
 (its batch split is cheaper than sharding them); ``--tp-mem-cap 80MiB`` makes it shard
-them, for a tensor-parallel plan against Megatron's.  Printing only: no assertions.
+them, for a tensor-parallel plan against Megatron's.  The autopar variants run with
+compile's defaults: the auto plan may shard optimizer state (ZeRO-1/2,
+``runtime/zero.py``) and data-parallel gradient all-reduces go in 25 MiB buckets
+overlapped with backward (``runtime/buckets.py``), as DDP's do.  Printing only: no
+assertions.
 """
 
 from __future__ import annotations

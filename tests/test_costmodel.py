@@ -126,6 +126,7 @@ def test_unknown_profile_lists_available():
         ),
         (lambda t: t.replace("latency_s = 10e-6", "latency_s = -1.0"), "latency_s must be >= 0"),
         (lambda t: t + "\n[[[", "not valid TOML"),
+        (lambda t: t.replace('attention_saves = "flash"', 'attention_saves = "fused"'), "attention_saves must be one"),
     ],
 )
 def test_bad_profile_file_names_the_problem(tmp_path, edit, message):
@@ -474,3 +475,85 @@ def test_unknown_precision_and_optimizer():
 def test_activation_bytes():
     assert cm.activation_bytes(1024, torch.bfloat16) == 2048
     assert cm.activation_bytes(1024, torch.float32) == 4096
+
+
+# ---------------------------------------------------------------- saved for backward (autopar.saved)
+
+
+def test_saved_for_backward_sorts_inputs_outputs_and_own_tensors():
+    from autopar.saved import saved_for_backward
+
+    x, w, b = meta(4, 16, 64), meta(64), meta(64)
+    ln = saved_for_backward(make_call(aten.layer_norm.default, x, [64], w, b), (True, True, True))
+    assert (ln.inputs, ln.outputs, ln.internal_bytes) == ((0, 1, 2), (), 2 * 4 * 16 * 4)  # mean and rstd, fp32
+    tanh = saved_for_backward(make_call(aten.tanh.default, x), (True,))
+    assert (tanh.inputs, tanh.outputs, tanh.internal_bytes) == ((), (0,), 0)
+    # the weight's grad needs x, x's grad needs the weight: what is kept follows requires_grad
+    lin = make_call(aten.linear.default, x, meta(32, 64))
+    assert saved_for_backward(lin, (True, True)).inputs == (0, 1)
+    assert saved_for_backward(lin, (False, True)).inputs == (0,)
+    assert saved_for_backward(lin, (True, False)).inputs == (1,)
+    assert saved_for_backward(lin, (False, False)).inputs == ()
+    # a non-contiguous input is copied by the composite (its reshape cannot view): the copy is the op's own
+    xt = make_call(aten.linear.default, meta(4, 16, 64), meta(32, 64))
+    copied = saved_for_backward(xt, (True, True), layouts=((1, 0, 2), None))
+    assert (copied.inputs, copied.internal_bytes) == ((1,), 4 * 16 * 64 * 4)
+
+
+def test_attention_saves_by_device_form():
+    """CPU math path with dropout keeps the attention matrix; CUDA's fused kernels keep a logsumexp row."""
+    from autopar.saved import saved_for_backward
+
+    q = meta(2, 4, 32, 16)
+    call = make_call(aten.scaled_dot_product_attention.default, q, q, q, dropout_p=0.1, is_causal=True)
+    traced = saved_for_backward(call, (True,) * 3)
+    flash = saved_for_backward(call, (True,) * 3, attention="flash")
+    assert traced.internal_bytes >= 2 * 4 * 32 * 32 * 4  # (B, H, L, L) fp32 probabilities, at least once
+    assert (flash.inputs, flash.outputs, flash.internal_bytes) == ((0, 1, 2), (0,), 2 * 4 * 32 * 4)
+    no_dropout = saved_for_backward(
+        make_call(aten.scaled_dot_product_attention.default, q, q, q, is_causal=True), (True,) * 3
+    )
+    assert no_dropout.internal_bytes < 2 * 4 * 32 * 32  # the fused CPU kernel: no attention matrix
+
+
+class _SavesAcrossOps(nn.Module):
+    """Views of a fused output (split), CPU attention with dropout, a dropout mask, and a tensor saved twice."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.ln, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out, self.drop, self.heads = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1), heads
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, n, d)))
+        y = torch.tanh(self.fc(x)) * (x * torch.sigmoid(x)).mean(-1, keepdim=True)  # x: saved by fc and by mul
+        return (x + self.out(y)).pow(2).mean()
+
+
+def test_plan_activations_equal_bytes_saved_on_one_device():
+    """The plan's activations on a 1-device mesh are exactly the distinct storages autograd keeps (CPU profile)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    import autopar
+
+    torch.manual_seed(0)
+    model = _SavesAcrossOps().train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    params = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+    kept: dict = {}
+
+    def pack(t):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in params:
+            kept[ref] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    plan = autopar.plan(model, autopar.Mesh((1,), axis_names=("dp",)), example_inputs=(x,), profile="cpu", dtype="fp32")
+    assert sum(kept.values()) > 30_000
+    assert plan.memory["activations"] == sum(kept.values())

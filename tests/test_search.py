@@ -229,3 +229,9 @@ def test_frontier_of_a_transformer_spans_both_extremes() -> None:
     assert front[0] == (fastest.time, fastest.mem_bytes)
     assert front[-1] == (smallest.time, smallest.mem_bytes)
     assert len(front) > 10
+
+
+def test_values_past_inf_are_named() -> None:
+    ok = np.zeros(2, np.int64)
+    with pytest.raises(ValueError, match=r"node_time\[1\] \(b\): values must lie in \[-INF, INF\]"):
+        SearchProblem(("a", "b"), (ok, np.array([0, INF + 1], np.int64)), (ok, ok), (), (), (), None)

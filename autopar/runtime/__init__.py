@@ -5,6 +5,8 @@
 - ``redistribute``: ``redistribute_local`` runs ``transitions()``'s steps as
   collectives; ``Redistribute`` / ``redistribute`` is its autograd function.
 - ``counter``: ``CollectiveCounter`` records what ran, to compare with the plan.
+- ``zero``: ``StateShards``, ZeRO-1/2 parameters (gradient and optimizer state
+  sharded beyond the parameter) and the optimizer step's all-gather.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from .counter import CollectiveCounter, CollectiveRecord
 from .groups import MeshGroups, init_distributed
 from .redistribute import Redistribute, nesting_conflict, redistribute, redistribute_local
+from .zero import StateShards, from_state_shard
 
 __all__ = [
     "CollectiveCounter",
@@ -22,4 +25,6 @@ __all__ = [
     "nesting_conflict",
     "redistribute",
     "redistribute_local",
+    "StateShards",
+    "from_state_shard",
 ]

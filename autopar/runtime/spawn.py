@@ -41,8 +41,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple, init: bool,
-           collective_timeout_s: float, threads: int, env: dict[str, str]) -> None:
+def _child(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    args: tuple,
+    init: bool,
+    collective_timeout_s: float,
+    threads: int,
+    env: dict[str, str],
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -52,8 +62,13 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
     out = Path(out_dir)
     try:
         if init:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=collective_timeout_s))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=collective_timeout_s),
+            )
         result = fn(rank, world_size, *args)
         torch.save(result, out / f"rank{rank}.pt.tmp")
         os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
@@ -65,9 +80,17 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
             dist.destroy_process_group()
 
 
-def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, init: bool = True,
-                collective_timeout_s: float = 60.0, threads: int = 1, env: dict[str, str] | None = None,
-                while_waiting: Callable[[], Any] | None = None) -> tuple[list[Any], Any]:
+def spawn_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    init: bool = True,
+    collective_timeout_s: float = 60.0,
+    threads: int = 1,
+    env: dict[str, str] | None = None,
+    while_waiting: Callable[[], Any] | None = None,
+) -> tuple[list[Any], Any]:
     """(per-rank results, ``while_waiting()``'s result): ``fn`` run on ``world_size`` gloo ranks.
 
     ``init=False`` skips ``init_process_group`` (for code that must see no default
@@ -80,9 +103,14 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
     port = free_port()
     extra = None
     with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as tmp:
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tmp, args, init, collective_timeout_s,
-                                                  threads, dict(env or {})), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, port, tmp, args, init, collective_timeout_s, threads, dict(env or {})),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
         failed: list[int] = []
         try:
             for p in procs:
@@ -105,17 +133,24 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
-        errors = {r: (Path(tmp) / f"rank{r}.err").read_text() for r in range(world_size)
-                  if (Path(tmp) / f"rank{r}.err").exists()}
+        errors = {
+            r: (Path(tmp) / f"rank{r}.err").read_text()
+            for r in range(world_size)
+            if (Path(tmp) / f"rank{r}.err").exists()
+        }
         name = getattr(fn, "__name__", "fn")
         if failed or errors:
             first = min(errors) if errors else failed[0]
             code = procs[first].exitcode
             killed = f"killed by signal {-code}" + (" (SIGKILL: often the out-of-memory killer)" if code == -9 else "")
             detail = errors.get(first, killed if code is not None and code < 0 else f"exit code {code}, no traceback")
-            raise RankError(f"{name} on {world_size} ranks: rank {first} failed "
-                            f"(failed ranks {sorted(set(failed) | set(errors))}):\n{detail}")
+            raise RankError(
+                f"{name} on {world_size} ranks: rank {first} failed "
+                f"(failed ranks {sorted(set(failed) | set(errors))}):\n{detail}"
+            )
         if hung:
-            raise RankError(f"{name} on {world_size} ranks: ranks {hung} still running after {timeout_s:.0f} s "
-                            "(a collective that not every rank issued?); stopped them")
+            raise RankError(
+                f"{name} on {world_size} ranks: ranks {hung} still running after {timeout_s:.0f} s "
+                "(a collective that not every rank issued?); stopped them"
+            )
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)], extra

@@ -79,15 +79,16 @@ def _tol(bound: float | np.ndarray) -> float | np.ndarray:
     return 1e-9 * np.abs(bound) + 1.0
 
 
-def _order(scopes: list[tuple[int, ...]], k: list[int]) -> list[int]:
+def _order(scopes: list[tuple[int, ...]], k: list[int], keep: frozenset[int] = frozenset()) -> list[int]:
     """Greedy elimination order: smallest new table (product of the neighbours' k)
-    first, ties in topological order, so one front sweeps from input to loss."""
+    first, ties in topological order, so one front sweeps from input to loss.
+    Nodes in ``keep`` are never eliminated (they stay in the final table's scope)."""
     adj: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
     for s in scopes:
         for v in s:
             adj[v].update(w for w in s if w != v)
     current = {v: math.prod(k[w] for w in adj[v]) for v in adj}
-    heap = [(c, v) for v, c in current.items()]
+    heap = [(c, v) for v, c in current.items() if v not in keep]
     heapq.heapify(heap)
     order: list[int] = []
     while heap:
@@ -101,7 +102,8 @@ def _order(scopes: list[tuple[int, ...]], k: list[int]) -> list[int]:
             adj[w].discard(v)
             adj[w].update(x for x in nbrs if x != w)
             current[w] = math.prod(k[x] for x in adj[w])
-            heapq.heappush(heap, (current[w], w))
+            if w not in keep:
+                heapq.heappush(heap, (current[w], w))
     return order
 
 
@@ -119,9 +121,12 @@ class _Step:
 
 
 class _Model:
-    """The problem as factors over the allowed strategies, and an elimination plan."""
+    """The problem as factors over the allowed strategies, and an elimination plan.
 
-    def __init__(self, problem: SearchProblem) -> None:
+    ``keep``: nodes left uneliminated; the final table is then over them (a marginal
+    Pareto table, as :mod:`.chain` uses), not a scalar."""
+
+    def __init__(self, problem: SearchProblem, keep: frozenset[int] = frozenset()) -> None:
         self.problem = problem
         self.allowed = problem.allowed_choices()
         k = self.k = [len(a) for a in self.allowed]
@@ -151,7 +156,7 @@ class _Model:
         self.steps: list[_Step] = []
         self.step_of: dict[int, _Step] = {}
         live = set(range(len(scopes)))
-        for v in _order(scopes, k) + [-1]:
+        for v in _order(scopes, k, keep) + [-1]:
             inputs = tuple(sorted(holding.pop(v) if v >= 0 else live))
             live.difference_update(inputs)
             for tid in inputs:
@@ -211,11 +216,13 @@ def _inside(model: _Model, w: np.ndarray) -> tuple[list, dict[int, np.ndarray]]:
     return vals, args
 
 
-def _outside(model: _Model, vals: list) -> list:
-    """Outside value of every eliminated table (the reverse pass of the docstring)."""
+def _outside(model: _Model, vals: list, final_out: np.ndarray | None = None) -> list:
+    """Outside value of every eliminated table (the reverse pass of the docstring);
+    ``final_out`` (rows, *final scope): a lower bound on what lies outside the model."""
     rows = vals[0].shape[0]
     outs: list = [None] * len(vals)
-    outs[model.final] = np.zeros(rows)
+    shape = (rows,) + tuple(model.k[v] for v in model.steps[-1].scope)
+    outs[model.final] = np.zeros(shape) if final_out is None else np.broadcast_to(final_out, shape).astype(float)
     for st in reversed(model.steps):
         oh = outs[st.out] if st.var < 0 else outs[st.out][..., None]
         for j, tid in enumerate(st.inputs):
@@ -259,8 +266,8 @@ class _Bounds:
     outs: list
 
 
-def _bounds(model: _Model, w: np.ndarray, vals: list) -> _Bounds:
-    outs = [o if o is None else o.reshape(len(w), -1) for o in _outside(model, vals)]
+def _bounds(model: _Model, w: np.ndarray, vals: list, final_out: np.ndarray | None = None) -> _Bounds:
+    outs = [o if o is None else o.reshape(len(w), -1) for o in _outside(model, vals, final_out)]
     return _Bounds(w[:, :1].astype(float), w[:, 1:2].astype(float), [v.reshape(len(w), -1) for v in vals], outs)
 
 

@@ -2,6 +2,9 @@
 
 * :func:`random_problem`: small random DAGs (a chain backbone, skip edges, sources)
   with small integer costs, so ties are common and exactness is really tested.
+* :func:`chain_problem`: a prefix, ``L`` blocks with equal random tables joined
+  through port nodes, constants feeding every block, and a suffix tied to the prefix:
+  the repeated structure :mod:`.chain` solves once per block.
 * :func:`transformer_like_problem`: the structure the cost model produces for a
   GPT-style training graph: parameters as sources (one consumer each, the tied
   embedding two: the first and the very last op), q/k/v fan-out, residual adds
@@ -21,7 +24,7 @@ import numpy as np
 
 from .problem import INF, SearchProblem
 
-__all__ = ["random_problem", "transformer_like_problem"]
+__all__ = ["random_problem", "chain_problem", "transformer_like_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +69,126 @@ def random_problem(
     problem = SearchProblem(
         tuple(f"n{i}" for i in range(n_nodes)), node_time, node_mem, tuple(edges), edge_time, edge_mem, None, base
     )
-    if cap_quantile is None:
+    return _cap_at_quantile(problem, rng, cap_quantile)
+
+
+def _cap_at_quantile(problem: SearchProblem, rng: np.random.Generator, quantile: float | None) -> SearchProblem:
+    """The problem with its cap at the ``quantile`` of 256 random plans' memory (and the all-0 plan's)."""
+    if quantile is None:
         return problem
+    ks = problem.num_choices
     mems = []
     for _ in range(256):
         c = [int(rng.integers(0, k)) for k in ks]
         if not problem.forbidden_in(c):
             mems.append(problem.evaluate(c)[1])
-    mems.append(problem.evaluate([0] * n_nodes)[1])
-    return problem.with_cap(int(np.quantile(mems, cap_quantile)))
+    mems.append(problem.evaluate([0] * problem.n_nodes)[1])
+    return problem.with_cap(int(np.quantile(mems, quantile)))
+
+
+def chain_problem(
+    seed: int,
+    n_blocks: int,
+    block_nodes: int,
+    max_k: int,
+    cap_quantile: float | None = 0.3,
+    *,
+    edge_prob: float = 0.3,
+    inf_prob: float = 0.05,
+    max_value: int = 100,
+) -> tuple[SearchProblem, list[list[int]]]:
+    """A random chain of ``n_blocks`` equal blocks and the blocks' node lists.
+
+    Nodes: a tied source ``T``, an input, a one-strategy constant ``C`` and an op ``E``
+    (reads ``T`` and the input); then the blocks (node 0 reads the previous block's port,
+    the last node; the port also feeds a random later node; ``C`` feeds node 1; random
+    forward edges inside); then ``H`` (reads the last port and ``T``) and a loss.  Block
+    tables are drawn once and shared, the first block's in-edges from ``E`` separately.
+    Choice 0 and pair (0, 0) are never forbidden, so a plan always exists.
+    """
+    if n_blocks < 1 or block_nodes < 2:
+        raise ValueError(f"chain_problem(n_blocks={n_blocks}, block_nodes={block_nodes}): need >= 1 and >= 2")
+    rng = np.random.default_rng(seed)
+
+    def forbid(arr: np.ndarray) -> np.ndarray:
+        mask = rng.random(arr.shape) < inf_prob
+        mask.flat[0] = False
+        return np.where(mask, INF, arr).astype(np.int64)
+
+    def costs(ku: int, kv: int) -> tuple[np.ndarray, np.ndarray | None]:
+        mem = None if rng.random() < 0.4 else rng.integers(0, max_value // 2 + 1, (ku, kv)).astype(np.int64)
+        return forbid(rng.integers(0, max_value, (ku, kv))), mem
+
+    names, node_time, node_mem = [], [], []
+    edges: list[tuple[int, int]] = []
+    edge_time, edge_mem = [], []
+
+    def node(name: str, k: int, t: np.ndarray | None = None, m: np.ndarray | None = None) -> int:
+        names.append(name)
+        node_time.append(forbid(rng.integers(0, max_value, k)) if t is None else t)
+        node_mem.append(rng.integers(0, max_value, k).astype(np.int64) if m is None else m)
+        return len(names) - 1
+
+    def edge(u: int, v: int, tm: tuple[np.ndarray, np.ndarray | None]) -> None:
+        edges.append((u, v))
+        edge_time.append(tm[0])
+        edge_mem.append(tm[1])
+
+    ks = [int(x) for x in rng.integers(1, max_k + 1, block_nodes)]
+    port = block_nodes - 1
+    ks[port] = max(ks[port], 2)
+    tied = node("T", int(rng.integers(1, max_k + 1)))
+    ids = node("input", int(rng.integers(1, max_k + 1)))
+    const = node("C", 1)
+    emb = node("E", int(rng.integers(2, max_k + 1)))
+    edge(tied, emb, costs(node_time[tied].size, node_time[emb].size))
+    edge(ids, emb, costs(node_time[ids].size, node_time[emb].size))
+    bt = [forbid(rng.integers(0, max_value, k)) for k in ks]
+    bm = [rng.integers(0, max_value, k).astype(np.int64) for k in ks]
+    inner = [(u, v) for v in range(1, block_nodes) for u in range(v) if u == v - 1 or rng.random() < edge_prob]
+    inner_costs = {(u, v): costs(ks[u], ks[v]) for u, v in inner}
+    skip = int(rng.integers(1, block_nodes)) if block_nodes > 2 else 0
+    link = {0: costs(ks[port], ks[0])}
+    if skip:
+        link[skip] = costs(ks[port], ks[skip])
+    first = {v: costs(node_time[emb].size, ks[v]) for v in link}
+    const_cost = costs(1, ks[min(1, block_nodes - 1)])
+    blocks: list[list[int]] = []
+    prev = emb
+    for b in range(n_blocks):
+        ids_b = [node(f"b{b}.{j}", ks[j], bt[j], bm[j]) for j in range(block_nodes)]
+        for v, tm in (first if b == 0 else link).items():
+            edge(prev, ids_b[v], tm)
+        edge(const, ids_b[min(1, block_nodes - 1)], const_cost)
+        for u, v in inner:
+            edge(ids_b[u], ids_b[v], inner_costs[(u, v)])
+        blocks.append(ids_b)
+        prev = ids_b[port]
+    head = node("H", int(rng.integers(1, max_k + 1)))
+    edge(prev, head, costs(ks[port], node_time[head].size))
+    edge(tied, head, costs(node_time[tied].size, node_time[head].size))
+    loss = node("loss", 1)
+    edge(head, loss, costs(node_time[head].size, 1))
+    merged: dict[tuple[int, int], list] = {}
+    for (u, v), t, m in zip(edges, edge_time, edge_mem):
+        if (u, v) in merged:  # C feeding node 1 twice, or a skip onto node 0: add the matrices
+            old = merged[(u, v)]
+            old[0] = np.where((old[0] >= INF) | (t >= INF), INF, old[0] + t)
+            old[1] = m if old[1] is None else (old[1] if m is None else old[1] + m)
+        else:
+            merged[(u, v)] = [t, m]
+    order = sorted(merged, key=lambda e: (e[1], e[0]))
+    problem = SearchProblem(
+        tuple(names),
+        tuple(node_time),
+        tuple(node_mem),
+        tuple(order),
+        tuple(merged[e][0] for e in order),
+        tuple(merged[e][1] for e in order),
+        None,
+        int(rng.integers(0, max_value)),
+    )
+    return _cap_at_quantile(problem, rng, cap_quantile), blocks
 
 
 class _Builder:

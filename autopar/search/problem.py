@@ -43,10 +43,21 @@ def _check_array(label: str, arr: object, shape: tuple[int, ...] | None, ndim: i
     elif arr.ndim != ndim or (shape is not None and arr.shape != shape):
         want = shape if shape is not None else f"{ndim}-D"
         bad.append(f"{label}: expected shape {want}, got {arr.shape}")
-    elif arr.size and (int(arr.max()) > INF or int(arr.min()) < -INF):
-        bad.append(
-            f"{label}: values must lie in [-INF, INF] (INF = {INF} marks forbidden), got {arr.min()}..{arr.max()}"
-        )
+
+
+def _check_ranges(labelled: list[tuple[str, np.ndarray]], bad: list[str]) -> None:
+    """Values in [-INF, INF]: one pass over all arrays, then the culprits by name."""
+    arrays = [a.reshape(-1) for _, a in labelled if isinstance(a, np.ndarray) and a.dtype == np.int64 and a.size]
+    if not arrays:
+        return
+    flat = np.concatenate(arrays)
+    if int(flat.max()) <= INF and int(flat.min()) >= -INF:
+        return
+    for label, arr in labelled:
+        if isinstance(arr, np.ndarray) and arr.dtype == np.int64 and arr.size and (arr.max() > INF or arr.min() < -INF):
+            bad.append(
+                f"{label}: values must lie in [-INF, INF] (INF = {INF} marks forbidden), got {arr.min()}..{arr.max()}"
+            )
 
 
 def _readonly(arr: np.ndarray) -> np.ndarray:
@@ -118,6 +129,13 @@ class SearchProblem:
             _check_array(f"edge_time[{e}] ({names[u]} -> {names[v]})", self.edge_time[e], shape, 2, bad)
             if self.edge_mem[e] is not None:
                 _check_array(f"edge_mem[{e}] ({names[u]} -> {names[v]})", self.edge_mem[e], shape, 2, bad)
+        _check_ranges(
+            [(f"node_time[{i}] ({names[i]})", a) for i, a in enumerate(self.node_time)]
+            + [(f"node_mem[{i}] ({names[i]})", a) for i, a in enumerate(self.node_mem)]
+            + [(f"edge_time[{e}]", a) for e, a in enumerate(self.edge_time)]
+            + [(f"edge_mem[{e}]", a) for e, a in enumerate(self.edge_mem) if a is not None],
+            bad,
+        )
         if self.mem_cap_bytes is not None and not isinstance(self.mem_cap_bytes, (int, np.integer)):
             bad.append(f"mem_cap_bytes: expected an int or None, got {type(self.mem_cap_bytes).__name__}")
         if not isinstance(self.base_mem_bytes, (int, np.integer)):

@@ -9,7 +9,7 @@ from .base import AxisStrategy, OpCall, OpComm, OpStrategy, expand_to_mesh, regi
 __all__ = ["AxisStrategy", "OpCall", "OpComm", "OpStrategy", "expand_to_mesh", "register", "rule_for"]
 
 #: Every rule module; importing one registers its rules.
-RULE_MODULES = ("matmul", "pointwise", "reductions", "norms", "views", "embedding", "attention", "misc")
+RULE_MODULES = ("matmul", "pointwise", "reductions", "norms", "views", "embedding", "attention", "misc", "hints")
 
 
 def _import_rule_modules() -> bool:

@@ -1,0 +1,216 @@
+"""Data-parallel gradient buckets: many per-parameter all-reduces become a few, overlapped with backward.
+
+A parameter that is replicated on a mesh axis and read there by computation the
+axis splits gets a ``P(sum)`` gradient from each consumer, which the plan reduces
+with one all-reduce per consumer edge (``P(sum) -> R``).  ``GradBuckets`` does that
+work the way DDP does:
+
+- the consumer edges hand their gradient back unreduced (``note``: the executor
+  sets the edge's gradient target to its partial placement);
+- the parameter's source value is an identity autograd function (``wrap``) whose
+  backward receives the sum of its consumers' partial gradients; it drops them
+  into the parameter's *bucket* (parameters grouped, in reverse order of first
+  use, up to ``bucket_bytes``) and returns no gradient;
+- when every parameter of a bucket has arrived, one ``all_reduce`` of the
+  bucket's flat buffer is started asynchronously (``async_op=True``) on the
+  axis's group, so it runs while backward goes on;
+- at the end of backward (an autograd engine callback) every bucket is waited
+  for (one whose parameters did not all arrive is reduced then), and each
+  parameter's reduced gradient is added to ``.grad`` (``None`` -> set), so
+  gradient accumulation over several backwards stays exact.
+
+Bucketed: parameters whose every consumer edge returns the same gradient
+placement, which differs from the parameter's own gradient placement on exactly
+one axis (``P(sum)`` there, ``R`` in the placement); others keep the plan's
+per-edge collectives.  ZeRO parameters are never bucketed.
+
+Limits: gradients reach ``.grad`` only, as with DDP (``torch.autograd.grad``
+with respect to a bucketed parameter sees none: compile with
+``grad_bucket_bytes=None`` for that); a bucket's flat copy is transient memory
+the plan does not count (at most ``bucket_bytes`` per bucket in flight).
+
+Counting: the counter keeps the plan's *logical* list: when a bucket is
+reduced it records, for every edge noted for its parameters, the edge's
+planned ``all_reduce`` (kind, axis, ``"backward"``, bytes).  A bucket is thus one
+physical collective standing for those entries; counted == planned still holds
+entry by entry.  Summing a parameter's partial gradients before the reduction
+instead of after changes only the float summation order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from ..placement import Partial, Placement, Replicate
+from ..spec import TensorMeta
+from ..transitions import consumer_grad_placement, transitions
+from .counter import CollectiveCounter
+from .groups import MeshGroups
+
+__all__ = ["GradBuckets", "bucketable"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def bucketable(xplan, exclude: set[str]) -> dict[str, tuple[int, tuple[Placement, ...]]]:
+    """Param node name -> (axis, partial gradient placement) for parameters whose gradient can be bucketed.
+
+    Parameters in ``exclude`` (ZeRO) and those whose edges disagree are left out.
+    Ordered by first use in forward.
+    """
+    graph = xplan.graph
+    found: dict[str, set] = {}
+    for n in graph.nodes:
+        if n.kind != "op" or not n.requires_grad:
+            continue
+        ex = xplan.nodes[n.name]
+        for pos, (u, _) in enumerate(n.inputs):
+            producer = graph.nodes[u]
+            if producer.kind != "param" or producer.name in exclude or not producer.outputs[0].is_float:
+                continue
+            g = tuple(consumer_grad_placement(p, s) for p, s in zip(ex.inputs[pos], ex.split))
+            found.setdefault(producer.name, set()).add(g)
+    out = {}
+    for name, grads in found.items():
+        if len(grads) != 1:
+            continue
+        (g,) = grads
+        target = xplan.grad_target(name, 0)
+        axes = [a for a, (p, q) in enumerate(zip(g, target)) if p != q]
+        if len(axes) == 1 and isinstance(g[axes[0]], Partial) and isinstance(target[axes[0]], Replicate):
+            out[name] = (axes[0], g)
+    return out
+
+
+@dataclass
+class _Bucket:
+    axis: int
+    names: list[str]
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    work: object = None
+    flat: torch.Tensor | None = None
+
+
+class _Round:
+    """One forward's worth of bucketed gradients (its backward fills and reduces the buckets)."""
+
+    def __init__(self, owner: GradBuckets, params: dict[str, torch.Tensor], counter: CollectiveCounter | None) -> None:
+        self.owner, self.params, self.counter = owner, params, counter
+        self.logical: dict[str, list[tuple[str, int, int, str]]] = {}
+        self.buckets = [_Bucket(axis, list(names)) for axis, names in owner.layout]
+        self.of = {name: b for b in self.buckets for name in b.names}
+        self.queued = False
+
+    def note(self, name: str, meta: TensorMeta, grad_src, grad_dst, mesh_shape) -> None:
+        steps = transitions(TensorMeta(meta.shape, self.params[name].dtype), grad_src, grad_dst, mesh_shape)
+        self.logical.setdefault(name, []).extend((t.kind, t.axis, t.bytes, t.reduce_op) for t in steps)
+
+    def arrive(self, name: str, grad: torch.Tensor) -> None:
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.queued = True
+        b = self.of[name]
+        b.grads[name] = grad
+        if len(b.grads) == len(b.names):
+            self.launch(b)
+
+    def launch(self, b: _Bucket) -> None:
+        if b.work is not None or not b.grads:
+            return
+        names = [n for n in b.names if n in b.grads]
+        b.flat = torch.cat([b.grads[n].reshape(-1) for n in names])
+        b.work = dist.all_reduce(b.flat, group=self.owner.groups.axis_group(b.axis), async_op=True)
+        if self.counter is not None:
+            for n in names:
+                for kind, axis, nbytes, op in self.logical.get(n, ()):
+                    self.counter.record(kind, axis, "backward", nbytes, op)
+
+    def finish(self) -> None:
+        for b in self.buckets:
+            self.launch(b)
+        for b in self.buckets:
+            if b.work is None:
+                continue
+            b.work.wait()
+            offset = 0
+            for n in b.names:
+                if n not in b.grads:
+                    continue
+                g = b.grads[n]
+                reduced = b.flat[offset : offset + g.numel()].view_as(g)
+                offset += g.numel()
+                p = self.params[n]
+                p.grad = reduced.clone() if p.grad is None else p.grad.add_(reduced)
+            b.grads.clear()
+            b.flat = b.work = None
+
+
+class _BucketedSource(torch.autograd.Function):
+    """Identity in forward; backward hands the parameter's partial gradient to its bucket and returns none."""
+
+    @staticmethod
+    def forward(ctx, param, rnd, name):  # noqa: D102
+        ctx.rnd, ctx.name = rnd, name
+        return param.view_as(param)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # noqa: D102
+        ctx.rnd.arrive(ctx.name, grad.contiguous())
+        return None, None, None
+
+
+class GradBuckets:
+    """The bucketed parameters of one compiled module (see the module docstring)."""
+
+    def __init__(
+        self,
+        groups: MeshGroups,
+        bucketed: dict[str, tuple[int, tuple[Placement, ...]]],
+        sizes: dict[str, int],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self.groups = groups
+        self.bucketed = bucketed
+        layout: list[tuple[int, list[str]]] = []
+        filled: dict[int, int] = {}
+        for name in reversed(list(bucketed)):  # backward readiness order: last used first
+            axis = bucketed[name][0]
+            current = next((b for b in reversed(layout) if b[0] == axis), None)
+            if current is None or filled[id(current)] + sizes[name] > bucket_bytes and current[1]:
+                current = (axis, [])
+                layout.append(current)
+                filled[id(current)] = 0
+            current[1].append(name)
+            filled[id(current)] += sizes[name]
+        self.layout = layout
+        self.round: _Round | None = None
+        log.debug("gradient buckets: %s", [(a, len(n)) for a, n in layout])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.bucketed
+
+    def begin(self, params: dict[str, torch.Tensor], counter: CollectiveCounter | None) -> None:
+        """Start a forward: its bucketed parameters' gradients go to a new round (None under no_grad)."""
+        self.round = _Round(self, params, counter) if torch.is_grad_enabled() else None
+
+    def defers(self, name: str) -> bool:
+        """Whether this forward reduces ``name``'s gradient in a bucket (the edge must not reduce it)."""
+        return self.round is not None and name in self.bucketed and self.round.params[name].requires_grad
+
+    def note(self, name: str, meta: TensorMeta, grad_src, grad_dst) -> None:
+        """An edge of ``name`` deferred its ``grad_src -> grad_dst`` reduction to the bucket."""
+        self.round.note(name, meta, grad_src, grad_dst, self.groups.mesh.shape)
+
+    def wrap(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The source value forward reads for a bucketed parameter."""
+        if not self.defers(name):
+            return param
+        return _BucketedSource.apply(param, self.round, name)

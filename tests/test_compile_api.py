@@ -1,0 +1,137 @@
+"""``autopar.compile``'s contract around the run: lazy compilation and bad input that must fail fast.
+
+Issue 3: ``example_inputs=None`` compiles on the first call; a world size that is
+not the mesh size, no process group, inputs of other shapes than the compiled
+ones and a plan whose mesh or parameters do not match the model each raise a
+clear error on every rank instead of leaving a rank waiting in a collective.
+The checks that need no process group run in the test process; the others share
+one spawn of 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from test_execution import _model, _reference, _train
+
+import autopar
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, hidden: int, name: str = "up") -> None:
+        super().__init__()
+        self.add_module(name, torch.nn.Linear(8, hidden))
+        self.down = torch.nn.Linear(hidden, 8)
+        self._name = name
+
+    def forward(self, x):
+        return self.down(torch.relu(getattr(self, self._name)(x)))
+
+
+def _mlp_plan(mesh):
+    torch.manual_seed(0)
+    return autopar.plan(_MLP(16), mesh, example_inputs=(torch.randn(4, 8),))
+
+
+def test_compile_without_a_process_group_is_a_clear_error():
+    model = _MLP(16)
+    with pytest.raises(ValueError, match="no default process group") as e:
+        autopar.compile(model, autopar.Mesh((2,)), example_inputs=(torch.randn(4, 8),))
+    assert "init_process_group" in str(e.value) and "torchrun" in str(e.value)
+
+
+def test_plan_for_another_model_is_caught_before_anything_runs(tmp_path):
+    mesh = autopar.Mesh((2,), axis_names=("dp",))
+    plan = _mlp_plan(mesh)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    other = _MLP(12, name="proj")  # up.* renamed to proj.*, hidden 16 -> 12
+    with pytest.raises(ValueError) as e:
+        autopar.compile(other, mesh, example_inputs=(torch.randn(4, 8),), plan=path)
+    msg = str(e.value)
+    assert "does not match the model _MLP: 5 parameters differ" in msg, msg
+    assert "down.weight: shape (8, 12) in the model, (8, 16) in the plan" in msg, msg
+    assert "proj.weight: in the model (12, 8), not in the plan" in msg, msg
+    assert "up.weight: in the plan (16, 8), not in the model" in msg and "Fix:" in msg, msg
+    with pytest.raises(ValueError, match=r"plan is for mesh .* \(shape \(2,\)\) but compile got .* \(shape \(4,\)\)"):
+        autopar.compile(_MLP(16), autopar.Mesh((4,)), example_inputs=(torch.randn(4, 8),), plan=plan)
+    with pytest.raises(TypeError, match="expected an autopar Plan or the path"):
+        autopar.compile(_MLP(16), mesh, example_inputs=(torch.randn(4, 8),), plan=plan.to_dict())
+
+
+def _errors(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _lazy_rank_fn(rank, world):
+    from autopar.compiler import NotCompiledError
+
+    mesh = autopar.Mesh((world,), axis_names=("dp",))
+    out = {}
+    model, args, kwargs = _model("gpt2-tiny")
+    out["wrong_world"] = _errors(lambda: autopar.compile(model, autopar.Mesh((2 * world,)), example_inputs=args))
+    sharded = autopar.compile(model, mesh)  # lazy: plans on the first call
+    try:
+        _ = sharded.plan
+        out["plan_before"] = "no error"
+    except NotCompiledError as e:
+        out["plan_before"] = str(e)
+    out["params_before"] = {k: tuple(p.shape) for k, p in sharded.named_parameters()}
+    out["train"] = _train((sharded, sharded), args, kwargs)  # the optimizer is built before the first call
+    out["params_after"] = {k: tuple(p.shape) for k, p in sharded.named_parameters()}
+    out["plan_local"] = {k: tuple(v["local_shape"]) for k, v in sharded.plan.params.items()}
+    out["state_local"] = {
+        k: tuple(
+            autopar.spec.local_shape(
+                tuple(v["shape"]),
+                autopar.placement.parse_placements(v["state_placements"]),
+                mesh.shape,
+                mesh.coordinate(rank),
+            )
+        )
+        for k, v in sharded.plan.params.items()
+    }
+    half = {k: v[: v.shape[0] // 2] if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    out["other_shape"] = _errors(lambda: sharded(args[0][:2], **half))
+    plan = sharded.plan
+    out["plan_other_inputs"] = _errors(
+        lambda: autopar.compile(
+            _model("gpt2-tiny")[0], mesh, example_inputs=(args[0][:2],), example_kwargs=half, plan=plan
+        )
+    )
+    # ranks that disagree on the input shapes of a lazy compile: every rank raises, none waits
+    uneven = autopar.compile(_model("gpt2-tiny")[0], mesh)
+    mine = {k: v[: v.shape[0] - rank] if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    out["ranks_disagree"] = _errors(lambda: uneven(args[0][: args[0].shape[0] - rank], **mine))
+    return out
+
+
+def test_lazy_compile_and_bad_inputs_on_two_ranks():
+    ref_losses, ref_logits, ref_grads, ref_params = _reference("gpt2-tiny")
+    for rank, out in enumerate(run_ranks(_lazy_rank_fn, 2, timeout_s=600)):
+        assert "world size 2 != mesh size 4" in out["wrong_world"], out["wrong_world"]
+        assert "not been compiled yet" in out["plan_before"] and "example_inputs=" in out["plan_before"]
+        # before the first call the parameters are whole; after it, each is this rank's piece under the plan
+        assert out["params_before"]["transformer.wte.weight"] == (1001, 64)
+        sharded_any = False
+        for name, shape in out["params_after"].items():
+            assert shape == out["state_local"][name], (rank, name, shape)
+            sharded_any |= shape != out["params_before"][name]
+        assert sharded_any, "no parameter was sharded: the test does not exercise re-pointing"
+        losses, logits, grads, params = out["train"]
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=f"grad {k}")
+        for k in ref_params:
+            torch.testing.assert_close(params[k], ref_params[k], rtol=1e-4, atol=1e-5, msg=f"param {k}")
+        assert "input 'input_ids': shape (2, 16) but the model was compiled for (4, 16)" in out["other_shape"], out
+        assert "compile again with example inputs" in out["other_shape"]
+        assert "input_ids: shape (2, 16) given, (4, 16) in the plan" in out["plan_other_inputs"], out
+        assert "the ranks got inputs of different shapes" in out["ranks_disagree"], out["ranks_disagree"]
+        assert "rank 0: (4, 16) int64" in out["ranks_disagree"] and "rank 1: (3, 16) int64" in out["ranks_disagree"]
