@@ -222,7 +222,8 @@ def plan_from_context(
         return fam_node is None or fam_node(i, s)
 
     _check_family_keeps_hints(ctx, family, hinted, allow_node)
-    problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
+    restricted = bool(hinted) or not allow_state_sharding or fam_node is not None  # else allow_node is always True
+    problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node if restricted else None, allow_edge=allow_edge)
     try:
         sol = _solve(problem, solver, ctx.blocks, progress)
     except InfeasibleError as e:

@@ -51,6 +51,13 @@ def _ps(seconds: np.ndarray) -> np.ndarray:
     return out
 
 
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    """The array made read-only in place: tables are shared by equal nodes and edges, and
+    a read-only array goes into a SearchProblem without a view (problem.py)."""
+    arr.flags.writeable = False
+    return arr
+
+
 def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
     graph = cand.graph
     names = [n.name for n in graph.nodes]
@@ -74,8 +81,8 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
                 np.array([coster.node_mem_bytes(n, s) for s in strats], dtype=np.int64),
             )
         t, m = cache[key]
-        node_time.append(t)
-        node_mem.append(m)
+        node_time.append(_frozen(t))
+        node_mem.append(_frozen(m))
     edges: dict[tuple[int, int], list] = {}
     ecache: dict = {}
     for v in graph.nodes:
@@ -97,16 +104,18 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
                 t, m = coster.edge_matrices(un, o, v, pos)
                 ecache[key] = (_ps(t), m)
             t, m = ecache[key]
-            entry = edges.setdefault((u, v.index), [np.zeros_like(t), np.zeros_like(m), []])
-            entry[0] = entry[0] + t
-            entry[1] = entry[1] + m
+            entry = edges.setdefault((u, v.index), [[], [], []])
+            entry[0].append(t)
+            entry[1].append(m)
             entry[2].append((u, o, v.index, pos))
     sinks = _constrained_outputs(graph)
     tables = ProblemTables(names, node_time, node_mem, [], [], [], [], sinks)
     for (u, v), (t, m, refs) in sorted(edges.items()):
         tables.edge_keys.append((u, v))
-        tables.edge_time_ps.append(t)
-        tables.edge_mem.append(m)
+        # one tensor on the edge: the cached matrices themselves, shared by equal edges (the
+        # repeated layers), so the search checks and stores each once
+        tables.edge_time_ps.append(_frozen(t[0] if len(t) == 1 else sum(t[1:], t[0])))
+        tables.edge_mem.append(_frozen(m[0] if len(m) == 1 else sum(m[1:], m[0])))
         tables.edge_refs.append(refs)
     for k, (u, o) in enumerate(sinks):
         meta = graph.nodes[u].outputs[o]
@@ -141,17 +150,16 @@ def to_problem(
     forbid a pair (its time becomes INF).  Sink nodes are never restricted.
     """
     n = len(tables.names)
+    every: dict[int, np.ndarray] = {}  # k -> arange(k), shared (read-only) by the unrestricted nodes
     keep = []
     for i in range(n):
         k = len(tables.node_time_ps[i])
-        idx = np.array(
-            [
-                s
-                for s in range(k)
-                if allow_node is None or i >= len(tables.names) - len(tables.sinks) or allow_node(i, s)
-            ],
-            dtype=np.int64,
-        )
+        if allow_node is None or i >= n - len(tables.sinks):
+            if k not in every:
+                every[k] = _frozen(np.arange(k, dtype=np.int64))
+            keep.append(every[k])
+            continue
+        idx = np.array([s for s in range(k) if allow_node(i, s)], dtype=np.int64)
         if len(idx) == 0:
             raise AssertionError(f"restriction leaves node {tables.names[i]} without a strategy")
         keep.append(idx)

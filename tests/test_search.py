@@ -235,3 +235,26 @@ def test_values_past_inf_are_named() -> None:
     ok = np.zeros(2, np.int64)
     with pytest.raises(ValueError, match=r"node_time\[1\] \(b\): values must lie in \[-INF, INF\]"):
         SearchProblem(("a", "b"), (ok, np.array([0, INF + 1], np.int64)), (ok, ok), (), (), (), None)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorized_evaluate_equals_the_term_by_term_sum(seed: int) -> None:
+    problem = random_problem(seed, 9, 4, edge_prob=0.4, cap_quantile=None)
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        c = tuple(int(rng.integers(k)) for k in problem.num_choices)
+        assert problem.evaluate(c) == problem._evaluate_slow(c)
+    t = list(problem.node_time)
+    t[0] = np.full_like(t[0], INF)  # forbidden: the exact Python-int path answers
+    forbidden = SearchProblem(
+        problem.names, tuple(t), problem.node_mem, problem.edges, problem.edge_time, problem.edge_mem, None
+    )
+    c = (0,) * problem.n_nodes
+    assert forbidden.evaluate(c) == forbidden._evaluate_slow(c) and forbidden.evaluate(c)[0] >= INF
+
+
+def test_a_shared_array_is_checked_for_every_node_that_holds_it() -> None:
+    bad = np.array([1, INF + 1], np.int64)
+    good = np.array([1, 2], np.int64)
+    with pytest.raises(ValueError, match=r"node_time\[0\] \(a\)[^\n]*\n  - node_time\[2\] \(c\)"):
+        SearchProblem(("a", "b", "c"), (bad, good, bad), (good, good, good), (), (), (), None)

@@ -100,10 +100,16 @@ class _Part:
     right: tuple[int, ...]  # sub nodes of the second state (F: B_i's ports; Rest: B_{L-1}'s ports)
 
 
-def _fold_unary(t: np.ndarray, m: np.ndarray, et: np.ndarray, em: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    add_t = et[0]
-    t = np.where((t >= INF) | (add_t >= INF), INF, t + add_t)
-    return t, m if em is None else m + em[0]
+def _fold_unary(
+    t: np.ndarray, m: np.ndarray, et: np.ndarray, em: np.ndarray | None, memo: dict
+) -> tuple[np.ndarray, np.ndarray]:
+    """A node's costs with a one-strategy producer's edge added; equal inputs (by identity)
+    give the same output arrays, so :func:`_check_equal` sees equal blocks without a look."""
+    key = (id(t), id(m), id(et), id(em))
+    if key not in memo:
+        add_t = et[0]
+        memo[key] = (np.where((t >= INF) | (add_t >= INF), INF, t + add_t), m if em is None else m + em[0])
+    return memo[key]
 
 
 def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Part, int, tuple[int, ...]]:
@@ -121,6 +127,7 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
     fold_m = [[problem.node_mem[v] for v in b] for b in blocks]
     rest_edges: list[int] = []
     ports: set[int] = set()
+    folded: dict = {}
     for e, (u, v) in enumerate(problem.edges):
         bu, bv = where.get(u), where.get(v)
         if bu is None and bv is None:
@@ -138,7 +145,7 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
                 rest_edges.append(e)
             elif ks[u] == 1:
                 i, j = bv
-                fold_t[i][j], fold_m[i][j] = _fold_unary(fold_t[i][j], fold_m[i][j], *_edge(problem, e))
+                fold_t[i][j], fold_m[i][j] = _fold_unary(fold_t[i][j], fold_m[i][j], *_edge(problem, e), folded)
             else:
                 raise ChainError(f"{problem.names[u]} ({ks[u]} strategies) outside the blocks feeds block {bv[0]}")
         else:  # block -> R
@@ -205,24 +212,24 @@ def _edge(problem: SearchProblem, e: int) -> tuple[np.ndarray, np.ndarray | None
     return problem.edge_time[e], problem.edge_mem[e]
 
 
-def _tables_of(problem: SearchProblem, fold_t, fold_m, internal: dict, inter: dict) -> tuple:
-    """One block's tables as (edge keys, shapes, one flat array): equal blocks give equal triples."""
-    parts = list(fold_t) + list(fold_m)
+def _tables_of(problem: SearchProblem, fold_t, fold_m, internal: dict, inter: dict) -> tuple[tuple, list]:
+    """One block's tables as (edge keys, arrays in a fixed order): equal blocks give equal pairs."""
+    arrays = list(fold_t) + list(fold_m)
     for edges in (internal, inter):
         for key in sorted(edges):
             et, em = problem.edge_time[edges[key]], problem.edge_mem[edges[key]]
-            parts += [et, np.zeros_like(et) if em is None else em]
-    keys = (tuple(sorted(internal)), tuple(sorted(inter)))
-    return keys, tuple(a.shape for a in parts), np.concatenate([a.reshape(-1) for a in parts])
+            arrays += [et, np.zeros_like(et) if em is None else em]
+    return (tuple(sorted(internal)), tuple(sorted(inter))), arrays
 
 
 def _check_equal(problem, blocks, internal, inter, fold_t, fold_m) -> None:
     """Blocks 1.. have block 1's tables (the ones F is built from): nodes with their folded
-    costs, internal edges, and the edges from the previous block's ports."""
-    ref = _tables_of(problem, fold_t[1], fold_m[1], internal[1], inter[0])
+    costs, internal edges, and the edges from the previous block's ports.  Shared arrays
+    (``problem_builder`` gives equal layers the same ones) are equal without a look."""
+    keys, ref = _tables_of(problem, fold_t[1], fold_m[1], internal[1], inter[0])
     for i in range(2, len(blocks)):
-        got = _tables_of(problem, fold_t[i], fold_m[i], internal[i], inter[i - 1])
-        if got[:2] != ref[:2] or not np.array_equal(got[2], ref[2]):
+        got_keys, got = _tables_of(problem, fold_t[i], fold_m[i], internal[i], inter[i - 1])
+        if got_keys != keys or not all(a is b or np.array_equal(a, b) for a, b in zip(got, ref)):
             raise ChainError(f"the tables of block {i} (its nodes or the edges into it) differ from block 1's")
 
 
@@ -351,7 +358,7 @@ def _product(
         start = stop
         tri = np.repeat(np.arange(sl.start, sl.stop), na[sl])  # one row per pair of a
         pa = a.off[ea[tri]] + np.arange(tri.size) - (np.cumsum(na[sl]) - na[sl])[tri - sl.start]
-        fit = _fits(w, a.t[pa], a.m[pa], bmin[:, eb[tri]] + out[:, ec[tri]], lim)  # with b's best pair
+        fit = _fits(w, a.t[pa], a.m[pa], [(bmin, eb[tri]), (out, ec[tri])], lim)  # with b's best pair
         tri, pa = tri[fit], pa[fit]
         g = ec[tri]
         # b's pairs that fit beside this pair of a: one range of the entry (t up, m down), cut by
@@ -364,7 +371,7 @@ def _product(
         pb = lo[rep] + np.arange(rep.size) - (np.cumsum(cnt) - cnt)[rep]
         pa, tri = pa[rep], tri[rep]
         t, m, g = a.t[pa] + b.t[pb], a.m[pa] + b.m[pb], g[rep]
-        keep = np.flatnonzero(_fits(w, t, m, out[:, g], lim))
+        keep = np.flatnonzero(_fits(w, t, m, [(out, g)], lim))
         keep = keep[_pareto_keep(g[keep], t[keep], m[keep])]
         parts.append((g[keep], t[keep], m[keep], mid[tri[keep]], pa[keep], pb[keep]))
     if not parts:
@@ -380,12 +387,15 @@ def _product(
     return _Seg(_csr(g, k * k), t, m, a.blocks + b.blocks, halves=(a, b), bp=np.stack([mid, pa, pb], 1))
 
 
-def _fits(w: np.ndarray, t: np.ndarray, m: np.ndarray, rest: np.ndarray, lim: np.ndarray) -> np.ndarray:
+def _fits(w: np.ndarray, t: np.ndarray, m: np.ndarray, terms: list[tuple], lim: np.ndarray) -> np.ndarray:
     """Mask of pairs with ``w_r (t, m) + rest_r <= lim_r`` on every row, testing the rows one
-    by one on the survivors (the Lagrange rows, last, cut the most)."""
+    by one on the survivors (the Lagrange rows, last, cut the most).  ``rest_r`` is the sum of
+    ``table[r, index]`` over ``terms`` (tables (rows, entries), an entry per pair), gathered
+    per row for the survivors only: the rows x pairs matrix is never formed."""
     alive = np.arange(t.size)
     for r in range(len(w) - 1, -1, -1):
-        v = w[r, 0] * t[alive] + w[r, 1] * m[alive] + rest[r, alive]
+        rest = sum(tab[r, idx[alive]] for tab, idx in terms)
+        v = w[r, 0] * t[alive] + w[r, 1] * m[alive] + rest
         alive = alive[v <= lim[r, 0]]
     mask = np.zeros(t.size, bool)
     mask[alive] = True
@@ -421,17 +431,20 @@ class _Chain:
         f_part, r_part, self.k, self.port = _split(problem, blocks)
         self.n = len(blocks) - 1
         self.ftab, self.rtab = _Table(f_part, self.k), _Table(r_part, self.k)
+        self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
 
     def assemble(self, rest_choice: tuple[int, ...], block_choices: list[tuple[int, ...]]) -> tuple[int, ...]:
-        choice = [0] * self.problem.n_nodes
-        for sub, full in enumerate(self.rtab.part.nodes):
-            choice[full] = rest_choice[sub]
-        pos = {v: j for j, v in enumerate(self.blocks[1])}
-        for i, bc in enumerate(block_choices, start=1):
-            for sub, full in enumerate(self.ftab.part.nodes):
-                if full >= 0:
-                    choice[self.blocks[i][pos[full]]] = bc[sub]
-        return tuple(choice)
+        """The full choice vector from the rest's choice and each block's (blocks 1..)."""
+        if self._where is None:
+            pos = {v: j for j, v in enumerate(self.blocks[1])}
+            subs = [sub for sub, full in enumerate(self.ftab.part.nodes) if full >= 0]
+            at = np.array([pos[self.ftab.part.nodes[sub]] for sub in subs], np.int64)
+            self._where = (np.array(subs, np.int64), np.array(self.blocks[1:], np.int64)[:, at])
+        subs, targets = self._where
+        choice = np.zeros(self.problem.n_nodes, np.int64)
+        choice[list(self.rtab.part.nodes)] = rest_choice
+        choice[targets] = np.array(block_choices, np.int64)[:, subs]
+        return tuple(choice.tolist())
 
     def scalar_plans(self, sc: MinSumChain) -> list[tuple[int, int, tuple[int, ...]]]:
         out = []
@@ -441,7 +454,11 @@ class _Chain:
                 raise InfeasibleError(f"{self.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
             st = sc.states(row)
             rest = self.rtab.argmin_choice(sc.rargs, row, st[0] * k + st[-1])
-            blocks = [self.ftab.argmin_choice(sc.fargs, row, st[i - 1] * k + st[i]) for i in range(1, len(st))]
+            per_pair: dict[int, tuple[int, ...]] = {}  # blocks between equal states choose alike
+            for pair in (st[i - 1] * k + st[i] for i in range(1, len(st))):
+                if pair not in per_pair:
+                    per_pair[pair] = self.ftab.argmin_choice(sc.fargs, row, pair)
+            blocks = [per_pair[st[i - 1] * k + st[i]] for i in range(1, len(st))]
             choice = self.assemble(rest, blocks)
             out.append((*self.problem.evaluate(choice), choice))
         return out
@@ -559,7 +576,11 @@ def _pass(chain: _Chain, sc: MinSumChain, ms: list, bounds: tuple, ub: int, beam
     y, z = divmod(e, k)
     rest_choice = chain.rtab.pareto_choice(rtabs, int(rest.leaf[pr]), e)
     per_block = _expand(g, y, z, pg, k)
-    choice = chain.assemble(rest_choice, [chain.ftab.pareto_choice(ftabs, lp, a * k + c) for a, c, lp in per_block])
+    memo: dict[tuple[int, int], tuple[int, ...]] = {}  # equal (leaf pair, states): equal block choice
+    for a, c, lp in per_block:
+        if (lp, a * k + c) not in memo:
+            memo[lp, a * k + c] = chain.ftab.pareto_choice(ftabs, lp, a * k + c)
+    choice = chain.assemble(rest_choice, [memo[lp, a * k + c] for a, c, lp in per_block])
     t, m = problem.evaluate(choice)
     want = (int(rest.t[pr] + g.t[pg]), int(rest.m[pr] + g.m[pg]))
     if (t, m) != want:

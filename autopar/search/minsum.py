@@ -4,10 +4,10 @@ For rows of weights ``w = (w_t, w_m)``, ``f`` and ``r`` are the least ``w_t t + 
 state pair of the block table F and the rest table Rest (``dp._inside`` with the ports
 kept).  :class:`MinSumChain` computes (min-plus matrix products, :func:`minplus`)::
 
+    f^l = f^(l//2) (x) f^(l - l//2)                         memoized halving (:meth:`MinSumChain.fpow`)
+    total = min_(a, z) r(a, z) + f^n(a, z)                  the min-sum of the whole problem
     L_0(z, a) = r(a, z),    L_{p+1} = L_p (x) f           the rest and p blocks
-    total = min_z L_n(z, z)                                 the min-sum of the whole problem
     M_0 = L_0,              M_s = min(L_s, f (x) M_{s-1})  outside bounds (chain.py's docstring)
-    f^n                                                     by squaring: the rest's outside bound
 
 and the port states of each row's argmin plan (:meth:`MinSumChain.states`).
 """
@@ -26,11 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["MinSumChain", "minplus"]
 
 
-def minplus(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, K, K) min-plus product and its argmin over the middle index."""
-    z = x[:, :, :, None] + y[:, None, :, :]
-    arg = z.argmin(axis=2)
-    return np.take_along_axis(z, arg[:, :, None, :], axis=2)[:, :, 0, :], arg
+def minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(rows, K, K) min-plus product (the argmins, where needed, are taken along one path:
+    :meth:`MinSumChain.states`)."""
+    return (x[:, :, :, None] + y[:, None, :, :]).min(axis=2)
 
 
 class MinSumChain:
@@ -43,39 +42,50 @@ class MinSumChain:
         self.rvals, self.rargs = _inside(rtab.model, w)
         self.f = ftab.to_grid(self.fvals[ftab.model.final])
         self.r = rtab.to_grid(self.rvals[rtab.model.final])
-        lp = self.r.transpose(0, 2, 1)  # L_0(z, a) = r(a, z)
-        self.l_args = []
-        self.lp = [lp]
-        for _ in range(n):
-            lp, arg = minplus(lp, self.f)
-            self.lp.append(lp)
-            self.l_args.append(arg)
-        diag = np.diagonal(lp, axis1=1, axis2=2)
-        self.total = diag.min(axis=1)
-        self.z = diag.argmin(axis=1)
+        self._pow = {1: self.f}  # l -> f^l, built by halving (:meth:`fpow`)
+        rows, k = len(w), self.f.shape[1]
+        whole = (self.r + self.fpow(n)).reshape(rows, -1)  # (a, z): the rest plus n blocks
+        self.total = whole.min(axis=1)
+        self.ends = np.stack(np.unravel_index(whole.argmin(axis=1), (k, k)), axis=1)  # (a_0, a_n) per row
+
+    def fpow(self, length: int) -> np.ndarray:
+        """``f^length`` (rows, K, K), memoized: ``f^l = f^(l//2) (x) f^(l - l//2)``, so the
+        lengths met while halving n are at most two per level (about 2 log n products)."""
+        if length not in self._pow:
+            half = length // 2
+            self._pow[length] = minplus(self.fpow(half), self.fpow(length - half))
+        return self._pow[length]
 
     def outside(self) -> list[np.ndarray]:
         """``M_s`` for s = 0..n-1, each (rows, K, K) indexed (c, a)."""
-        ms = [self.lp[0]]
-        for s in range(1, self.n):
-            ms.append(np.minimum(self.lp[s], minplus(self.f, ms[-1])[0]))
+        rows = len(self.w)
+        lp = self.r.transpose(0, 2, 1)  # L_0(z, a) = r(a, z)
+        ms = [lp]
+        # L_s = L_(s-1) (x) f and f (x) M_(s-1) = (M_(s-1)^T (x) f^T)^T in one batched product
+        right = np.concatenate([self.f, self.f.transpose(0, 2, 1)])
+        for _ in range(1, self.n):
+            both = minplus(np.concatenate([lp, ms[-1].transpose(0, 2, 1)]), right)
+            lp = both[:rows]
+            ms.append(np.minimum(lp, both[rows:].transpose(0, 2, 1)))
         return ms
 
     def power(self) -> np.ndarray:
-        """``f^n`` (rows, K, K) by squaring."""
-        result, base, e = None, self.f, self.n
-        while e:
-            if e & 1:
-                result = base if result is None else minplus(result, base)[0]
-            e >>= 1
-            if e:
-                base = minplus(base, base)[0]
-        return result
+        """``f^n`` (rows, K, K)."""
+        return self.fpow(self.n)
 
     def states(self, row: int) -> list[int]:
-        """Port states a_0 (B_0) .. a_n (B_{L-1}) of the row's min-sum plan."""
-        z = int(self.z[row])
-        states = [z]
-        for p in range(self.n - 1, -1, -1):
-            states.append(int(self.l_args[p][row, z, states[-1]]))
-        return states[::-1]
+        """Port states a_0 (B_0) .. a_n (B_{L-1}) of the row's min-sum plan: the ends from
+        ``total``'s argmin, then each segment split in the middle as :meth:`fpow` split it,
+        at the state b minimizing ``f^h(a, b) + f^(l-h)(b, c)``."""
+        states = [0] * (self.n + 1)
+        states[0], states[-1] = (int(x) for x in self.ends[row])
+        stack = [(0, self.n)]
+        while stack:
+            lo, hi = stack.pop()
+            if hi - lo < 2:
+                continue
+            mid = lo + (hi - lo) // 2
+            via = self.fpow(mid - lo)[row, states[lo], :] + self.fpow(hi - mid)[row, :, states[hi]]
+            states[mid] = int(via.argmin())
+            stack += [(lo, mid), (mid, hi)]
+        return states

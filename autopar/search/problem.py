@@ -60,7 +60,43 @@ def _check_ranges(labelled: list[tuple[str, np.ndarray]], bad: list[str]) -> Non
             )
 
 
+def _well_formed(names, node_time, node_mem, edges, edge_time, edge_mem) -> bool:
+    """All of :class:`SearchProblem`'s checks at once, vectorized; False sends the caller to
+    the detailed checks for the message.  Each distinct array is checked once: the tables of
+    repeated layers share arrays (``problem_builder``), so the cost follows the distinct ones."""
+    n = len(names)
+    if len(node_time) != n or len(node_mem) != n or len(edge_time) != len(edges) or len(edge_mem) != len(edges):
+        return False
+    if any(a is None for a in (*node_time, *node_mem, *edge_time)):
+        return False
+    arrays = {id(a): a for a in (*node_time, *node_mem, *edge_time, *edge_mem) if a is not None}
+    if not all(isinstance(a, np.ndarray) and a.dtype == np.int64 for a in arrays.values()):
+        return False
+    shapes = [a.shape for a in node_time]
+    if any(len(sh) != 1 or sh[0] < 1 for sh in shapes) or [a.shape for a in node_mem] != shapes:
+        return False
+    if edges:
+        uv = np.array(edges, np.int64)
+        if not ((uv[:, 0] >= 0) & (uv[:, 0] < uv[:, 1]) & (uv[:, 1] < n)).all():
+            return False
+        if np.unique(uv[:, 0] * n + uv[:, 1]).size != len(edges):
+            return False
+        want = [shapes[u] + shapes[v] for u, v in edges]
+        if [a.shape for a in edge_time] != want:
+            return False
+        if any(a is not None and a.shape != w for a, w in zip(edge_mem, want)):
+            return False
+    flat = [a.reshape(-1) for a in arrays.values() if a.size]
+    if flat:
+        flat = np.concatenate(flat)
+        if int(flat.max()) > INF or int(flat.min()) < -INF:
+            return False
+    return True
+
+
 def _readonly(arr: np.ndarray) -> np.ndarray:
+    if not arr.flags.writeable:
+        return arr  # nothing can write through it (its owner made it read-only)
     view = arr.view()
     view.flags.writeable = False
     return view
@@ -83,9 +119,20 @@ class SearchProblem:
     edge_mem: tuple[np.ndarray | None, ...]
     mem_cap_bytes: int | None
     base_mem_bytes: int = 0
+    _flat: _Flat | None = field(default=None, init=False, repr=False, compare=False)  # evaluate's gather index
+    _ks: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)  # num_choices
 
     def __post_init__(self) -> None:
         names = tuple(str(s) for s in self.names)
+        edges = tuple((int(u), int(v)) for u, v in self.edges)
+        ok = isinstance(self.mem_cap_bytes, (int, np.integer, type(None)))
+        ok = ok and isinstance(self.base_mem_bytes, (int, np.integer))
+        if not (ok and _well_formed(names, self.node_time, self.node_mem, edges, self.edge_time, self.edge_mem)):
+            self._explain(names)
+        self._settle(names, edges)
+
+    def _explain(self, names: tuple[str, ...]) -> None:
+        """Raise ValueError with one bullet per defect (the slow path of the checks)."""
         n = len(names)
         bad: list[str] = []
         for label, seq, want in (
@@ -149,11 +196,15 @@ class SearchProblem:
                 + "\nfix: give int64 arrays, node_time[i] of shape (k_i,), edge matrices of shape (k_u, k_v), "
                 "edges with u < v"
             )
+        raise AssertionError("SearchProblem: the fast checks rejected a problem the detailed ones accept")
+
+    def _settle(self, names: tuple[str, ...], edges: tuple[tuple[int, int], ...]) -> None:
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "edges", edges)
-        object.__setattr__(self, "node_time", tuple(_readonly(a) for a in self.node_time))
-        object.__setattr__(self, "node_mem", tuple(_readonly(a) for a in self.node_mem))
-        object.__setattr__(self, "edge_time", tuple(_readonly(a) for a in self.edge_time))
+        object.__setattr__(self, "_ks", tuple(int(t.shape[0]) for t in self.node_time))
+        object.__setattr__(self, "node_time", tuple(map(_readonly, self.node_time)))
+        object.__setattr__(self, "node_mem", tuple(map(_readonly, self.node_mem)))
+        object.__setattr__(self, "edge_time", tuple(map(_readonly, self.edge_time)))
         object.__setattr__(self, "edge_mem", tuple(None if a is None else _readonly(a) for a in self.edge_mem))
         cap = None if self.mem_cap_bytes is None else int(self.mem_cap_bytes)
         object.__setattr__(self, "mem_cap_bytes", cap)
@@ -166,7 +217,7 @@ class SearchProblem:
     @property
     def num_choices(self) -> tuple[int, ...]:
         """``k_i`` for every node."""
-        return tuple(int(t.shape[0]) for t in self.node_time)
+        return self._ks
 
     def with_cap(self, mem_cap_bytes: int | None) -> SearchProblem:
         """The same problem under another memory cap."""
@@ -189,6 +240,8 @@ class SearchProblem:
                 "give one strategy index per node"
             )
         ks = self.num_choices
+        if min(c, default=0) >= 0 and all(map(int.__lt__, c, ks)):
+            return c
         bad = [
             f"  - node {i} ({self.names[i]}): choice {c[i]} not in 0..{ks[i] - 1}"
             for i in range(len(c))
@@ -205,6 +258,15 @@ class SearchProblem:
     def evaluate(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> tuple[int, int]:
         """``(T(c), M(c))`` as exact Python ints (a forbidden choice gives ``T >= INF``)."""
         c = self._check_choice(choice)
+        if self._flat is None:
+            object.__setattr__(self, "_flat", _Flat(self))
+        got = self._flat.evaluate(np.asarray(c, np.int64))
+        if got is not None:
+            return got[0], self.base_mem_bytes + got[1]
+        return self._evaluate_slow(c)
+
+    def _evaluate_slow(self, c: tuple[int, ...]) -> tuple[int, int]:
+        """:meth:`evaluate` term by term in Python ints (the reference; forbidden entries)."""
         t = sum(int(self.node_time[i][c[i]]) for i in range(len(c)))
         m = self.base_mem_bytes + sum(int(self.node_mem[i][c[i]]) for i in range(len(c)))
         for e, (u, v) in enumerate(self.edges):
@@ -271,6 +333,52 @@ class SearchProblem:
             f"SearchProblem({self.n_nodes} nodes, {len(self.edges)} edges, k max {max(ks, default=0)}, "
             f"log10 assignments {sum(math.log10(k) for k in ks):.1f}, cap {cap})"
         )
+
+
+class _Flat:
+    """Every distinct cost array of a problem in one flat array, and where each node's and
+    edge's entries start: :meth:`SearchProblem.evaluate` is then one gather and one sum."""
+
+    def __init__(self, problem: SearchProblem) -> None:
+        ks = np.array(problem.num_choices, np.int64)
+        uv = np.array(problem.edges, np.int64).reshape(-1, 2)
+        self.u, self.v, self.kv = uv[:, 0], uv[:, 1], ks[uv[:, 1]]
+        self.t, (self.nt, self.et) = _flatten([problem.node_time, problem.edge_time])
+        zero = np.zeros((1, 1), np.int64)  # edges without memory read entry (0, 0) of this
+        edge_mem = [zero if a is None else a for a in problem.edge_mem]
+        self.m, (self.nm, self.em) = _flatten([problem.node_mem, edge_mem])
+        self.has_m = np.array([a is not None for a in problem.edge_mem], np.int64)
+
+    def evaluate(self, c: np.ndarray) -> tuple[int, int] | None:
+        """(T, M - base) for choice ``c``, or None when int64 might not hold the sums exactly
+        (a forbidden entry, or values too large), for the caller's Python-int path."""
+        pair = c[self.u] * self.kv + c[self.v]
+        t = np.concatenate([self.t[self.nt + c], self.t[self.et + pair]])
+        m = np.concatenate([self.m[self.nm + c], self.m[self.em + pair * self.has_m]])
+        big = max(int(np.abs(t).max(initial=0)), int(np.abs(m).max(initial=0)))
+        if big >= INF or big * (t.size + 1) >= 2**62:
+            return None
+        return int(t.sum()), int(m.sum())
+
+
+def _flatten(groups: list) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One flat array of the distinct arrays (by identity) in ``groups``, and per group the
+    offset of each member's first entry."""
+    start: dict[int, int] = {}
+    parts: list[np.ndarray] = []
+    size = 0
+    offsets = []
+    for group in groups:
+        off = np.empty(len(group), np.int64)
+        for i, a in enumerate(group):
+            at = start.get(id(a))
+            if at is None:
+                at = start[id(a)] = size
+                parts.append(a.reshape(-1))
+                size += a.size
+            off[i] = at
+        offsets.append(off)
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), offsets
 
 
 @dataclass(frozen=True, slots=True)
