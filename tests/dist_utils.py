@@ -9,9 +9,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from autopar.runtime.spawn import RankError, free_port, spawn_ranks
+
+# A test profile with cheap collectives (tests/profiles/cheap_comm.toml): plans made with it
+# partition even the tiny test models, so the multi-rank tests exercise real sharded plans.
+PARTITIONING_PROFILE = str(Path(__file__).parent / "profiles" / "cheap_comm.toml")
 
 __all__ = ["run_ranks", "RankError", "free_port"]
 

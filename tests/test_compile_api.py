@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import PARTITIONING_PROFILE, run_ranks
 from test_execution import _model, _reference, _train
 
 import autopar
@@ -75,7 +75,7 @@ def _lazy_rank_fn(rank, world):
     out = {}
     model, args, kwargs = _model("gpt2-tiny")
     out["wrong_world"] = _errors(lambda: autopar.compile(model, autopar.Mesh((2 * world,)), example_inputs=args))
-    sharded = autopar.compile(model, mesh)  # lazy: plans on the first call
+    sharded = autopar.compile(model, mesh, profile=PARTITIONING_PROFILE)  # lazy: plans on the first call
     try:
         _ = sharded.plan
         out["plan_before"] = "no error"

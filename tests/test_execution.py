@@ -10,11 +10,9 @@ test_dropout_masks_follow_placements).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import PARTITIONING_PROFILE, run_ranks
 
 FAMILIES = (None, "data parallel", "sharded parameters", "tensor parallel")
 STEPS = 3
@@ -39,7 +37,6 @@ def _model(name: str):
 # even these tiny models are partitioned (on the measured cpu profile, and on h100, they stay
 # replicated), and the runtime must be exact whatever plan it is given.  The memory test keeps
 # compile's default (cpu) profile: what attention saves depends on the device it runs on.
-PARTITIONING_PROFILE = str(Path(__file__).parent / "profiles" / "cheap_comm.toml")
 
 
 def _compile(model, args, kwargs, mesh_shape, axis_names, family, profile=None):

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import PARTITIONING_PROFILE, run_ranks
 from test_execution import ATOL, RTOL, STEPS, _model, _reference
 
 import autopar
@@ -34,7 +34,7 @@ def _zero_plan(mesh_shape, axis_names, factor):
 
     model, args, kwargs = _model("gpt2-tiny")
     mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)
-    ctx = prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile="cpu", dtype="fp32")
+    ctx = prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, dtype="fp32")
     plain = plan_from_context(ctx, compare_families=False, allow_state_sharding=False)
     cap = int(plain.memory["per_device_bytes"] * factor)
     return cap, plan_from_context(ctx, compare_families=False, mem_cap=cap)
@@ -52,7 +52,15 @@ def _zero_rank_fn(rank, world, mesh_shape, axis_names, cap, plan_json):
 
     model, args, kwargs = _model("gpt2-tiny")
     mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)
-    sharded = autopar.compile(model, mesh, example_inputs=args, example_kwargs=kwargs, mem_cap=cap, plan=plan_json)
+    sharded = autopar.compile(
+        model,
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        mem_cap=cap,
+        plan=plan_json,
+        profile=PARTITIONING_PROFILE,
+    )
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     out = {"coord": mesh.coordinate(rank), "plan": sharded.plan.to_dict(), "losses": [], "counted": []}
     for step in range(STEPS):
@@ -192,6 +200,7 @@ def _bucket_rank_fn(rank, world, batch):
             example_kwargs=kwargs,
             family="data parallel",
             grad_bucket_bytes=bucket_bytes,
+            profile=PARTITIONING_PROFILE,
         )
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
         sharded.collective_counter = CollectiveCounter()
