@@ -22,7 +22,7 @@ from .blocks import block_hints
 from .capture import OpGraph, OpNode
 from .placement import Partial, Placement, Replicate, Shard
 from .spec import TensorMeta
-from .strategies.base import OpStrategy, expand_to_mesh, rule_for
+from .strategies.base import OpStrategy, expand_to_mesh, partial_grad_suffix, rule_for, with_partial_grads
 
 __all__ = ["SourceStrategy", "CandidateGraph", "build_candidates"]
 
@@ -33,14 +33,29 @@ class SourceStrategy:
 
     placement: tuple[Placement, ...]
     state: tuple[Placement, ...]
+    partial_grad: tuple[bool, ...] = ()  # accumulate the uses' gradients as P(sum) on these axes, reduce once
 
     @property
     def outputs(self) -> tuple[tuple[Placement, ...], ...]:
         return (self.placement,)
 
+    def output_grad(self, index: int = 0) -> tuple[Placement, ...]:
+        """Where the uses' gradients are summed: the state placement, or ``P(sum)`` on the
+        ``partial_grad`` axes (a parameter read by several ops: each use's partial gradient
+        is added locally and the sum is reduced once, ``accumulated_grad``)."""
+        flags = self.partial_grad or (False,) * len(self.state)
+        return tuple(Partial("sum") if f else p for p, f in zip(self.state, flags))
+
+    @property
+    def accumulated_grad(self) -> tuple[tuple[Placement, ...], tuple[Placement, ...]] | None:
+        """(from, to) of the one gradient move after all uses are summed; None when none is needed."""
+        acc = self.output_grad()
+        return (acc, self.state) if acc != self.state else None
+
     def label(self) -> str:
         p = "(" + ",".join(map(str, self.placement)) + ")"
-        return p if self.state == self.placement else f"{p} state=(" + ",".join(map(str, self.state)) + ")"
+        p = p if self.state == self.placement else f"{p} state=(" + ",".join(map(str, self.state)) + ")"
+        return p + partial_grad_suffix(self.partial_grad)
 
 
 @dataclass
@@ -75,12 +90,15 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
                 call.outputs,
                 sorted(call.block_hints),
                 node.index in constant,
+                node.requires_grad,
             )
         )
         if key not in cache:
             options = expand_to_mesh(call, mesh_shape, rule_for(call.target))
             if node.index in constant:
                 options = [s for s in options if _all_replicated(s)] or options[-1:]
+            elif node.requires_grad:
+                options = with_partial_grads(options, mesh_shape)
             cache[key] = options
         strategies[node.index] = cache[key]
     consumers = graph.consumers()
@@ -95,9 +113,12 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
         # sources are never stored Partial: a consumer reading P gets it from R for free
         wanted = {s.inputs[pos] for c, pos, _ in consumers[node.index] for s in strategies[c]}
         wanted = frozenset(w for w in wanted if not any(isinstance(p, Partial) for p in w))
-        key = (node.kind, node.outputs, wanted)
+        uses = len(consumers[node.index]) if node.kind == "param" else 0
+        key = (node.kind, node.outputs, wanted, uses > 1)
         if key not in sources:
             sources[key] = _source_strategies(node, set(wanted), mesh_shape)
+            if uses > 1:  # several uses: their gradients may be summed as partials and reduced once
+                sources[key] = _with_accumulation(sources[key], mesh_shape)
         strategies[node.index] = sources[key]
     return CandidateGraph(graph, mesh_shape, strategies)
 
@@ -169,6 +190,19 @@ def _source_strategies(node: OpNode, wanted: set, mesh_shape: tuple[int, ...]) -
         out.append(SourceStrategy(pl, pl))
         if node.kind == "param":
             out.extend(SourceStrategy(pl, st) for st in _state_options(meta, pl, mesh_shape) if st != pl)
+    return out
+
+
+def _with_accumulation(options: list[SourceStrategy], mesh_shape: tuple[int, ...]) -> list[SourceStrategy]:
+    """``options`` and, for each, the variants summing the uses' gradients as ``P(sum)`` on a
+    non-empty subset of the axes (of more than one rank) before one reduction to the state."""
+    axes = [a for a, size in enumerate(mesh_shape) if size > 1]
+    out = list(options)
+    for s in options:
+        for k in range(1, len(axes) + 1):
+            for subset in itertools.combinations(axes, k):
+                flags = tuple(a in subset for a in range(len(mesh_shape)))
+                out.append(SourceStrategy(s.placement, s.state, flags))
     return out
 
 

@@ -6,10 +6,17 @@
 
 The module holds this rank's shards as ``nn.Parameter``s under the original
 names (``named_parameters()`` yields ``transformer.h.0.attn.c_attn.weight`` etc.),
-runs the captured graph on local tensors (``executor.ShardedInterpreter``) and
+runs the captured graph lowered to this rank's local ops with the plan's moves
+inserted (``executor.lower``; printable as ``sharded.local_graph.code``) and
 returns full tensors: the loss as planned (the plan makes it replicated), other
 outputs gathered (outside the plan's collective list, which covers the training
 step).
+
+Instrumentation, off by default because it costs a hook per op:
+``sharded.trace = {}`` records each op's local outputs (op node name -> tensors)
+and ``sharded.measure_saved = True`` makes every forward measure what it saves
+for backward (``sharded.saved_bytes``, an ``executor.SavedBytes``); either runs
+the instrumented variant of the local graph.
 
 Input modes: ``input_mode="global"`` (default) — every rank passes the same global
 batch and keeps its planned piece; ``input_mode="local"`` — each rank passes only
@@ -51,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .capture import OpGraph, capture
-from .executor import ExecutionPlan, SavedBytes, ShardedInterpreter
+from .executor import ExecutionPlan, RunState, SavedBytes, lower
 from .layout import shard_tensor
 from .mesh import Mesh
 from .placement import Replicate
@@ -114,7 +121,13 @@ class ShardedModule(nn.Module):
         self._buckets: GradBuckets | None = None  # data-parallel gradient buckets (runtime/buckets.py)
         self.collective_counter = None  # set a runtime.CollectiveCounter to record every collective issued
         self.trace = None  # set a dict to record each op's local outputs (op node name -> tensors)
-        self.saved_bytes = None  # after a forward: executor.SavedBytes, what it saved for backward
+        self.measure_saved = False  # True: every forward measures what it saves for backward (saved_bytes)
+        self.saved_bytes = None  # after a forward with measure_saved: executor.SavedBytes
+        self._state = RunState()  # what the lowered graph's steps read per call
+        self._programs: dict[bool, torch.fx.GraphModule] = {}  # instrumented? -> lowered graph (executor.lower)
+        self._sources: list[tuple[Any, torch.Tensor | None]] = []  # per graph argument: (input node, None) or value
+        self._bucket_params: dict[str, torch.Tensor] = {}
+        self._bucket_slots: list[tuple[int, str]] = []  # (argument index, param node name) of bucketed params
         self._seed = seed
         self._step = 0
         self._arg_names: list[str] = []
@@ -150,6 +163,8 @@ class ShardedModule(nn.Module):
         bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes else {}
         sizes = {n.name: params[n.fqn].numel() * params[n.fqn].element_size() for n in graph.params()}
         self._buckets = GradBuckets(self._groups, bucketed, sizes, self._bucket_bytes) if bucketed else None
+        self._sources = self._static_sources(params)
+        self._programs = {False: self._lower(instrument=False)}
         self._build = self._full_params = None
         if self._zero:
             _sync_after_optimizer_steps(self)
@@ -174,55 +189,75 @@ class ShardedModule(nn.Module):
         self._compiled("local_input_shapes")
         return self._local_input_shapes
 
+    @property
+    def local_graph(self) -> torch.fx.GraphModule:
+        """This rank's lowered program (``executor.lower``): ``print(sharded.local_graph.code)`` shows it.
+
+        Local aten ops with the plan's moves (``move_<op>_<input>``), kernels and
+        random ops (``OpStep``) inserted; one argument per parameter, buffer and
+        input piece, in graph order.
+        """
+        self._compiled("local_graph")
+        return self._programs[False]
+
+    def _lower(self, *, instrument: bool) -> torch.fx.GraphModule:
+        return lower(
+            self._xplan,
+            self._groups,
+            self._state,
+            seed=self._seed,
+            state_shards=self._zero.shards(),
+            buckets=self._buckets,
+            instrument=instrument,
+        )
+
+    def _static_sources(self, params: dict[str, nn.Parameter]) -> list[tuple[Any, torch.Tensor | None]]:
+        """Per argument of the lowered graph: (input node, None), or (None, the value every call passes)."""
+        zero_buffers = self._zero.buffers()
+        out: list[tuple[Any, torch.Tensor | None]] = []
+        self._bucket_params, self._bucket_slots = {}, []
+        for n in self._graph.nodes:
+            if n.kind == "param":
+                out.append((None, zero_buffers[n.name] if n.name in zero_buffers else params[n.fqn]))
+                if self._buckets is not None and n.name in self._buckets:
+                    self._bucket_params[n.name] = params[n.fqn]
+                    self._bucket_slots.append((len(out) - 1, n.name))
+            elif n.kind == "buffer":
+                full = self._buffers_full[n.fqn]
+                out.append((None, shard_tensor(full, self._xplan.sources[n.name][0], self.mesh.shape, self._coord)))
+            elif n.kind == "input":
+                out.append((n, None))
+        return out
+
     # ---- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if self._build is not None:
             self._compile(args, kwargs)
-        self._zero.sync(self.collective_counter)  # shards updated outside an optimizer step (see runtime/zero.py)
-        values = self._source_values(args, kwargs)
-        if self._buckets is not None:
-            params = dict(self.named_parameters())
-            self._buckets.begin({n.name: params[n.fqn] for n in self._graph.params()}, self.collective_counter)
-            values = {k: self._buckets.wrap(k, v) if k in self._buckets else v for k, v in values.items()}
-        self.saved_bytes = SavedBytes(self.parameters())  # what this forward saved for backward (measured)
-        interp = ShardedInterpreter(
-            self._xplan,
-            self._groups,
-            self.collective_counter,
-            seed=self._seed,
-            step=self._step,
-            source_values=values,
-            trace=self.trace,
-            saved=self.saved_bytes,
-            state_shards=self._zero.shards(),
-            buckets=self._buckets,
-        )
-        self._step += 1
-        outs = interp.run(*[None] * len([n for n in self._graph.gm.graph.nodes if n.op == "placeholder"]))
-        return self._gather_outputs(outs)
-
-    def _source_values(self, args, kwargs) -> dict[str, torch.Tensor]:
+        counter = self.collective_counter
+        self._zero.sync(counter)  # shards updated outside an optimizer step (see runtime/zero.py)
         given = dict(zip(self._arg_names, args))
         given.update(kwargs)
-        values: dict[str, torch.Tensor] = {}
-        params = dict(self.named_parameters())
-        zero_buffers = self._zero.buffers()
-        for n in self._graph.nodes:
-            if n.kind == "param":
-                values[n.name] = zero_buffers[n.name] if n.name in zero_buffers else params[n.fqn]
-            elif n.kind == "buffer":
-                full = self._buffers_full[n.fqn]
-                values[n.name] = shard_tensor(full, self._xplan.sources[n.name][0], self.mesh.shape, self._coord)
-            elif n.kind == "input":
-                if n.fqn not in given:
-                    raise ValueError(
-                        f"input {n.fqn!r} missing: the model was compiled with inputs "
-                        f"{[m.fqn for m in self._graph.nodes if m.kind == 'input']}"
-                    )
-                values[n.name] = self._local_input(n, given[n.fqn])
-        return values
+        values = [value if node is None else self._local_input(node, given) for node, value in self._sources]
+        if self._buckets is not None:
+            self._buckets.begin(self._bucket_params, counter)
+            for i, name in self._bucket_slots:
+                values[i] = self._buckets.wrap(name, values[i])
+        instrument = self.trace is not None or self.measure_saved
+        self.saved_bytes = SavedBytes(self.parameters()) if self.measure_saved else None
+        st = self._state
+        st.counter, st.step, st.trace, st.saved = counter, self._step, self.trace, self.saved_bytes
+        self._step += 1
+        if instrument not in self._programs:
+            self._programs[instrument] = self._lower(instrument=instrument)
+        return self._programs[instrument](*values)
 
-    def _local_input(self, node, value: torch.Tensor) -> torch.Tensor:
+    def _local_input(self, node, given: dict) -> torch.Tensor:
+        if node.fqn not in given:
+            raise ValueError(
+                f"input {node.fqn!r} missing: the model was compiled with inputs "
+                f"{[m.fqn for m in self._graph.nodes if m.kind == 'input']}"
+            )
+        value = given[node.fqn]
         placement = self._xplan.sources[node.name][0]
         value = value.to(self._groups.device)
         if self.input_mode == "local":
@@ -240,31 +275,6 @@ class ShardedModule(nn.Module):
                 f"{node.outputs[0].shape}; compile again with example inputs of the new shape"
             )
         return shard_tensor(value, placement, self.mesh.shape, self._coord)
-
-    def _gather_outputs(self, outs):
-        from .runtime.redistribute import redistribute
-
-        flat, spec = torch.utils._pytree.tree_flatten(outs)
-        refs = self._graph.outputs
-        full = tuple(Replicate() for _ in self.mesh.shape)
-        result = []
-        for k, (value, (node_idx, out_idx)) in enumerate(zip(flat, refs)):
-            node = self._graph.nodes[node_idx]
-            src = self._xplan.output_placement(node.name, out_idx)
-            if src != full:
-                counter = self.collective_counter if k == self._graph.loss_output else None
-                value = redistribute(
-                    value,
-                    node.outputs[out_idx],
-                    src,
-                    full,
-                    full,
-                    self._xplan.grad_target(node.name, out_idx),
-                    self._groups,
-                    counter,
-                )
-            result.append(value)
-        return torch.utils._pytree.tree_unflatten(result, spec) if len(result) > 1 else result[0]
 
     # ---- full views -------------------------------------------------------------------
     def _full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:

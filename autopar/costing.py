@@ -11,7 +11,8 @@ strategy (all on local shapes):
 * parameter time = the optimizer step (memory-bound: it reads and writes the
   parameter, its gradient and its optimizer state) + for each axis where the state
   is sharded but the parameter is not (ZeRO-1/2), the all-gather of the updated
-  parameter;
+  parameter + for a parameter that sums its uses' partial gradients first
+  (``SourceStrategy.accumulated_grad``), that one reduction at its exposed time;
 * memory = activations saved for backward and, for parameters, parameters +
   gradients + optimizer state (``costmodel.memory``).  What each op keeps is
   derived from the op itself (``autopar.saved``: its inputs, outputs and own
@@ -24,7 +25,9 @@ strategy (all on local shapes):
 
 For each edge ``u -> v`` and strategy pair: the forward transitions of the tensor
 from ``u``'s output placement to the placement ``v`` reads, and, when gradients
-flow, the backward transitions of its gradient (``transitions`` module).  A
+flow, the backward transitions of its gradient from the placement ``v``'s
+backward hands back to the one ``u``'s needs (``OpStrategy.input_grad`` /
+``output_grad``: ``P(sum)`` on partial-gradient axes; ``transitions`` module).  A
 parameter that is all-gathered before use (sharded storage) is not kept: when
 its consumer needs it in backward it is gathered again there (FSDP); an
 activation that is moved (the executor makes a new tensor) and kept by its
@@ -50,7 +53,7 @@ from .placement import Placement
 from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
 from .spec import TensorMeta, local_meta
 from .strategies.views import localize_size_args
-from .transitions import consumer_grad_placement, producer_grad_placement, transitions
+from .transitions import transitions
 
 __all__ = ["TrainingSettings", "Coster"]
 
@@ -198,7 +201,19 @@ class Coster:
         st = self.param_state_bytes(node, s)
         prof = self.settings.profile
         t = 2 * st.total / (prof.mem_bandwidth_bytes_per_s * prof.memory_efficiency)
-        return t + sum(self.comm_time_s(kind, nbytes, axis) for axis, kind, nbytes in self.step_collectives(node, s))
+        t += sum(self.comm_time_s(kind, nbytes, axis) for axis, kind, nbytes in self.step_collectives(node, s))
+        return t + sum(
+            self.comm_time_s(kind, nbytes, axis) for axis, kind, nbytes in self.accumulated_collectives(node, s)
+        ) * self.grad_exposed(node)
+
+    def accumulated_collectives(self, node: OpNode, s: SourceStrategy) -> list[tuple[int, str, int]]:
+        """(axis, kind, bytes) of the one reduction of a parameter's summed partial gradients
+        (``SourceStrategy.accumulated_grad``), issued in backward once every use has added its part."""
+        moves = s.accumulated_grad if isinstance(s, SourceStrategy) else None
+        if moves is None:
+            return []
+        meta = self.compute_meta(node.outputs[0])
+        return [(t.axis, t.kind, t.bytes) for t in transitions(meta, moves[0], moves[1], self.mesh_shape)]
 
     def step_collectives(self, node: OpNode, s: SourceStrategy) -> list[tuple[int, str, int]]:
         """(axis, kind, bytes) the optimizer step issues: all-gather of the updated param (ZeRO-1/2)."""
@@ -332,16 +347,14 @@ class Coster:
         mem = np.zeros((len(su), len(sv)), dtype=np.int64)
         for a, s_u in enumerate(su):
             src = s_u.outputs[out_idx]
-            grad_target = (
-                s_u.state if isinstance(s_u, SourceStrategy) else tuple(producer_grad_placement(p) for p in src)
-            )
+            grad_target = s_u.output_grad(out_idx)
             for b, s_v in enumerate(sv):
                 dst = s_v.inputs[pos]
                 fwd = self.transition_time_s(meta, src, dst) if src != dst else 0.0
                 t = fwd
                 if fwd and regather:
                     t += fwd  # FSDP: the op keeps a handle, backward gathers it again
-                g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s_v.split))
+                g = s_v.input_grad(pos)
                 if grad and g != grad_target:
                     t += self.transition_time_s(meta, g, grad_target) * self.grad_exposed(u)
                 time[a, b] = t

@@ -1,33 +1,50 @@
-"""Execution of a plan on one rank: the captured graph run on local shards.
+"""Execution of a plan on one rank: the captured graph lowered to local ops and moves.
 
-``ShardedInterpreter`` is an ``fx.Interpreter`` over the captured (decomposed)
-graph module.  Every value in its environment is this rank's *local* piece of the
-global tensor the node computes, in the placement the plan gave that node.  For
-each op it:
+``lower(xplan, groups, state)`` rewrites the captured (decomposed) graph module,
+once per rank, into an ``fx.GraphModule`` over this rank's *local* pieces: every
+value is the local piece of the global tensor its node computes, in the
+placement the plan gave that node, and every decision the plan fixes is made
+while lowering, not per call:
 
-1. redistributes every tensor input from its producer's placement to the one the
-   op's strategy reads (``runtime.Redistribute``: the forward collectives of the
-   edge, and in backward the gradient's, exactly the plan's ``transitions``);
-2. rewrites size arguments (view/reshape/expand/split ...) from global to local
-   shapes (``strategies.views.localize_size_args``);
-3. runs the aten op, or the strategy's local kernel (``kernels.KERNELS``), on the
-   local tensors.  A parameter that was all-gathered for the op is not kept for
-   backward: the op saves a handle and backward gathers it again (FSDP), as the
-   plan prices it.
+1. each tensor input that changes placement (forward or gradient) goes through a
+   ``MoveStep``: a precomputed ``runtime.redistribute.Move`` (global meta, ``src ->
+   dst``, the gradient's ``grad_src -> grad_dst``), i.e. exactly the plan's
+   ``transitions`` for the edge in forward and backward; a ZeRO parameter is read
+   through ``zero.from_state_shard``, and an edge whose gradient goes to a
+   data-parallel bucket keeps it unreduced (``runtime/buckets.py``).  Identity
+   edges (the same placement, and the same gradient placement or no gradient)
+   are plain data flow;
+2. size arguments (view/reshape/expand/split ...) are already local
+   (``strategies.views.localize_size_args``: local shapes are static per rank);
+3. the op is the aten op itself, or an ``OpStep`` around the strategy's local
+   kernel (``kernels.KERNELS``, bound to its ``KernelContext``), a random op, or an
+   op reading an all-gathered parameter: that parameter is not kept for backward,
+   the op saves a handle and backward gathers it again (FSDP), as the plan prices;
+4. graph outputs are moved to full tensors; only the loss's move is counted
+   (the plan's list covers the training step, not gathering e.g. the logits).
 
-Randomness (dropout): the RNG is re-seeded per op from (seed, step, node, this
+The result prints as plain Python (``gm.code``: aten calls and the inserted
+steps); ``ShardedModule.local_graph`` exposes it.  What changes between calls
+lives in one ``RunState`` the steps share: the ``CollectiveCounter`` (every move
+records its collectives there), the step number (for RNG seeds), and the
+instrumentation.  ``lower(..., instrument=True)`` wraps *every* op in an
+``OpStep`` that also records each op's local outputs (``state.trace``) and the
+bytes it saves for backward (``SavedBytes``); the compiled module builds that
+variant only when one of them is asked for, so the fast graph pays nothing.
+
+Randomness (dropout): a random op re-seeds the RNG from (seed, step, node, this
 rank's coordinates on the axes where the op's output is *sharded*), so ranks
 that hold the same (replicated) values draw the same mask and ranks holding
 different shards draw their own parts — Megatron's and Paddle's local/global
-seed policy.
+seed policy.  The RNG state around the op is restored afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
-import operator
+import functools
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,11 +54,13 @@ from torch.utils import _pytree as pytree
 from .capture import OpGraph
 from .kernels import KERNELS, KernelContext
 from .placement import Placement, Replicate, Shard, parse_placements
+from .runtime.redistribute import Move
+from .runtime.zero import from_state_shard
 from .spec import local_shape
 from .strategies.views import localize_size_args
-from .transitions import consumer_grad_placement, producer_grad_placement
+from .transitions import input_grad_placements, output_grad_placements, producer_grad_placement
 
-__all__ = ["ExecutionPlan", "ShardedInterpreter", "SavedBytes", "RANDOM_OPS"]
+__all__ = ["ExecutionPlan", "RunState", "lower", "SavedBytes", "RANDOM_OPS"]
 
 aten = torch.ops.aten
 RANDOM_OPS = {
@@ -62,6 +81,11 @@ class NodeExec:
     outputs: tuple[tuple[Placement, ...], ...]
     kernels: tuple[str | None, ...]
     split: tuple[bool, ...]
+    partial_grad: tuple[bool, ...] = ()  # axes where backward runs on P(sum) gradients
+
+    def input_grad(self, pos: int) -> tuple[Placement, ...]:
+        """The gradient placement this op's backward hands back for input ``pos``."""
+        return input_grad_placements(self.inputs[pos], self.split, self.partial_grad)
 
 
 @dataclass
@@ -72,6 +96,8 @@ class ExecutionPlan:
     mesh_shape: tuple[int, ...]
     nodes: dict[str, NodeExec]
     sources: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]]  # fx name -> (placement, grad target)
+    # param fx name -> where its uses' gradients are summed, when not its state placement (partial_grad_axes)
+    accumulate: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_plan(cls, graph: OpGraph, plan) -> ExecutionPlan:
@@ -88,13 +114,19 @@ class ExecutionPlan:
             ins = tuple(parse_placements(p) for p in entry["inputs"])
             outs = tuple(parse_placements(p) for p in entry["outputs"])
             split = tuple(any(not isinstance(p[a], Replicate) for p in ins + outs) for a in range(len(mesh_shape)))
-            nodes[n.name] = NodeExec(ins, outs, tuple(entry["kernels"]), split)
+            flags = _axis_flags(plan, entry, f"node {n.name}")
+            if any(f and sp for f, sp in zip(flags, split)):
+                raise ValueError(
+                    f"node {n.name}: partial_grad_axes {entry['partial_grad_axes']} include an axis the op "
+                    "splits; partial gradients are only exact where every rank of the axis repeats the op"
+                )
+            nodes[n.name] = NodeExec(ins, outs, tuple(entry["kernels"]), split, flags)
         if missing:
             raise ValueError(
                 f"the plan does not match the model {graph.model_name}: {len(missing)} graph nodes are not in it "
                 f"(first: {', '.join(missing[:3])}); re-plan this model with the same example input shapes"
             )
-        sources = {}
+        sources, accumulate = {}, {}
         for n in graph.nodes:
             if n.kind == "param":
                 if n.fqn not in plan.params:
@@ -102,10 +134,13 @@ class ExecutionPlan:
                 p = plan.params[n.fqn]
                 # (placement, state placement): gradients go to the state (ZeRO-1/2 when they differ)
                 sources[n.name] = (parse_placements(p["placements"]), parse_placements(p["state_placements"]))
+                flags = _axis_flags(plan, p, f"parameter {n.fqn}")
+                if any(flags):
+                    accumulate[n.name] = output_grad_placements(sources[n.name][1], flags)
             elif n.kind in ("input", "buffer"):
                 pl = parse_placements(plan.inputs[n.fqn or n.name]["placements"])
                 sources[n.name] = (pl, tuple(producer_grad_placement(p) for p in pl))
-        return cls(graph, mesh_shape, nodes, sources)
+        return cls(graph, mesh_shape, nodes, sources, accumulate)
 
     def output_placement(self, name: str, index: int) -> tuple[Placement, ...]:
         if name in self.nodes:
@@ -113,9 +148,20 @@ class ExecutionPlan:
         return self.sources[name][0]
 
     def grad_target(self, name: str, index: int) -> tuple[Placement, ...]:
+        """Where the gradients of ``name``'s output ``index`` are summed (what each consumer edge delivers)."""
         if name in self.nodes:
-            return tuple(producer_grad_placement(p) for p in self.nodes[name].outputs[index])
-        return self.sources[name][1]
+            return output_grad_placements(self.nodes[name].outputs[index], self.nodes[name].partial_grad)
+        return self.accumulate.get(name, self.sources[name][1])
+
+
+def _axis_flags(plan, entry: dict, what: str) -> tuple[bool, ...]:
+    """``entry["partial_grad_axes"]`` (axis names) as one flag per mesh axis."""
+    names = list(plan.mesh.axis_names)
+    given = entry.get("partial_grad_axes", [])
+    unknown = [a for a in given if a not in names]
+    if unknown:
+        raise ValueError(f"{what}: partial_grad_axes {unknown} are not axes of the plan's mesh {names}")
+    return tuple(a in given for a in names) if given else ()
 
 
 class SavedBytes:
@@ -158,20 +204,19 @@ class SavedBytes:
 
 
 @contextlib.contextmanager
-def _regather_saved(gathered: list, groups, counter, record: SavedBytes | None = None, op: str = ""):
+def _regather_saved(gathered: tuple, counter, record: SavedBytes | None = None, op: str = ""):
     """FSDP: an op that saves an all-gathered parameter keeps only a handle; backward gathers it again.
 
-    ``gathered`` lists (full tensor, (local shard, meta, src, dst)).  A saved tensor
-    that shares storage with a gathered parameter is packed as the recipe to
-    rebuild it (the shard and the view's size/stride/offset); unpacking issues the
-    plan's backward all-gather.  Every other saved tensor is kept as is and, when
-    ``record`` is given, measured there (``SavedBytes``).  With nothing gathered and
-    no record this is a no-op.
+    ``gathered`` lists (full tensor, (local shard, Move)).  A saved tensor that
+    shares storage with a gathered parameter is packed as the recipe to rebuild it
+    (the shard and the view's size/stride/offset); unpacking issues the plan's
+    backward all-gather (the Move's forward steps, recorded as ``"backward"``).
+    Every other saved tensor is kept as is and, when ``record`` is given, measured
+    there (``SavedBytes``).  With nothing gathered and no record this is a no-op.
     """
     if not gathered and record is None:
         yield
         return
-    from .runtime.redistribute import redistribute_local
 
     def pack(t: torch.Tensor):
         for full, recipe in gathered:
@@ -184,154 +229,251 @@ def _regather_saved(gathered: list, groups, counter, record: SavedBytes | None =
     def unpack(packed):
         if not (isinstance(packed, tuple) and packed and packed[0] == "regather"):
             return packed
-        _, (local, meta, src, dst), size, stride, offset, _ = packed
-        full = redistribute_local(local.detach(), meta, src, dst, groups, phase="backward", counter=counter)
-        return full.as_strided(size, stride, offset)
+        _, (local, move), size, stride, offset, _ = packed
+        return move.local(local.detach(), counter, phase="backward").as_strided(size, stride, offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
 
 
-class ShardedInterpreter(fx.Interpreter):
-    """Runs the captured graph on this rank's local tensors (see the module docstring)."""
+@dataclass
+class RunState:
+    """What may change between calls of a lowered graph; its steps read it (``ShardedModule`` sets it per call).
 
-    def __init__(
-        self,
-        xplan: ExecutionPlan,
-        groups,
-        counter=None,
-        *,
-        seed: int = 0,
-        step: int = 0,
-        source_values: dict[str, torch.Tensor] | None = None,
-        trace: dict[str, list[torch.Tensor]] | None = None,
-        saved: SavedBytes | None = None,
-        state_shards: dict[str, torch.Tensor] | None = None,
-        buckets=None,
-    ) -> None:
-        super().__init__(xplan.graph.gm, garbage_collect_values=True)
-        self.xplan = xplan
-        self.groups = groups
-        self.counter = counter
-        self.seed = seed
-        self.step = step
-        self.source_values = source_values or {}
-        self.trace = trace  # when a dict: op node name -> this rank's local outputs (for tests and debugging)
-        self.saved = saved  # when given: the bytes ops save for backward are measured there
-        # ZeRO-1/2: param node name -> its state shard (its source value is the buffer; runtime/zero.py)
-        self.state_shards = state_shards or {}
-        self.buckets = buckets  # runtime.buckets.GradBuckets: data-parallel gradients reduced in buckets, or None
-        self.coordinate = tuple(groups.coordinate)
-        self.by_fx = {n.fx_node: n for n in xplan.graph.nodes if n.fx_node is not None}
-        for fxn in self.module.graph.nodes:
-            if fxn.op == "placeholder" and fxn.name in xplan.graph.placeholder_alias:
-                self.by_fx[fxn] = xplan.graph.nodes[xplan.graph.placeholder_alias[fxn.name]]
-        # value provenance: fx node -> (planning node name, output index) for placements
-        self._origin: dict[fx.Node, tuple[str, int]] = {}
+    ``counter``: a ``CollectiveCounter`` every move records in (or None);
+    ``step``: the call number, part of every random op's seed; ``trace``: when a
+    dict, op node name -> this rank's local outputs; ``saved``: when given, the
+    bytes ops save for backward are measured there.  ``trace`` and ``saved`` are
+    only honoured by a graph lowered with ``instrument=True``.
+    """
 
-    # ---- sources ------------------------------------------------------------------------
-    def placeholder(self, target, args, kwargs):
-        node = self._current
-        opnode = self.by_fx.get(node)
-        if opnode is None:  # an unused alias placeholder of a tied parameter
-            return None
-        self._origin[node] = (opnode.name, 0)
-        return self.source_values[opnode.name]
+    counter: Any = None
+    step: int = 0
+    trace: dict[str, list[torch.Tensor]] | None = None
+    saved: SavedBytes | None = None
 
-    def run_node(self, n: fx.Node) -> Any:
-        self._current = n
-        if n.op == "call_function" and n.target is operator.getitem:
-            src = n.args[0]
-            if src in self._origin:
-                self._origin[n] = (self._origin[src][0], int(n.args[1]))
-        return super().run_node(n)
 
-    # ---- ops ----------------------------------------------------------------------------
-    def call_function(self, target, args, kwargs):
-        node = self._current
-        opnode = self.by_fx.get(node)
-        if opnode is None or opnode.kind != "op":
-            return super().call_function(target, args, kwargs)
-        ex = self.xplan.nodes[opnode.name]
-        from .runtime.redistribute import redistribute
-        from .runtime.zero import from_state_shard
+class _Step:
+    """A callable the lowered graph calls; ``__name__`` is what ``gm.code`` shows."""
 
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        fx_flat = pytree.tree_flatten((node.args, node.kwargs))[0]
-        pos = 0
-        new_flat = []
-        regather: list[tuple[torch.Tensor, tuple]] = []
-        for value, fx_arg in zip(flat, fx_flat):
-            if isinstance(fx_arg, fx.Node) and isinstance(fx_arg.meta.get("val"), torch.Tensor):
-                src_node, out_idx = opnode.inputs[pos]
-                producer = self.xplan.graph.nodes[src_node]
-                src = self.xplan.output_placement(producer.name, out_idx)
-                dst = ex.inputs[pos]
-                grad_src = tuple(consumer_grad_placement(p, s) for p, s in zip(dst, ex.split))
-                grad_dst = self.xplan.grad_target(producer.name, out_idx)
-                meta = producer.outputs[out_idx]
-                if self.buckets is not None and self.buckets.defers(producer.name):
-                    self.buckets.note(producer.name, meta, grad_src, grad_dst)  # reduced in a bucket instead
-                    grad_dst = grad_src
-                shard = self.state_shards.get(producer.name)
-                if shard is not None or src != dst or grad_src != grad_dst:
-                    local = value
-                    if shard is None:
-                        value = redistribute(value, meta, src, dst, grad_src, grad_dst, self.groups, self.counter)
-                    else:  # read the ZeRO buffer; the gradient goes to the state shard
-                        value = from_state_shard(
-                            shard, value, meta, src, dst, grad_src, grad_dst, self.groups, self.counter
-                        )
-                    if producer.kind == "param" and src != dst:
-                        regather.append((value, (local, meta.with_shape(meta.shape), src, dst)))
-                    if producer.kind == "param" and self.saved is not None:
-                        self.saved.add_parameter(value)  # a moved copy of a parameter is model state too
-                pos += 1
-            new_flat.append(value)
-        args, kwargs = pytree.tree_unflatten(new_flat, spec)
-        shapes = [
-            local_shape(m.shape, p, self.xplan.mesh_shape, self.coordinate) for m, p in zip(opnode.outputs, ex.outputs)
-        ]
-        args, kwargs = localize_size_args(target, tuple(args), dict(kwargs), shapes)
-        kernel = {k for k in ex.kernels if k}
-        with _regather_saved(regather, self.groups, self.counter, self.saved, opnode.name):
-            if target in RANDOM_OPS:
-                with torch.random.fork_rng(devices=self._rng_devices()):
-                    torch.manual_seed(self._op_seed(opnode.index, ex))
-                    out = self._call(target, args, kwargs, kernel, ex, opnode)
+    def __init__(self, name: str, state: RunState) -> None:
+        self.__name__ = self.__qualname__ = name
+        self.state = state
+
+
+class MoveStep(_Step):
+    """One edge's ``Move`` (or a ZeRO read, ``shard`` given) in the lowered graph.
+
+    Records in ``state.counter`` unless ``counted`` is false; a moved parameter
+    (``param``) is marked as model state in ``state.saved`` when measuring.
+    """
+
+    def __init__(self, name: str, state: RunState, move: Move, *, shard=None, param=False, counted=True) -> None:
+        super().__init__(name, state)
+        self.move, self.shard, self.param, self.counted = move, shard, param, counted
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        counter = self.state.counter if self.counted else None
+        if self.shard is None:
+            out = self.move(x, counter)
+        else:  # read the ZeRO buffer; the gradient goes to the state shard
+            out = from_state_shard(self.shard, x, self.move, counter)
+        if self.param and self.state.saved is not None:
+            self.state.saved.add_parameter(out)  # a moved copy of a parameter is model state too
+        return out
+
+
+class OpStep(_Step):
+    """One op that needs more than its aten call: a kernel, an RNG seed, FSDP re-gather or instrumentation.
+
+    Called as ``step(*args, **kwargs)``, or ``step(pairs, *args, **kwargs)`` with
+    ``regather`` moves, ``pairs`` holding each gathered parameter's (full, local
+    piece) in the same order.  ``seed_key``: (seed, node index, sharded
+    coordinates) of a random op; the RNG seed also takes ``state.step``.
+    """
+
+    def __init__(self, name: str, state: RunState, fn, *, regather=(), seed_key=None, rng_devices=(), instrument=False):
+        super().__init__(name, state)
+        self.fn, self.regather, self.seed_key, self.instrument = fn, tuple(regather), seed_key, instrument
+        self.rng_devices = list(rng_devices)
+
+    def seed(self, step: int) -> int:
+        seed, index, coords = self.seed_key
+        return zlib.crc32(repr((seed, step, index, coords)).encode()) & 0x7FFFFFFF
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
+        gathered = ()
+        if self.regather:
+            gathered = tuple((full, (local, move)) for (full, local), move in zip(args[0], self.regather))
+            args = args[1:]
+        with _regather_saved(gathered, state.counter, state.saved if self.instrument else None, self.__name__):
+            if self.seed_key is None:
+                out = self.fn(*args, **kwargs)
             else:
-                out = self._call(target, args, kwargs, kernel, ex, opnode)
-        if self.trace is not None:
-            self.trace[opnode.name] = [
+                with torch.random.fork_rng(devices=self.rng_devices):
+                    if self.rng_devices:
+                        torch.manual_seed(self.seed(state.step))
+                    else:  # CPU ranks: only the CPU generator (torch.manual_seed also queues lazy device seeding)
+                        torch.default_generator.manual_seed(self.seed(state.step))
+                    out = self.fn(*args, **kwargs)
+        if self.instrument and state.trace is not None:
+            state.trace[self.__name__] = [
                 t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
             ]
         return out
 
-    def _call(self, target, args, kwargs, kernel, ex: NodeExec, opnode):
-        if not kernel:
-            return target(*args, **kwargs)
-        if len(kernel) > 1:
-            raise ValueError(
-                f"node {opnode.describe()}: strategies name several kernels {sorted(kernel)} on "
-                "different axes; choose a plan with one kernel per op"
-            )
-        name = kernel.pop()
-        ctx = KernelContext(
-            self.xplan.mesh_shape,
-            self.coordinate,
-            ex.inputs,
-            opnode.call.inputs,
-            tuple(a for a, k in enumerate(ex.kernels) if k == name),
+
+def _kernel(xplan: ExecutionPlan, opnode, ex: NodeExec, coordinate: tuple[int, ...]):
+    """The op's local callable: its aten target, or the one kernel its strategies name, bound to its context."""
+    names = {k for k in ex.kernels if k}
+    if not names:
+        return opnode.target
+    if len(names) > 1:
+        raise ValueError(
+            f"node {opnode.describe()}: strategies name several kernels {sorted(names)} on "
+            "different axes; choose a plan with one kernel per op"
         )
-        return KERNELS[name](ctx, *args, **kwargs)
+    (name,) = names
+    axes = tuple(a for a, k in enumerate(ex.kernels) if k == name)
+    ctx = KernelContext(xplan.mesh_shape, coordinate, ex.inputs, opnode.call.inputs, axes)
+    return functools.partial(KERNELS[name], ctx)
 
-    def _op_seed(self, index: int, ex: NodeExec) -> int:
-        sharded_axes = [
-            a for a in range(len(self.xplan.mesh_shape)) if any(isinstance(p[a], Shard) for p in ex.outputs)
-        ]
-        key = (self.seed, self.step, index, tuple(self.coordinate[a] for a in sharded_axes))
-        return zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
 
-    def _rng_devices(self) -> list:
-        dev = getattr(self.groups, "device", torch.device("cpu"))
-        return [dev] if dev.type == "cuda" else []
+def _seed_key(seed: int, opnode, ex: NodeExec, coordinate: tuple[int, ...]):
+    sharded = [a for a in range(len(coordinate)) if any(isinstance(p[a], Shard) for p in ex.outputs)]
+    return (seed, opnode.index, tuple(coordinate[a] for a in sharded))
+
+
+def lower(
+    xplan: ExecutionPlan,
+    groups,
+    state: RunState,
+    *,
+    seed: int = 0,
+    state_shards: dict[str, torch.Tensor] | None = None,
+    buckets=None,
+    instrument: bool = False,
+) -> fx.GraphModule:
+    """This rank's local program for ``xplan`` (see the module docstring).
+
+    The module takes one positional argument per source node of ``xplan.graph``
+    (parameters, buffers, inputs; ``kind != "op"``), in graph order, each this
+    rank's piece under its planned placement, and returns the model's outputs
+    (full tensors; the loss as planned).  ``state_shards``: ZeRO param node name ->
+    its state shard (its argument is the buffer; ``runtime/zero.py``).
+    ``buckets``: a ``runtime.buckets.GradBuckets`` whose parameters' edges hand
+    their gradients to it unreduced (noted in it).  Raises ValueError for a node
+    whose strategies name several kernels.
+    """
+    graph = xplan.graph
+    state_shards = state_shards or {}
+    coord = tuple(groups.coordinate)
+    dev = getattr(groups, "device", torch.device("cpu"))
+    rng_devices = [dev] if dev.type == "cuda" else []
+    by_fx = {n.fx_node: n for n in graph.nodes if n.fx_node is not None}
+    for fxn in graph.gm.graph.nodes:
+        if fxn.op == "placeholder" and fxn.name in graph.placeholder_alias:
+            by_fx[fxn] = graph.nodes[graph.placeholder_alias[fxn.name]]
+    g = fx.Graph()
+    sources = {n.name: g.placeholder(n.name) for n in graph.nodes if n.kind != "op"}
+    by_name = {n.name: n for n in graph.nodes}
+    for name, acc in xplan.accumulate.items():  # parameters whose uses' partial gradients are summed first
+        node = by_name[name]
+        placement, grad_state = xplan.sources[name]
+        if buckets is not None and name in buckets:  # the bucket reduces the sum (its source wrap)
+            buckets.note(name, "accumulated", node.outputs[0], acc, grad_state)
+            continue
+        move = Move(node.outputs[0], placement, placement, acc, grad_state, groups)
+        step = MoveStep(f"accumulate_{name}", state, move, shard=state_shards.get(name), param=True)
+        sources[name] = g.call_function(step, (sources[name],))
+    env: dict[fx.Node, Any] = {}
+
+    def edge(opnode, ex: NodeExec, pos: int, value: fx.Node, regather: list):
+        src_node, out_idx = opnode.inputs[pos]
+        producer = graph.nodes[src_node]
+        src, dst = xplan.output_placement(producer.name, out_idx), ex.inputs[pos]
+        grad_src = ex.input_grad(pos)
+        grad_dst = xplan.grad_target(producer.name, out_idx)
+        meta = producer.outputs[out_idx]
+        if buckets is not None and producer.name in buckets and producer.name not in xplan.accumulate:
+            buckets.note(producer.name, (opnode.name, pos), meta, grad_src, grad_dst)  # reduced in a bucket
+            grad_dst = grad_src
+        # a ZeRO parameter is read from its buffer on each edge, unless its summed gradient is moved once
+        shard = state_shards.get(producer.name) if producer.name not in xplan.accumulate else None
+        no_grad = producer.kind in ("op", "buffer") and not producer.requires_grad  # its gradient never flows
+        if shard is None and src == dst and (grad_src == grad_dst or no_grad):
+            return value
+        param = producer.kind == "param"
+        step = MoveStep(
+            f"move_{opnode.name}_{pos}",
+            state,
+            Move(meta, src, dst, grad_src, grad_dst, groups),
+            shard=shard,
+            param=param,
+        )
+        moved = g.call_function(step, (value,))
+        if param and src != dst:
+            regather.append(((moved, value), step.move))
+        return moved
+
+    out_fx = None
+    for fxn in graph.gm.graph.nodes:
+        opnode = by_fx.get(fxn)
+        if fxn.op == "placeholder":
+            env[fxn] = sources[opnode.name] if opnode is not None else None  # None: an unused tied alias
+            continue
+        if fxn.op == "output":
+            out_fx = fxn
+            continue
+        if fxn.op != "call_function" or opnode is None or opnode.kind != "op":
+            env[fxn] = g.node_copy(fxn, lambda n: env[n])
+            continue
+        ex = xplan.nodes[opnode.name]
+        flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))
+        pos, new_flat, regather = 0, [], []
+        for a in flat:
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                a = edge(opnode, ex, pos, env[a], regather)
+                pos += 1
+            elif isinstance(a, fx.Node):
+                a = env[a]
+            new_flat.append(a)
+        args, kwargs = pytree.tree_unflatten(new_flat, spec)
+        shapes = [local_shape(m.shape, p, xplan.mesh_shape, coord) for m, p in zip(opnode.outputs, ex.outputs)]
+        args, kwargs = localize_size_args(fxn.target, tuple(args), dict(kwargs), shapes)
+        fn = _kernel(xplan, opnode, ex, coord)
+        random = fxn.target in RANDOM_OPS
+        if instrument or random or regather or fn is not fxn.target:
+            fn = OpStep(
+                opnode.name,
+                state,
+                fn,
+                regather=[m for _, m in regather],
+                seed_key=_seed_key(seed, opnode, ex, coord) if random else None,
+                rng_devices=rng_devices,
+                instrument=instrument,
+            )
+            if regather:
+                args = (tuple(pair for pair, _ in regather), *args)
+        env[fxn] = g.create_node("call_function", fn, args, kwargs, name=fxn.name)
+    g.output(_lower_outputs(xplan, groups, state, g, env, out_fx))
+    return fx.GraphModule(graph.gm, g, class_name="LocalProgram")
+
+
+def _lower_outputs(xplan: ExecutionPlan, groups, state: RunState, g: fx.Graph, env: dict, out_fx: fx.Node):
+    """The outputs gathered to full tensors: only the loss's move is counted (the plan's list covers the step)."""
+    graph = xplan.graph
+    flat, spec = pytree.tree_flatten(out_fx.args[0])
+    full = tuple(Replicate() for _ in xplan.mesh_shape)
+    result = []
+    for k, (value, (node_idx, out_idx)) in enumerate(zip(flat, graph.outputs)):
+        value = env[value] if isinstance(value, fx.Node) else value
+        node = graph.nodes[node_idx]
+        src = xplan.output_placement(node.name, out_idx)
+        if src != full:
+            move = Move(node.outputs[out_idx], src, full, full, xplan.grad_target(node.name, out_idx), groups)
+            step = MoveStep(f"gather_output_{k}", state, move, counted=k == graph.loss_output)
+            value = g.call_function(step, (value,))
+        result.append(value)
+    return pytree.tree_unflatten(result, spec) if len(result) > 1 else result[0]

@@ -1,8 +1,11 @@
 """Turn a solved choice into a Plan: placements, collectives, cost and memory breakdown.
 
-The breakdown re-prices the chosen strategies with the same ``Coster`` the search
-used (in float seconds, before the picosecond rounding), so the plan's totals are
-the objective the search minimized.  Compute is op time and optimizer-step time;
+The breakdown reads each chosen node's time and memory from the ``ProblemTables`` the
+search optimized (shared by equal layers, so nothing is priced again) and splits them
+with the ``Coster``: the collectives an op or an optimizer step issues are priced one by
+one to list them, and the rest of the node's time is compute.  The plan's totals are
+the objective the search minimized (node times to the picosecond, as the search had
+them).  Compute is op time and optimizer-step time;
 communication is every transition, op-issued collective and ZeRO step all-gather,
 with parameter-gradient reductions counted at their exposed time (``time_s`` of a
 collective is what it adds to the step).
@@ -12,23 +15,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from .candidates import SourceStrategy
 from .placement import Replicate, format_placements
 from .plan_types import Plan
 from .problem_builder import PS_PER_S
 from .spec import local_shape
-from .transitions import consumer_grad_placement, producer_grad_placement, transitions
+from .transitions import transitions
 
 __all__ = ["assemble_plan", "breakdown"]
 
 
-def _fmt(pl) -> list[str]:
-    return format_placements(pl)
+def _fmt(pl, memo: dict | None = None) -> list[str]:
+    """``format_placements``, memoized per placement tuple when given a dict (plans repeat few)."""
+    if memo is None:
+        return format_placements(pl)
+    if pl not in memo:
+        memo[pl] = format_placements(pl)
+    return list(memo[pl])
+
+
+def _axis_names(ctx, flags) -> list[str]:
+    return [ctx.mesh.axis_names[a] for a, f in enumerate(flags) if f]
 
 
 def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     """Cost, memory and collectives of a choice (one strategy index per graph node)."""
-    graph, cand, coster = ctx.graph, ctx.cand, ctx.coster
+    graph, cand, coster, tables = ctx.graph, ctx.cand, ctx.coster, ctx.tables
     axis_names = ctx.mesh.axis_names
     mesh_shape = ctx.mesh.shape
     strat = [cand.strategies[n.index][choice[n.index]] for n in graph.nodes]
@@ -62,11 +73,16 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             mem["grads"] += st.grads
             mem["optimizer"] += st.optimizer
             step = coster.step_collectives(n, s)
-            compute_s += coster.node_time_s(n, s) - sum(coster.comm_time_s(k, b, a) for a, k, b in step)
+            node_s = int(tables.node_time_ps[n.index][choice[n.index]]) / PS_PER_S
+            compute_s += node_s - sum(coster.comm_time_s(k, b, a) for a, k, b in step)
             for axis, kind, nbytes in step:
                 add(kind, axis, "optimizer", nbytes, n, n.fqn)
+            acc = coster.accumulated_collectives(n, s)
+            compute_s -= sum(coster.comm_time_s(k, b, a) for a, k, b in acc) * coster.grad_exposed(n)
+            for axis, kind, nbytes in acc:  # the summed partial gradients of all uses, reduced once
+                add(kind, axis, "backward", nbytes, n, n.name, exposed=coster.grad_exposed(n))
             continue
-        mem["activations"] += coster.activation_bytes(n, s)
+        mem["activations"] += int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
         if n.kind != "op":
             continue
         op_comm = 0.0
@@ -74,7 +90,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             for c in comms:
                 op_comm += coster.comm_time_s(c.kind, c.bytes, axis)
                 add(c.kind, axis, c.phase, c.bytes, n, n.name, c.reduce_op)
-        compute_s += coster.node_time_s(n, s) - op_comm
+        compute_s += int(tables.node_time_ps[n.index][choice[n.index]]) / PS_PER_S - op_comm
         saves = coster.saved_inputs(n)
         for pos, (u, o) in enumerate(n.inputs):
             un, su = graph.nodes[u], strat[u]
@@ -85,8 +101,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op)
                 if un.kind == "param" and pos in saves:  # FSDP: the op kept a handle; gathered again
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
-            g = tuple(consumer_grad_placement(p, sp) for p, sp in zip(dst, s.split))
-            target = su.state if isinstance(su, SourceStrategy) else tuple(producer_grad_placement(p) for p in src)
+            g, target = s.input_grad(pos), su.output_grad(o)
             mem["activations"] += coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
                 if g != target:
@@ -114,6 +129,7 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
     strat = b["strategies"]
     mesh_shape = ctx.mesh.shape
     params, inputs, nodes, fallback = {}, {}, {}, []
+    shown: dict = {}  # placement tuple -> its strings
     aliases: dict[str, list[str]] = {}
     for alias, canon in graph.tied.items():
         aliases.setdefault(canon, []).append(alias)
@@ -121,16 +137,18 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
         s = strat[n.index]
         if n.kind == "param":
             params[n.fqn] = {
-                "placements": _fmt(s.placement),
-                "state_placements": _fmt(s.state),
+                "placements": _fmt(s.placement, shown),
+                "state_placements": _fmt(s.state, shown),
                 "shape": list(n.outputs[0].shape),
                 "local_shape": list(local_shape(n.outputs[0].shape, s.placement, mesh_shape)),
                 "tied_to": sorted(aliases.get(n.fqn, [])),
             }
+            if any(s.partial_grad):  # uses' gradients summed as P(sum) on these axes, then reduced once
+                params[n.fqn]["partial_grad_axes"] = _axis_names(ctx, s.partial_grad)
         elif n.kind in ("input", "buffer"):
             inputs[n.fqn or n.name] = {
                 "kind": n.kind,
-                "placements": _fmt(s.placement),
+                "placements": _fmt(s.placement, shown),
                 "shape": list(n.outputs[0].shape),
             }
         else:
@@ -138,11 +156,13 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
             nodes[n.name] = {
                 "op": op,
                 "module": n.module,
-                "inputs": [_fmt(p) for p in s.inputs],
-                "outputs": [_fmt(p) for p in s.outputs],
+                "inputs": [_fmt(p, shown) for p in s.inputs],
+                "outputs": [_fmt(p, shown) for p in s.outputs],
                 "kernels": [k for k in s.kernels],
                 "fallback": bool(s.fallback),
             }
+            if any(s.partial_grad):  # backward runs on P(sum) gradients on these axes (OpStrategy)
+                nodes[n.name]["partial_grad_axes"] = _axis_names(ctx, s.partial_grad)
             if s.fallback:
                 fallback.append({"node": n.name, "op": op, "module": n.module})
     cap = settings.get("mem_cap_bytes")

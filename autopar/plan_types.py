@@ -9,9 +9,9 @@ Schema (placements in the printed form, one entry per mesh axis)::
 
     schema_version, model, mesh {shape, axis_names, ranks},
     settings {profile, dtype, optimizer, mem_cap_bytes, solver},
-    params {FQN: {placements, state_placements, shape, local_shape, tied_to}},
+    params {FQN: {placements, state_placements, shape, local_shape, tied_to[, partial_grad_axes]}},
     inputs {name: {placements, shape}},
-    nodes {fx name: {op, module, inputs, outputs, kernels, fallback}},
+    nodes {fx name: {op, module, inputs, outputs, kernels, fallback[, partial_grad_axes]}},
     collectives [{kind, axis, phase, bytes, node, module, tensor, reduce_op, time_s}],
     cost {compute_s, comm_s, total_s},
     memory {per_device_bytes, params, grads, optimizer, activations, cap_bytes},
@@ -23,7 +23,10 @@ Schema (placements in the printed form, one entry per mesh axis)::
            (only when the plan was hinted: the normalized hints, see ``autopar.hints``)
 
 ``phase`` is ``forward``, ``backward`` or ``optimizer`` (the all-gather of updated
-parameters after a ZeRO-sharded optimizer step).
+parameters after a ZeRO-sharded optimizer step).  ``partial_grad_axes`` (only when
+not empty) names the axes where a node's backward runs on ``P(sum)`` gradients, or
+where a parameter read by several ops sums its uses' partial gradients before one
+reduction (``OpStrategy`` / ``SourceStrategy`` in ``strategies.base`` / ``candidates``).
 """
 
 from __future__ import annotations

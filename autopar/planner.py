@@ -105,6 +105,7 @@ def prepare(
     cand = _with_sources(cand, resolved.missing_sources(cand))
     coster = Coster(cand, settings)
     tables = build_tables(cand, coster)
+    tables.problem(None)  # the SearchProblem, checked once: each cap and re-plan shares it
     timings["strategies_s"] = time.perf_counter() - t1
     return PlanningContext(
         graph,
@@ -230,7 +231,7 @@ def plan_from_context(
         if e.min_mem_bytes is None and hinted:
             raise _contradiction_error(ctx, resolved) from None
         raise _cap_error(ctx, cap, e, keep) from None
-    choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
+    choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice)
     search_s = time.perf_counter() - t0
     alternatives = _family_alternatives(ctx, cap, solver) if compare_families else []
     timings = dict(ctx.timings, search_s=search_s)

@@ -14,7 +14,7 @@ how the planner finds the best plan of each family for the comparison table.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,6 +40,18 @@ class ProblemTables:
     edge_mem: list[np.ndarray]
     edge_refs: list[list[tuple[int, int, int, int]]]  # per edge: (u, out_idx, v, pos) tensors it carries
     sinks: list[tuple[int, int]]  # (node, output index) read as Replicate by a sink node
+    _whole: tuple | None = field(default=None, repr=False)  # (problem, keep): unrestricted, no cap
+
+    def problem(self, mem_cap_bytes: int | None) -> tuple[SearchProblem, list[np.ndarray]]:
+        """:func:`to_problem` unrestricted.  Built and checked once; each cap is then a
+        :meth:`SearchProblem.with_cap` copy sharing the arrays and what the solvers derived
+        from them (plan reuse across caps)."""
+        if self._whole is None:
+            self._whole = _build(self, None, None, None)
+            self._whole[0].flat()  # evaluate's index and the edge array: part of the problem, built with it
+            self._whole[0].edge_array()
+        problem, keep = self._whole
+        return problem.with_cap(mem_cap_bytes), list(keep)
 
 
 def _ps(seconds: np.ndarray) -> np.ndarray:
@@ -71,7 +83,6 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
             n.kind,
             n.requires_grad,
             n.outputs,
-            n.index if n.kind != "op" else None,
             tuple(o for o in range(len(n.outputs)) if (n.index, o) in coster.saved_outputs),
             coster.node_mem_key(n),
         )
@@ -149,6 +160,12 @@ def to_problem(
     ``allow_node(node, strategy)`` keeps a strategy; ``allow_edge(u, a, v, b)`` may
     forbid a pair (its time becomes INF).  Sink nodes are never restricted.
     """
+    if allow_node is None and allow_edge is None:
+        return tables.problem(mem_cap_bytes)
+    return _build(tables, mem_cap_bytes, allow_node, allow_edge)
+
+
+def _build(tables: ProblemTables, mem_cap_bytes: int | None, allow_node, allow_edge):
     n = len(tables.names)
     every: dict[int, np.ndarray] = {}  # k -> arange(k), shared (read-only) by the unrestricted nodes
     keep = []

@@ -25,6 +25,17 @@ backward collective is the transition between the two.  So a forward all-gather
 costs a reduce-scatter in backward, and data parallelism's all-reduce of weight
 gradients falls out of the same table.
 
+Partial gradients: an op that an axis does not split may run its backward on
+``P(sum)`` gradients (its strategy's ``partial_grad``; exact because a
+vector-Jacobian product is linear in the incoming gradient), so it asks for
+``P(sum)`` and hands ``P(sum)`` back (``input_grad_placements`` /
+``output_grad_placements``).  A consumer's ``R`` gradient becomes ``P(sum)`` by the
+free mask step, and the partial gradients of several consumers are summed locally:
+the reduction happens once, where a whole gradient is needed (a parameter's, whose
+reduction overlaps with backward, or a split producer's).  A parameter read by
+several ops may likewise sum its uses' partial gradients before one reduction to
+its state placement (``candidates.SourceStrategy.accumulated_grad``).
+
 Bytes follow ``costmodel.comm``: the full buffer of an all-reduce, the gathered
 size of an all-gather or reduce-scatter, each rank's buffer for all-to-all; all
 measured on the tensor's local size when the step runs (see ``transitions``).
@@ -42,6 +53,8 @@ __all__ = [
     "transitions",
     "consumer_grad_placement",
     "producer_grad_placement",
+    "input_grad_placements",
+    "output_grad_placements",
 ]
 
 
@@ -156,3 +169,22 @@ def consumer_grad_placement(p: Placement, axis_split: bool) -> Placement:
 def producer_grad_placement(p: Placement) -> Placement:
     """Placement a producer needs its output gradient in, for an output placed ``p``."""
     return p if isinstance(p, Shard) else Replicate()
+
+
+def input_grad_placements(
+    read: tuple[Placement, ...], split: tuple[bool, ...], partial_grad: tuple[bool, ...] = ()
+) -> tuple[Placement, ...]:
+    """The gradient an op hands back for an input it read as ``read``, per axis.
+
+    ``consumer_grad_placement`` on each axis, except on the ``partial_grad`` axes
+    (which the op does not split), where its backward ran on ``P(sum)`` gradients
+    and so returns ``P(sum)`` (see ``strategies.base.OpStrategy``).
+    """
+    flags = partial_grad or (False,) * len(read)
+    return tuple(Partial("sum") if f else consumer_grad_placement(p, sp) for p, sp, f in zip(read, split, flags))
+
+
+def output_grad_placements(out: tuple[Placement, ...], partial_grad: tuple[bool, ...] = ()) -> tuple[Placement, ...]:
+    """The placement an op needs the gradient of an output placed ``out`` in (``P(sum)`` on ``partial_grad`` axes)."""
+    flags = partial_grad or (False,) * len(out)
+    return tuple(Partial("sum") if f else producer_grad_placement(p) for p, f in zip(out, flags))

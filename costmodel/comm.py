@@ -14,6 +14,12 @@ a ring all-reduce is a reduce-scatter then an all-gather, each moving ``(n-1)/n`
 of the buffer through every rank's link.  The step counts are the ring's: ``n-1``
 steps per phase.  ``OpComm.bytes`` in ``autopar.strategies.base`` uses the same
 ``nbytes`` definitions.
+
+Emulated reduce-scatter: on a link whose backend has none
+(``LinkProfile.reduce_scatter == "all_reduce"``, e.g. the ``cpu`` profile: gloo,
+where autopar's runtime all-reduces the full input and keeps its slice), a
+reduce-scatter is priced as the all-reduce of its ``nbytes`` that actually runs
+(twice the bandwidth term and the latency steps; the local slice is not charged).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ _RING_FACTORS = {
 def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfile) -> float:
     """Seconds one ring collective of ``kind`` on ``nbytes`` takes among ``group_size`` ranks.
 
-    ``nbytes`` follows the module docstring's definitions.  A group of one rank, or
+    ``nbytes`` follows the module docstring's definitions; a reduce-scatter on a link
+    that emulates it costs the all-reduce it runs.  A group of one rank, or
     zero bytes, costs 0.0 (no collective is issued).  Raises ``ValueError`` for an
     unknown ``kind``, a negative ``nbytes`` or a ``group_size`` below 1.
     """
@@ -51,6 +58,8 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfi
     n = int(group_size)
     if n == 1 or nbytes == 0:
         return 0.0
+    if kind == "reduce_scatter" and link.reduce_scatter == "all_reduce":
+        kind = "all_reduce"  # emulated: the full input all-reduced, this rank's slice kept
     bw_factor, steps = _RING_FACTORS[kind]
     bandwidth_s = bw_factor * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
     latency_s = steps * (n - 1) * link.latency_s

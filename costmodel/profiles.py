@@ -35,6 +35,7 @@ __all__ = [
     "DeviceProfile",
     "PEAK_FLOPS_KEYS",
     "ATTENTION_SAVES",
+    "REDUCE_SCATTER",
     "config_dir",
     "available_profiles",
     "load_profile",
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 PEAK_FLOPS_KEYS = ("float32", "bfloat16", "float16")
 #: What scaled_dot_product_attention keeps for backward (``DeviceProfile.attention_saves``).
 ATTENTION_SAVES = ("traced", "flash")
+#: How a backend runs reduce-scatter (``LinkProfile.reduce_scatter``).
+REDUCE_SCATTER = ("native", "all_reduce")
 
 _CONFIG_ENV = "AUTOPAR_CONFIG_DIR"
 
@@ -58,12 +61,18 @@ class LinkProfile:
     achieves on the link (NCCL-tests' "bus bandwidth" ceiling); ``latency_s`` is the
     per-step latency (the alpha of the alpha-beta model): a ring all-reduce on ``n``
     ranks pays it ``2(n-1)`` times.  ``source`` says where both numbers come from.
+    ``reduce_scatter`` says how the backend runs a reduce-scatter: ``"native"`` (a
+    ring reduce-scatter, NCCL) or ``"all_reduce"`` (emulated as an all-reduce of the
+    full input plus a local slice, as autopar's runtime does on gloo:
+    ``MeshGroups.native_reduce_scatter``); ``costmodel.comm`` prices it as it runs.
+    A profile file sets it once, as the top-level key ``reduce_scatter``.
     """
 
     name: str
     bandwidth_bytes_per_s: float
     latency_s: float
     source: str
+    reduce_scatter: str = "native"
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
@@ -75,6 +84,11 @@ class LinkProfile:
             raise ValueError(
                 f"link {self.name!r}: latency_s must be >= 0 and finite, got {self.latency_s!r}; "
                 "give the per-step latency in seconds"
+            )
+        if self.reduce_scatter not in REDUCE_SCATTER:
+            raise ValueError(
+                f"link {self.name!r}: reduce_scatter must be one of {REDUCE_SCATTER} (how the backend runs it), "
+                f"got {self.reduce_scatter!r}"
             )
 
 
@@ -273,6 +287,7 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     overlap = data.pop("grad_reduce_overlap", 0.0)  # optional: older calibration files lack it
     mask_bytes = data.pop("dropout_mask_bytes", 1)
     attention = data.pop("attention_saves", "traced")  # optional: older files lack it
+    reduce_scatter = data.pop("reduce_scatter", "native")  # optional: how the backend runs it (LinkProfile)
     if not isinstance(attention, str):
         raise ValueError(f"{where}: attention_saves must be a string {ATTENTION_SAVES}, got {attention!r}")
     if not isinstance(mask_bytes, int) or mask_bytes < 1:
@@ -282,7 +297,8 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     top = _take(data, _TOP_KEYS, where)
     peak = _take(top.pop("peak_flops"), dict.fromkeys(PEAK_FLOPS_KEYS, float), f"{where} [peak_flops]")
     links = {
-        key: LinkProfile(**_take(top.pop(key), _LINK_KEYS, f"{where} [{key}]")) for key in ("intra_node", "inter_node")
+        key: LinkProfile(**_take(top.pop(key), _LINK_KEYS, f"{where} [{key}]"), reduce_scatter=reduce_scatter)
+        for key in ("intra_node", "inter_node")
     }
     return DeviceProfile(
         peak_flops=peak,

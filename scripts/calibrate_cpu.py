@@ -22,13 +22,13 @@ more ranks than cores, the contention is part of every number, as it is there):
   squares on relative error; the TOML takes the largest count, bench_step's: with
   more ranks than cores each ring step waits for a descheduled peer, so the
   "link" depends on the rank count); reduce_scatter is printed beside the fit, not
-  fitted, since the ring form prices it as half an all-reduce while gloo runs a
-  whole one.
+  fitted: gloo runs it as a whole all-reduce, which the profile's
+  ``reduce_scatter = "all_reduce"`` key prices (costmodel/comm.py).
 * compute, on every rank at once (what each rank gets when all of them compute):
   fp32, bf16 and fp16 matmul flop/s on model-shaped GEMMs, memory bandwidth of a large
   copy, eager per-op dispatch (a one-element add), and the per-op cost of autopar's
   runtime on a small MLP whose ops are all too small for their flops or bytes to
-  matter: its ``ShardedModule`` forward (fx.Interpreter; no collective) per op, and
+  matter: its ``ShardedModule`` forward (the lowered local graph; no collective) per op, and
   its eager backward per op (autograd runs the sharded backward the same way).
   ``kernel_overhead_s`` is their mean: the cost model charges it once for an op's
   forward and once for its backward, and once per collective.
@@ -125,11 +125,11 @@ class _Tiny(nn.Module):
 
 
 def _runtime_overhead(n: int, trials: int) -> dict[str, float]:
-    """Per-op seconds of a tiny model: autopar's interpreted forward, eager forward, eager backward.
+    """Per-op seconds of a tiny model: autopar's forward, eager forward, eager backward.
 
     The ShardedModule forward of a data-parallel plan whose output stays batch-split
     issues no collective, so its time over the op count is the runtime's per-node
-    cost (fx.Interpreter, placement bookkeeping, dispatch).  Backward runs through
+    cost (the lowered local graph's dispatch).  Backward runs through
     autograd as eager backward does, so the eager model's backward stands for it
     (the sharded backward would add the gradient all-reduce, which is priced apart).
     """
@@ -181,7 +181,7 @@ def _rank(rank: int, n: int, port: int, trials: int, queue) -> None:
         coll = _collectives(n, trials)
         comp = _compute(trials)
         comp.update(_runtime_overhead(n, trials))
-        # what the cost model charges per op call: the mean of an interpreted forward and an eager backward
+        # what the cost model charges per op call: the mean of an autopar forward and an eager backward
         comp["runtime_op_s"] = (comp["runtime_fwd_op_s"] + comp["eager_bwd_op_s"]) / 2
         if rank == 0:
             queue.put((n, coll, comp))

@@ -68,6 +68,66 @@ def _errors(fn) -> str:
     return "no error"
 
 
+_SIZED = ("view.default", "_unsafe_view.default", "reshape.default", "expand.default")
+
+
+def _local_graph_facts(sharded, args, kwargs) -> dict:
+    """What ``sharded.local_graph`` calls, its moves that move nothing, and its size arguments vs traced shapes."""
+    from autopar.executor import MoveStep, OpStep
+
+    sharded.trace = {}
+    sharded(*args, **kwargs)
+    trace, sharded.trace = sharded.trace, None
+    captured = {n.name: n for n in sharded._graph.gm.graph.nodes}
+    kinds, idle, sizes = set(), [], []
+    for n in sharded.local_graph.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if isinstance(t, MoveStep):
+            kinds.add("move")
+            if not (t.move.moves_value or t.move.moves_grad or t.shard is not None):
+                idle.append(n.name)
+        elif isinstance(t, OpStep):
+            kinds.add("step")
+        elif isinstance(t, torch._ops.OpOverload):
+            kinds.add("aten")
+            if t._overloadpacket.__name__ + "." + t._overloadname in _SIZED:
+                sizes.append((n.name, list(n.args[1]), list(trace[n.name][0].shape), list(captured[n.name].args[1])))
+        else:
+            kinds.add(getattr(t, "__name__", str(t)))
+    return {"kinds": kinds, "idle_moves": idle, "sizes": sizes, "printed": "move_" in sharded.local_graph.code}
+
+
+def _local_mode(rank, mesh, args, kwargs) -> dict:
+    """input_mode='local' (each rank passes its own batch slice) against the global mode, same plan and weights."""
+    from autopar.layout import shard_tensor
+    from autopar.placement import parse_placements
+
+    given = {"input_ids": args[0], **kwargs}
+    local = autopar.compile(
+        _model("gpt2-tiny")[0],
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        input_mode="local",
+        input_placements=dict.fromkeys(given, ["S(0)"]),  # the batch split at the inputs
+        profile=PARTITIONING_PROFILE,
+    )
+    plan = local.plan
+    pieces = {
+        k: shard_tensor(v, parse_placements(plan.inputs[k]["placements"]), mesh.shape, mesh.coordinate(rank))
+        for k, v in given.items()
+    }
+    whole = autopar.compile(_model("gpt2-tiny")[0], mesh, example_inputs=args, example_kwargs=kwargs, plan=plan)
+    return {
+        "shapes": {k: tuple(v.shape) for k, v in pieces.items()} == local.local_input_shapes,
+        "split": all(tuple(v.shape) != tuple(given[k].shape) for k, v in pieces.items()),
+        "loss": (float(local(**pieces)[0].detach()), float(whole(**given)[0].detach())),
+        "global_given": _errors(lambda: local(**given)),
+    }
+
+
 def _lazy_rank_fn(rank, world):
     from autopar.compiler import NotCompiledError
 
@@ -84,6 +144,7 @@ def _lazy_rank_fn(rank, world):
     out["params_before"] = {k: tuple(p.shape) for k, p in sharded.named_parameters()}
     out["train"] = _train((sharded, sharded), args, kwargs)  # the optimizer is built before the first call
     out["params_after"] = {k: tuple(p.shape) for k, p in sharded.named_parameters()}
+    out["local_graph"] = _local_graph_facts(sharded, args, kwargs)
     out["plan_local"] = {k: tuple(v["local_shape"]) for k, v in sharded.plan.params.items()}
     out["state_local"] = {
         k: tuple(
@@ -104,6 +165,7 @@ def _lazy_rank_fn(rank, world):
             _model("gpt2-tiny")[0], mesh, example_inputs=(args[0][:2],), example_kwargs=half, plan=plan
         )
     )
+    out["local_mode"] = _local_mode(rank, mesh, args, kwargs)
     # ranks that disagree on the input shapes of a lazy compile: every rank raises, none waits
     uneven = autopar.compile(_model("gpt2-tiny")[0], mesh)
     mine = {k: v[: v.shape[0] - rank] if torch.is_tensor(v) else v for k, v in kwargs.items()}
@@ -123,6 +185,12 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
             assert shape == out["state_local"][name], (rank, name, shape)
             sharded_any |= shape != out["params_before"][name]
         assert sharded_any, "no parameter was sharded: the test does not exercise re-pointing"
+        # the lowered graph: local aten ops, moves that move something, size arguments already local
+        facts = out["local_graph"]
+        assert facts["kinds"] <= {"aten", "move", "step", "getitem"} and "move" in facts["kinds"], facts["kinds"]
+        assert facts["printed"] and not facts["idle_moves"], facts["idle_moves"]
+        assert all(size == traced for _, size, traced, _ in facts["sizes"]), facts["sizes"]
+        assert any(size != captured for _, size, _, captured in facts["sizes"]), "no size argument was localized"
         losses, logits, grads, params = out["train"]
         torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
@@ -134,4 +202,9 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
         assert "compile again with example inputs" in out["other_shape"]
         assert "input_ids: shape (2, 16) given, (4, 16) in the plan" in out["plan_other_inputs"], out
         assert "the ranks got inputs of different shapes" in out["ranks_disagree"], out["ranks_disagree"]
+        # input_mode='local': each rank's own pieces give the global mode's loss; a global batch is refused
+        local = out["local_mode"]
+        assert local["shapes"] and local["split"], local
+        assert local["loss"][0] == pytest.approx(local["loss"][1], rel=1e-6), local
+        assert "local shape" in local["global_given"] and "this rank's piece" in local["global_given"], local
         assert "rank 0: (4, 16) int64" in out["ranks_disagree"] and "rank 1: (3, 16) int64" in out["ranks_disagree"]

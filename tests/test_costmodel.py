@@ -200,6 +200,33 @@ def test_all_reduce_equals_reduce_scatter_plus_all_gather():
     assert ar == pytest.approx(rs_ag, rel=1e-12)
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_emulated_reduce_scatter_costs_the_all_reduce_it_runs(n):
+    """A link whose backend emulates reduce-scatter (gloo: all-reduce + slice) prices it as that all-reduce."""
+    gloo = cm.LinkProfile("gloo", bandwidth_bytes_per_s=1e9, latency_s=1e-4, source="test", reduce_scatter="all_reduce")
+    native = cm.LinkProfile("ring", bandwidth_bytes_per_s=1e9, latency_s=1e-4, source="test")
+    nbytes = 3 * 2**20
+    assert cm.collective_time_s("reduce_scatter", nbytes, n, gloo) == cm.collective_time_s(
+        "all_reduce", nbytes, n, gloo
+    )
+    assert cm.collective_time_s("reduce_scatter", nbytes, n, gloo) == pytest.approx(
+        2 * cm.collective_time_s("reduce_scatter", nbytes, n, native), rel=1e-12
+    )
+    assert cm.collective_time_s("all_gather", nbytes, n, gloo) == cm.collective_time_s("all_gather", nbytes, n, native)
+
+
+def test_profiles_say_how_reduce_scatter_runs():
+    """cpu (gloo ranks) emulates reduce-scatter; the GPU profiles (nccl) run it natively; bad values are refused."""
+    assert {k: cm.load_profile(k).intra_node.reduce_scatter for k in ("cpu", "h100", "a100")} == {
+        "cpu": "all_reduce",
+        "h100": "native",
+        "a100": "native",
+    }
+    assert cm.load_profile("cpu").inter_node.reduce_scatter == "all_reduce"
+    with pytest.raises(ValueError, match="reduce_scatter must be one of"):
+        cm.LinkProfile("x", bandwidth_bytes_per_s=1e9, latency_s=0.0, source="test", reduce_scatter="ring")
+
+
 def test_collective_edge_cases():
     assert cm.collective_time_s("all_reduce", GIB, 1, NVLINK) == 0.0
     assert cm.collective_time_s("all_gather", 0, 8, NVLINK) == 0.0

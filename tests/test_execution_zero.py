@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
-from test_execution import ATOL, RTOL, STEPS, _model, _reference
+from test_execution import ADAMW, ATOL, RTOL, STEPS, _model, _reference
 
 import autopar
 
@@ -61,7 +61,7 @@ def _zero_rank_fn(rank, world, mesh_shape, axis_names, cap, plan_json):
         plan=plan_json,
         profile=PARTITIONING_PROFILE,
     )
-    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
     out = {"coord": mesh.coordinate(rank), "plan": sharded.plan.to_dict(), "losses": [], "counted": []}
     for step in range(STEPS):
         sharded.collective_counter = CollectiveCounter()
@@ -202,7 +202,7 @@ def _bucket_rank_fn(rank, world, batch):
             grad_bucket_bytes=bucket_bytes,
             profile=PARTITIONING_PROFILE,
         )
-        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
         sharded.collective_counter = CollectiveCounter()
         calls.clear()
         for _ in range(2):  # two backwards accumulate into .grad before the step

@@ -3,7 +3,8 @@
 - ``groups``: ``MeshGroups`` (one process group per mesh axis line) and
   ``init_distributed`` (torchrun environment -> default process group).
 - ``redistribute``: ``redistribute_local`` runs ``transitions()``'s steps as
-  collectives; ``Redistribute`` / ``redistribute`` is its autograd function.
+  collectives; ``Move`` is one edge's move resolved once (forward and gradient
+  placements), ``Redistribute`` / ``redistribute`` its autograd function.
 - ``counter``: ``CollectiveCounter`` records what ran, to compare with the plan.
 - ``zero``: ``StateShards``, ZeRO-1/2 parameters (gradient and optimizer state
   sharded beyond the parameter) and the optimizer step's all-gather.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from .counter import CollectiveCounter, CollectiveRecord
 from .groups import MeshGroups, init_distributed
-from .redistribute import Redistribute, nesting_conflict, redistribute, redistribute_local
+from .redistribute import Move, Redistribute, nesting_conflict, redistribute, redistribute_local
 from .zero import StateShards, from_state_shard
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "CollectiveRecord",
     "MeshGroups",
     "init_distributed",
+    "Move",
     "Redistribute",
     "nesting_conflict",
     "redistribute",

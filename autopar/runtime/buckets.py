@@ -5,8 +5,9 @@ axis splits gets a ``P(sum)`` gradient from each consumer, which the plan reduce
 with one all-reduce per consumer edge (``P(sum) -> R``).  ``GradBuckets`` does that
 work the way DDP does:
 
-- the consumer edges hand their gradient back unreduced (``note``: the executor
-  sets the edge's gradient target to its partial placement);
+- the consumer edges hand their gradient back unreduced (``note``: when the
+  executor lowers the graph it sets each such edge's gradient target to its
+  partial placement);
 - the parameter's source value is an identity autograd function (``wrap``) whose
   backward receives the sum of its consumers' partial gradients; it drops them
   into the parameter's *bucket* (parameters grouped, in reverse order of first
@@ -16,11 +17,13 @@ work the way DDP does:
   axis's group, so it runs while backward goes on;
 - at the end of backward (an autograd engine callback) every bucket is waited
   for (one whose parameters did not all arrive is reduced then), and each
-  parameter's reduced gradient is added to ``.grad`` (``None`` -> set), so
+  parameter's reduced gradient is added to ``.grad`` (``None`` -> set to its
+  range of the bucket's flat buffer, a fresh buffer every round, so no copy), so
   gradient accumulation over several backwards stays exact.
 
 Bucketed: parameters whose every consumer edge returns the same gradient
-placement, which differs from the parameter's own gradient placement on exactly
+placement (or whose plan sums its uses' gradients first, ``partial_grad_axes``: then
+that sum's placement), which differs from the parameter's own gradient placement on exactly
 one axis (``P(sum)`` there, ``R`` in the placement); others keep the plan's
 per-edge collectives.  ZeRO parameters are never bucketed.
 
@@ -48,7 +51,7 @@ from torch.autograd.function import once_differentiable
 
 from ..placement import Partial, Placement, Replicate
 from ..spec import TensorMeta
-from ..transitions import consumer_grad_placement, transitions
+from ..transitions import transitions
 from .counter import CollectiveCounter
 from .groups import MeshGroups
 
@@ -75,14 +78,15 @@ def bucketable(xplan, exclude: set[str]) -> dict[str, tuple[int, tuple[Placement
             producer = graph.nodes[u]
             if producer.kind != "param" or producer.name in exclude or not producer.outputs[0].is_float:
                 continue
-            g = tuple(consumer_grad_placement(p, s) for p, s in zip(ex.inputs[pos], ex.split))
+            # a parameter whose uses' gradients are summed first hands the bucket the sum
+            g = xplan.accumulate.get(producer.name) or ex.input_grad(pos)
             found.setdefault(producer.name, set()).add(g)
     out = {}
     for name, grads in found.items():
         if len(grads) != 1:
             continue
         (g,) = grads
-        target = xplan.grad_target(name, 0)
+        target = xplan.sources[name][1]  # where the parameter's gradient lives
         axes = [a for a, (p, q) in enumerate(zip(g, target)) if p != q]
         if len(axes) == 1 and isinstance(g[axes[0]], Partial) and isinstance(target[axes[0]], Replicate):
             out[name] = (axes[0], g)
@@ -103,14 +107,9 @@ class _Round:
 
     def __init__(self, owner: GradBuckets, params: dict[str, torch.Tensor], counter: CollectiveCounter | None) -> None:
         self.owner, self.params, self.counter = owner, params, counter
-        self.logical: dict[str, list[tuple[str, int, int, str]]] = {}
         self.buckets = [_Bucket(axis, list(names)) for axis, names in owner.layout]
         self.of = {name: b for b in self.buckets for name in b.names}
         self.queued = False
-
-    def note(self, name: str, meta: TensorMeta, grad_src, grad_dst, mesh_shape) -> None:
-        steps = transitions(TensorMeta(meta.shape, self.params[name].dtype), grad_src, grad_dst, mesh_shape)
-        self.logical.setdefault(name, []).extend((t.kind, t.axis, t.bytes, t.reduce_op) for t in steps)
 
     def arrive(self, name: str, grad: torch.Tensor) -> None:
         if not self.queued:
@@ -129,8 +128,9 @@ class _Round:
         b.work = dist.all_reduce(b.flat, group=self.owner.groups.axis_group(b.axis), async_op=True)
         if self.counter is not None:
             for n in names:
-                for kind, axis, nbytes, op in self.logical.get(n, ()):
-                    self.counter.record(kind, axis, "backward", nbytes, op)
+                for entries in self.owner.logical.get(n, {}).values():
+                    for kind, axis, nbytes, op in entries:
+                        self.counter.record(kind, axis, "backward", nbytes, op)
 
     def finish(self) -> None:
         for b in self.buckets:
@@ -147,7 +147,7 @@ class _Round:
                 reduced = b.flat[offset : offset + g.numel()].view_as(g)
                 offset += g.numel()
                 p = self.params[n]
-                p.grad = reduced.clone() if p.grad is None else p.grad.add_(reduced)
+                p.grad = reduced if p.grad is None else p.grad.add_(reduced)  # a view of this round's flat
             b.grads.clear()
             b.flat = b.work = None
 
@@ -191,6 +191,8 @@ class GradBuckets:
             current[1].append(name)
             filled[id(current)] += sizes[name]
         self.layout = layout
+        # param -> {edge: its planned gradient collectives (kind, axis, bytes, reduce op)}
+        self.logical: dict[str, dict[object, list[tuple[str, int, int, str]]]] = {}
         self.round: _Round | None = None
         log.debug("gradient buckets: %s", [(a, len(n)) for a, n in layout])
 
@@ -202,12 +204,18 @@ class GradBuckets:
         self.round = _Round(self, params, counter) if torch.is_grad_enabled() else None
 
     def defers(self, name: str) -> bool:
-        """Whether this forward reduces ``name``'s gradient in a bucket (the edge must not reduce it)."""
+        """Whether this forward reduces ``name``'s gradient in a bucket."""
         return self.round is not None and name in self.bucketed and self.round.params[name].requires_grad
 
-    def note(self, name: str, meta: TensorMeta, grad_src, grad_dst) -> None:
-        """An edge of ``name`` deferred its ``grad_src -> grad_dst`` reduction to the bucket."""
-        self.round.note(name, meta, grad_src, grad_dst, self.groups.mesh.shape)
+    def note(self, name: str, edge, meta: TensorMeta, grad_src, grad_dst) -> None:
+        """At compile time: ``edge`` (any key; noting it again replaces it) of ``name`` defers its reduction.
+
+        The edge's gradient then stays at ``grad_src`` (its move does not reduce it),
+        and every reduction of ``name``'s bucket records the edge's planned
+        ``grad_src -> grad_dst`` collectives.
+        """
+        steps = transitions(meta, grad_src, grad_dst, self.groups.mesh.shape)
+        self.logical.setdefault(name, {})[edge] = [(t.kind, t.axis, t.bytes, t.reduce_op) for t in steps]
 
     def wrap(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The source value forward reads for a bucketed parameter."""

@@ -42,7 +42,9 @@ so every rank refuses before any collective and none is left waiting.  (A piece
 of the wrong shape on one rank is only detected there: the others then wait in
 the first collective until the process group's timeout.)
 
-``Redistribute`` (``redistribute``) is the autograd function: forward moves the
+``Move`` is one edge resolved once (global meta, ``src``/``dst`` and the gradient's
+``grad_src``/``grad_dst``, this rank's groups); calling it runs ``Redistribute``, the
+autograd function (``redistribute`` builds a Move and calls it): forward moves the
 value ``src -> dst``, backward moves the gradient ``grad_src -> grad_dst`` (see
 ``transitions.consumer_grad_placement`` / ``producer_grad_placement``), so a
 ``P -> R`` all-reduce has an identity backward (Megatron's g) and a replicated
@@ -55,6 +57,7 @@ import functools
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -67,7 +70,7 @@ from ..transitions import AxisTransition, transitions
 from .counter import CollectiveCounter
 from .groups import MeshGroups
 
-__all__ = ["redistribute_local", "redistribute", "Redistribute", "nesting_conflict"]
+__all__ = ["redistribute_local", "redistribute", "Redistribute", "Move", "nesting_conflict"]
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +332,51 @@ def _run_step(
 
 
 # ---- public --------------------------------------------------------------------------
+def _checked_steps(
+    x: torch.Tensor, shape: tuple[int, ...], src, dst, groups: MeshGroups, want: tuple[int, ...]
+) -> tuple[AxisTransition, ...]:
+    """The step list for ``x`` (bytes counted with ``x.dtype``); ValueError for a wrong piece or a nesting conflict."""
+    if tuple(x.shape) != want:
+        raise ValueError(
+            f"redistribute {_fmt(src)} -> {_fmt(dst)}: the local piece has shape {tuple(x.shape)} but "
+            f"a global {shape} tensor under {_fmt(src)} on mesh {groups.mesh} gives coordinate "
+            f"{groups.coordinate} shape {want}; pass this rank's own piece (layout.shard_tensor)"
+        )
+    steps, conflict = _steps(TensorMeta(shape, x.dtype), src, dst, groups.mesh.shape)
+    if conflict is not None:
+        raise ValueError(
+            f"redistribute a global {shape} tensor {_fmt(src)} -> {_fmt(dst)} on mesh "
+            f"{groups.mesh}: transitions() gives steps the nested layout cannot run: {conflict}. "
+            "Fix: plan this edge through an intermediate placement (e.g. replicate that axis first)"
+        )
+    return steps
+
+
+def _run_steps(
+    x: torch.Tensor,
+    steps: tuple[AxisTransition, ...],
+    shape: tuple[int, ...],
+    src: tuple[Placement, ...],
+    groups: MeshGroups,
+    phase: str,
+    counter: CollectiveCounter | None,
+) -> torch.Tensor:
+    out, fresh = x.detach(), False
+    with torch.no_grad():
+        current = list(src)
+        for st in steps:
+            out, new = _run_step(out, st, current, shape, groups)
+            fresh = fresh or new
+            current[st.axis] = st.dst
+            if st.kind is not None and counter is not None:
+                counter.record(st.kind, st.axis, phase, st.bytes, st.reduce_op)
+        if not fresh:
+            out = out.clone()
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("redistribute %s %s -> %s (%s): %d steps", shape, _fmt(src), _fmt(current), phase, len(steps))
+    return out
+
+
 def redistribute_local(
     x: torch.Tensor,
     meta: TensorMeta,
@@ -351,51 +399,91 @@ def redistribute_local(
     """
     src = _placements(src, groups, "src")
     dst = _placements(dst, groups, "dst")
-    mesh_shape = groups.mesh.shape
     shape = tuple(int(s) for s in meta.shape)
-    want = local_shape(shape, src, mesh_shape, groups.coordinate)
-    if tuple(x.shape) != want:
-        raise ValueError(
-            f"redistribute {_fmt(src)} -> {_fmt(dst)}: the local piece has shape {tuple(x.shape)} but "
-            f"a global {shape} tensor under {_fmt(src)} on mesh {groups.mesh} gives coordinate "
-            f"{groups.coordinate} shape {want}; pass this rank's own piece (layout.shard_tensor)"
-        )
-    steps, conflict = _steps(TensorMeta(shape, x.dtype), src, dst, mesh_shape)
-    if conflict is not None:
-        raise ValueError(
-            f"redistribute a global {shape} tensor {_fmt(src)} -> {_fmt(dst)} on mesh "
-            f"{groups.mesh}: transitions() gives steps the nested layout cannot run: {conflict}. "
-            "Fix: plan this edge through an intermediate placement (e.g. replicate that axis first)"
-        )
-    out, fresh = x.detach(), False
-    with torch.no_grad():
-        current = list(src)
-        for st in steps:
-            out, new = _run_step(out, st, current, shape, groups)
-            fresh = fresh or new
-            current[st.axis] = st.dst
-            if st.kind is not None and counter is not None:
-                counter.record(st.kind, st.axis, phase, st.bytes, st.reduce_op)
-        if not fresh:
-            out = out.clone()
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("redistribute %s %s -> %s (%s): %d steps", shape, _fmt(src), _fmt(dst), phase, len(steps))
-    return out
+    want = local_shape(shape, src, groups.mesh.shape, groups.coordinate)
+    steps = _checked_steps(x, shape, src, dst, groups, want)
+    return _run_steps(x, steps, shape, src, groups, phase, counter)
+
+
+@dataclass(frozen=True, eq=False)
+class Move:
+    """One edge's redistribution on this rank, resolved once: ``src -> dst`` forward, ``grad_src -> grad_dst`` back.
+
+    ``meta`` is the global tensor; ``grad_src`` is the placement of the gradient the
+    consumer hands back (``consumer_grad_placement``), ``grad_dst`` the one the
+    producer needs (``producer_grad_placement``).  Placements are parsed and both
+    step lists looked up at construction; a step list the nested layout cannot run
+    raises (ValueError) when it would be run, as ``redistribute_local`` does.
+    ``redistribute`` and ``zero.from_state_shard`` take a Move; the compiled module
+    builds one per edge that moves (``executor.lower``).
+    """
+
+    meta: TensorMeta
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    grad_src: tuple[Placement, ...]
+    grad_dst: tuple[Placement, ...]
+    groups: MeshGroups = field(repr=False)
+    shape: tuple[int, ...] = field(init=False, repr=False)
+    _want: tuple[tuple[int, ...], tuple[int, ...]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        g = self.groups
+        for name in ("src", "dst", "grad_src", "grad_dst"):
+            object.__setattr__(self, name, _placements(getattr(self, name), g, name))
+        shape = tuple(int(s) for s in self.meta.shape)
+        object.__setattr__(self, "shape", shape)
+        want = tuple(local_shape(shape, p, g.mesh.shape, g.coordinate) for p in (self.src, self.grad_src))
+        object.__setattr__(self, "_want", want)
+
+    @property
+    def moves_value(self) -> bool:
+        """Whether forward changes the placement (else it is a copy)."""
+        return self.src != self.dst
+
+    @property
+    def moves_grad(self) -> bool:
+        """Whether backward changes the gradient's placement."""
+        return self.grad_src != self.grad_dst
+
+    def local(self, x: torch.Tensor, counter: CollectiveCounter | None = None, *, phase: str = "forward"):
+        """``redistribute_local(x, meta, src, dst)``: the moved piece, no autograd history."""
+        steps = _checked_steps(x, self.shape, self.src, self.dst, self.groups, self._want[0])
+        return _run_steps(x, steps, self.shape, self.src, self.groups, phase, counter)
+
+    def local_grad(self, grad: torch.Tensor, counter: CollectiveCounter | None = None) -> torch.Tensor:
+        """The gradient moved ``grad_src -> grad_dst`` (phase ``"backward"``)."""
+        steps = _checked_steps(grad, self.shape, self.grad_src, self.grad_dst, self.groups, self._want[1])
+        return _run_steps(grad, steps, self.shape, self.grad_src, self.groups, "backward", counter)
+
+    def check_grad(self, dtype: torch.dtype) -> None:
+        """Raise (in forward, on every rank alike) when the gradient's move cannot run on the nested layout."""
+        conflict = _steps(TensorMeta(self.shape, dtype), self.grad_src, self.grad_dst, self.groups.mesh.shape)[1]
+        if conflict is not None:
+            raise ValueError(
+                f"redistribute a global {self.shape} tensor: the gradient's move {_fmt(self.grad_src)} -> "
+                f"{_fmt(self.grad_dst)} on mesh {self.groups.mesh} cannot run on the nested layout: {conflict}. "
+                "Fix: plan this edge through an intermediate placement"
+            )
+
+    def __call__(self, x: torch.Tensor, counter: CollectiveCounter | None = None) -> torch.Tensor:
+        """Differentiable move of ``x`` (``Redistribute``); without autograd, ``local``."""
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return self.local(x, counter)
+        self.check_grad(x.dtype)
+        return Redistribute.apply(x, self, counter)
 
 
 class Redistribute(torch.autograd.Function):
-    """Autograd redistribution: forward ``src -> dst``, backward ``grad_src -> grad_dst``.
+    """Autograd redistribution by a ``Move``: forward ``src -> dst``, backward ``grad_src -> grad_dst``.
 
-    ``grad_src``: placement of the gradient the consumer hands back
-    (``consumer_grad_placement``); ``grad_dst``: placement the producer needs its
-    gradient in (``producer_grad_placement``).  Both phases are recorded in
-    ``counter`` (``"forward"`` / ``"backward"``).
+    Both phases are recorded in ``counter`` (``"forward"`` / ``"backward"``).
     """
 
     @staticmethod
-    def forward(ctx, x, meta, src, dst, grad_src, grad_dst, groups, counter):  # noqa: D102
-        ctx.meta, ctx.grad_src, ctx.grad_dst, ctx.groups, ctx.counter = meta, grad_src, grad_dst, groups, counter
-        out = redistribute_local(x, meta, src, dst, groups, phase="forward", counter=counter)
+    def forward(ctx, x, move: Move, counter):  # noqa: D102
+        ctx.move, ctx.counter = move, counter
+        out = move.local(x, counter)
         if not (out.is_floating_point() or out.is_complex()):
             ctx.mark_non_differentiable(out)
         return out
@@ -403,10 +491,7 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # noqa: D102
-        g = redistribute_local(
-            grad, ctx.meta, ctx.grad_src, ctx.grad_dst, ctx.groups, phase="backward", counter=ctx.counter
-        )
-        return g, None, None, None, None, None, None, None
+        return ctx.move.local_grad(grad, ctx.counter), None, None
 
 
 def redistribute(
@@ -419,17 +504,8 @@ def redistribute(
     groups: MeshGroups,
     counter: CollectiveCounter | None = None,
 ) -> torch.Tensor:
-    """Differentiable ``redistribute_local``; checks both directions up front so errors surface in forward."""
-    src, dst = _placements(src, groups, "src"), _placements(dst, groups, "dst")
-    grad_src, grad_dst = _placements(grad_src, groups, "grad_src"), _placements(grad_dst, groups, "grad_dst")
-    if not (torch.is_grad_enabled() and x.requires_grad):
-        return redistribute_local(x, meta, src, dst, groups, phase="forward", counter=counter)
-    shape = tuple(int(s) for s in meta.shape)
-    conflict = _steps(TensorMeta(shape, x.dtype), grad_src, grad_dst, groups.mesh.shape)[1]
-    if conflict is not None:
-        raise ValueError(
-            f"redistribute a global {shape} tensor: the gradient's move {_fmt(grad_src)} -> "
-            f"{_fmt(grad_dst)} on mesh {groups.mesh} cannot run on the nested layout: {conflict}. "
-            "Fix: plan this edge through an intermediate placement"
-        )
-    return Redistribute.apply(x, meta, src, dst, grad_src, grad_dst, groups, counter)
+    """Differentiable ``redistribute_local`` (``Move(meta, src, dst, grad_src, grad_dst, groups)(x, counter)``).
+
+    Both directions are checked up front, so errors surface in forward.
+    """
+    return Move(meta, src, dst, grad_src, grad_dst, groups)(x, counter)

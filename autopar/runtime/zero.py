@@ -18,9 +18,10 @@ Bytes held per parameter are therefore buffer (``pl``) + gradient (``st``) +
 optimizer state (``st``): the plan's ``params``/``grads``/``optimizer`` figures
 (``ShardedModule.model_state_bytes`` counts the shard's storage once, as the buffer).
 
-Gradients: forward reads the buffer through ``from_state_shard``, whose backward
-moves the consumer's gradient to ``st`` (e.g. ``P(sum) -> S(0)``, the plan's
-reduce-scatter) and hands it to the shard.
+Gradients: forward reads the buffer through ``from_state_shard`` (given the
+edge's ``redistribute.Move``), whose backward moves the consumer's gradient to
+``st`` (e.g. ``P(sum) -> S(0)``, the plan's reduce-scatter) and hands it to the
+shard.
 
 The step's all-gather (``st -> pl``, the plan's ``"optimizer"``-phase entries)
 rebuilds the rest of the buffer.  It runs right after any ``torch.optim``
@@ -47,7 +48,7 @@ from ..placement import Placement, Shard
 from ..spec import TensorMeta
 from .counter import CollectiveCounter
 from .groups import MeshGroups
-from .redistribute import nesting_conflict, redistribute_local
+from .redistribute import Move, nesting_conflict, redistribute_local
 
 __all__ = ["StateShards", "from_state_shard"]
 
@@ -106,41 +107,29 @@ class _FromStateShard(torch.autograd.Function):
     """Forward: the buffer moved ``src -> dst``; backward: the gradient moved ``grad_src -> grad_dst`` to the shard."""
 
     @staticmethod
-    def forward(ctx, shard, buffer, meta, src, dst, grad_src, grad_dst, groups, counter):  # noqa: D102
-        ctx.meta, ctx.grad_src, ctx.grad_dst, ctx.groups, ctx.counter = meta, grad_src, grad_dst, groups, counter
-        if src == dst:
-            return buffer.view_as(buffer)
-        return redistribute_local(buffer, meta, src, dst, groups, phase="forward", counter=counter)
+    def forward(ctx, shard, buffer, move: Move, counter):  # noqa: D102
+        ctx.move, ctx.counter = move, counter
+        return move.local(buffer, counter) if move.moves_value else buffer.view_as(buffer)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # noqa: D102
-        if ctx.grad_src != ctx.grad_dst:
-            grad = redistribute_local(
-                grad, ctx.meta, ctx.grad_src, ctx.grad_dst, ctx.groups, phase="backward", counter=ctx.counter
-            )
-        return (grad,) + (None,) * 8
+        if ctx.move.moves_grad:
+            grad = ctx.move.local_grad(grad, ctx.counter)
+        return grad, None, None, None
 
 
 def from_state_shard(
-    shard: torch.Tensor,
-    buffer: torch.Tensor,
-    meta: TensorMeta,
-    src: tuple[Placement, ...],
-    dst: tuple[Placement, ...],
-    grad_src: tuple[Placement, ...],
-    grad_dst: tuple[Placement, ...],
-    groups: MeshGroups,
-    counter: CollectiveCounter | None = None,
+    shard: torch.Tensor, buffer: torch.Tensor, move: Move, counter: CollectiveCounter | None = None
 ) -> torch.Tensor:
-    """A ZeRO parameter read by one op: ``buffer`` (piece under ``src``) moved to ``dst``.
+    """A ZeRO parameter read by one op: ``buffer`` (piece under ``move.src``) moved to ``move.dst``.
 
-    ``grad_dst`` is the state placement: backward moves the op's gradient there and
-    accumulates it into ``shard``.  Without autograd this is ``redistribute_local``.
+    ``move.grad_dst`` is the state placement: backward moves the op's gradient there
+    and accumulates it into ``shard``.  Without autograd this is ``move.local``.
     """
     if not (torch.is_grad_enabled() and shard.requires_grad):
-        return buffer if src == dst else redistribute_local(buffer, meta, src, dst, groups, counter=counter)
-    return _FromStateShard.apply(shard, buffer, meta, src, dst, grad_src, grad_dst, groups, counter)
+        return move.local(buffer, counter) if move.moves_value else buffer
+    return _FromStateShard.apply(shard, buffer, move, counter)
 
 
 class StateShards:

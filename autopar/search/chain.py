@@ -4,7 +4,7 @@ Setting.  The problem's nodes split into blocks ``B_0 .. B_{L-1}`` (``blocks[i][
 node ``j`` of block ``i``) and the rest ``R``.  The *ports* are the positions ``j`` whose
 node has an edge leaving its block; a *state* is the joint choice of a block's port
 nodes (original strategy indices, raveled), ``K`` states in all.  Required structure,
-checked by :func:`_split` (otherwise ``solve_chain`` solves flat with :func:`.dp.solve_dp`):
+checked by :func:`.split._split` (otherwise ``solve_chain`` solves flat with :func:`.dp.solve_dp`):
 
 * an edge between blocks joins a port of ``B_i`` to ``B_{i+1}``;
 * ``R`` nodes that feed ``B_1 .. B_{L-1}`` have one strategy (their edges fold into the
@@ -23,32 +23,52 @@ port nodes kept, ``_Model(keep=...)``)::
 Recurrence.  With ``n = L - 1`` and ``(A (x) B)(a, c) = Pareto U_b A(a, b) (+) B(b, c)``
 (``(+)`` adds pairs: min-plus over Pareto sets, :func:`_product`)::
 
-    G = F^(x)n   by squaring: P_1 = F, P_2k = P_k (x) P_k, G = (x) of P_2^j over the bits of n
+    G = P_n,   P_1 = F,   P_l = P_(l//2) (x) P_(l - l//2)     (halving, one P per length: :func:`_power`)
     optimum = lexicographic min (t, m) over U_(y, z) Rest(y, z) (+) G(y, z), m <= cap   (:func:`_finish`)
 
 Why it is exact.  T and M are sums over the parts, and once the port states are fixed
 the parts share no variable, so every plan is one pair per factor and every choice of
 pairs with matching states is a plan.  Replacing a part by one that dominates it at the
 same states (t' <= t, m' <= m) gives a plan no worse in T and M, so Pareto filtering
-keeps the optimum's (T, M); ``(x)`` is associative, so squaring builds the same G.
+keeps the optimum's (T, M); ``(x)`` is associative, so halving builds the same G.
 
 Bounds (as in :mod:`.dp`: rows ``(w_t, w_m)``, pairs dropped past ``B`` = target / cap /
 ``target + lam cap``).  Per row, ``f`` and ``r`` are the min-sum tables of F and Rest::
 
-    L_0(z, a) = r(a, z),     L_{p+1} = L_p (x) f            (R, B_0 and p more blocks)
-    M_0 = L_0,               M_s = min(L_s, f (x) M_{s-1})   so
-    M_s(c, a) = min over p + q = s of min_z L_p(z, a) + f^q(c, z)
+    O_n(c, a) = r(a, c)                       (outside G: the rest, from B_{L-1}'s ports to B_0's)
+    for P_l = P_x (x) P_y  (x = l//2, y = l - x), longest l first:
+        O_x <- min(O_x, f^y (x) O_l)           (outside the left half: the right half, then P_l's outside)
+        O_y <- min(O_y, O_l (x) f^x)           (outside the right half: P_l's outside, then the left half)
 
-A segment of ``l`` blocks at any position leaves, outside it, R and ``n - l`` blocks split
-``p`` before and ``q`` after, so ``M_{n-l}(c, a)`` bounds the outside of every such segment
-from below and a pair at ``(a, c)`` goes when ``w (t, m) + M_{n-l}(c, a) > B``.  Rest is
-bounded by ``f^n``.  Rows: time, memory, and when the cap binds the Lagrange slope lam*
-(Eisner-Severance as :func:`.dp._lagrange`) and lam* x 2^-4..2^4.  The target is the best
-plan met: the min-sum plans of the rows, then thinned passes (per entry and memory bucket
-only the fastest and the smallest pair: :func:`_thin`, coarse to fine), each a real plan
-re-evaluated exactly.  Pruning only drops pairs no plan under target and cap can use, and
-the last pass is unthinned: exact.  Windows (:func:`.dp._window`) skip the pairs of the
-second factor that the time and memory rows already rule out.
+with ``f^l`` the min-sum of P_l (:meth:`.minsum.MinSumChain.fpow`, the same halving).  Each
+use of a P_l is a half of a longer P whose outside is bounded by that P's ``O`` (by
+induction from G, whose outside is exactly the rest), and the min-sum of the other half
+bounds that half's pairs, so ``O_l(c, a)`` bounds from below what lies outside every use of
+P_l; a pair of P_l at ``(a, c)`` goes when ``w (t, m) + O_l(c, a) > B``.  The block's table
+(P_1 = F) is bounded by ``O_1``, the rest by ``f^n``.  The lengths are at most two per
+level, so all of it is O(log n) min-plus products (:meth:`.minsum.MinSumChain.outside`).
+Rows: time, memory, and when the cap binds the Lagrange slope lam*
+(Eisner-Severance as :func:`.dp._lagrange`) and lam* x 2^-4..2^4.  Windows
+(:func:`.dp._window`) skip the pairs of the second factor that the time and memory rows
+already rule out.
+
+Target: iterative deepening (:func:`_deepen`).  ``lb`` is the Lagrange lower bound
+(``min T + lam (M - cap)``, weak duality) and ``ub`` the best plan met (the min-sum plans
+of the rows).  A pass with target ``T`` keeps every pair that some plan with time <= T
+and memory <= cap can use, so
+
+* it returns the optimum whenever the optimum is <= T, and
+* it returns no plan with time <= T only when there is none (it may return a slower
+  plan: the rest's pairs join the chain's unpruned in :func:`_finish`; kept, no proof).
+
+The pass's cost grows steeply with ``T - lb`` (pruning is by ``T``), so the targets go up
+from ``lb``: ``lb + s`` with the slack ``s = (ub - lb) 2^-12`` doubling each pass, and the
+first pass that finds a plan within its target ends the search (a plan found above it
+lowers ``ub``); the last target is ``ub`` itself, where "nothing" proves the plan met
+optimal.  The last pass's slack is at most twice the optimum's ``T* - lb``, and a pass
+with less slack prunes more, so the failed passes before it typically cost less than it
+(96 layers at a 20 GiB cap: 4 passes, 2.4 s in all).  Every pass is exact for its
+target: no heuristic, no thinning.
 """
 
 from __future__ import annotations
@@ -63,7 +83,6 @@ import numpy as np
 
 from .dp import (
     _LAMBDA_GRID,
-    _THIN_GAP,
     _bounds,
     _limits,
     _Model,
@@ -74,163 +93,16 @@ from .dp import (
     _window,
     min_memory,
 )
-from .minsum import MinSumChain
+from .minsum import MinSumChain, halving
 from .problem import INF, InfeasibleError, SearchProblem, Solution
+from .split import ChainError, _Part, _split
 
 __all__ = ["ChainError", "solve_chain"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_STATES = 4096  # port states K: the chain's tables are K x K
 _CHUNK = 1 << 22  # pair combinations formed at once in a product
-_THIN_GRIDS = (64, 512)  # thinned passes before the exact one: memory buckets across the plans' spread
-
-
-class ChainError(ValueError):
-    """The blocks do not form a chain :func:`solve_chain` can use; the message says why."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Part:
-    """A sub-problem (a block or the rest) and how its nodes map to the full problem."""
-
-    problem: SearchProblem
-    nodes: tuple[int, ...]  # sub node -> full node (-1: an in-port stand-in)
-    left: tuple[int, ...]  # sub nodes of the first state (F: in-ports; Rest: B_0's ports)
-    right: tuple[int, ...]  # sub nodes of the second state (F: B_i's ports; Rest: B_{L-1}'s ports)
-
-
-def _fold_unary(
-    t: np.ndarray, m: np.ndarray, et: np.ndarray, em: np.ndarray | None, memo: dict
-) -> tuple[np.ndarray, np.ndarray]:
-    """A node's costs with a one-strategy producer's edge added; equal inputs (by identity)
-    give the same output arrays, so :func:`_check_equal` sees equal blocks without a look."""
-    key = (id(t), id(m), id(et), id(em))
-    if key not in memo:
-        add_t = et[0]
-        memo[key] = (np.where((t >= INF) | (add_t >= INF), INF, t + add_t), m if em is None else m + em[0])
-    return memo[key]
-
-
-def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Part, int, tuple[int, ...]]:
-    """(F's part, Rest's part, K, port positions), or :class:`ChainError`."""
-    n_blocks, size = len(blocks), len(blocks[0]) if blocks else 0
-    if n_blocks < 3 or any(len(b) != size for b in blocks):
-        raise ChainError(f"need >= 3 blocks of one size, got sizes {[len(b) for b in blocks]}")
-    where: dict[int, tuple[int, int]] = {v: (i, j) for i, b in enumerate(blocks) for j, v in enumerate(b)}
-    if len(where) != n_blocks * size:
-        raise ChainError("a node is in two blocks")
-    ks = problem.num_choices
-    internal: list[dict] = [{} for _ in blocks]
-    inter: list[dict] = [{} for _ in blocks]
-    fold_t = [[problem.node_time[v] for v in b] for b in blocks]
-    fold_m = [[problem.node_mem[v] for v in b] for b in blocks]
-    rest_edges: list[int] = []
-    ports: set[int] = set()
-    folded: dict = {}
-    for e, (u, v) in enumerate(problem.edges):
-        bu, bv = where.get(u), where.get(v)
-        if bu is None and bv is None:
-            rest_edges.append(e)
-        elif bu is not None and bv is not None:
-            if bu[0] == bv[0]:
-                internal[bu[0]][(bu[1], bv[1])] = e
-            elif bv[0] == bu[0] + 1:
-                inter[bu[0]][(bu[1], bv[1])] = e
-                ports.add(bu[1])
-            else:
-                raise ChainError(f"edge {problem.names[u]} -> {problem.names[v]} skips from block {bu[0]} to {bv[0]}")
-        elif bv is not None:  # R -> block
-            if bv[0] == 0:
-                rest_edges.append(e)
-            elif ks[u] == 1:
-                i, j = bv
-                fold_t[i][j], fold_m[i][j] = _fold_unary(fold_t[i][j], fold_m[i][j], *_edge(problem, e), folded)
-            else:
-                raise ChainError(f"{problem.names[u]} ({ks[u]} strategies) outside the blocks feeds block {bv[0]}")
-        else:  # block -> R
-            if bu[0] != n_blocks - 1:
-                raise ChainError(f"block {bu[0]} feeds {problem.names[v]} outside the blocks")
-            rest_edges.append(e)
-            ports.add(bu[1])
-    port = tuple(sorted(ports))
-    if not port:
-        raise ChainError("the blocks are not connected")
-    k_port = [ks[blocks[0][j]] for j in port]
-    if math.prod(k_port) > _MAX_STATES or any([ks[b[j]] for j in port] != k_port for b in blocks):
-        raise ChainError(f"port states {k_port}: more than {_MAX_STATES} or unequal across blocks")
-    _check_equal(problem, blocks, internal, inter, fold_t, fold_m)
-    # F: the previous block's ports (stand-ins, zero cost), then block 1.
-    b1 = blocks[1]
-    order = sorted(range(size), key=lambda j: b1[j])
-    loc = {j: len(port) + r for r, j in enumerate(order)}
-    zeros = [np.zeros(k, np.int64) for k in k_port]
-    edges, et, em = [], [], []
-    for (j, j2), e in sorted(inter[0].items()):
-        edges.append((port.index(j), loc[j2]))
-        et.append(problem.edge_time[e])
-        em.append(problem.edge_mem[e])
-    for (j, j2), e in sorted(internal[1].items()):
-        edges.append((loc[j], loc[j2]))
-        et.append(problem.edge_time[e])
-        em.append(problem.edge_mem[e])
-    names = tuple(f"<in {problem.names[blocks[0][j]]}>" for j in port) + tuple(problem.names[b1[j]] for j in order)
-    block = SearchProblem(
-        names,
-        tuple(zeros) + tuple(fold_t[1][j] for j in order),
-        tuple(zeros) + tuple(fold_m[1][j] for j in order),
-        tuple(edges),
-        tuple(et),
-        tuple(em),
-        None,
-    )
-    f_part = _Part(
-        block, (-1,) * len(port) + tuple(b1[j] for j in order), tuple(range(len(port))), tuple(loc[j] for j in port)
-    )
-    # Rest: R, block 0, and block L-1's ports (their own costs are in the last F).
-    last_ports = {blocks[-1][j] for j in port}
-    inside = set(where) - set(blocks[0]) - last_ports
-    nodes = tuple(v for v in range(problem.n_nodes) if v not in inside)
-    idx = {v: r for r, v in enumerate(nodes)}
-    rest_edges += list(internal[0].values())
-    rest_edges.sort()
-    rest = SearchProblem(
-        tuple(problem.names[v] for v in nodes),
-        tuple(np.zeros(ks[v], np.int64) if v in last_ports else problem.node_time[v] for v in nodes),
-        tuple(np.zeros(ks[v], np.int64) if v in last_ports else problem.node_mem[v] for v in nodes),
-        tuple((idx[problem.edges[e][0]], idx[problem.edges[e][1]]) for e in rest_edges),
-        tuple(problem.edge_time[e] for e in rest_edges),
-        tuple(problem.edge_mem[e] for e in rest_edges),
-        None,
-        problem.base_mem_bytes,
-    )
-    r_part = _Part(rest, nodes, tuple(idx[blocks[0][j]] for j in port), tuple(idx[blocks[-1][j]] for j in port))
-    return f_part, r_part, math.prod(k_port), port
-
-
-def _edge(problem: SearchProblem, e: int) -> tuple[np.ndarray, np.ndarray | None]:
-    return problem.edge_time[e], problem.edge_mem[e]
-
-
-def _tables_of(problem: SearchProblem, fold_t, fold_m, internal: dict, inter: dict) -> tuple[tuple, list]:
-    """One block's tables as (edge keys, arrays in a fixed order): equal blocks give equal pairs."""
-    arrays = list(fold_t) + list(fold_m)
-    for edges in (internal, inter):
-        for key in sorted(edges):
-            et, em = problem.edge_time[edges[key]], problem.edge_mem[edges[key]]
-            arrays += [et, np.zeros_like(et) if em is None else em]
-    return (tuple(sorted(internal)), tuple(sorted(inter))), arrays
-
-
-def _check_equal(problem, blocks, internal, inter, fold_t, fold_m) -> None:
-    """Blocks 1.. have block 1's tables (the ones F is built from): nodes with their folded
-    costs, internal edges, and the edges from the previous block's ports.  Shared arrays
-    (``problem_builder`` gives equal layers the same ones) are equal without a look."""
-    keys, ref = _tables_of(problem, fold_t[1], fold_m[1], internal[1], inter[0])
-    for i in range(2, len(blocks)):
-        got_keys, got = _tables_of(problem, fold_t[i], fold_m[i], internal[i], inter[i - 1])
-        if got_keys != keys or not all(a is b or np.array_equal(a, b) for a, b in zip(got, ref)):
-            raise ChainError(f"the tables of block {i} (its nodes or the edges into it) differ from block 1's")
+_DEEPEN_FIRST = 2.0**-12  # first target lb + (ub - lb) x this, then the slack doubles (:func:`_deepen`)
 
 
 # ---- a part's table over its two states -----------------------------------------------------
@@ -331,16 +203,14 @@ def _leaf(table: _Table, tab) -> _Seg:
     return _Seg(_csr(g, k2), tab.t[o], tab.m[o], 1, leaf=o)
 
 
-def _product(
-    a: _Seg, b: _Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndarray, beam: int | None = None
-) -> _Seg:
+def _product(a: _Seg, b: _Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndarray) -> _Seg:
     """``a (x) b`` (see the module docstring), keeping pairs with ``w (t, m) + out <= lim``.
 
-    ``out``: (rows, K*K) lower bound of everything outside the product, per (a, c).
-    ``beam``: per entry and memory bucket of that width keep the fastest and the smallest pair."""
+    ``out``: (rows, K*K) lower bound of everything outside the product, per (a, c)."""
     ca, cb = np.diff(a.off).reshape(k, k), np.diff(b.off).reshape(k, k)
-    ia_, ib_, ic_ = np.nonzero((ca > 0)[:, :, None] & (cb > 0)[None, :, :])
-    ea, eb, ec = ia_ * k + ib_, ib_ * k + ic_, ia_ * k + ic_
+    ea, eb = _triples(np.flatnonzero(ca.reshape(-1)), np.flatnonzero(cb.reshape(-1)), k)
+    ia_, ib_, ic_ = ea // k, ea % k, eb % k
+    ec = ia_ * k + ic_
     bmin = b.entry_min(w)
     ok = (a.entry_min(w)[:, ea] + bmin[:, eb] + out[:, ec] <= lim).all(axis=0)
     ea, eb, ec, mid = ea[ok], eb[ok], ec[ok], ib_[ok]
@@ -351,6 +221,7 @@ def _product(
     pure_t = np.flatnonzero((w[:, 1] == 0) & np.isfinite(lim[:, 0]))
     pure_m = np.flatnonzero((w[:, 0] == 0) & np.isfinite(lim[:, 0]))
     cum = np.concatenate([[0], np.cumsum(n)])
+    bval = w[:, :1] * b.t + w[:, 1:] * b.m  # (rows, b's pairs): w (t, m) of each pair of b
     start = 0
     while start < n.size:  # chunks of about _CHUNK combinations
         stop = max(int(np.searchsorted(cum, cum[start] + _CHUNK, side="right")) - 1, start + 1)
@@ -369,10 +240,16 @@ def _product(
         cnt = hi - lo
         rep = np.repeat(np.arange(tri.size), cnt)
         pb = lo[rep] + np.arange(rep.size) - (np.cumsum(cnt) - cnt)[rep]
+        # w (t_a + t_b, m_a + m_b) + out <= lim  as  w (t_b, m_b) <= slack of the pair of a, per
+        # row on the survivors (:func:`_row_order`): two gathers a row
+        slack = lim - (w[:, :1] * a.t[pa] + w[:, 1:] * a.m[pa] + out[:, g])
+        alive = np.arange(rep.size)
+        for r in _row_order(len(w)):
+            alive = alive[bval[r, pb[alive]] <= slack[r, rep[alive]]]
+        rep, pb = rep[alive], pb[alive]
         pa, tri = pa[rep], tri[rep]
         t, m, g = a.t[pa] + b.t[pb], a.m[pa] + b.m[pb], g[rep]
-        keep = np.flatnonzero(_fits(w, t, m, [(out, g)], lim))
-        keep = keep[_pareto_keep(g[keep], t[keep], m[keep])]
+        keep = _pareto_keep(g, t, m)
         parts.append((g[keep], t[keep], m[keep], mid[tri[keep]], pa[keep], pb[keep]))
     if not parts:
         e = np.zeros(0, np.int64)
@@ -381,32 +258,43 @@ def _product(
         )
     g, t, m, mid, pa, pb = (np.concatenate(x) for x in zip(*parts))
     sel = _pareto_keep(g, t, m) if len(parts) > 1 else np.arange(g.size)
-    if beam is not None and sel.size:
-        sel = sel[_thin(g[sel], m[sel] // beam)]
     g, t, m, mid, pa, pb = g[sel], t[sel], m[sel], mid[sel], pa[sel], pb[sel]
     return _Seg(_csr(g, k * k), t, m, a.blocks + b.blocks, halves=(a, b), bp=np.stack([mid, pa, pb], 1))
 
 
+def _triples(ea: np.ndarray, eb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every (a, b) entry of ``ea`` with every (b, c) entry of ``eb`` sharing its b (entries
+    raveled ``x * k + y``, both sorted), in (a, b, c) order: the nonempty triples, found from
+    the nonempty entries rather than the K^3 grid."""
+    row = eb // k  # b of each entry of eb, ascending
+    first = np.searchsorted(row, np.arange(k))
+    cnt = np.bincount(row, minlength=k)[ea % k]
+    rep = np.repeat(np.arange(ea.size), cnt)
+    at = first[ea % k][rep] + np.arange(rep.size) - (np.cumsum(cnt) - cnt)[rep]
+    return ea[rep], eb[at]
+
+
+def _row_order(rows: int) -> list[int]:
+    """The order rows are tested in: lam* (row 2, present when the cap binds) cuts the most,
+    then time (row 0), then the other slopes and memory (measured: about 2x fewer survivors
+    carried through the rows than testing the slopes first)."""
+    first = [2, 0] if rows > 2 else [0]
+    return first + [r for r in range(rows) if r not in first]
+
+
 def _fits(w: np.ndarray, t: np.ndarray, m: np.ndarray, terms: list[tuple], lim: np.ndarray) -> np.ndarray:
     """Mask of pairs with ``w_r (t, m) + rest_r <= lim_r`` on every row, testing the rows one
-    by one on the survivors (the Lagrange rows, last, cut the most).  ``rest_r`` is the sum of
+    by one on the survivors (:func:`_row_order`).  ``rest_r`` is the sum of
     ``table[r, index]`` over ``terms`` (tables (rows, entries), an entry per pair), gathered
     per row for the survivors only: the rows x pairs matrix is never formed."""
     alive = np.arange(t.size)
-    for r in range(len(w) - 1, -1, -1):
+    for r in _row_order(len(w)):
         rest = sum(tab[r, idx[alive]] for tab, idx in terms)
         v = w[r, 0] * t[alive] + w[r, 1] * m[alive] + rest
         alive = alive[v <= lim[r, 0]]
     mask = np.zeros(t.size, bool)
     mask[alive] = True
     return mask
-
-
-def _thin(g: np.ndarray, bucket: np.ndarray) -> np.ndarray:
-    """Indices of the first and last pair of each (group, bucket) run (groups sorted)."""
-    edge = np.ones(g.size + 1, bool)
-    edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
-    return np.flatnonzero(edge[:-1] | edge[1:])
 
 
 def _expand(seg: _Seg, a: int, c: int, pair: int, k: int) -> list[tuple[int, int, int]]:
@@ -432,6 +320,14 @@ class _Chain:
         self.n = len(blocks) - 1
         self.ftab, self.rtab = _Table(f_part, self.k), _Table(r_part, self.k)
         self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
+        self._base: tuple | None = None
+
+    def base(self) -> tuple[MinSumChain, list]:
+        """The min-sum of the time and the memory rows, and their plans (built once)."""
+        if self._base is None:
+            sc = MinSumChain(self.ftab, self.rtab, self.n, np.array([[1.0, 0.0], [0.0, 1.0]]))
+            self._base = (sc, self.scalar_plans(sc))
+        return self._base
 
     def assemble(self, rest_choice: tuple[int, ...], block_choices: list[tuple[int, ...]]) -> tuple[int, ...]:
         """The full choice vector from the rest's choice and each block's (blocks 1..)."""
@@ -494,15 +390,19 @@ def solve_chain(
     """
     start = time.perf_counter()
     tick = progress or (lambda *_: None)
-    chain = _Chain(problem, blocks)
+    # the block and rest tables and the time/memory min-sum do not depend on the cap: kept
+    # with the problem's arrays, so another cap (SearchProblem.with_cap) starts from them
+    key = ("chain", tuple(map(tuple, blocks)))
+    reused = problem.memo_has(key)
+    chain = problem.memo(key, lambda: _Chain(problem, blocks))
     cap = problem.mem_cap_bytes
     tick("block tables", 1, 4)
     w = np.array([[1.0, 0.0], [0.0, 1.0]])
-    sc = MinSumChain(chain.ftab, chain.rtab, chain.n, w)
-    seen = chain.scalar_plans(sc)
+    sc, seen = chain.base()
+    seen = list(seen)
     fast, small = seen
     if cap is not None and int(sc.total[1]) > cap:  # min-sum of memory is the exact least memory
-        raise InfeasibleError.over_cap(problem, min_memory(problem))
+        raise InfeasibleError.over_cap(problem, _least_memory(problem, blocks, int(sc.total[1]), small[1]))
     if cap is not None and fast[1] > cap:
         if small[1] > cap:  # float ties in the memory row: take a plan that fits
             exact = min_memory(problem)
@@ -515,30 +415,20 @@ def solve_chain(
         seen += chain.scalar_plans(sc)[2:]
     ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
     tick("bounds", 2, 4)
-    ms = sc.outside()
-    bounds = (  # outside the block: M_{n-1}; outside the rest: the chain's min-sum f^n
-        _bounds(chain.ftab.model, w, sc.fvals, chain.ftab.from_grid(ms[chain.n - 1].transpose(0, 2, 1))),
+    bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n
+        _bounds(chain.ftab.model, w, sc.fvals, chain.ftab.from_grid(sc.outside()[1].transpose(0, 2, 1))),
         _bounds(chain.rtab.model, w, sc.rvals, chain.rtab.from_grid(sc.power())),
     )
     stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
+    stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
     stats["lagrange_ub"] = ub
-    spread = max(p[1] for p in seen) - min(p[1] for p in seen)
     # lower bound: the min-sum of time, or of time + lam (M - cap) on a Lagrange row (weak duality)
     lb = max(float(sc.total[r]) - float(w[r, 1]) * (cap or 0) for r in range(len(w)) if w[r, 0] == 1.0)
     stats["lower_bound"] = lb
-    grids = _THIN_GRIDS if ub - lb > _THIN_GAP * abs(ub) else ()  # a target that close needs no thinning
-    for grid in grids:  # thinned passes, coarse to fine: real plans that lower the target cheaply
-        found = _pass(chain, sc, ms, bounds, ub, max(1, spread // grid))[0]
-        better = found is not None and found[0] < ub
-        if better:
-            seen.append(found)
-            ub = found[0]
-        elif grid != grids[0]:
-            break
     tick("exact pass", 3, 4)
-    found, pstats = _pass(chain, sc, ms, bounds, ub, None)
+    found, pstats = _deepen(chain, sc, bounds, lb, ub, cap)
     stats.update(pstats, upper_bound=ub)
-    cands = [p for p in seen if cap is None or p[1] <= cap] + ([found] if found is not None else [])
+    cands = [p for p in seen if cap is None or p[1] <= cap] + found
     t, m, choice = min(cands, key=lambda p: (p[0], p[1]))
     tick("done", 4, 4)
     elapsed = time.perf_counter() - start
@@ -555,18 +445,47 @@ def solve_chain(
     return Solution(tuple(choice), t, m, True, "chain", elapsed, stats)
 
 
-def _pass(chain: _Chain, sc: MinSumChain, ms: list, bounds: tuple, ub: int, beam: int | None):
-    """One Pareto pass under target ``ub`` (and the cap): the best plan it finds, re-evaluated,
-    or None.  ``beam``: per entry and memory bucket of that width keep the fastest and the
-    smallest pair (heuristic, as :func:`.dp._pareto_pass`); None: exact."""
-    problem, cap, k, w = chain.problem, chain.problem.mem_cap_bytes, chain.k, sc.w
+def _least_memory(problem: SearchProblem, blocks: list[list[int]], least: int, reached: int) -> Solution:
+    """The least-memory plan, ties broken by time: the optimum under the cap ``least`` (the
+    memory row's min-sum, exact in float64 below 2^53) when the memory row's plan reaches
+    it (``reached``), so the chain answers in a pass; else :func:`.dp.min_memory` (flat)."""
+    if least == reached and least < 2**53:
+        return solve_chain(problem.with_cap(least), blocks)
+    return min_memory(problem)
+
+
+def _deepen(chain: _Chain, sc: MinSumChain, bounds: tuple, lb: float, ub: int, cap: int | None) -> tuple[list, dict]:
+    """Plans met by passes with rising targets (module docstring, Target): the last is the
+    optimum, unless the best plan met before (time ``ub``) is.  A pass may also return a
+    plan slower than its target (the rest's pairs join unpruned in :func:`_finish`): a real
+    plan under the cap, kept (it lowers ``ub``), but no proof."""
+    plans: list = []
+    passes, slack = 0, (ub - lb) * _DEEPEN_FIRST
+    while True:
+        target = ub if ub - lb <= _tol(ub) else min(ub, int(lb + slack))
+        passes, slack = passes + 1, 2 * slack
+        found, stats = _pass(chain, sc, bounds, target, cap)
+        if found is not None:
+            plans.append(found)
+            if found[0] <= target:
+                break
+            ub = min(ub, found[0])
+        if target >= ub:
+            break
+    return plans, dict(stats, passes=passes, target=target)
+
+
+def _pass(chain: _Chain, sc: MinSumChain, bounds: tuple, ub: int, cap: int | None):
+    """One exact Pareto pass under target ``ub`` (and the cap): the best plan with time <= ub,
+    re-evaluated, or None when there is none."""
+    problem, k, w = chain.problem, chain.k, sc.w
     fb, rb = bounds
     lim_rows = _limits(fb, float(ub), cap)
     lim = (lim_rows + _tol(lim_rows))[:, None]
-    ftabs, fstats = _pareto_pass(chain.ftab.model, fb, lim_rows, beam=beam)
+    ftabs, fstats = _pareto_pass(chain.ftab.model, fb, lim_rows)
     leaf = _leaf(chain.ftab, ftabs[chain.ftab.model.final])
-    g = _power(leaf, chain.n, k, w, ms, lim, beam)
-    rtabs, rstats = _pareto_pass(chain.rtab.model, rb, lim_rows, beam=beam)
+    g = _power(leaf, chain.n, k, w, sc.outside(), lim)
+    rtabs, rstats = _pareto_pass(chain.rtab.model, rb, lim_rows)
     rest = _leaf(chain.rtab, rtabs[chain.rtab.model.final])
     stats = {"block_pairs": int(leaf.t.size), "chain_pairs": int(g.t.size), "rest_pairs": int(rest.t.size)}
     best = _finish(rest, g, k, cap)
@@ -588,22 +507,14 @@ def _pass(chain: _Chain, sc: MinSumChain, ms: list, bounds: tuple, ub: int, beam
     return (t, m, choice), stats
 
 
-def _power(leaf: _Seg, n: int, k: int, w: np.ndarray, ms: list[np.ndarray], lim: np.ndarray, beam: int | None) -> _Seg:
-    """``F^(x)n`` by squaring; a segment of l blocks is pruned with ``M_{n-l}``."""
-
-    def out(blocks: int) -> np.ndarray:
-        return ms[n - blocks].transpose(0, 2, 1).reshape(len(w), -1)
-
-    result, base, e = None, leaf, n
-    while e:
-        if e & 1:
-            result = (
-                base if result is None else _product(result, base, k, w, out(result.blocks + base.blocks), lim, beam)
-            )
-        e >>= 1
-        if e:
-            base = _product(base, base, k, w, out(2 * base.blocks), lim, beam)
-    return result
+def _power(leaf: _Seg, n: int, k: int, w: np.ndarray, outs: dict[int, np.ndarray], lim: np.ndarray) -> _Seg:
+    """``F^(x)n`` by halving (one segment per length); a segment of l blocks is pruned with
+    ``O_l`` (``outs[l]``, indexed (c, a))."""
+    segs = {1: leaf}
+    for length, x, y in halving(n):
+        out = outs[length].transpose(0, 2, 1).reshape(len(w), -1)
+        segs[length] = _product(segs[x], segs[y], k, w, out, lim)
+    return segs[n]
 
 
 def _finish(rest: _Seg, g: _Seg, k: int, cap: int | None) -> tuple[int, int, int] | None:

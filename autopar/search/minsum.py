@@ -6,10 +6,12 @@ kept).  :class:`MinSumChain` computes (min-plus matrix products, :func:`minplus`
 
     f^l = f^(l//2) (x) f^(l - l//2)                         memoized halving (:meth:`MinSumChain.fpow`)
     total = min_(a, z) r(a, z) + f^n(a, z)                  the min-sum of the whole problem
-    L_0(z, a) = r(a, z),    L_{p+1} = L_p (x) f           the rest and p blocks
-    M_0 = L_0,              M_s = min(L_s, f (x) M_{s-1})  outside bounds (chain.py's docstring)
+    O_n(c, a) = r(a, c);  for l = x + y (x = l//2) of the halving of n, longest first:
+        O_x = min(O_x, f^y (x) O_l),  O_y = min(O_y, O_l (x) f^x)   outside bounds (chain.py's docstring)
 
-and the port states of each row's argmin plan (:meth:`MinSumChain.states`).
+and the port states of each row's argmin plan (:meth:`MinSumChain.states`).  The lengths
+of the halving (:func:`halving`) are at most two per level, so each of these is
+O(log n) min-plus products.
 """
 
 from __future__ import annotations
@@ -23,7 +25,19 @@ from .dp import _inside
 if TYPE_CHECKING:
     from .chain import _Table
 
-__all__ = ["MinSumChain", "minplus"]
+__all__ = ["MinSumChain", "halving", "minplus"]
+
+
+def halving(n: int) -> list[tuple[int, int, int]]:
+    """``(l, l//2, l - l//2)`` for every length l >= 2 met halving n, shortest first (so a
+    segment's halves come before it); at most two lengths per level."""
+    seen, todo = set(), [n]
+    while todo:
+        length = todo.pop()
+        if length >= 2 and length not in seen:
+            seen.add(length)
+            todo += [length // 2, length - length // 2]
+    return [(length, length // 2, length - length // 2) for length in sorted(seen)]
 
 
 def minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -43,6 +57,7 @@ class MinSumChain:
         self.f = ftab.to_grid(self.fvals[ftab.model.final])
         self.r = rtab.to_grid(self.rvals[rtab.model.final])
         self._pow = {1: self.f}  # l -> f^l, built by halving (:meth:`fpow`)
+        self._out: dict[int, np.ndarray] | None = None  # l -> O_l (:meth:`outside`)
         rows, k = len(w), self.f.shape[1]
         whole = (self.r + self.fpow(n)).reshape(rows, -1)  # (a, z): the rest plus n blocks
         self.total = whole.min(axis=1)
@@ -56,18 +71,15 @@ class MinSumChain:
             self._pow[length] = minplus(self.fpow(half), self.fpow(length - half))
         return self._pow[length]
 
-    def outside(self) -> list[np.ndarray]:
-        """``M_s`` for s = 0..n-1, each (rows, K, K) indexed (c, a)."""
-        rows = len(self.w)
-        lp = self.r.transpose(0, 2, 1)  # L_0(z, a) = r(a, z)
-        ms = [lp]
-        # L_s = L_(s-1) (x) f and f (x) M_(s-1) = (M_(s-1)^T (x) f^T)^T in one batched product
-        right = np.concatenate([self.f, self.f.transpose(0, 2, 1)])
-        for _ in range(1, self.n):
-            both = minplus(np.concatenate([lp, ms[-1].transpose(0, 2, 1)]), right)
-            lp = both[:rows]
-            ms.append(np.minimum(lp, both[rows:].transpose(0, 2, 1)))
-        return ms
+    def outside(self) -> dict[int, np.ndarray]:
+        """``O_l`` (rows, K, K) indexed (c, a) per length l of :func:`halving` (and 1), built once."""
+        if self._out is None:
+            out = {self.n: self.r.transpose(0, 2, 1)}  # O_n(c, a) = r(a, c)
+            for length, x, y in reversed(halving(self.n)):
+                for half, value in ((x, minplus(self.fpow(y), out[length])), (y, minplus(out[length], self.fpow(x)))):
+                    out[half] = value if half not in out else np.minimum(out[half], value)
+            self._out = out
+        return self._out
 
     def power(self) -> np.ndarray:
         """``f^n`` (rows, K, K)."""

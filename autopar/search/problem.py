@@ -20,13 +20,18 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 __all__ = ["INF", "SearchProblem", "Solution", "InfeasibleError", "solve_brute_force"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_OWN = frozenset({"flat", "edge array", "ks array"})  # memo keys of the problem's own indexes (kept by forget)
 
 #: Marks a forbidden choice (node_time) or pair (edge_time); a quarter of int64 max so
 #: that a few of them can be added without overflowing.
@@ -119,8 +124,10 @@ class SearchProblem:
     edge_mem: tuple[np.ndarray | None, ...]
     mem_cap_bytes: int | None
     base_mem_bytes: int = 0
-    _flat: _Flat | None = field(default=None, init=False, repr=False, compare=False)  # evaluate's gather index
     _ks: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)  # num_choices
+    # what is derived from the arrays alone (evaluate's gather index, a solver's tables),
+    # shared by the problems :meth:`with_cap` makes: they differ in the cap only
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = tuple(str(s) for s in self.names)
@@ -220,27 +227,44 @@ class SearchProblem:
         return self._ks
 
     def with_cap(self, mem_cap_bytes: int | None) -> SearchProblem:
-        """The same problem under another memory cap."""
-        return SearchProblem(
-            self.names,
-            self.node_time,
-            self.node_mem,
-            self.edges,
-            self.edge_time,
-            self.edge_mem,
-            mem_cap_bytes,
-            self.base_mem_bytes,
-        )
+        """The same problem under another memory cap: the arrays (checked once) and what is
+        derived from them (:meth:`memo`) are shared, so this costs O(1), not O(nodes)."""
+        if not isinstance(mem_cap_bytes, (int, np.integer, type(None))):
+            raise ValueError(f"mem_cap_bytes: expected an int or None, got {type(mem_cap_bytes).__name__}")
+        other = object.__new__(SearchProblem)
+        for name in self.__slots__:
+            object.__setattr__(other, name, getattr(self, name))
+        object.__setattr__(other, "mem_cap_bytes", None if mem_cap_bytes is None else int(mem_cap_bytes))
+        return other
+
+    def forget(self) -> None:
+        """Drop what the solvers derived from the arrays (for this problem and its
+        :meth:`with_cap` copies), keeping the problem's own indexes (:meth:`flat`,
+        :meth:`edge_array`): the next solve starts cold, as a benchmark of a first plan wants."""
+        for key in [k for k in self._memo if k not in _OWN]:
+            del self._memo[key]
+
+    def memo_has(self, key: object) -> bool:
+        """Whether :meth:`memo` holds ``key`` (built for this problem or a cap copy of it)."""
+        return key in self._memo
+
+    def memo(self, key: object, build: Callable[[], T]) -> T:
+        """``build()``, once per key for this problem and every :meth:`with_cap` copy of it:
+        for data that depends on the arrays and not on the cap."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def _check_choice(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> tuple[int, ...]:
-        c = tuple(int(x) for x in choice)
-        if len(c) != self.n_nodes:
+        arr = np.asarray(choice if isinstance(choice, np.ndarray) else list(choice), dtype=np.int64).reshape(-1)
+        if arr.size != self.n_nodes:
             raise ValueError(
-                f"choice has {len(c)} entries but the problem has {self.n_nodes} nodes; "
+                f"choice has {arr.size} entries but the problem has {self.n_nodes} nodes; "
                 "give one strategy index per node"
             )
         ks = self.num_choices
-        if min(c, default=0) >= 0 and all(map(int.__lt__, c, ks)):
+        c = tuple(arr.tolist())
+        if ((arr >= 0) & (arr < self.memo("ks array", lambda: np.asarray(ks, np.int64)))).all():
             return c
         bad = [
             f"  - node {i} ({self.names[i]}): choice {c[i]} not in 0..{ks[i] - 1}"
@@ -258,12 +282,18 @@ class SearchProblem:
     def evaluate(self, choice: tuple[int, ...] | list[int] | np.ndarray) -> tuple[int, int]:
         """``(T(c), M(c))`` as exact Python ints (a forbidden choice gives ``T >= INF``)."""
         c = self._check_choice(choice)
-        if self._flat is None:
-            object.__setattr__(self, "_flat", _Flat(self))
-        got = self._flat.evaluate(np.asarray(c, np.int64))
+        got = self.flat().evaluate(np.asarray(c, np.int64))
         if got is not None:
             return got[0], self.base_mem_bytes + got[1]
         return self._evaluate_slow(c)
+
+    def flat(self) -> _Flat:
+        """Every distinct array in one flat array, with each node's and edge's offset (built once)."""
+        return self.memo("flat", lambda: _Flat(self))
+
+    def edge_array(self) -> np.ndarray:
+        """``edges`` as an (edges, 2) int64 array (built once)."""
+        return self.memo("edge array", lambda: np.asarray(self.edges, np.int64).reshape(-1, 2))
 
     def _evaluate_slow(self, c: tuple[int, ...]) -> tuple[int, int]:
         """:meth:`evaluate` term by term in Python ints (the reference; forbidden entries)."""
@@ -363,22 +393,22 @@ class _Flat:
 
 def _flatten(groups: list) -> tuple[np.ndarray, list[np.ndarray]]:
     """One flat array of the distinct arrays (by identity) in ``groups``, and per group the
-    offset of each member's first entry."""
-    start: dict[int, int] = {}
-    parts: list[np.ndarray] = []
-    size = 0
-    offsets = []
-    for group in groups:
-        off = np.empty(len(group), np.int64)
-        for i, a in enumerate(group):
-            at = start.get(id(a))
-            if at is None:
-                at = start[id(a)] = size
-                parts.append(a.reshape(-1))
-                size += a.size
-            off[i] = at
-        offsets.append(off)
-    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), offsets
+    offset of each member's first entry.  Equal offsets mean the same array: :mod:`.chain`
+    compares repeated blocks by them."""
+    members = [a for group in groups for a in group]
+    if not members:
+        return np.zeros(0, np.int64), [np.zeros(0, np.int64) for _ in groups]
+    ids = np.fromiter(map(id, members), np.int64, len(members))  # CPython ids are addresses: fit int64
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    first_sorted = np.sort(first)  # distinct arrays in order of first use
+    sizes = np.fromiter((members[i].size for i in first_sorted), np.int64, first_sorted.size)
+    start = np.zeros(first_sorted.size, np.int64)
+    np.cumsum(sizes[:-1], out=start[1:])
+    at = start[np.argsort(np.argsort(first))]  # unique-id rank -> offset of that array
+    off = at[inverse.reshape(-1)]
+    flat = np.concatenate([members[i].reshape(-1) for i in first_sorted])
+    bounds = np.cumsum([0] + [len(g) for g in groups])
+    return flat, [off[bounds[j] : bounds[j + 1]] for j in range(len(groups))]
 
 
 @dataclass(frozen=True, slots=True)

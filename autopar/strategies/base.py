@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ..placement import Partial, Placement, Replicate, Shard
 from ..spec import TensorMeta
+from ..transitions import input_grad_placements, output_grad_placements
 
 __all__ = [
     "OpCall",
@@ -121,6 +122,15 @@ class OpStrategy:
     op's own collectives on axis a; ``kernels[a]`` the local kernel chosen on axis a
     (None: the op itself).  ``split[a]`` is True when axis a divides the op's work
     (any non-replicated placement), False when every rank of the axis repeats it.
+
+    ``partial_grad[a]`` (only on an axis the op does not split): backward takes the
+    output gradients as ``P(sum)`` on axis a and hands its input gradients back as
+    ``P(sum)``.  Exact because a vector-Jacobian product is linear in the incoming
+    gradient and every rank of the axis holds the same inputs (the same Jacobian):
+    ``vjp(sum_r g_r) = sum_r vjp(g_r)``.  The reduction moves to wherever a
+    gradient must be whole (a parameter, whose reduction overlaps with backward, or
+    a split producer), and partial gradients from several consumers are summed
+    locally first, so they are reduced once (Megatron's one ``f`` for q, k and v).
     """
 
     inputs: tuple[tuple[Placement, ...], ...]
@@ -129,11 +139,46 @@ class OpStrategy:
     kernels: tuple[str | None, ...]
     split: tuple[bool, ...]
     fallback: bool = False
+    partial_grad: tuple[bool, ...] = ()
 
     def label(self) -> str:
         ins = " ".join("(" + ",".join(map(str, p)) + ")" for p in self.inputs)
         outs = " ".join("(" + ",".join(map(str, p)) + ")" for p in self.outputs)
-        return f"{ins} -> {outs}"
+        return f"{ins} -> {outs}" + partial_grad_suffix(self.partial_grad)
+
+    def input_grad(self, pos: int) -> tuple[Placement, ...]:
+        """Placement of the gradient this strategy's backward returns for tensor input ``pos``."""
+        return input_grad_placements(self.inputs[pos], self.split, self.partial_grad)
+
+    def output_grad(self, index: int) -> tuple[Placement, ...]:
+        """Placement this strategy's backward needs the gradient of output ``index`` in."""
+        return output_grad_placements(self.outputs[index], self.partial_grad)
+
+
+def partial_grad_suffix(flags: tuple[bool, ...]) -> str:
+    """How a label shows partial-gradient axes: `` grad P@0,1`` (empty when there are none)."""
+    axes = [str(a) for a, f in enumerate(flags) if f]
+    return f" grad P@{','.join(axes)}" if axes else ""
+
+
+def with_partial_grads(options: list[OpStrategy], mesh_shape: tuple[int, ...]) -> list[OpStrategy]:
+    """``options`` followed by each strategy's partial-gradient variants (see ``OpStrategy``).
+
+    A strategy that does not split axes ``A`` (of more than one rank) gets one
+    variant per non-empty subset of ``A``; the caller offers them only where gradients flow.  The variants keep
+    the placements, collectives and kernels, so their forward, compute and memory
+    are those of the original; only which backward reductions happen where differs.
+    """
+    import itertools
+
+    out = list(options)
+    for s in options:
+        axes = [a for a, sp in enumerate(s.split) if not sp and mesh_shape[a] > 1]
+        for k in range(1, len(axes) + 1):
+            for subset in itertools.combinations(axes, k):
+                flags = tuple(a in subset for a in range(len(s.split)))
+                out.append(OpStrategy(s.inputs, s.outputs, s.comm, s.kernels, s.split, s.fallback, flags))
+    return out
 
 
 Rule = Callable[[OpCall, int], "list[AxisStrategy]"]
