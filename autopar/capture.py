@@ -18,6 +18,7 @@ Every ``OpNode`` carries TensorMeta for its outputs, its module path (from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -110,7 +111,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     was_training = model.training
     model.train()
     try:
-        ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+        with _lean_export():
+            ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
     except Exception as e:  # export raises many types; all mean "could not trace"
         raise CaptureError(
             f"autopar could not trace {name} with torch.export (non-strict): {type(e).__name__}: "
@@ -138,6 +140,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     return _build(
         gm, name, param_of, buffer_of, canonical, tied, no_grad_nodes, list(sig.user_inputs), list(sig.user_outputs)
     )
+
+
+@contextlib.contextmanager
+def _lean_export():
+    """Export without work planning never uses: each node's Python stack trace (extracting and
+    symbolizing one per traced op is about a quarter of a deep model's export) and the Python
+    code of the intermediate graph modules export's passes build (lazy graph modules generate
+    it on first use; only the final module's is built).  The graph is the same."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # a torch without lazy graph modules: eager code generation
+        lazy = contextlib.nullcontext()
+    else:
+        lazy = _use_lazy_graph_module(True)
+    before = fx.config.do_not_emit_stack_traces
+    fx.config.do_not_emit_stack_traces = True
+    try:
+        with lazy:
+            yield
+    finally:
+        fx.config.do_not_emit_stack_traces = before
 
 
 def _canonical_param_names(model: torch.nn.Module) -> dict[str, str]:

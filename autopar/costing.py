@@ -80,6 +80,8 @@ class Coster:
         self.settings = settings
         self.links = [settings.profile.link_for_axis(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._trans_cache: dict = {}
+        self._ids: dict = {}  # meta or placements -> small int (edge_matrices' cache keys)
+        self._move_s: dict = {}  # (meta id, src id, dst id) -> transition_time_s
         self._consumers = self.graph.consumers()
         self._layouts = memory_layouts(self.graph)
         self._bytes_cache: dict = {}  # (meta, placements) -> local bytes at compute precision
@@ -167,13 +169,14 @@ class Coster:
         key = (meta, src, dst)
         hit = self._trans_cache.get(key)
         if hit is None:
-            from .runtime.redistribute import nesting_conflict
+            from .runtime.redistribute import nesting_steps
 
-            m = self.compute_meta(meta)
-            if nesting_conflict(m, src, dst, self.mesh_shape) is not None:
+            # the runtime's step list (local steps included) and whether it runs on the nested layout
+            steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
+            if conflict is not None:
                 hit = math.inf  # the runtime cannot run this move on the nested layout: forbidden
             else:
-                hit = sum(self.comm_time_s(t.kind, t.bytes, t.axis) for t in transitions(m, src, dst, self.mesh_shape))
+                hit = sum(self.comm_time_s(t.kind, t.bytes, t.axis) for t in steps if t.kind is not None)
             self._trans_cache[key] = hit
         return hit
 
@@ -343,20 +346,49 @@ class Coster:
         meta = u.outputs[out_idx]
         grad = u.requires_grad and v.requires_grad and meta.is_float
         regather = u.kind == "param" and pos in self.saved_inputs(v)  # a kept gathered parameter: gathered again
-        time = np.zeros((len(su), len(sv)))
-        mem = np.zeros((len(su), len(sv)), dtype=np.int64)
-        for a, s_u in enumerate(su):
-            src = s_u.outputs[out_idx]
-            grad_target = s_u.output_grad(out_idx)
-            for b, s_v in enumerate(sv):
-                dst = s_v.inputs[pos]
-                fwd = self.transition_time_s(meta, src, dst) if src != dst else 0.0
-                t = fwd
-                if fwd and regather:
-                    t += fwd  # FSDP: the op keeps a handle, backward gathers it again
-                g = s_v.input_grad(pos)
-                if grad and g != grad_target:
-                    t += self.transition_time_s(meta, g, grad_target) * self.grad_exposed(u)
-                time[a, b] = t
-                mem[a, b] = self.edge_saved_bytes(u, out_idx, v, pos, src, dst, g != grad_target)
-        return time, mem
+        exposed = self.grad_exposed(u)
+        # a cell depends on u's strategy only through (output placement, its gradient's) and on v's
+        # only through (input placement, the gradient it returns): price each distinct pair once
+        row_of, rows = _distinct([(s.outputs[out_idx], s.output_grad(out_idx)) for s in su])
+        col_of, cols = _distinct([(s.inputs[pos], s.input_grad(pos)) for s in sv])
+        # placements as small ints (equal placements, equal ids): the pair loop hashes ints only
+        ids = self._ids
+        mid = ids.setdefault(meta, len(ids))
+        row_ids = [(ids.setdefault(p, len(ids)), ids.setdefault(q, len(ids))) for p, q in rows]
+        col_ids = [(ids.setdefault(p, len(ids)), ids.setdefault(q, len(ids))) for p, q in cols]
+        moves = self._move_s
+        keeps = self.edge_shares.get((v.index, pos)) is not None and u.kind != "param"  # else 0 (edge_saved_bytes)
+        time: list[list[float]] = []
+        mem: list[list[int]] = []
+        for (src, grad_target), (sid, tid) in zip(rows, row_ids):
+            t_row, m_row = [], []
+            for (dst, g), (did, gid) in zip(cols, col_ids):
+                t = 0.0
+                if sid != did:
+                    t = moves.get((mid, sid, did))
+                    if t is None:
+                        t = moves[mid, sid, did] = self.transition_time_s(meta, src, dst)
+                    if t and regather:
+                        t += t  # FSDP: the op keeps a handle, backward gathers it again
+                if grad and gid != tid:
+                    back = moves.get((mid, gid, tid))
+                    if back is None:
+                        back = moves[mid, gid, tid] = self.transition_time_s(meta, g, grad_target)
+                    t += back * exposed
+                t_row.append(t)
+                m_row.append(self.edge_saved_bytes(u, out_idx, v, pos, src, dst, gid != tid) if keeps else 0)
+            time.append(t_row)
+            mem.append(m_row)
+        pick = np.ix_(row_of, col_of)
+        shape = (len(rows), len(cols))
+        return (
+            np.array(time, dtype=np.float64).reshape(shape)[pick],
+            np.array(mem, dtype=np.int64).reshape(shape)[pick],
+        )
+
+
+def _distinct(items: list) -> tuple[np.ndarray, list]:
+    """(index of each item in the distinct list, the distinct items in first-seen order)."""
+    first: dict = {}
+    index = np.array([first.setdefault(x, len(first)) for x in items], dtype=np.intp)
+    return index, list(first)

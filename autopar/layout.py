@@ -23,6 +23,7 @@ Layout contract (nested, the one ``expand_to_mesh`` and ``spec.local_shape`` use
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -109,6 +110,13 @@ def unlayable_reason(
     its piece), or None when every coordinate can be laid out."""
     if not any(isinstance(p, Shard) and p.blocks > 1 for p in placements):
         return None  # plain shards always lay out (tensor_split sizes)
+    return _unlayable_blocks(tuple(shape), tuple(placements), tuple(mesh_shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # pure, and asked once per transition priced (runtime.redistribute)
+def _unlayable_blocks(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> str | None:
     for coord in coordinates(mesh_shape):
         for d, size in enumerate(shape):
             # dim_index's piece sizes, without building index tensors (this runs per transition priced)

@@ -70,8 +70,14 @@ def _groups(graph: OpGraph) -> tuple[str, dict[int, list[int]]]:
     return prefix, dict(by_prefix[prefix])
 
 
-def block_signature(graph: OpGraph, members: list[int], previous: list[int] | None) -> tuple:
-    """A hashable canonical form of one group (see the module docstring)."""
+def block_signature(
+    graph: OpGraph, members: list[int], previous: list[int] | None, ops: dict[int, tuple | None] | None = None
+) -> tuple:
+    """A hashable canonical form of one group (see the module docstring).
+
+    ``ops``, when given, caches each node's op form (node index -> form) across calls.
+    """
+    ops = {} if ops is None else ops
     rel = {v: r for r, v in enumerate(members)}
     prev = {v: r for r, v in enumerate(previous or [])}
     items = []
@@ -86,9 +92,10 @@ def block_signature(graph: OpGraph, members: list[int], previous: list[int] | No
             else:
                 src = graph.nodes[u]
                 ins.append(("ext", src.kind, src.outputs[o], o))
-        call = node.call
-        op = None if call is None else (str(call.target), repr(call.args), repr(sorted(call.kwargs.items())))
-        items.append((node.kind, op, node.outputs, node.requires_grad, tuple(ins)))
+        if v not in ops:
+            call = node.call
+            ops[v] = None if call is None else (str(call.target), repr(call.args), repr(sorted(call.kwargs.items())))
+        items.append((node.kind, ops[v], node.outputs, node.requires_grad, tuple(ins)))
     return tuple(items)
 
 
@@ -98,8 +105,9 @@ def find_blocks(graph: OpGraph, *, min_count: int = 3) -> Blocks | None:
     if len(groups) < min_count:
         return None
     order = sorted(groups)
-    loose = [block_signature(graph, groups[i], None) for i in order]  # outside inputs by kind only
-    full = [block_signature(graph, groups[i], groups[order[n - 1]] if n else None) for n, i in enumerate(order)]
+    ops: dict[int, tuple | None] = {}  # each node's op form, shared by both signatures
+    loose = [block_signature(graph, groups[i], None, ops) for i in order]  # outside inputs by kind only
+    full = [block_signature(graph, groups[i], groups[order[n - 1]] if n else None, ops) for n, i in enumerate(order)]
     best, start = (0, 0), 0  # (start, length) of the longest run
     for n in range(1, len(order) + 1):
         same = (

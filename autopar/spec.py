@@ -33,7 +33,7 @@ class TensorMeta:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size() if self.dtype is not None else 4
+        return self.dtype.itemsize if self.dtype is not None else 4
 
     @property
     def nbytes(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 import autopar
@@ -213,3 +214,38 @@ def test_gpt2_dp8_tighter_caps_shard_model_state_zero_style(gpt2_dp8):
             if p["placements"] != ["R"]:
                 assert "p_" + fqn.replace(".", "_") in gathered_fwd, fqn
     assert saw_state_sharded and saw_params_sharded
+
+
+def _edge_matrices_reference(coster, u, out_idx, v, pos):
+    """Coster.edge_matrices priced pair by pair, as written before it priced distinct pairs once."""
+    su, sv = coster.cand.strategies[u.index], coster.cand.strategies[v.index]
+    meta = u.outputs[out_idx]
+    grad = u.requires_grad and v.requires_grad and meta.is_float
+    regather = u.kind == "param" and pos in coster.saved_inputs(v)
+    time = np.zeros((len(su), len(sv)))
+    mem = np.zeros((len(su), len(sv)), dtype=np.int64)
+    for a, s_u in enumerate(su):
+        src, grad_target = s_u.outputs[out_idx], s_u.output_grad(out_idx)
+        for b, s_v in enumerate(sv):
+            dst, g = s_v.inputs[pos], s_v.input_grad(pos)
+            fwd = coster.transition_time_s(meta, src, dst) if src != dst else 0.0
+            t = fwd + (fwd if fwd and regather else 0.0)
+            if grad and g != grad_target:
+                t += coster.transition_time_s(meta, g, grad_target) * coster.grad_exposed(u)
+            time[a, b] = t
+            mem[a, b] = coster.edge_saved_bytes(u, out_idx, v, pos, src, dst, g != grad_target)
+    return time, mem
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 2)])
+def test_edge_matrices_equal_the_pair_by_pair_reference(tiny_model, mesh_shape):
+    model, args, kwargs = tiny_model("gpt2-tiny", 2, 16)
+    ctx = prepare(model, autopar.Mesh(mesh_shape), example_inputs=args, example_kwargs=kwargs, dtype="bf16")
+    nodes, checked = ctx.graph.nodes, 0
+    for v in nodes:
+        for pos, (u, o) in enumerate(v.inputs):
+            got = ctx.coster.edge_matrices(nodes[u], o, v, pos)
+            want = _edge_matrices_reference(ctx.coster, nodes[u], o, v, pos)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), v.describe()
+            checked += 1
+    assert checked > 100

@@ -70,7 +70,7 @@ from ..transitions import AxisTransition, transitions
 from .counter import CollectiveCounter
 from .groups import MeshGroups
 
-__all__ = ["redistribute_local", "redistribute", "Redistribute", "Move", "nesting_conflict"]
+__all__ = ["redistribute_local", "redistribute", "Redistribute", "Move", "nesting_conflict", "nesting_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _conflict(
     return None
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)  # the planner prices ~15k distinct moves of a large model
 def _steps(
     meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
 ) -> tuple[tuple[AxisTransition, ...], str | None]:
@@ -130,11 +130,18 @@ def _steps(
     return steps, _conflict(steps, src, mesh_shape, tuple(meta.shape))
 
 
+def nesting_steps(
+    meta: TensorMeta, src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[tuple[AxisTransition, ...], str | None]:
+    """``transitions(..., include_local=True)`` and ``nesting_conflict``'s answer, computed once (cached)."""
+    return _steps(meta, tuple(parse_placements(src)), tuple(parse_placements(dst)), tuple(mesh_shape))
+
+
 def nesting_conflict(
     meta: TensorMeta, src: Sequence[Placement], dst: Sequence[Placement], mesh_shape: Sequence[int]
 ) -> str | None:
     """Why ``transitions(meta, src, dst, mesh_shape)`` cannot run on the nested layout, or None when it can."""
-    return _steps(meta, tuple(parse_placements(src)), tuple(parse_placements(dst)), tuple(mesh_shape))[1]
+    return nesting_steps(meta, src, dst, mesh_shape)[1]
 
 
 def _placements(value, groups: MeshGroups, what: str) -> tuple[Placement, ...]:
