@@ -22,7 +22,15 @@ from .blocks import block_hints
 from .capture import OpGraph, OpNode
 from .placement import Partial, Placement, Replicate, Shard
 from .spec import TensorMeta
-from .strategies.base import OpStrategy, expand_to_mesh, partial_grad_suffix, rule_for, with_partial_grads
+from .strategies.base import (
+    OpStrategy,
+    expand_to_mesh,
+    partial_grad_flags,
+    partial_grad_suffix,
+    rule_for,
+    with_partial_grads,
+)
+from .transitions import partial_on
 
 __all__ = ["SourceStrategy", "CandidateGraph", "build_candidates"]
 
@@ -43,8 +51,7 @@ class SourceStrategy:
         """Where the uses' gradients are summed: the state placement, or ``P(sum)`` on the
         ``partial_grad`` axes (a parameter read by several ops: each use's partial gradient
         is added locally and the sum is reduced once, ``accumulated_grad``)."""
-        flags = self.partial_grad or (False,) * len(self.state)
-        return tuple(Partial("sum") if f else p for p, f in zip(self.state, flags))
+        return partial_on(self.state, self.partial_grad)
 
     @property
     def accumulated_grad(self) -> tuple[tuple[Placement, ...], tuple[Placement, ...]] | None:
@@ -197,13 +204,8 @@ def _with_accumulation(options: list[SourceStrategy], mesh_shape: tuple[int, ...
     """``options`` and, for each, the variants summing the uses' gradients as ``P(sum)`` on a
     non-empty subset of the axes (of more than one rank) before one reduction to the state."""
     axes = [a for a, size in enumerate(mesh_shape) if size > 1]
-    out = list(options)
-    for s in options:
-        for k in range(1, len(axes) + 1):
-            for subset in itertools.combinations(axes, k):
-                flags = tuple(a in subset for a in range(len(mesh_shape)))
-                out.append(SourceStrategy(s.placement, s.state, flags))
-    return out
+    flag_sets = list(partial_grad_flags(axes, len(mesh_shape)))
+    return options + [replace(s, partial_grad=flags) for s in options for flags in flag_sets]
 
 
 def _state_options(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]):

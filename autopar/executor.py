@@ -58,7 +58,7 @@ from .runtime.redistribute import Move
 from .runtime.zero import from_state_shard
 from .spec import local_shape
 from .strategies.views import localize_size_args
-from .transitions import input_grad_placements, output_grad_placements, producer_grad_placement
+from .transitions import input_grad_placements, output_grad_placements, partial_on, producer_grad_placement
 
 __all__ = ["ExecutionPlan", "RunState", "lower", "SavedBytes", "RANDOM_OPS"]
 
@@ -136,7 +136,7 @@ class ExecutionPlan:
                 sources[n.name] = (parse_placements(p["placements"]), parse_placements(p["state_placements"]))
                 flags = _axis_flags(plan, p, f"parameter {n.fqn}")
                 if any(flags):
-                    accumulate[n.name] = output_grad_placements(sources[n.name][1], flags)
+                    accumulate[n.name] = partial_on(sources[n.name][1], flags)
             elif n.kind in ("input", "buffer"):
                 pl = parse_placements(plan.inputs[n.fqn or n.name]["placements"])
                 sources[n.name] = (pl, tuple(producer_grad_placement(p) for p in pl))

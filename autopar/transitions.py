@@ -55,6 +55,7 @@ __all__ = [
     "producer_grad_placement",
     "input_grad_placements",
     "output_grad_placements",
+    "partial_on",
 ]
 
 
@@ -171,6 +172,13 @@ def producer_grad_placement(p: Placement) -> Placement:
     return p if isinstance(p, Shard) else Replicate()
 
 
+def partial_on(placements: tuple[Placement, ...], flags: tuple[bool, ...] = ()) -> tuple[Placement, ...]:
+    """``placements`` with ``P(sum)`` on the axes ``flags`` marks (no flags: unchanged)."""
+    if not any(flags):
+        return tuple(placements)
+    return tuple(Partial("sum") if f else p for p, f in zip(placements, flags))
+
+
 def input_grad_placements(
     read: tuple[Placement, ...], split: tuple[bool, ...], partial_grad: tuple[bool, ...] = ()
 ) -> tuple[Placement, ...]:
@@ -180,11 +188,9 @@ def input_grad_placements(
     (which the op does not split), where its backward ran on ``P(sum)`` gradients
     and so returns ``P(sum)`` (see ``strategies.base.OpStrategy``).
     """
-    flags = partial_grad or (False,) * len(read)
-    return tuple(Partial("sum") if f else consumer_grad_placement(p, sp) for p, sp, f in zip(read, split, flags))
+    return partial_on(tuple(consumer_grad_placement(p, sp) for p, sp in zip(read, split)), partial_grad)
 
 
 def output_grad_placements(out: tuple[Placement, ...], partial_grad: tuple[bool, ...] = ()) -> tuple[Placement, ...]:
     """The placement an op needs the gradient of an output placed ``out`` in (``P(sum)`` on ``partial_grad`` axes)."""
-    flags = partial_grad or (False,) * len(out)
-    return tuple(Partial("sum") if f else producer_grad_placement(p) for p, f in zip(out, flags))
+    return partial_on(tuple(producer_grad_placement(p) for p in out), partial_grad)

@@ -22,9 +22,10 @@ equal) gives the op's full output.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.utils import _pytree as pytree
@@ -161,23 +162,26 @@ def partial_grad_suffix(flags: tuple[bool, ...]) -> str:
     return f" grad P@{','.join(axes)}" if axes else ""
 
 
+def partial_grad_flags(axes: list[int], ndim: int):
+    """One flag tuple (per mesh axis) for each non-empty subset of ``axes``."""
+    for k in range(1, len(axes) + 1):
+        for subset in itertools.combinations(axes, k):
+            yield tuple(a in subset for a in range(ndim))
+
+
 def with_partial_grads(options: list[OpStrategy], mesh_shape: tuple[int, ...]) -> list[OpStrategy]:
     """``options`` followed by each strategy's partial-gradient variants (see ``OpStrategy``).
 
     A strategy that does not split axes ``A`` (of more than one rank) gets one
-    variant per non-empty subset of ``A``; the caller offers them only where gradients flow.  The variants keep
-    the placements, collectives and kernels, so their forward, compute and memory
-    are those of the original; only which backward reductions happen where differs.
+    variant per non-empty subset of ``A``; the caller offers them only where
+    gradients flow.  The variants keep the placements, collectives and kernels, so
+    their forward, compute and memory are those of the original; only which
+    backward reductions happen where differs.
     """
-    import itertools
-
     out = list(options)
     for s in options:
         axes = [a for a, sp in enumerate(s.split) if not sp and mesh_shape[a] > 1]
-        for k in range(1, len(axes) + 1):
-            for subset in itertools.combinations(axes, k):
-                flags = tuple(a in subset for a in range(len(s.split)))
-                out.append(OpStrategy(s.inputs, s.outputs, s.comm, s.kernels, s.split, s.fallback, flags))
+        out += [replace(s, partial_grad=flags) for flags in partial_grad_flags(axes, len(mesh_shape))]
     return out
 
 
