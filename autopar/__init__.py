@@ -2,7 +2,9 @@
 
 ``autopar.plan(model, mesh, example_inputs=...)`` traces the model, enumerates
 sharding strategies per op, prices them and searches for the fastest plan under
-a per-device memory cap.  See README.md and docs/ for the pipeline.
+a per-device memory cap.  ``autopar.prepare`` + ``autopar.plan_from_context`` split
+that in two so one capture serves many caps, and ``ctx.at_batch(b)`` (``rebatch``)
+many batch sizes.  See README.md and docs/ for the pipeline.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ __all__ = [
     "ShardingSpec",
     "TensorMeta",
     "plan",
+    "prepare",
+    "plan_from_context",
+    "rebatch",
+    "PlanningContext",
     "Plan",
     "MemoryCapError",
     "CaptureError",
@@ -36,7 +42,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # planning pulls in torch.export, costmodel and ortools: import on first use
-    if name in ("plan", "MemoryCapError"):
+    if name in ("plan", "prepare", "plan_from_context", "rebatch", "PlanningContext", "MemoryCapError"):
         from . import planner
 
         return getattr(planner, name)

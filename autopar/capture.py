@@ -14,6 +14,10 @@ tensors, then cleans the graph for planning:
 
 Every ``OpNode`` carries TensorMeta for its outputs, its module path (from
 ``nn_module_stack``) and, for parameters and buffers, the original FQN.
+
+``capture`` is ``export_program`` then ``graph_from_export``; ``autopar.specialize``
+exports once with a symbolic batch and hands ``graph_from_export`` a copy of that
+graph at each concrete batch.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from .decompose import decompose_for_planning
 from .spec import TensorMeta
 from .strategies.base import OpCall
 
-__all__ = ["OpNode", "OpGraph", "capture", "CaptureError"]
+__all__ = ["OpNode", "OpGraph", "capture", "CaptureError", "export_program", "graph_from_export", "normalize_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +109,26 @@ class OpGraph:
 
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> OpGraph:
     """Trace ``model(*example_inputs, **example_kwargs)`` and build its OpGraph."""
+    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    ep = export_program(model, args, kwargs)
+    return graph_from_export(ep.graph_module, ep.graph_signature, _canonical_param_names(model), type(model).__name__)
+
+
+def normalize_inputs(example_inputs, example_kwargs: dict | None) -> tuple[tuple, dict]:
+    """(args, kwargs) as ``torch.export.export`` takes them."""
     kwargs = dict(example_kwargs or {})
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return args, kwargs
+
+
+def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic_shapes=None):
+    """``torch.export.export`` (non-strict, the model in train mode); CaptureError says what to try."""
     name = type(model).__name__
     was_training = model.training
     model.train()
     try:
         with _lean_export():
-            ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+            return torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # export raises many types; all mean "could not trace"
         raise CaptureError(
             f"autopar could not trace {name} with torch.export (non-strict): {type(e).__name__}: "
@@ -124,9 +140,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         ) from e
     finally:
         model.train(was_training)
-    gm = ep.graph_module
-    sig = ep.graph_signature
-    canonical = _canonical_param_names(model)
+
+
+def graph_from_export(gm: fx.GraphModule, sig, canonical: dict[str, str], model_name: str) -> OpGraph:
+    """Clean an exported graph for planning (in place: see the module docstring) and build its OpGraph.
+
+    ``sig`` is the export's graph signature, ``canonical`` maps every parameter FQN to
+    its canonical one (``_canonical_param_names``).
+    """
     param_of = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name == "PARAMETER"}
     buffer_of = {
         spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name in ("BUFFER", "CONSTANT_TENSOR")
@@ -138,7 +159,15 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     gm.recompile()
     tied = {alias: canon for alias, canon in canonical.items() if alias != canon}
     return _build(
-        gm, name, param_of, buffer_of, canonical, tied, no_grad_nodes, list(sig.user_inputs), list(sig.user_outputs)
+        gm,
+        model_name,
+        param_of,
+        buffer_of,
+        canonical,
+        tied,
+        no_grad_nodes,
+        list(sig.user_inputs),
+        list(sig.user_outputs),
     )
 
 

@@ -4,6 +4,7 @@
     python scripts/bench_search.py --layers 12 96 --cpsat-limit 30
     python scripts/bench_search.py --no-cpsat --cap 40GiB
     python scripts/bench_search.py --layers 96 --no-cpsat --sweep   # lower the cap until no plan fits
+    python scripts/bench_search.py --layers 12 96 --batches 8 16 32   # re-plan at other batch sizes
 
 Each model: width 4096 (32 heads), seq 2048, vocab 50257, global batch 16, bf16 with fp32
 optimizer state (AdamW), the h100 profile, mesh 8x8 (dp across nodes over InfiniBand, tp
@@ -22,6 +23,12 @@ time), the plan's memory per device, and CP-SAT on the same SearchProblem (its t
 block tables are reused across caps): per cap the search time, objective, memory per
 device, the plan's family and where its parameter bytes are stored how; then the error
 of the first cap no plan fits, which names the smallest memory reachable.
+``--batches 8 16 32`` times re-planning at other batch sizes instead: per layer count, one
+symbolic capture (``prepare(..., reuse_batch=True)``, at the first batch), then per batch a
+fresh prepare + search (capture, strategies, search seconds) against the reused path
+(``ctx.at_batch(b)``: specialize, strategies, search seconds), the speed-up (fresh total /
+reused total), and whether the two plans' objectives, and their JSON, are equal.
+
 Timings are wall-clock on this machine; run on an idle machine and take the min of runs.
 """
 
@@ -40,6 +47,7 @@ import transformers
 from autopar.mesh import Mesh
 from autopar.planner import MemoryCapError, _solve, plan_from_context, prepare
 from autopar.problem_builder import PS_PER_S, to_problem
+from autopar.saved import _CACHE as saved_calls
 from autopar.search import InfeasibleError, solve_cpsat
 from autopar.units import format_bytes, parse_bytes
 
@@ -71,9 +79,13 @@ def main() -> None:
     ap.add_argument(
         "--sweep-step", type=float, default=0.15, help="each cap this fraction below the last plan's memory"
     )
+    ap.add_argument("--batches", nargs="+", type=int, help="time re-planning at these global batches instead")
     args = ap.parse_args()
     mesh = Mesh(tuple(int(s) for s in args.mesh.split("x")), axis_names=("dp", "tp"))
     cap = parse_bytes(args.cap)
+    if args.batches:
+        batch_reuse(args, mesh, cap)
+        return
     head = (
         f"{'layers':>6} {'nodes':>6} {'blocks':>6} | {'capture s':>9} {'strat s':>8} {'search s':>8} {'x first':>7} "
         f"{'cpu s':>6} {'x first':>7} "
@@ -114,6 +126,49 @@ def main() -> None:
         print(f"{row} {cps:>12} {obj:>12}", flush=True)
     if args.sweep:
         sweep(ctx, cap, args.sweep_step)
+
+
+def batch_reuse(args, mesh: Mesh, cap: int) -> None:
+    """Fresh prepare + plan at each batch against one symbolic capture re-used (see the module docstring)."""
+    head = (
+        f"{'layers':>6} {'batch':>5} | {'capture s':>9} {'strat s':>8} {'search s':>8} {'fresh s':>8} | "
+        f"{'special s':>9} {'strat s':>8} {'search s':>8} {'reused s':>8} | {'speed-up':>8} {'same obj':>8} "
+        f"{'same json':>9}"
+    )
+    print("fresh: prepare + plan at each batch; reused: ctx.at_batch(batch) + plan", head, "-" * len(head), sep="\n")
+    for layers in (int(x) for arg in args.layers for x in arg.split(",")):
+        shape = {"width": args.width, "heads": args.heads, "vocab": args.vocab, "seq": args.seq}
+        model, margs, mkwargs = gpt_shaped(layers, batch=args.batches[0], **shape)
+        tick = time.perf_counter()
+        ctx = prepare(
+            model, mesh, example_inputs=margs, example_kwargs=mkwargs, profile="h100", dtype="bf16", reuse_batch=True
+        )
+        took = time.perf_counter() - tick
+        why = "" if ctx.template.symbolic else f": not symbolic, {ctx.template.reason}"
+        print(
+            f"{layers:>6} one symbolic capture at batch {args.batches[0]}: {ctx.timings['capture_s']:.2f} s "
+            f"(prepare {took:.2f} s){why}",
+            flush=True,
+        )
+        for batch in args.batches:
+            saved_calls.clear()  # both paths start without the per-call cache of what ops save for backward
+            reused = plan_from_context(ctx.at_batch(batch), mem_cap=cap, compare_families=False)
+            saved_calls.clear()
+            model, margs, mkwargs = gpt_shaped(layers, batch=batch, **shape)
+            fresh_ctx = prepare(model, mesh, example_inputs=margs, example_kwargs=mkwargs, profile="h100", dtype="bf16")
+            fresh = plan_from_context(fresh_ctx, mem_cap=cap, compare_families=False)
+            del fresh_ctx, model
+            f, r = fresh.timings, reused.timings
+            fresh_s = f["capture_s"] + f["strategies_s"] + f["search_s"]
+            reused_s = r["capture_s"] + r["specialize_s"] + r["strategies_s"] + r["search_s"]
+            same_obj = fresh.search["objective_ps"] == reused.search["objective_ps"]
+            print(
+                f"{layers:>6} {batch:>5} | {f['capture_s']:>9.2f} {f['strategies_s']:>8.2f} {f['search_s']:>8.3f} "
+                f"{fresh_s:>8.2f} | {r['specialize_s'] + r['capture_s']:>9.2f} {r['strategies_s']:>8.2f} "
+                f"{r['search_s']:>8.3f} {reused_s:>8.2f} | {fresh_s / reused_s:>7.2f}x {str(same_obj):>8} "
+                f"{str(fresh.to_json() == reused.to_json()):>9}",
+                flush=True,
+            )
 
 
 def sweep(ctx, cap: int, step: float) -> None:
