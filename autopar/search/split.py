@@ -6,7 +6,7 @@ tables for blocks 1..) and builds the two sub-problems: F (block 1, with stand-i
 previous block's ports) and Rest (the nodes outside the blocks, block 0, and the last
 block's ports).  The work is vectorized over the edges and compares arrays by identity
 first (:meth:`.problem.SearchProblem.flat` offsets), so it does not grow with the number
-of blocks in Python.
+of blocks in Python (the folds too: :func:`_folds` works per distinct strategy count).
 """
 
 from __future__ import annotations
@@ -35,16 +35,62 @@ class _Part:
     right: tuple[int, ...]  # sub nodes of the second state (F: B_i's ports; Rest: B_{L-1}'s ports)
 
 
-def _fold_unary(
-    t: np.ndarray, m: np.ndarray, et: np.ndarray, em: np.ndarray | None, memo: dict
-) -> tuple[np.ndarray, np.ndarray]:
-    """A node's costs with a one-strategy producer's edge added; equal inputs (by identity)
-    give the same output arrays, so :func:`_check_equal` sees equal blocks without a look."""
-    key = (id(t), id(m), id(et), id(em))
-    if key not in memo:
-        add_t = et[0]
-        memo[key] = (np.where((t >= INF) | (add_t >= INF), INF, t + add_t), m if em is None else m + em[0])
-    return memo[key]
+def _folds(
+    problem: SearchProblem, edges: np.ndarray, block_pos: tuple[np.ndarray, np.ndarray], shape: tuple[int, int]
+) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """The costs of block nodes fed by one-strategy nodes outside the blocks, the edges folded in.
+
+    An edge ``u -> v`` with ``k_u = 1`` adds its one row to v's unary costs, in edge order::
+
+        t_v <- INF where t_v >= INF or et[0] >= INF, else t_v + et[0];    m_v <- m_v + em[0]
+
+    (``em`` None adds nothing).  ``edges``: those edges (ascending); ``block_pos``: the
+    (block, position) of each edge's v; ``shape``: (blocks, block size).  Returns
+    ``group`` (blocks, size), the folded table of each block node (-1: none), and the tables
+    ``(t, m)`` per group: equal folded costs share a group (one pair of arrays), so
+    :func:`_check_equal` sees equal blocks without a look.  Vectorized over the edges, read
+    from :meth:`.problem.SearchProblem.flat`: the Python work is per distinct strategy
+    count of the nodes fed and per fold of one node (one in a model), not per block."""
+    flat, uv, ks = problem.flat(), problem.edge_array(), _ks(problem)
+    group = np.full(shape, -1, np.int64)
+    tables: list[tuple[np.ndarray, np.ndarray]] = []
+    for k in np.unique(ks[uv[edges, 1]]).tolist():
+        pick = ks[uv[edges, 1]] == k
+        sel = edges[pick]
+        cols = np.arange(k)
+        add_t = flat.t[flat.et[sel][:, None] + cols]  # (edges, k): the edge's one row
+        has_m = flat.has_m[sel].astype(bool)[:, None]
+        add_m = np.where(has_m, flat.m.take(flat.em[sel][:, None] + cols, mode="clip"), 0)
+        fed, at = np.unique(uv[sel, 1], return_inverse=True)
+        at = at.reshape(-1)
+        t, m = flat.t[flat.nt[fed][:, None] + cols], flat.m[flat.nm[fed][:, None] + cols]
+        # several edges into one node fold one after the other, as listed: the r-th edge of
+        # each node in round r (r < the most edges into one node)
+        order = np.argsort(at, kind="stable")
+        start = np.searchsorted(at[order], at[order])
+        rank = np.empty_like(at)
+        rank[order] = np.arange(at.size) - start
+        for r in range(int(rank.max()) + 1):
+            e = np.flatnonzero(rank == r)
+            row = at[e]
+            t[row] = np.where((t[row] >= INF) | (add_t[e] >= INF), INF, t[row] + add_t[e])
+            m[row] = m[row] + add_m[e]
+        distinct, which = np.unique(np.concatenate([t, m], axis=1), axis=0, return_inverse=True)
+        one = np.flatnonzero(rank == 0)  # an edge per fed node, in the order of ``fed``
+        one = one[np.argsort(at[one])]
+        group[block_pos[0][pick][one], block_pos[1][pick][one]] = len(tables) + which.reshape(-1)
+        tables += [(_frozen(d[:k].copy()), _frozen(d[k:].copy())) for d in distinct]
+    return group, tables
+
+
+def _ks(problem: SearchProblem) -> np.ndarray:
+    """``k_i`` per node as an array, kept with the problem (the key its choice check uses)."""
+    return problem.memo("ks array", lambda: np.asarray(problem.num_choices, np.int64))
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False  # a read-only array goes into a SearchProblem without a view
+    return arr
 
 
 def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Part, int, tuple[int, ...]]:
@@ -62,7 +108,7 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
     bof[nodes], pof[nodes] = np.arange(n_blocks)[:, None], np.arange(size)[None, :]
     if np.count_nonzero(bof >= 0) != n_blocks * size:
         raise ChainError("a node is in two blocks")
-    ks = np.asarray(problem.num_choices, np.int64)
+    ks = _ks(problem)
     uv = problem.edge_array()
     u, v = uv[:, 0], uv[:, 1]
     bu, bv, pu, pv = bof[u], bof[v], pof[u], pof[v]
@@ -90,13 +136,10 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
     if math.prod(k_port[0].tolist()) > _MAX_STATES or (k_port != k_port[0]).any():
         raise ChainError(f"port states {k_port[0].tolist()}: more than {_MAX_STATES} or unequal across blocks")
     k_port = k_port[0].tolist()
-    fold_t = {}  # (block, position) -> folded (t, m), blocks >= 1
-    memo: dict = {}
-    for e in np.flatnonzero(fold):
-        key = (int(bv[e]), int(pv[e]))
-        t, m = fold_t.get(key, (problem.node_time[v[e]], problem.node_mem[v[e]]))
-        fold_t[key] = _fold_unary(t, m, problem.edge_time[e], problem.edge_mem[e], memo)
-    _check_equal(problem, nodes, fold_t, internal & (bu >= 1), inter, (bu, bv, pu, pv))
+    fold_e = np.flatnonzero(fold)
+    folded = _folds(problem, fold_e, (bv[fold_e], pv[fold_e]), (n_blocks, size))  # blocks >= 1
+    _check_equal(problem, nodes, folded, internal & (bu >= 1), inter, (bu, bv, pu, pv))
+    group, tables = folded
     # F: the previous block's ports (stand-ins, zero cost), then block 1.
     b1 = blocks[1]
     order = sorted(range(size), key=lambda j: b1[j])
@@ -111,8 +154,8 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
             em.append(problem.edge_mem[x])
 
     def own(j: int, which: int) -> np.ndarray:
-        folded = fold_t.get((1, j))
-        return folded[which] if folded is not None else (problem.node_time, problem.node_mem)[which][b1[j]]
+        g = int(group[1, j])
+        return tables[g][which] if g >= 0 else (problem.node_time, problem.node_mem)[which][b1[j]]
 
     names = tuple(f"<in {problem.names[blocks[0][j]]}>" for j in port) + tuple(problem.names[b1[j]] for j in order)
     block = SearchProblem(
@@ -153,25 +196,26 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
     return f_part, r_part, math.prod(k_port), port
 
 
-def _check_equal(problem: SearchProblem, nodes: np.ndarray, fold_t: dict, internal, inter, where) -> None:
+def _check_equal(problem: SearchProblem, nodes: np.ndarray, folded: tuple, internal, inter, where) -> None:
     """Blocks 1.. have block 1's tables (the ones F is built from): nodes with their folded
-    costs, internal edges, and the edges from the previous block's ports.  Arrays are
-    compared by :meth:`SearchProblem.flat` offsets (``problem_builder`` gives equal layers
-    the same arrays, so equal offsets are the common case), by value where they differ."""
+    costs (``folded``: :func:`_folds`), internal edges, and the edges from the previous
+    block's ports.  Arrays are compared by :meth:`SearchProblem.flat` offsets
+    (``problem_builder`` gives equal layers the same arrays, so equal offsets are the common
+    case) and folded ones by group, by value where they differ."""
     flat = problem.flat()
     bu, bv, pu, pv = where
     n_blocks = nodes.shape[0]
-    folded_id: dict[int, int] = {}  # id of a folded array -> a negative key
+    group, tables = folded
+    is_folded = group >= 0
     keys = []
-    for col, which in ((flat.nt, 0), (flat.nm, 1)):
-        key = col[nodes].copy()
-        for (i, j), pair in fold_t.items():
-            key[i, j] = folded_id.setdefault(id(pair[which]), -1 - len(folded_id))
+    for col in (flat.nt, flat.nm):
+        key = col[nodes].copy()  # offsets >= 0; a folded table's key is -1 - its group
+        key[is_folded] = -1 - group[is_folded]
         keys.append(key)
 
     def array(kind: int, i: int, j: int) -> np.ndarray:
-        pair = fold_t.get((i, j))
-        return pair[kind] if pair is not None else (problem.node_time, problem.node_mem)[kind][nodes[i, j]]
+        g = int(group[i, j])
+        return tables[g][kind] if g >= 0 else (problem.node_time, problem.node_mem)[kind][nodes[i, j]]
 
     for kind, key in enumerate(keys):
         for i, j in zip(*np.nonzero(key[1:] != key[1])):
