@@ -94,6 +94,9 @@ class OpGraph:
     tied: dict[str, str]
     user_inputs: list[str]
     placeholder_alias: dict[str, int] = field(default_factory=dict)  # tied alias placeholder -> node index
+    # tensors export lifted out of forward (``torch.tensor(...)``, index constants): buffer-kind
+    # nodes whose ``fqn`` names them here, not in the model's buffers
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def params(self) -> list[OpNode]:
         return [n for n in self.nodes if n.kind == "param"]
@@ -111,7 +114,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     """Trace ``model(*example_inputs, **example_kwargs)`` and build its OpGraph."""
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     ep = export_program(model, args, kwargs)
-    return graph_from_export(ep.graph_module, ep.graph_signature, _canonical_param_names(model), type(model).__name__)
+    return graph_from_export(
+        ep.graph_module, ep.graph_signature, _canonical_param_names(model), type(model).__name__, ep.constants
+    )
 
 
 def normalize_inputs(example_inputs, example_kwargs: dict | None) -> tuple[tuple, dict]:
@@ -142,11 +147,14 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
         model.train(was_training)
 
 
-def graph_from_export(gm: fx.GraphModule, sig, canonical: dict[str, str], model_name: str) -> OpGraph:
+def graph_from_export(
+    gm: fx.GraphModule, sig, canonical: dict[str, str], model_name: str, constants: dict | None = None
+) -> OpGraph:
     """Clean an exported graph for planning (in place: see the module docstring) and build its OpGraph.
 
     ``sig`` is the export's graph signature, ``canonical`` maps every parameter FQN to
-    its canonical one (``_canonical_param_names``).
+    its canonical one (``_canonical_param_names``), ``constants`` is the export's lifted
+    constants (``ExportedProgram.constants``; the tensors are kept in ``OpGraph.constants``).
     """
     param_of = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name == "PARAMETER"}
     buffer_of = {
@@ -158,7 +166,7 @@ def graph_from_export(gm: fx.GraphModule, sig, canonical: dict[str, str], model_
     gm.graph.eliminate_dead_code()
     gm.recompile()
     tied = {alias: canon for alias, canon in canonical.items() if alias != canon}
-    return _build(
+    graph = _build(
         gm,
         model_name,
         param_of,
@@ -169,6 +177,9 @@ def graph_from_export(gm: fx.GraphModule, sig, canonical: dict[str, str], model_
         list(sig.user_inputs),
         list(sig.user_outputs),
     )
+    lifted = {spec.target for spec in sig.input_specs if spec.kind.name == "CONSTANT_TENSOR"}
+    graph.constants = {k: v for k, v in (constants or {}).items() if k in lifted and isinstance(v, torch.Tensor)}
+    return graph
 
 
 @contextlib.contextmanager

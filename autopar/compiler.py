@@ -39,9 +39,17 @@ Bad input fails before any collective where it can: a plan for another mesh,
 model or input shapes (``_load_plan``, ``_check_plan_inputs``), ranks that
 disagree on the input shapes at compile time; world size != mesh size and a
 missing process group fail in ``MeshGroups``.  Inputs of other shapes than the
-compiled ones raise in ``forward`` (on the ranks that pass them: give every rank
-the same shapes, or the others wait in their first collective until the process
-group's timeout).
+compiled ones raise in ``forward`` on the ranks that pass them; when not every
+rank does, those ranks shut the mesh's process groups down (``MeshGroups.fail``),
+so the others, already waiting in a collective, raise the same reason at once
+instead of at the process group's timeout; the module must then be compiled
+again.
+
+The loss: its last collective (and the sums and scalings after it) is started
+without waiting (``runtime/deferred.py``): ``forward`` returns a ``PendingLoss``
+that waits on first read (``float(loss)``, ``loss.item()``, ``loss.detach()``),
+and ``loss.backward()`` does not wait for it, so a data-parallel step has no
+synchronization in forward, like DDP's.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from .mesh import Mesh
 from .placement import Replicate
 from .plan_types import Plan
 from .runtime.buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
+from .runtime.deferred import wait_pending
 from .runtime.zero import StateShards
 from .spec import TensorMeta, local_shape
 
@@ -223,7 +232,9 @@ class ShardedModule(nn.Module):
                     self._bucket_params[n.name] = params[n.fqn]
                     self._bucket_slots.append((len(out) - 1, n.name))
             elif n.kind == "buffer":
-                full = self._buffers_full[n.fqn]
+                full = self._buffers_full.get(n.fqn)
+                if full is None:  # a constant export lifted out of forward: not a model buffer
+                    full = self._graph.constants[n.fqn].to(self._groups.device)
                 out.append((None, shard_tensor(full, self._xplan.sources[n.name][0], self.mesh.shape, self._coord)))
             elif n.kind == "input":
                 out.append((n, None))
@@ -233,11 +244,21 @@ class ShardedModule(nn.Module):
     def forward(self, *args, **kwargs):
         if self._build is not None:
             self._compile(args, kwargs)
+        self._groups.check_alive("sharded(...)")
+        wait_pending()  # the previous call's loss collective, if nobody read the loss (runtime/deferred.py)
         counter = self.collective_counter
-        self._zero.sync(counter)  # shards updated outside an optimizer step (see runtime/zero.py)
         given = dict(zip(self._arg_names, args))
         given.update(kwargs)
-        values = [value if node is None else self._local_input(node, given) for node, value in self._sources]
+        try:
+            values = [value if node is None else self._local_input(node, given) for node, value in self._sources]
+        except (ValueError, TypeError) as e:  # before any collective: peers may be waiting in one
+            if self._groups.fail(f"{type(e).__name__}: {e}"):
+                raise type(e)(
+                    f"{e}\nThe other ranks did not all fail this call, so this rank shut the mesh's process groups "
+                    "down: ranks waiting in a collective fail at once instead of at the collective timeout. "
+                    "Compile again to continue."
+                ) from e
+            raise
         if self._buckets is not None:
             self._buckets.begin(self._bucket_params, counter)
             for i, name in self._bucket_slots:
@@ -249,7 +270,9 @@ class ShardedModule(nn.Module):
         self._step += 1
         if instrument not in self._programs:
             self._programs[instrument] = self._lower(instrument=instrument)
-        return self._programs[instrument](*values)
+        with self._groups.collectives("forward"):
+            self._zero.sync(counter)  # shards updated outside an optimizer step (see runtime/zero.py)
+            return self._programs[instrument](*values)
 
     def _local_input(self, node, given: dict) -> torch.Tensor:
         if node.fqn not in given:

@@ -16,16 +16,28 @@ found by the search from the pieces, with the full logits never gathered.
 ``label_smoothing`` > 0 adds ``eps * (log(s) - mean_c(z))`` (a sum over C:
 P(sum) again).  A class ``weight`` or inputs that are not (N, C) keep the fused
 op (then planned by its rule or the replicate fallback).
+
+Two smaller rewrites make other models' ops plannable by the existing rules:
+
+* ``x.type_as(other)`` -> ``x.to(other.dtype)`` (RoBERTa, Gemma): ``other`` is read
+  for its dtype only, so it is not made a data input that would need a placement;
+* an in-place op on an intermediate -> its out-of-place form, the aliases read
+  afterwards rebuilt from the result (Falcon's ``mlp_output += attention_output``,
+  T5's ``shifted[..., 1:] = ids[..., :-1]``): see ``_functionalize_inplace``.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["decompose_for_planning", "cross_entropy_reference"]
 
+log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
 
@@ -35,8 +47,161 @@ def decompose_for_planning(gm: fx.GraphModule) -> None:
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(vals)
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.cross_entropy_loss.default:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.cross_entropy_loss.default:
             _decompose_cross_entropy(gm.graph, node, fake_mode)
+        elif node.target is aten.type_as.default:
+            _decompose_type_as(gm.graph, node, fake_mode)
+        else:
+            _functionalize_inplace(gm.graph, node, fake_mode)
+
+
+def _decompose_type_as(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
+    """``x.type_as(other)`` -> ``x.to(other.dtype)``: only other's dtype is read, so it is no data input."""
+    x, other = node.args[0], node.args[1]
+    with graph.inserting_before(node):
+        out = _emit(graph, fake_mode, node, aten.to.dtype, x, other.meta["val"].dtype)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def _functional_of(target):
+    """The out-of-place overload of an in-place aten op (``add_.Tensor`` -> ``add.Tensor``), or None."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.name.endswith("_") or schema.name.endswith("__"):
+        return None
+    first = schema.arguments[0] if schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write:
+        return None
+    packet = getattr(aten, schema.name.split("::")[-1][:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _storage(node: fx.Node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+#: views that keep every element in order (their inverse is a reshape back to the parent's shape)
+_RESHAPES = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.alias.default,
+}
+
+
+def _scatter_back(view: fx.Node, new_child: fx.Node):
+    """(target, args) computing the parent of ``view`` with ``view``'s elements replaced by ``new_child``.
+
+    None for a view with no such inverse here (expand, as_strided, diagonal, ...).
+    """
+    parent, t = view.args[0], view.target
+    rest = list(view.args[1:])
+    if t is aten.slice.Tensor:
+        return aten.slice_scatter.default, (parent, new_child, *rest)
+    if t is aten.select.int:
+        return aten.select_scatter.default, (parent, new_child, *rest)
+    if t in _RESHAPES and not view.kwargs:
+        return aten.reshape.default, (new_child, list(parent.meta["val"].shape))
+    if t is aten.transpose.int and not view.kwargs:
+        return aten.transpose.int, (new_child, *rest)
+    if t is aten.permute.default and not view.kwargs:
+        dims = [d % len(rest[0]) for d in rest[0]]
+        return aten.permute.default, (new_child, sorted(range(len(dims)), key=dims.__getitem__))
+    return None
+
+
+def _functionalize_inplace(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
+    """``a.add_(b)`` on an intermediate ``a`` -> ``a2 = add(a, b)``, later reads of ``a``'s aliases rebuilt from ``a2``.
+
+    Rules see values, not buffers: an in-place op would make the planner place
+    ``a`` and the op's output independently although they are one storage, and a
+    rank running it on a redistributed copy would not update the views it holds.
+    The rewrite (functionalization, as torch's own) is exact: ``a`` is a chain of
+    views of the tensor ``r`` that owns the storage (often ``a`` itself), ``r2`` is
+    ``r`` with ``a2`` scattered back along that chain (``slice_scatter``,
+    ``select_scatter``, an inverse reshape or permutation: T5's
+    ``shifted[..., 1:] = ids[..., :-1]``), and every alias read after the op, a
+    chain of views of ``r``, reads that chain replayed on ``r2``.
+
+    Left in place (the op falls back to replicate): graph inputs (parameters,
+    buffers, user inputs), and aliases this cannot rebuild (a view with no inverse
+    here, or an alias that is no chain of views of ``r``); a warning names them.
+    """
+    functional = _functional_of(node.target)
+    if functional is None or not node.args or not isinstance(node.args[0], fx.Node):
+        return
+    base = node.args[0]
+    ref = _storage(base)
+    if base.op != "call_function" or ref is None:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    # values sharing ``a``'s storage made before the op: the mutation shows through every one of them
+    aliases = {n for n in graph.nodes if order[n] < order[node] and (s := _storage(n)) is not None and s == ref}
+
+    def parent(x: fx.Node) -> fx.Node | None:
+        ok = x.op == "call_function" and x.args and isinstance(x.args[0], fx.Node) and x.args[0] in aliases
+        return x.args[0] if ok else None
+
+    up = [base]  # base, its parent, ..., the storage owner
+    while (p := parent(up[-1])) is not None:
+        up.append(p)
+    root = up[-1]
+    chains: dict[fx.Node, list[fx.Node]] = {}
+    for a in sorted(aliases, key=order.__getitem__):
+        if not any(order[u] > order[node] for u in a.users if u is not node):
+            continue
+        chain, x = [], a
+        while x is not root and (p := parent(x)) is not None:
+            chain.append(x)
+            x = p
+        if x is not root:
+            return _leave(node, a)
+        chains[a] = chain[::-1]
+    if any(_scatter_back(v, v) is None for v in up[:-1]):
+        return _leave(node, root)
+    with graph.inserting_before(node):
+        out = _emit(graph, fake_mode, node, functional, *node.args, **node.kwargs)
+    new = cursor = out
+    for v in up[:-1]:  # scatter the new value back up to the storage owner
+        target, args = _scatter_back(v, new)
+        with graph.inserting_after(cursor):
+            new = cursor = _emit(graph, fake_mode, v, target, *args)
+    replayed: dict[fx.Node, fx.Node] = {root: new}
+    for a, chain in chains.items():
+        for v in chain:
+            if v not in replayed:
+                with graph.inserting_after(cursor):
+                    replayed[v] = cursor = _emit(
+                        graph, fake_mode, v, v.target, replayed[v.args[0]], *v.args[1:], **v.kwargs
+                    )
+        for u in [u for u in a.users if u is not node and order.get(u, -1) > order[node]]:
+            u.replace_input_with(a, replayed[a])
+    node.replace_all_uses_with(out)  # the op returns its (mutated) first argument
+    graph.erase_node(node)
+
+
+def _leave(node: fx.Node, alias: fx.Node) -> None:
+    log.warning(
+        "%s is left in place (replicated): %s shares the storage it mutates and is read afterwards, and "
+        "autopar cannot rebuild it from an out-of-place result; write the update out of place in the model "
+        "(e.g. torch.cat or Tensor.slice_scatter) to let it be sharded",
+        node.format_node(),
+        alias.name,
+    )
 
 
 def _emit(graph: fx.Graph, fake_mode, like: fx.Node, target, *args, **kwargs) -> fx.Node:

@@ -21,7 +21,11 @@ while lowering, not per call:
    op reading an all-gathered parameter: that parameter is not kept for backward,
    the op saves a handle and backward gathers it again (FSDP), as the plan prices;
 4. graph outputs are moved to full tensors; only the loss's move is counted
-   (the plan's list covers the training step, not gathering e.g. the logits).
+   (the plan's list covers the training step, not gathering e.g. the logits);
+5. the loss's last collective and the affine ops after it become one
+   ``runtime.deferred.DeferredLossStep``: forward starts the collective and
+   returns a pending loss, read (waited for) on first use; backward never waits
+   for it (not in the instrumented variant).
 
 The result prints as plain Python (``gm.code``: aten calls and the inserted
 steps); ``ShardedModule.local_graph`` exposes it.  What changes between calls
@@ -54,6 +58,7 @@ from torch.utils import _pytree as pytree
 from .capture import OpGraph
 from .kernels import KERNELS, KernelContext
 from .placement import Placement, Replicate, Shard, parse_placements
+from .runtime.deferred import defer_loss_tail
 from .runtime.redistribute import Move
 from .runtime.zero import from_state_shard
 from .spec import local_shape
@@ -457,7 +462,12 @@ def lower(
             if regather:
                 args = (tuple(pair for pair, _ in regather), *args)
         env[fxn] = g.create_node("call_function", fn, args, kwargs, name=fxn.name)
-    g.output(_lower_outputs(xplan, groups, state, g, env, out_fx))
+    out = g.output(_lower_outputs(xplan, groups, state, g, env, out_fx))
+    if not instrument and graph.loss_output is not None:  # the loss's last collective, started without waiting
+        loss = pytree.tree_leaves(out.args[0])[graph.loss_output]
+        node_idx, out_idx = graph.outputs[graph.loss_output]
+        if isinstance(loss, fx.Node):
+            defer_loss_tail(g, loss, state, graph.nodes[node_idx].outputs[out_idx])
     return fx.GraphModule(graph.gm, g, class_name="LocalProgram")
 
 

@@ -326,6 +326,8 @@ def plan_from_context(
     except InfeasibleError as e:
         if e.min_mem_bytes is None and hinted:
             raise _contradiction_error(ctx, resolved) from None
+        if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
+            raise _no_plan_error(ctx, family, allow_state_sharding) from None
         raise _cap_error(ctx, cap, e, keep) from None
     choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice)
     search_s = time.perf_counter() - t0
@@ -508,7 +510,7 @@ def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> 
                 compute_s=None,
                 comm_s=None,
                 per_device_bytes=None,
-                min_per_device_bytes=int(e.min_mem_bytes),
+                min_per_device_bytes=None if e.min_mem_bytes is None else int(e.min_mem_bytes),
             )
         out.append(entry)
     return out
@@ -527,6 +529,18 @@ def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
 
 
 # ---- infeasible caps ----------------------------------------------------------------------
+def _no_plan_error(ctx: PlanningContext, family: str | None, allow_state_sharding: bool) -> ValueError:
+    """No plan exists under the restriction at any memory (a family or state rule no strategy set meets)."""
+    what = f"the {family!r} family" if family else "the restriction"
+    if not allow_state_sharding:
+        what += " with every parameter's state kept with it (allow_state_sharding=False)"
+    return ValueError(
+        f"no plan of {ctx.graph.model_name} on {ctx.mesh} exists within {what}: every such plan needs a "
+        "move between placements autopar cannot make.\n"
+        "Fix: plan without family= (the search may mix families), or on another mesh."
+    )
+
+
 def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep) -> MemoryCapError:
     from .plan_builder import breakdown
 

@@ -152,5 +152,12 @@ def _families_table(plan: Plan) -> Table:
                 "yes",
             )
         else:
-            t.add_row(a["family"], "-", "-", "-", f">= {format_bytes(a.get('min_per_device_bytes'))}", "no")
+            t.add_row(
+                a["family"],
+                "-",
+                "-",
+                "-",
+                f">= {format_bytes(a['min_per_device_bytes'])}" if a.get("min_per_device_bytes") else "no plan",
+                "no",
+            )
     return t

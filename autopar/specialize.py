@@ -106,6 +106,7 @@ class BatchTemplate:
     max_batch: int | None = None
     canonical: dict | None = None
     reason: str | None = None
+    constants: dict | None = None  # the export's lifted constants (capture.graph_from_export)
 
     @property
     def symbolic(self) -> bool:
@@ -161,6 +162,7 @@ def capture_template(model: torch.nn.Module, example_inputs=(), example_kwargs: 
         lower,
         upper,
         _canonical_param_names(model),
+        constants=dict(ep.constants),
     )
 
 
@@ -180,7 +182,8 @@ def specialize(template: BatchTemplate, batch: int) -> tuple[OpGraph, str | None
                 reason = str(e)
             else:
                 name = type(template.model).__name__
-                return graph_from_export(gm, template.signature, template.canonical, name), None
+                graph = graph_from_export(gm, template.signature, template.canonical, name, template.constants)
+                return graph, None
     if batch == template.batch:
         return capture(template.model, template.args, template.kwargs), reason
     if template.batch == 0:

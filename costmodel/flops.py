@@ -83,9 +83,9 @@ _VIEWS = frozenset(
     f"aten.{n}"
     for n in (
         "view", "_unsafe_view", "reshape", "_reshape_alias", "flatten", "unflatten", "view_as",
-        "permute", "transpose", "t", "movedim", "swapaxes", "expand", "expand_as", "squeeze",
-        "unsqueeze", "select", "slice", "narrow", "split", "split_with_sizes", "chunk", "unbind",
-        "tensor_split", "alias", "detach", "lift_fresh", "as_strided", "diagonal",
+        "permute", "transpose", "t", "numpy_T", "mT", "movedim", "swapaxes", "swapdims", "expand",
+        "expand_as", "squeeze", "unsqueeze", "select", "slice", "narrow", "split", "split_with_sizes",
+        "chunk", "unbind", "tensor_split", "alias", "detach", "lift_fresh", "as_strided", "diagonal",
         "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
         "sym_size", "sym_stride", "sym_numel", "_assert_tensor_metadata",
     )
@@ -94,8 +94,8 @@ _DATA_MOVEMENT = frozenset(
     f"aten.{n}"
     for n in (
         "clone", "contiguous", "_to_copy", "to", "copy", "copy_", "cat", "concat", "stack",
-        "repeat", "tile", "repeat_interleave", "index_select", "gather", "index", "index_put",
-        "scatter", "slice_scatter", "select_scatter", "constant_pad_nd", "pad", "roll", "flip",
+        "repeat", "tile", "repeat_interleave", "index_select", "gather", "index", "_unsafe_index",
+        "index_put", "scatter", "slice_scatter", "select_scatter", "constant_pad_nd", "pad", "roll", "flip",
     )
 )  # fmt: skip
 _FACTORIES = frozenset(

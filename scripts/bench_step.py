@@ -32,6 +32,13 @@ only between runs on the same machine.  The first-step losses of all variants
 should agree (same weights, same batch); if they do not, the ratio compares
 different work.
 
+``--variants "autopar DP,torch DDP"`` runs only those variants (faster; the
+ratios of the pairs present are printed).  ``--phases`` also prints, per
+variant, rank 0's median wall and CPU (process) time of forward, backward
+(including waiting for gradient buckets) and optimizer step + zero_grad, and the
+time autopar spent waiting for its bucketed gradient all-reduces at the end of
+backward: where a step's time goes, not only how much there is.
+
 Notes.  With transformers >= 4.48 Llama attention reshapes with ``-1`` heads, so
 the tensor-parallel peer needs no ``num_heads`` patching (older versions would:
 see the PyTorch TP tutorial).  ``autopar DP`` is "parameters replicated", and the
@@ -104,7 +111,21 @@ def _parser() -> argparse.ArgumentParser:
         "tensor-parallel family may keep layer weights replicated; a cap makes it shard them",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated variants to run (default all: {', '.join(VARIANTS)})",
+    )
+    p.add_argument("--phases", action="store_true", help="also print per-phase wall and CPU times on rank 0")
     return p
+
+
+def _variants(a) -> tuple[str, ...]:
+    chosen = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown or not chosen:
+        raise SystemExit(f"bench_step: unknown --variants {unknown or a.variants!r}; choose from {', '.join(VARIANTS)}")
+    return tuple(v for v in VARIANTS if v in chosen)
 
 
 def _config(a):
@@ -142,8 +163,50 @@ def _torch_tp(model: LossOnly, ranks: int) -> LossOnly:
     return model
 
 
-def _build(a, rank: int, world: int):
-    """{variant: (step function, module)} and the global batch."""
+class _Phases:
+    """Wall and CPU seconds per phase of the timed steps (``--phases``), and autopar's bucket waits."""
+
+    NAMES = ("forward", "backward", "optimizer", "bucket wait")
+
+    def __init__(self) -> None:
+        self.on = False
+        self.wall: dict[str, dict[str, list[float]]] = {}
+        self.cpu: dict[str, dict[str, list[float]]] = {}
+        self._wait_s = 0.0
+        from autopar.runtime import buckets
+
+        finish = buckets._Round.finish
+
+        def timed(rnd) -> None:
+            t0 = time.perf_counter()
+            finish(rnd)
+            self._wait_s += time.perf_counter() - t0
+
+        buckets._Round.finish = timed
+
+    def step(self, name: str, module, inputs, opt) -> float:
+        marks = [(time.perf_counter(), time.process_time())]
+        self._wait_s = 0.0
+        loss = module(*inputs)
+        marks.append((time.perf_counter(), time.process_time()))
+        loss.backward()
+        marks.append((time.perf_counter(), time.process_time()))
+        opt.step()
+        opt.zero_grad()
+        marks.append((time.perf_counter(), time.process_time()))
+        if self.on:
+            wall = self.wall.setdefault(name, {n: [] for n in self.NAMES})
+            cpu = self.cpu.setdefault(name, {n: [] for n in self.NAMES})
+            for phase, (t0, c0), (t1, c1) in zip(self.NAMES, marks, marks[1:]):
+                wall[phase].append(t1 - t0)
+                cpu[phase].append(c1 - c0)
+            wall["bucket wait"].append(self._wait_s)
+            cpu["bucket wait"].append(0.0)
+        return float(loss.detach())
+
+
+def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases):
+    """{variant: step function} and each autopar plan's description."""
     from transformers import LlamaForCausalLM
 
     import autopar
@@ -164,25 +227,25 @@ def _build(a, rank: int, world: int):
         ("autopar TP", "tensor parallel", a.tp_mem_cap),
         ("autopar DP", "data parallel", None),
     ):
+        if name not in variants:
+            continue
         models[name] = (
             autopar.compile(
                 copy.deepcopy(base), mesh, example_inputs=(ids, labels), family=family, profile=a.profile, mem_cap=cap
             ),
             (ids, labels),
         )
-    models["torch TP"] = (_torch_tp(copy.deepcopy(base), world), (ids, labels))
-    models["torch DDP"] = (nn.parallel.DistributedDataParallel(copy.deepcopy(base)), local)
+    if "torch TP" in variants:
+        models["torch TP"] = (_torch_tp(copy.deepcopy(base), world), (ids, labels))
+    if "torch DDP" in variants:
+        models["torch DDP"] = (nn.parallel.DistributedDataParallel(copy.deepcopy(base)), local)
 
     steps = {}
     for name, (module, inputs) in models.items():
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
 
-        def step(module=module, inputs=inputs, opt=opt) -> float:
-            loss = module(*inputs)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return float(loss.detach())
+        def step(name=name, module=module, inputs=inputs, opt=opt) -> float:
+            return phases.step(name, module, inputs, opt)
 
         steps[name] = step
     plans = {n: _describe(m.plan) for n, (m, _) in models.items() if hasattr(m, "plan")}
@@ -209,10 +272,12 @@ def _rank(rank: int, world: int, port: int, a) -> None:
     )
     try:
         t0 = time.perf_counter()
-        steps, plans = _build(a, rank, world)
+        variants = _variants(a)
+        phases = _Phases()
+        steps, plans = _build(a, rank, world, variants, phases)
         build_s = time.perf_counter() - t0
         first_loss = {}
-        for name in VARIANTS:
+        for name in variants:
             for i in range(a.warmup):
                 loss = steps[name]()
                 if i == 0:
@@ -221,9 +286,10 @@ def _rank(rank: int, world: int, port: int, a) -> None:
                         dist.all_reduce(t)
                         loss = float(t) / world
                     first_loss[name] = loss
-        times: dict[str, list[float]] = {n: [] for n in VARIANTS}
+        times: dict[str, list[float]] = {n: [] for n in variants}
+        phases.on = True
         for it in range(a.iters):
-            order = VARIANTS[it % len(VARIANTS) :] + VARIANTS[: it % len(VARIANTS)]
+            order = variants[it % len(variants) :] + variants[: it % len(variants)]
             for name in order:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -231,12 +297,12 @@ def _rank(rank: int, world: int, port: int, a) -> None:
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
         if rank == 0:
-            _report(a, world, times, first_loss, plans, build_s)
+            _report(a, world, times, first_loss, plans, build_s, phases if a.phases else None)
     finally:
         dist.destroy_process_group()
 
 
-def _report(a, world: int, times, first_loss, plans, build_s: float) -> None:
+def _report(a, world: int, times, first_loss, plans, build_s: float, phases: _Phases | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -252,7 +318,7 @@ def _report(a, world: int, times, first_loss, plans, build_s: float) -> None:
     for col in ("variant", "median", "min", "max", "first loss", "autopar plan"):
         t.add_column(col, justify="left" if col in ("variant", "autopar plan") else "right")
     med = {n: statistics.median(v) for n, v in times.items()}
-    for name in VARIANTS:
+    for name in times:
         v = times[name]
         t.add_row(
             name,
@@ -268,8 +334,22 @@ def _report(a, world: int, times, first_loss, plans, build_s: float) -> None:
     for col in ("pair", "ratio"):
         r.add_column(col, justify="left" if col == "pair" else "right")
     for mine, peer in PAIRS:
-        r.add_row(f"{mine} / {peer}", f"{med[mine] / med[peer]:.2f}")
+        if mine in med and peer in med:
+            r.add_row(f"{mine} / {peer}", f"{med[mine] / med[peer]:.2f}")
     con.print(r)
+    if phases is not None:
+        p = Table(title="rank 0 per phase, median ms: wall (CPU of this process)", title_justify="left")
+        p.add_column("variant", justify="left")
+        for col in _Phases.NAMES:
+            p.add_column(col, justify="right")
+        for name in times:
+            cells = []
+            for phase in _Phases.NAMES:
+                wall = statistics.median(phases.wall[name][phase]) * 1e3
+                cpu = statistics.median(phases.cpu[name][phase]) * 1e3
+                cells.append(f"{wall:.1f} ({cpu:.1f})" if phase != "bucket wait" else f"{wall:.1f}")
+            p.add_row(name, *cells)
+        con.print(p)
 
 
 def main(argv: list[str] | None = None) -> int:

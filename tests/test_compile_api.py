@@ -10,12 +10,15 @@ one spawn of 2 gloo ranks.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
 from test_execution import _model, _reference, _train
 
 import autopar
+from autopar.runtime.spawn import spawn_ranks
 
 
 class _MLP(torch.nn.Module):
@@ -74,6 +77,7 @@ _SIZED = ("view.default", "_unsafe_view.default", "reshape.default", "expand.def
 def _local_graph_facts(sharded, args, kwargs) -> dict:
     """What ``sharded.local_graph`` calls, its moves that move nothing, and its size arguments vs traced shapes."""
     from autopar.executor import MoveStep, OpStep
+    from autopar.runtime.deferred import DeferredLossStep
 
     sharded.trace = {}
     sharded(*args, **kwargs)
@@ -90,6 +94,8 @@ def _local_graph_facts(sharded, args, kwargs) -> dict:
                 idle.append(n.name)
         elif isinstance(t, OpStep):
             kinds.add("step")
+        elif isinstance(t, DeferredLossStep):  # the loss's last collective, started without waiting
+            kinds.add("deferred")
         elif isinstance(t, torch._ops.OpOverload):
             kinds.add("aten")
             if t._overloadpacket.__name__ + "." + t._overloadname in _SIZED:
@@ -187,7 +193,8 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
         assert sharded_any, "no parameter was sharded: the test does not exercise re-pointing"
         # the lowered graph: local aten ops, moves that move something, size arguments already local
         facts = out["local_graph"]
-        assert facts["kinds"] <= {"aten", "move", "step", "getitem"} and "move" in facts["kinds"], facts["kinds"]
+        assert facts["kinds"] <= {"aten", "move", "step", "deferred", "getitem"}, facts["kinds"]
+        assert "move" in facts["kinds"] and "deferred" in facts["kinds"], facts["kinds"]
         assert facts["printed"] and not facts["idle_moves"], facts["idle_moves"]
         assert all(size == traced for _, size, traced, _ in facts["sizes"]), facts["sizes"]
         assert any(size != captured for _, size, _, captured in facts["sizes"]), "no size argument was localized"
@@ -208,3 +215,64 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
         assert local["loss"][0] == pytest.approx(local["loss"][1], rel=1e-6), local
         assert "local shape" in local["global_given"] and "this rank's piece" in local["global_given"], local
         assert "rank 0: (4, 16) int64" in out["ranks_disagree"] and "rank 1: (3, 16) int64" in out["ranks_disagree"]
+
+
+def _one_rank_bad_input_fn(rank, world):
+    """Bad input on every rank (all raise, the module stays usable), then on rank 1 only (all raise, quickly)."""
+    from autopar.layout import shard_tensor
+    from autopar.placement import parse_placements
+
+    mesh = autopar.Mesh((world,), axis_names=("dp",))
+    model, args, kwargs = _model("gpt2-tiny")
+    given = {"input_ids": args[0], **kwargs}
+    sharded = autopar.compile(
+        model,
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        input_mode="local",
+        input_placements=dict.fromkeys(given, ["S(0)"]),
+        profile=PARTITIONING_PROFILE,
+    )
+    plan = sharded.plan
+    good = {
+        k: shard_tensor(v, parse_placements(plan.inputs[k]["placements"]), mesh.shape, mesh.coordinate(rank))
+        for k, v in given.items()
+    }
+    bad = {**good, "input_ids": good["input_ids"][:1]}
+
+    def step(inputs):
+        def run():
+            sharded(**inputs)[0].backward()
+
+        t0 = time.monotonic()
+        return _errors(run), time.monotonic() - t0
+
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 1 captured the graph after rank 0 planned it: start the calls together, as training does
+    out = {"everyone_bad": step(bad), "then_good": step(good)}
+    out["one_bad"] = step(bad if rank == 1 else good)
+    out["after"] = step(good)
+    return out
+
+
+def test_bad_input_on_one_rank_fails_every_rank_fast():
+    """Only rank 1 passes a wrong shape: rank 0, already in a collective, raises rank 1's reason within seconds."""
+    timeout_s = 120.0  # the collective timeout a waiting rank would otherwise sit out
+    outs, _ = spawn_ranks(_one_rank_bad_input_fn, 2, timeout_s=600, collective_timeout_s=timeout_s)
+    wrong = "input 'input_ids': local shape (1, 16) but this rank's piece under S(0) is (2, 16)"
+    for rank, out in enumerate(outs):
+        # the same bad input on every rank: each raises its own error, nobody waits, the module stays usable
+        msg, _ = out["everyone_bad"]
+        assert wrong in msg and "shut" not in msg, (rank, msg)
+        assert out["then_good"][0] == "no error", (rank, out["then_good"])
+        # rank 1 alone: both ranks raise well before the timeout, and both messages name input, expected, got
+        msg, took_s = out["one_bad"]
+        assert took_s < 20.0 < timeout_s, (rank, took_s, msg)
+        assert wrong in msg, (rank, msg)
+        assert "shut the mesh's process groups down" in msg and "compile again" in msg.lower(), (rank, msg)
+        if rank == 0:  # waiting in a collective of forward or backward when rank 1 shut the groups down
+            assert "on rank 0 (mesh coordinate (0,)) stopped: rank 1: ValueError" in msg, msg
+        # the module is shut down on every rank: a further call says so instead of hanging
+        assert "process groups were shut down" in out["after"][0] and "compile the model again" in out["after"][0]

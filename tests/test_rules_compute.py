@@ -85,6 +85,8 @@ CASES = [
     case(aten.contiguous.default, (r(5, 7),), id="contiguous"),
     case(aten.alias.default, (r(5, 7),), id="alias"),
     case(aten.clone.default, (r(5, 7),), id="clone"),
+    case(aten.lift_fresh_copy.default, (r(5, 7),), id="lift_fresh_copy"),
+    case(aten.copy.default, (r(5, 7), r(7)), id="copy-bcast"),
     case(aten.eq.Tensor, (ints(5, 7), ints(7)), id="eq"),
     case(aten.le.Tensor, (ints(5, 1), ints(1, 7)), id="le"),
     case(aten.ne.Scalar, (ints(5, 7), 1), id="ne-scalar"),
@@ -115,6 +117,14 @@ CASES = [
     case(aten.softmax.int, (r(4, 6, 5), -1), id="softmax"),
     case(aten.cumsum.default, (r(4, 7), -1), id="cumsum"),
     case(aten.cumsum.default, (ints(4, 7), 0), id="cumsum-int"),
+    case(aten.diff.default, (r(4, 7),), id="diff"),
+    case(aten.topk.default, (r(4, 6, 7), 3), id="topk"),  # Mixtral's router: (values, indices)
+    case(aten.topk.default, (r(4, 7, 6), 2, 1, False), id="topk-dim1-smallest"),
+    case(aten.sort.default, (r(4, 7), 0, True), id="sort"),
+    case(aten.sort.stable, (ints(4, 7),), {"stable": True}, id="sort-stable-int"),
+    case(aten.argsort.default, (r(4, 7),), id="argsort"),
+    case(aten.diff.default, (ints(4, 12), 1, -1, ints(4, 1)), id="diff-int-prepend"),  # HF packed-sequence mask
+    case(aten.diff.default, (r(5, 6, 4), 2, 1, r(5, 1, 4), r(5, 2, 4)), id="diff-n2-prepend-append"),
     # norms and dropout
     case(aten.layer_norm.default, (r(4, 6, 8), [8], r(8), r(8), 1e-5), id="layer_norm"),
     case(aten.native_layer_norm.default, (r(4, 6, 8), [6, 8], r(6, 8), r(6, 8), 1e-5), id="native_layer_norm"),
@@ -301,6 +311,23 @@ def test_amax_and_softmax_and_cumsum():
     assert sorted(soft) == sorted(["(S(0)) -> (S(0))", "(S(1)) -> (S(1))", "(R) -> (R)"])
     scan = labels(aten.cumsum.default, (r(4, 6), 1))
     assert sorted(scan) == sorted(["(S(0)) -> (S(0))", "(P(sum)) -> (P(sum))", "(R) -> (R)"])
+
+
+def test_diff_shards_every_dim_but_its_own_and_passes_partial_sum():
+    got = labels(aten.diff.default, (r(5, 6, 4), 1, 1, r(5, 1, 4)))
+    assert sorted(got) == sorted(
+        [
+            "(S(0)) (S(0)) -> (S(0))",
+            "(S(2)) (S(2)) -> (S(2))",
+            "(P(sum)) (P(sum)) -> (P(sum))",
+            "(R) (R) -> (R)",
+        ]
+    )
+
+
+def test_topk_never_shards_its_dim():
+    got = labels(aten.topk.default, (r(4, 6, 7), 3, 1))
+    assert sorted(got) == sorted(["(S(0)) -> (S(0)) (S(0))", "(S(2)) -> (S(2)) (S(2))", "(R) -> (R) (R)"])
 
 
 def test_layer_norm_shards_leading_dims_only():

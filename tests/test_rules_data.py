@@ -161,6 +161,26 @@ def test_transpose_permute_t(mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+def test_numpy_T_mT_swapaxes_movedim(mesh):
+    """Falcon's ``weight.T`` (numpy_T) and the other permutation spellings follow their dims."""
+    lT = check(aten.numpy_T.default, rnd(5, 7), mesh=mesh)  # uneven on 4 ranks
+    lT3 = check(aten.numpy_T.default, rnd(2, 4, 6), mesh=mesh)
+    lmT = check(aten.mT.default, rnd(2, 4, 6), mesh=mesh)
+    lsw = check(aten.swapaxes.default, rnd(2, 4, 6), 0, -1, mesh=mesh)
+    lsd = check(aten.swapdims.default, rnd(2, 4, 6), 0, 1, mesh=mesh)
+    lmv = check(aten.movedim.int, rnd(2, 4, 6), 0, 2, mesh=mesh)
+    lmvl = check(aten.movedim.intlist, rnd(2, 4, 6, 8), [0, 1], [3, 0], mesh=mesh)
+    if mesh == (2,):
+        has(lT, "(S(0)) -> (S(1))", "(S(1)) -> (S(0))", "(P(sum)) -> (P(sum))")
+        has(lT3, "(S(0)) -> (S(2))", "(S(1)) -> (S(1))", "(S(2)) -> (S(0))")
+        has(lmT, "(S(0)) -> (S(0))", "(S(1)) -> (S(2))", "(S(2)) -> (S(1))")
+        has(lsw, "(S(0)) -> (S(2))", "(S(1)) -> (S(1))")
+        has(lsd, "(S(0)) -> (S(1))")
+        has(lmv, "(S(0)) -> (S(2))", "(S(1)) -> (S(0))", "(S(2)) -> (S(1))")
+        has(lmvl, "(S(0)) -> (S(3))", "(S(1)) -> (S(0))", "(S(2)) -> (S(1))", "(S(3)) -> (S(2))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
 def test_transpose_keeps_block_shards_when_hinted(mesh):
     labels = check(aten.transpose.int, rnd(2, 12, 16), 1, 2, mesh=mesh, hints={(0, 2, 3)})
     if len(mesh) == 1:
@@ -293,6 +313,49 @@ def test_cat_and_stack(mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+def test_concat_is_cat(mesh):
+    labels = check(aten.concat.default, [rnd(3, 4), rnd(3, 4)], 1, mesh=mesh)
+    labels2 = check(aten.concatenate.default, [rnd(3, 4), rnd(5, 4)], 0, mesh=mesh)
+    if mesh == (2,):
+        has(labels, "(S(0)) (S(0)) -> (S(0))", "(S(1)) (S(1)) -> (S(1)[2])")
+        has(labels2, "(S(1)) (S(1)) -> (S(1))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_slice_and_select_scatter(mesh):
+    """What in-place writes through a view become: T5's ``shifted[..., 1:] = ids[..., :-1]``."""
+    ids = torch.randint(0, 50, (3, 8))
+    l_int = check(aten.slice_scatter.default, torch.zeros(3, 8, dtype=torch.long), ids[:, :-1], 1, 1, mesh=mesh)
+    l_sl = check(aten.slice_scatter.default, rnd(5, 6, 4), rnd(5, 2, 4), 1, 2, 4, mesh=mesh)
+    l_se = check(aten.select_scatter.default, rnd(5, 6, 4), rnd(5, 4), 1, 3, mesh=mesh)
+    if mesh == (2,):
+        has(l_int, "(S(0)) (S(0)) -> (S(0))")
+        lacks(l_int, "(S(1)) (S(1)) -> (S(1))", "(P(sum)) (P(sum)) -> (P(sum))")
+        has(l_sl, "(S(0)) (S(0)) -> (S(0))", "(S(2)) (S(2)) -> (S(2))", "(P(sum)) (P(sum)) -> (P(sum))")
+        has(l_se, "(S(0)) (S(0)) -> (S(0))", "(S(2)) (S(1)) -> (S(2))", "(P(max)) (P(max)) -> (P(max))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_repeat_and_repeat_interleave(mesh):
+    """A repeated dim gives a block shard (rank r's piece of every copy); kept dims keep theirs."""
+    lr = check(aten.repeat.default, rnd(3, 4, 6), [1, 2, 1], mesh=mesh)  # Bloom/GPT-J style
+    lr_lead = check(aten.repeat.default, rnd(5, 6), [2, 1, 3], mesh=mesh)  # a new leading dim, uneven 5
+    li = check(aten.repeat_interleave.self_int, rnd(3, 4, 8), 2, 2, mesh=mesh)  # GPT-J's rotary sin/cos
+    li_odd = check(aten.repeat_interleave.self_int, rnd(3, 4, 6), 2, -1, mesh=mesh)
+    li_flat = check(aten.repeat_interleave.self_int, rnd(3, 4), 2, mesh=mesh)
+    if mesh == (2,):
+        has(lr, "(S(0)) -> (S(0))", "(S(1)) -> (S(1)[2])", "(S(2)) -> (S(2))", "(P(sum)) -> (P(sum))")
+        has(lr_lead, "(S(0)) -> (S(1))", "(S(1)) -> (S(2)[3])")
+        lacks(lr_lead, "(R) -> (S(0))")
+        has(li, "(S(0)) -> (S(0))", "(S(1)) -> (S(1))", "(S(2)) -> (S(2))")
+        has(li_flat, "(P(sum)) -> (P(sum))")
+    if mesh == (4,):
+        lacks(li_odd, "(S(2)) -> (S(2))")  # 6 rows on 4 ranks: pieces 2,2,1,1 -> 4,4,2,2 != chunks of 12
+    if mesh == (2, 2):
+        has(lr, "(S(1),S(1)) -> (S(1)[2],S(1)[2])")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
 def test_pad(mesh):
     labels_int = torch.randint(0, 50, (4, 16))
     li = check(aten.pad.default, labels_int, [0, 1], "constant", -100.0, mesh=mesh)  # GPT-2's shifted labels
@@ -422,6 +485,52 @@ def test_index_select(mesh):
     labels1 = check(aten.index_select.default, rnd(3, 9), 1, _ids(9, 5), mesh=mesh)
     if mesh == (2,):
         has(labels1, "(S(1)) (R) -> (P(sum)) @masked_index_select", "(R) (S(0)) -> (S(1))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_index_tensor_advanced_indexing(mesh):
+    """``x[:, :, idx]`` (Falcon's multi-query split) and ``x[i, j]`` with broadcast index tensors (HF masks)."""
+    x = rnd(3, 5, 8, 4)
+    idx = torch.tensor([6])
+    l_mid = check(aten.index.Tensor, x, [None, None, idx], mesh=mesh)
+    i = torch.arange(3).view(3, 1)
+    j = torch.randint(0, 7, (1, 6))
+    l_bcast = check(aten.index.Tensor, rnd(3, 7), [i, j], mesh=mesh)
+    l_apart = check(aten.index.Tensor, rnd(4, 5, 6), [_ids(4, 2, 3), None, _ids(6, 3)], mesh=mesh)
+    l_ints = check(aten.index.Tensor, torch.arange(12).view(3, 4), [None, _ids(4, 5)], mesh=mesh)
+    l_unsafe = check(aten._unsafe_index.Tensor, x, [None, _ids(5, 2, 3)], mesh=mesh)
+    if mesh == (2,):
+        has(l_mid, "(S(0)) (R) -> (S(0))", "(S(1)) (R) -> (S(1))", "(S(3)) (R) -> (S(3))")
+        has(l_mid, "(P(sum)) (R) -> (P(sum))", "(P(max)) (R) -> (P(max))")
+        lacks(l_mid, "(S(2)) (R) -> (S(2))")
+        has(l_bcast, "(R) (S(0)) (R) -> (S(0))", "(R) (R) (S(1)) -> (S(1))")
+        # indexed dims 0 and 2 are apart: the broadcast (2, 3) goes first, then dim 1
+        has(l_apart, "(S(1)) (R) (R) -> (S(2))", "(R) (S(0)) (R) -> (S(0))", "(R) (S(1)) (S(0)) -> (S(1))")
+        has(l_ints, "(S(0)) (R) -> (S(0))", "(R) (S(0)) -> (S(1))")
+        assert not any("P(" in lab for lab in l_ints)
+        has(l_unsafe, "(R) (S(0)) -> (S(1))", "(S(2)) (R) -> (S(3))")
+    if mesh == (2, 2):
+        has(l_mid, "(S(0),S(1)) (R,R) -> (S(0),S(1))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_index_put_mixtral_scatter_add(mesh):
+    """Mixtral's ``out.index_put_([token_idx], expert_out, accumulate=True)`` and a plain overwrite."""
+    x, vals = rnd(7, 6), rnd(5, 6)
+    la = check(aten.index_put.default, x, [_ids(7, 5)], vals, True, mesh=mesh)
+    lw = check(aten.index_put.default, x, [torch.tensor([4, 0, 2])], rnd(3, 1), mesh=mesh)  # unique rows
+    l_mid = check(aten.index_put.default, rnd(3, 5, 4), [None, torch.tensor([1, 3])], rnd(3, 2, 4), True, mesh=mesh)
+    if mesh == (2,):
+        has(la, "(S(1)) (R) (S(1)) -> (S(1))", "(P(sum)) (R) (P(sum)) -> (P(sum))")
+        lacks(la, "(S(0)) (R) (S(0)) -> (S(0))")
+        has(lw, "(S(1)) (R) (R) -> (S(1))", "(P(sum)) (R) (P(sum)) -> (P(sum))")
+        has(l_mid, "(S(0)) (R) (S(0)) -> (S(0))", "(S(2)) (R) (S(2)) -> (S(2))")
+
+
+def test_index_tensor_with_a_bool_mask_is_not_sharded():
+    x, m = rnd(4, 6), torch.tensor([True, False, True, True])
+    call, _ = make_call(aten.index.Tensor, (x, [m]))
+    assert rule_for(aten.index.Tensor)(call, 2) == []
 
 
 # ----------------------------------------------------------------------------- attention
@@ -567,8 +676,14 @@ VALIDATED = {
     aten.flatten.using_ints,
     aten.unflatten.int,
     aten.transpose.int,
+    aten.swapaxes.default,
+    aten.swapdims.default,
     aten.t.default,
     aten.permute.default,
+    aten.numpy_T.default,
+    aten.mT.default,
+    aten.movedim.int,
+    aten.movedim.intlist,
     aten.unsqueeze.default,
     aten.squeeze.default,
     aten.squeeze.dim,
@@ -581,12 +696,21 @@ VALIDATED = {
     aten.chunk.default,
     aten.unbind.int,
     aten.cat.default,
+    aten.concat.default,
+    aten.concatenate.default,
     aten.stack.default,
+    aten.repeat.default,
+    aten.repeat_interleave.self_int,
+    aten.slice_scatter.default,
+    aten.select_scatter.default,
     aten.pad.default,
     aten.constant_pad_nd.default,
     aten.embedding.default,
     aten.gather.default,
     aten.index_select.default,
+    aten.index.Tensor,
+    aten._unsafe_index.Tensor,
+    aten.index_put.default,
     SDPA,
     aten.arange.default,
     aten.arange.start,

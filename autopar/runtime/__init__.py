@@ -8,11 +8,16 @@
 - ``counter``: ``CollectiveCounter`` records what ran, to compare with the plan.
 - ``zero``: ``StateShards``, ZeRO-1/2 parameters (gradient and optimizer state
   sharded beyond the parameter) and the optimizer step's all-gather.
+- ``buckets``: ``GradBuckets``, DDP-style bucketed gradient all-reduces overlapped
+  with backward.
+- ``deferred``: the loss's last collective started without waiting
+  (``PendingLoss``, read on first use; backward never waits for it).
 """
 
 from __future__ import annotations
 
 from .counter import CollectiveCounter, CollectiveRecord
+from .deferred import PendingLoss
 from .groups import MeshGroups, init_distributed
 from .redistribute import Move, Redistribute, nesting_conflict, redistribute, redistribute_local
 from .zero import StateShards, from_state_shard
@@ -20,6 +25,7 @@ from .zero import StateShards, from_state_shard
 __all__ = [
     "CollectiveCounter",
     "CollectiveRecord",
+    "PendingLoss",
     "MeshGroups",
     "init_distributed",
     "Move",

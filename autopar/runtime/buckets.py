@@ -11,7 +11,10 @@ work the way DDP does:
 - the parameter's source value is an identity autograd function (``wrap``) whose
   backward receives the sum of its consumers' partial gradients; it drops them
   into the parameter's *bucket* (parameters grouped, in reverse order of first
-  use, up to ``bucket_bytes``) and returns no gradient;
+  use, up to ``bucket_bytes``; the first bucket only up to
+  ``first_bucket_bytes``, 1 MiB, as DDP's, so the first all-reduce starts as soon
+  as the last-used parameters' gradients exist instead of after most of backward)
+  and returns no gradient;
 - when every parameter of a bucket has arrived, one ``all_reduce`` of the
   bucket's flat buffer is started asynchronously (``async_op=True``) on the
   axis's group, so it runs while backward goes on;
@@ -60,6 +63,7 @@ __all__ = ["GradBuckets", "bucketable"]
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+DEFAULT_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def bucketable(xplan, exclude: set[str]) -> dict[str, tuple[int, tuple[Placement, ...]]]:
@@ -133,6 +137,10 @@ class _Round:
                         self.counter.record(kind, axis, "backward", nbytes, op)
 
     def finish(self) -> None:
+        with self.owner.groups.collectives("the gradient all-reduce"):
+            self._finish()
+
+    def _finish(self) -> None:
         for b in self.buckets:
             self.launch(b)
         for b in self.buckets:
@@ -176,6 +184,7 @@ class GradBuckets:
         bucketed: dict[str, tuple[int, tuple[Placement, ...]]],
         sizes: dict[str, int],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     ) -> None:
         self.groups = groups
         self.bucketed = bucketed
@@ -184,7 +193,9 @@ class GradBuckets:
         for name in reversed(list(bucketed)):  # backward readiness order: last used first
             axis = bucketed[name][0]
             current = next((b for b in reversed(layout) if b[0] == axis), None)
-            if current is None or filled[id(current)] + sizes[name] > bucket_bytes and current[1]:
+            first = current is not None and not any(b[0] == axis for b in layout if b is not current)
+            cap = min(first_bucket_bytes, bucket_bytes) if first else bucket_bytes
+            if current is None or filled[id(current)] + sizes[name] > cap and current[1]:
                 current = (axis, [])
                 layout.append(current)
                 filled[id(current)] = 0

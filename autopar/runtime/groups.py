@@ -12,6 +12,21 @@ permuted mesh (``Mesh(..., ranks=...)``).  Collectives return pieces in group-ra
 order; ``axis_order(axis)`` gives, for each group rank, the member's axis
 coordinate so callers can put pieces back in mesh order.
 
+Failing fast (``fail`` / ``collectives``): a rank that cannot make a call its
+peers are making (bad input found before the first collective) must not leave
+them waiting in a collective until the process group's timeout.  gloo's
+``ProcessGroup.abort()`` does not close a group's connections in torch 2.13 (a
+blocked peer still waits), but dropping the last reference to a group after
+``dist.destroy_process_group(group)`` does: every peer blocked on it then fails
+at once with "Connection closed by peer".  So the failing rank writes its reason
+to the default group's store and waits ``FAIL_GRACE_S`` for every other rank to
+report the same call failed (bad input given to every rank: nobody waits, the
+groups stay usable); if some rank did not, it shuts this mesh's groups down.  A
+rank whose collective then breaks (``collectives``) reads the reason from the
+store, shuts its own groups down (so ranks blocked on *its* groups follow) and
+raises it.  A mesh shut down this way refuses further collectives
+(``check_alive``): compile again.
+
 ``init_distributed()`` initializes the default group from torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``): nccl with
 one GPU per rank (``cuda:LOCAL_RANK``) when CUDA is available, gloo on CPU otherwise.
@@ -19,8 +34,12 @@ one GPU per rank (``cuda:LOCAL_RANK``) when CUDA is available, gloo on CPU other
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -33,6 +52,11 @@ __all__ = ["MeshGroups", "init_distributed"]
 logger = logging.getLogger(__name__)
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# how long a failing rank waits for the others to report the same failure before it shuts the groups
+# down: covers the skew of ranks reaching the same call (the previous step's collectives keep them within
+# an optimizer step of each other); only a failure on some ranks pays it
+FAIL_GRACE_S = 5.0
+_INSTANCES = itertools.count()  # MeshGroups built in this process: the same sequence on every rank
 
 
 def init_distributed(backend: str | None = None, *, timeout: timedelta | None = None) -> str:
@@ -104,6 +128,10 @@ class MeshGroups:
         self._coordinate = mesh.coordinate(self._rank)
         self._native_rs = ("nccl" in self._backend) if native_reduce_scatter is None else bool(native_reduce_scatter)
         self._groups: list[dist.ProcessGroup] = []
+        self._store = dist.distributed_c10d._get_default_store()  # where a failing rank leaves its reason
+        self._key = f"autopar/mesh_groups{next(_INSTANCES)}"
+        self._failures = 0  # calls every rank failed alike (same count on every rank)
+        self._shut_down: str | None = None  # the reason, once the groups are destroyed
         self._members: list[tuple[int, ...]] = []
         self._order: list[tuple[int, ...]] = []
         for axis in range(mesh.ndim):
@@ -150,9 +178,80 @@ class MeshGroups:
     def native_reduce_scatter(self) -> bool:
         return self._native_rs
 
+    # ---- failing fast ---------------------------------------------------------------
+    def fail(self, reason: str, *, grace_s: float = FAIL_GRACE_S) -> bool:
+        """This rank cannot make the call its peers are making; returns whether the groups were shut down.
+
+        Reports ``reason`` in the store and waits up to ``grace_s`` for every rank
+        to report the same failure; if one does not (it is presumably blocked in a
+        collective), records ``reason`` for the others and destroys this mesh's
+        groups, so that rank fails at once (see the module docstring).
+        """
+        if self._shut_down is not None:
+            return True
+        call = f"{self._key}/failure{self._failures}"
+        self._failures += 1
+        everyone = [f"{call}/rank{r}" for r in range(self._mesh.size)]
+        try:
+            self._store.set(everyone[self._rank], reason)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                if self._store.check(everyone):
+                    return False
+                time.sleep(0.005)
+            self._store.set(f"{self._key}/shut_down", f"rank {self._rank}: {reason}")
+        except (RuntimeError, OSError) as e:  # no store to tell the others: still shut down, they fail anyway
+            logger.warning("autopar: could not report a failed call in the store: %s", e)
+        self._shutdown(f"rank {self._rank}: {reason}")
+        return True
+
+    @contextlib.contextmanager
+    def collectives(self, what: str) -> Iterator[None]:
+        """Run collectives; one that breaks because a peer shut the groups down raises that peer's reason."""
+        try:
+            yield
+        except RuntimeError as e:
+            reason = self._shut_down or self._peer_reason()
+            if reason is None:
+                raise
+            self._shutdown(reason)
+            raise ValueError(
+                f"{what} on rank {self._rank} (mesh coordinate {self._coordinate}) stopped: {reason}\n"
+                "The rank that failed shut the mesh's process groups down so that no rank waits for the "
+                "collective timeout. Fix: give every rank inputs of the compiled shapes, and compile again"
+            ) from e
+
+    def _peer_reason(self) -> str | None:
+        """The reason a peer shut the groups down, if one did (None also when the store cannot be read)."""
+        key = f"{self._key}/shut_down"
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except (RuntimeError, OSError):
+            return None
+
+    def check_alive(self, what: str) -> None:
+        """Raise ValueError when a failed call shut this mesh's groups down (nothing can run on them)."""
+        if self._shut_down is not None:
+            raise ValueError(
+                f"{what}: the mesh's process groups were shut down after a failed call ({self._shut_down}); "
+                "compile the model again (autopar.compile) to get new groups"
+            )
+
+    def _shutdown(self, reason: str) -> None:
+        if self._shut_down is not None:
+            return
+        self._shut_down = reason
+        groups, self._groups = self._groups, []
+        while groups:  # popped: this frame keeps no reference, so the connections close as each one goes
+            with contextlib.suppress(Exception):  # a group a peer already broke may refuse a clean destroy
+                dist.destroy_process_group(groups.pop())
+        logger.warning("autopar: shut down the process groups of %s: %s", self._mesh, reason)
+
     # ---- axes -----------------------------------------------------------------------
     def axis_group(self, axis: int | str) -> dist.ProcessGroup:
         """The process group of this rank's line of ranks along ``axis``."""
+        if self._shut_down is not None:
+            self.check_alive(f"collective on mesh axis {axis}")
         return self._groups[self._mesh.axis_index(axis)]
 
     def axis_size(self, axis: int | str) -> int:

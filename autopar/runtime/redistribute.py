@@ -498,7 +498,8 @@ class Redistribute(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):  # noqa: D102
-        return ctx.move.local_grad(grad, ctx.counter), None, None
+        with ctx.move.groups.collectives("backward"):
+            return ctx.move.local_grad(grad, ctx.counter), None, None
 
 
 def redistribute(

@@ -1,4 +1,4 @@
-"""Rules for lookups: ``embedding``, ``gather`` and ``index_select``.
+"""Rules for lookups: ``embedding``, ``gather``, ``index_select``, advanced indexing (``index``, ``index_put``).
 
 Each op reads rows of a table at integer positions.  On one mesh axis the table
 can be split along the looked-up dim (vocab-parallel, Megatron/Paddle style):
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import Partial, Replicate, Shard
+from ..spec import TensorMeta
 from .base import AxisStrategy, OpCall, register
 from .views import bound_args, hinted_blocks
 
@@ -100,4 +101,94 @@ def index_select_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     if out.is_float and src.ndim:
         strategies.append(AxisStrategy((Shard(dim), _R), (_SUM,), kernel="masked_index_select"))
     strategies += [AxisStrategy((Partial(op), _R), (Partial(op),)) for op in ("sum", "max")]
+    return strategies
+
+
+def _index_layout(src: TensorMeta, indices: list) -> tuple[dict[int, int], int] | None:
+    """Where ``src[indices]`` puts each dim: ({kept src dim: out dim}, out dim of the first index dim).
+
+    ``indices`` is ``index.Tensor``'s list (None for a whole dim, a TensorMeta for an
+    index tensor).  The index tensors broadcast together to ``nb`` dims, which replace
+    the indexed dims in place when those are adjacent and go first otherwise (NumPy's
+    rule).  None when an index is a bool mask (its output size depends on values).
+    """
+    indexed = [i for i, x in enumerate(indices) if x is not None]
+    metas = [x for x in indices if x is not None]
+    if not indexed or any(m.dtype in (torch.bool, torch.uint8) for m in metas):
+        return None
+    nb = max(m.ndim for m in metas)
+    adjacent = indexed[-1] - indexed[0] + 1 == len(indexed)
+    first = indexed[0] if adjacent else 0
+    kept = [d for d in range(src.ndim) if d not in indexed]
+    mapping = {}
+    for d in kept:
+        before = d < indexed[0] if adjacent else False
+        mapping[d] = d if before else (first + nb + (d - len(indexed) - first if adjacent else kept.index(d)))
+    return mapping, first
+
+
+@register(aten.index.Tensor, aten._unsafe_index.Tensor)
+def index_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """index(self, indices): ``self[i0, :, i2, ...]`` with integer index tensors (advanced indexing).
+
+    1. a dim no tensor indexes: self ``S(d)``, indices ``R`` -> out ``S`` where the dim lands;
+    2. a dim of the indices' broadcast shape: self ``R``, every index tensor ``S`` on
+       it (``R`` where it broadcasts) -> out ``S`` there: each output element reads
+       only its own index values, so any split of them is fine;
+    3. self ``P(op)``, indices ``R`` -> out ``P(op)``: indexing selects, so it
+       commutes with sum and max.
+
+    Bool-mask indices (data-dependent output size) get no rule (replicate).
+    """
+    src, out = call.inputs[0], call.outputs[0]
+    indices = list(bound_args(call)["indices"])
+    layout = _index_layout(src, indices)
+    if layout is None:
+        return []
+    mapping, first = layout
+    metas = call.inputs[1:]
+    rest = (_R,) * len(metas)
+    strategies = [AxisStrategy((Shard(d),) + rest, (Shard(o),)) for d, o in mapping.items()]
+    nb = max(m.ndim for m in metas)
+    for j in range(nb):
+        size = out.shape[first + j]
+        placed = [
+            Shard(j - (nb - m.ndim)) if j >= nb - m.ndim and m.shape[j - (nb - m.ndim)] == size else _R for m in metas
+        ]
+        if size > 1 and any(isinstance(p, Shard) for p in placed):
+            strategies.append(AxisStrategy((_R, *placed), (Shard(first + j),)))
+    if out.is_float:
+        strategies += [AxisStrategy((Partial(op),) + rest, (Partial(op),)) for op in ("sum", "max")]
+    return strategies
+
+
+@register(aten.index_put.default)
+def index_put_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """index_put(self, indices, values, accumulate): ``self[indices] = values`` (``+=`` with accumulate).
+
+    1. a dim no tensor indexes: self ``S(d)``, out ``S(d)``, values ``S`` on the dim
+       it lines up with in ``self[indices]`` (``R`` where values broadcast it),
+       indices ``R``: each rank writes its own slice of every selected row;
+    2. self and values ``P(sum)``, indices ``R`` -> out ``P(sum)``: the written
+       positions hold the sum of the values' pieces (or self's plus them), the
+       others self's pieces, with or without accumulate.
+
+    Bool-mask indices get no rule (replicate).
+    """
+    src, out = call.inputs[0], call.outputs[0]
+    args = bound_args(call)
+    layout = _index_layout(src, list(args["indices"]))
+    if layout is None:
+        return []
+    mapping, _ = layout
+    values = call.inputs[-1]
+    n_idx = len(call.inputs) - 2
+    sel_ndim = src.ndim - sum(1 for x in args["indices"] if x is not None) + max(m.ndim for m in call.inputs[1:-1])
+    strategies = []
+    for d, o in mapping.items():
+        vd = o - (sel_ndim - values.ndim)
+        vp = Shard(vd) if vd >= 0 and values.shape[vd] == src.shape[d] else _R
+        strategies.append(AxisStrategy((Shard(d),) + (_R,) * n_idx + (vp,), (Shard(d),)))
+    if out.is_float:
+        strategies.append(AxisStrategy((_SUM,) + (_R,) * n_idx + (_SUM,), (_SUM,)))
     return strategies

@@ -10,7 +10,7 @@ inputs, and ``P(max)`` only when it commutes with a max over ranks:
 
 - ``P(sum)``: add/sub with every operand a Partial tensor; mul with exactly one
   Partial tensor and the rest Replicate or scalars; div with a Partial numerator
-  only; neg; casts and copies (to, _to_copy, clone, contiguous, alias, detach);
+  only; neg; casts and copies (to, _to_copy, clone, contiguous, alias, detach, lift_fresh_copy);
   where with both values Partial; masked_fill with a zero fill.
 - ``P(max)``: casts and copies; add/sub of a Replicate tensor or scalar (``a - b``
   only with ``a`` Partial); mul/div by a positive python scalar; maximum with any
@@ -323,9 +323,20 @@ _NONLINEAR = [
     "addcdiv",
     "where.Scalar",
     "threshold",
+    "copy",  # copy(self, src): src broadcast to self (what an in-place copy_ becomes)
 ]
 _MONOTONE = ["exp", "relu", "sigmoid", "tanh", "clamp", "clamp_min", "clamp_max", "hardtanh", "floor", "ceil", "trunc"]
-_COPIES = ["to.dtype", "to.dtype_layout", "to.device", "_to_copy", "clone", "contiguous", "alias", "detach"]
+_COPIES = [
+    "to.dtype",
+    "to.dtype_layout",
+    "to.device",
+    "_to_copy",
+    "clone",
+    "contiguous",
+    "alias",
+    "detach",
+    "lift_fresh_copy",  # a tensor literal in forward (DeBERTa's scale): a copy of a lifted constant
+]
 _POLICIES: dict[str, Callable[[OpCall], list[AxisStrategy]]] = {
     "neg": _neg_policy,
     "add.Tensor": lambda c: _add_policy(c, sub=False),

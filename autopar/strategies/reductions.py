@@ -1,5 +1,5 @@
 """Rules for reductions and scans: sum, mean, amax/amin, max/min, arg*, var/std, any/all,
-logsumexp, prod, softmax/log_softmax, cumsum.
+logsumexp, prod, softmax/log_softmax, cumsum, diff, topk/sort.
 
 One generator, ``reduction_strategies``, covers every reduction on one mesh axis:
 
@@ -22,8 +22,9 @@ count of the reduced dims (from ``KernelContext.input_metas``), giving an exact
 other axis of the strategy, so it may be named on some axes and not others.
 
 Softmax-like ops (softmax, log_softmax, their underscored forms) normalize along
-one dim: ``S`` on every other dim, never ``P``.  ``cumsum`` scans one dim: ``S`` on
-the others, ``P(sum)`` passes through.  Block hints on an output dim add ``S(·)[b]``.
+one dim: ``S`` on every other dim, never ``P``.  ``cumsum`` scans one dim and ``diff``
+differences along one: ``S`` on the others, ``P(sum)`` passes through.  Block hints on
+an output dim add ``S(·)[b]``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..kernels import KernelContext, register_kernel
 from ..placement import Partial, Placement, Replicate, Shard
 from .base import AxisStrategy, OpCall, register
 from .pointwise import arg, hinted_blocks, norm_dim, resolve_ops
+from .views import bound_args
 
 __all__ = ["reduction_strategies", "reduced_dims", "MEAN_KERNEL"]
 
@@ -197,6 +199,41 @@ def scan_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     x = call.inputs[0]
     d = norm_dim(arg(call, 1, "dim"), x.ndim, call.name)
     return _all_but(call, axis_size, d, passthrough=(PSUM,) if call.target is aten.cumsum.default else ())
+
+
+@register(*resolve_ops(["topk.default", "sort.default", "sort.stable", "argsort.default", "argsort.stable"]))
+def select_along_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """topk / sort / argsort along ``dim``: ``S`` on every other dim (values and indices alike), never ``P``.
+
+    Sharding ``dim`` itself would need a merge of the ranks' candidates (a collective).
+    """
+    x = call.inputs[0]
+    d_skip = norm_dim(bound_args(call)["dim"], x.ndim, call.name)
+    n_out = len(call.outputs)
+    return [
+        AxisStrategy((Shard(d),), (Shard(d),) * n_out) for d in range(x.ndim) if d != d_skip and x.shape[d] >= axis_size
+    ]
+
+
+@register(*resolve_ops(["diff.default"]))
+def diff_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """diff(self, n, dim, prepend, append): neighbour differences along ``dim``.
+
+    ``S(d)`` for every ``d != dim`` on self and on ``prepend``/``append`` where they
+    have self's size there (``R`` where they broadcast it); ``dim`` itself is never
+    sharded (a difference spans two neighbouring pieces).  Linear in all its tensor
+    inputs together: all ``P(sum)`` -> ``P(sum)``.
+    """
+    x = call.inputs[0]
+    d_skip = norm_dim(arg(call, 2, "dim", -1), x.ndim, call.name)
+    out = []
+    for d in range(x.ndim):
+        if d == d_skip or x.shape[d] < axis_size:
+            continue
+        ins = tuple(Shard(d) if m.ndim == x.ndim and m.shape[d] == x.shape[d] else R for m in call.inputs)
+        out.append(AxisStrategy(ins, (Shard(d),)))
+    out.append(AxisStrategy((PSUM,) * len(call.inputs), (PSUM,)))
+    return out
 
 
 def _all_but(call: OpCall, axis_size: int, skip: int, passthrough: Sequence[Partial]) -> list[AxisStrategy]:

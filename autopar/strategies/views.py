@@ -1,4 +1,4 @@
-"""Rules for view-like ops: reshapes, transposes, (un)squeezes, expand, slices, splits, cat, pad.
+"""Rules for view-like ops: reshapes, permutations, (un)squeezes, expand, slices, splits, cat, repeat, pad.
 
 Every rule here moves data without arithmetic, so on one mesh axis:
 
@@ -221,18 +221,53 @@ def view_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
 # ----------------------------------------------------------------------------- permutations
 
 
-@register(aten.transpose.int, aten.t.default, aten.permute.default)
-def permute_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
-    """transpose/t/permute: ``S(perm[k]) -> S(k)``; Partial passes through."""
-    src, dst = call.inputs[0], call.outputs[0]
-    nd = src.ndim
+_SWAPS = (aten.transpose.int, aten.swapaxes.default, aten.swapdims.default)
+
+
+def _permutation(call: OpCall, nd: int) -> list[int]:
+    """``perm`` with output dim ``k`` = input dim ``perm[k]``, for every op ``permute_rule`` covers."""
     args = bound_args(call)
     perm = list(range(nd))
-    if call.target is aten.permute.default:
-        perm = [_norm(d, nd) for d in args["dims"]]
-    elif nd >= 2:  # transpose.int, t
-        d0, d1 = (_norm(args["dim0"], nd), _norm(args["dim1"], nd)) if call.target is aten.transpose.int else (0, 1)
-        perm[d0], perm[d1] = perm[d1], perm[d0]
+    t = call.target
+    if t is aten.permute.default:
+        return [_norm(d, nd) for d in args["dims"]]
+    if t is aten.numpy_T.default:  # ``x.T``: every dim reversed
+        return perm[::-1]
+    if t is aten.movedim.int or t is aten.movedim.intlist:
+        src = args["source"] if isinstance(args["source"], (list, tuple)) else [args["source"]]
+        dst = args["destination"] if isinstance(args["destination"], (list, tuple)) else [args["destination"]]
+        src, dst = [_norm(d, nd) for d in src], [_norm(d, nd) for d in dst]
+        out: list[int | None] = [None] * nd
+        for s, d in zip(src, dst, strict=True):
+            out[d] = s
+        rest = iter(d for d in range(nd) if d not in src)
+        return [o if o is not None else next(rest) for o in out]
+    if nd < 2:
+        return perm
+    if t in _SWAPS:
+        d0, d1 = (_norm(args[k], nd) for k in (("axis0", "axis1") if "axis0" in args else ("dim0", "dim1")))
+    elif t is aten.t.default:
+        d0, d1 = 0, 1
+    else:  # mT: the last two dims
+        d0, d1 = nd - 2, nd - 1
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return perm
+
+
+@register(
+    *_SWAPS,
+    aten.t.default,
+    aten.permute.default,
+    aten.numpy_T.default,
+    aten.mT.default,
+    aten.movedim.int,
+    aten.movedim.intlist,
+)
+def permute_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """transpose/swapaxes/t/permute/movedim/``.T``/``.mT``: ``S(perm[k]) -> S(k)``; Partial passes through."""
+    src, dst = call.inputs[0], call.outputs[0]
+    nd = src.ndim
+    perm = _permutation(call, nd)
     return _map_dims(call, {perm[k]: k for k in range(nd)}, src, dst)
 
 
@@ -359,7 +394,7 @@ def unbind_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
 # ----------------------------------------------------------------------------- cat / stack
 
 
-@register(aten.cat.default)
+@register(aten.cat.default, aten.concat.default, aten.concatenate.default)
 def cat_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     """cat: every input ``S(d)`` -> ``S(d)`` for ``d`` other than the cat dim.
 
@@ -392,6 +427,79 @@ def stack_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     new = _norm(bound_args(call)["dim"], dst.ndim)
     strategies = [AxisStrategy((Shard(d),) * k, (Shard(d if d < new else d + 1),)) for d in range(dst.ndim - 1)]
     return strategies + _partials(k, 1)
+
+
+# ----------------------------------------------------------------------------- scatters (inverse views)
+
+
+@register(aten.slice_scatter.default, aten.select_scatter.default)
+def view_scatter_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """slice_scatter / select_scatter(self, src, dim, ...): self with one slice / index of ``dim`` replaced by src.
+
+    ``S(d)`` on self, src (its matching dim: one lower past ``dim`` for select) and
+    the output for every ``d != dim``; self and src ``P(sum)`` (or ``P(max)``) ->
+    the output likewise, as every element is one of theirs.  What in-place writes
+    through a view become (``decompose``: T5's shift-right).
+    """
+    src, piece = call.inputs[0], call.inputs[1]
+    dim = _norm(bound_args(call)["dim"], src.ndim)
+    select = call.target is aten.select_scatter.default
+    strategies = []
+    for d in range(src.ndim):
+        if d == dim:
+            continue
+        dp = d - 1 if select and d > dim else d
+        if piece.ndim > dp and piece.shape[dp] == src.shape[d]:
+            strategies.append(AxisStrategy((Shard(d), Shard(dp)), (Shard(d),)))
+    return strategies + _partials(2, 1)
+
+
+# ----------------------------------------------------------------------------- repeat
+
+
+@register(aten.repeat.default)
+def repeat_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """repeat (tile): input dim ``d`` becomes output dim ``d + lead`` (``lead`` new leading dims).
+
+    A dim repeated once keeps its shard.  A dim repeated ``k > 1`` times holds ``k``
+    copies of the input side by side: ``S(d) -> S(d + lead)[k]``, rank r's piece of
+    every copy is the repeat of its own piece (the inverse view of a fused-qkv split).
+    New leading dims are not sharded (the local ``repeats`` would differ by rank).
+    Partial passes through: a copy of a sum is the sum of the copies.
+    """
+    src = call.inputs[0]
+    repeats = list(bound_args(call)["repeats"])
+    lead = len(repeats) - src.ndim
+    pairs: list[tuple[Placement, Placement]] = []
+    for d in range(src.ndim):
+        k = repeats[d + lead]
+        if k == 1:
+            pairs += [(Shard(d, b), Shard(d + lead, b)) for b in _blocks_for(call, d + lead, sizes=(src.shape[d],))]
+        elif k > 1:
+            pairs.append((Shard(d), Shard(d + lead, k)))
+    return _unary(pairs)
+
+
+@register(aten.repeat_interleave.self_int)
+def repeat_interleave_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """repeat_interleave(self, k: int, dim): each element of ``dim`` repeated ``k`` times in place.
+
+    Dims other than ``dim`` keep their shard.  ``dim`` itself: rank r's rows
+    ``[a, b)`` give output rows ``[k a, k b)``, the same rank's shard of the output
+    exactly when the axis divides the dim evenly (uneven pieces would round
+    differently) and no global ``output_size`` is pinned.  ``dim=None`` (flattened)
+    offers only Partial, which passes through (a copy of a sum is the sum of the copies).
+    """
+    src, dst = call.inputs[0], call.outputs[0]
+    args = bound_args(call)
+    if args["dim"] is None:
+        return _partials(1, 1)
+    dim = _norm(args["dim"], src.ndim)
+    mapping = {d: d for d in range(src.ndim) if d != dim}
+    strategies = _map_dims(call, mapping, src, dst)
+    if args.get("output_size") is None and src.shape[dim] % axis_size == 0:
+        strategies.append(AxisStrategy((Shard(dim),), (Shard(dim),)))
+    return strategies
 
 
 # ----------------------------------------------------------------------------- pad
