@@ -195,13 +195,24 @@ def _joint(step: _Step, vals: list, skip: int = -1) -> np.ndarray:
     acc: np.ndarray | float = 0.0
     for j, tid in enumerate(step.inputs):
         if j != skip:
-            acc = acc + _bc(step, j, vals[tid])
+            acc = _add(acc, _bc(step, j, vals[tid]))
     return acc
 
 
-def _inside(model: _Model, w: np.ndarray) -> tuple[list, dict[int, np.ndarray]]:
+def _add(acc: np.ndarray | float, x: np.ndarray) -> np.ndarray:
+    """``acc + x`` for a running sum begun at the float 0.0, so an array ``acc`` is a
+    temporary of an earlier ``_add``: in place once it has the full shape (the same
+    floats, without a joint-sized allocation per term)."""
+    if isinstance(acc, np.ndarray) and np.broadcast_shapes(acc.shape, x.shape) == acc.shape:
+        return np.add(acc, x, out=acc)
+    return acc + x
+
+
+def _inside(model: _Model, w: np.ndarray, argmins: bool = True) -> tuple[list, dict[int, np.ndarray]]:
     """Min-sum elimination of ``w[b, 0] T + w[b, 1] M`` for every row b at once:
-    inside values (rows, *scope) of every table, and the argmins."""
+    inside values (rows, *scope) of every table, and (``argmins``) the argmins.
+    Without them :func:`_argmin_at` recovers one plan's choices: an argmin over the
+    whole joint table costs as much as the min itself."""
     vals: list = []
     for t, m, ok in zip(model.t, model.m, model.ok):
         shape = (-1,) + (1,) * t.ndim
@@ -211,9 +222,24 @@ def _inside(model: _Model, w: np.ndarray) -> tuple[list, dict[int, np.ndarray]]:
     for st in model.steps:
         joint = _joint(st, vals)
         if st.var >= 0:
-            args[st.out], joint = joint.argmin(axis=-1), joint.min(axis=-1)
+            if argmins:
+                args[st.out] = joint.argmin(axis=-1)
+            joint = joint.min(axis=-1)
         vals[st.out] = joint
     return vals, args
+
+
+def _argmin_at(model: _Model, st: _Step, vals: list, red: np.ndarray) -> np.ndarray:
+    """Per row b, the argmin over ``st.var`` of the step's joint table at the scope
+    choices ``red[b]``: the joint's line summed as :func:`_joint` sums it (same floats,
+    so the same argmin as ``joint.argmin(axis=-1)``)."""
+    rows = np.arange(red.shape[0])[:, None]
+    xs = np.arange(st.shape[-1])[None, :]
+    acc: np.ndarray | float = 0.0
+    for tid in st.inputs:
+        idx = tuple(xs if v == st.var else red[:, v, None] for v in model.scopes[tid])
+        acc = acc + vals[tid][(rows,) + idx]
+    return np.broadcast_to(acc, (red.shape[0], st.shape[-1])).argmin(axis=-1)
 
 
 def _outside(model: _Model, vals: list, final_out: np.ndarray | None = None) -> list:
@@ -243,14 +269,13 @@ class _Point(NamedTuple):
 def _plans(model: _Model, w: np.ndarray) -> tuple[list[_Point], list]:
     """Per row of weights, the argmin plan of ``w_t T + w_m M`` (re-evaluated exactly),
     and the inside values."""
-    vals, args = _inside(model, w)
+    vals, _ = _inside(model, w, argmins=False)
     if not np.isfinite(vals[model.final]).all():
         raise InfeasibleError(f"{model.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
     red = np.zeros((len(w), len(model.k)), np.int64)
-    rows = np.arange(len(w))
     for st in reversed(model.steps):
         if st.var >= 0:
-            red[:, st.var] = args[st.out][(rows,) + tuple(red[:, v] for v in st.scope)]
+            red[:, st.var] = _argmin_at(model, st, vals, red)
     choices = [model.original_choice(r) for r in red]
     return [_Point(*model.problem.evaluate(c), c) for c in choices], vals
 
