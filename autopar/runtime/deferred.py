@@ -33,18 +33,16 @@ tail synchronously instead (same result, no deferral).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import fx
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from ..placement import Replicate, Shard
+from ..placement import Shard
 from ..spec import TensorMeta, local_shape
-from .redistribute import _REDUCE_OPS, Move, _padded, _pieces_index_cpu, _steps, _unwire, _wire
+from .redistribute import Move, _steps, start_collective
 
 __all__ = ["PendingLoss", "DeferredLossStep", "defer_loss_tail", "async_collective", "wait_pending"]
 
@@ -85,39 +83,14 @@ def async_collective(move: Move) -> str | None:
 
 def _start(move: Move, x: torch.Tensor, counter) -> Callable[[], torch.Tensor]:
     """Start ``move``'s one collective on ``x``; returns the function that waits and gives the moved piece."""
-    steps = _steps(TensorMeta(move.shape, x.dtype), move.src, move.dst, move.groups.mesh.shape)[0]
-    (st,) = steps
-    groups, axis = move.groups, st.axis
-    group = groups.axis_group(axis)
+    groups = move.groups
+    want = local_shape(move.shape, move.src, groups.mesh.shape, groups.coordinate)
+    if tuple(x.shape) != tuple(want):
+        raise AssertionError(f"deferred {move.src} -> {move.dst}: piece {tuple(x.shape)} is not this rank's {want}")
+    (st,) = _steps(TensorMeta(move.shape, x.dtype), move.src, move.dst, groups.mesh.shape)[0]
     if counter is not None:
-        counter.record(st.kind, axis, "forward", st.bytes, st.reduce_op)
-    x = x.detach()
-    if st.kind == "all_reduce":
-        y = x.contiguous().clone()
-        work = dist.all_reduce(y, op=_REDUCE_OPS[st.reduce_op], group=group, async_op=True)
-        return lambda: (work.wait(), y)[1]
-    d, k = st.src.dim, groups.axis_size(axis)
-    replicated = list(move.src)
-    replicated[axis] = Replicate()
-    frame = local_shape(move.shape, tuple(replicated), groups.mesh.shape, groups.coordinate)
-    sizes = [i.numel() for i in _pieces_index_cpu(frame[d], st.src, k)]
-    shapes = [tuple(s if i != d else n for i, s in enumerate(frame)) for n in sizes]
-    numels = [math.prod(s) for s in shapes]
-    if tuple(x.shape) != shapes[groups.axis_rank(axis)] or max(numels) == 0:
-        raise AssertionError(f"deferred all_gather: piece {tuple(x.shape)} is not this rank's of {frame} on dim {d}")
-    buf = _padded(_wire(x).reshape(-1), max(numels))
-    out = [torch.empty_like(buf) for _ in numels]
-    work = dist.all_gather(out, buf, group=group, async_op=True)
-    order = groups.axis_order(axis)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        by_coord = [None] * k
-        for g, c in enumerate(order):
-            by_coord[c] = out[g][: numels[c]].view(shapes[c])
-        return _unwire(torch.cat(by_coord, dim=d), x.dtype)
-
-    return finish
+        counter.record(st.kind, st.axis, "forward", st.bytes, st.reduce_op)
+    return start_collective(x.detach(), st, move.src, move.shape, groups)
 
 
 class PendingLoss(torch.Tensor):

@@ -56,7 +56,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -171,18 +171,26 @@ def _padded(flat: torch.Tensor, width: int) -> torch.Tensor:
     return buf
 
 
-def _gather(flat: torch.Tensor, numels: list[int], groups: MeshGroups, axis: int) -> list[torch.Tensor]:
-    """All-gather one flat piece per rank (``numels[c]`` at axis coordinate c); pieces by coordinate."""
+def _start_gather(
+    flat: torch.Tensor, numels: list[int], groups: MeshGroups, axis: int
+) -> Callable[[], list[torch.Tensor]]:
+    """Start an all-gather of one flat piece per rank (``numels[c]`` at axis coordinate c);
+    the returned function waits and gives the pieces by coordinate."""
     width = max(numels)
     if width == 0:  # every piece empty: nothing to move (same decision on every rank)
-        return [flat.new_empty(0) for _ in numels]
+        return lambda: [flat.new_empty(0) for _ in numels]
     buf = _padded(flat, width)
     out = [torch.empty_like(buf) for _ in numels]
-    dist.all_gather(out, buf, group=groups.axis_group(axis))
-    by_coord: list[torch.Tensor] = [buf] * len(numels)
-    for g, c in enumerate(groups.axis_order(axis)):
-        by_coord[c] = out[g][: numels[c]]
-    return by_coord
+    work = dist.all_gather(out, buf, group=groups.axis_group(axis), async_op=True)
+
+    def finish() -> list[torch.Tensor]:
+        work.wait()
+        by_coord: list[torch.Tensor] = [buf] * len(numels)
+        for g, c in enumerate(groups.axis_order(axis)):
+            by_coord[c] = out[g][: numels[c]]
+        return by_coord
+
+    return finish
 
 
 def _exchange(
@@ -201,10 +209,15 @@ def _exchange(
     return by_coord
 
 
-def _all_reduce(x: torch.Tensor, op: str, groups: MeshGroups, axis: int) -> torch.Tensor:
+def _start_all_reduce(x: torch.Tensor, op: str, groups: MeshGroups, axis: int) -> Callable[[], torch.Tensor]:
+    """Start an all-reduce of a copy of ``x``; the returned function waits and gives it."""
     y = x.contiguous().clone()
-    dist.all_reduce(y, op=_REDUCE_OPS[op], group=groups.axis_group(axis))
-    return y
+    work = dist.all_reduce(y, op=_REDUCE_OPS[op], group=groups.axis_group(axis), async_op=True)
+    return lambda: (work.wait(), y)[1]
+
+
+def _all_reduce(x: torch.Tensor, op: str, groups: MeshGroups, axis: int) -> torch.Tensor:
+    return _start_all_reduce(x, op, groups, axis)()
 
 
 def _native_reduce_scatter(chunks: list[torch.Tensor], numel_me: int, groups: MeshGroups, axis: int) -> torch.Tensor:
@@ -233,20 +246,27 @@ def _pieces_index(n: int, shard: Shard, parts: int, device: torch.device) -> lis
     return [i.to(device) for i in _pieces_index_cpu(n, shard, parts)]
 
 
-def _step_all_gather(x: torch.Tensor, st: AxisTransition, frame: tuple[int, ...], groups: MeshGroups) -> torch.Tensor:
+def _start_step_all_gather(
+    x: torch.Tensor, st: AxisTransition, frame: tuple[int, ...], groups: MeshGroups
+) -> Callable[[], torch.Tensor]:
+    """Start the all-gather step ``st``; the returned function waits and assembles the ``frame``-shaped result."""
     shard, a = st.src, st.axis
     d, k = shard.dim, groups.axis_size(a)
     idx = _pieces_index(frame[d], shard, k, x.device)
     shapes = [_with(frame, {d: i.numel()}) for i in idx]
     xw = _wire(x)
-    got = _gather(xw.reshape(-1), [math.prod(s) for s in shapes], groups, a)
-    pieces = [p.view(s) for p, s in zip(got, shapes)]
-    if shard.blocks == 1:  # plain shards are contiguous ranges in coordinate order
-        return _unwire(torch.cat(pieces, dim=d), x.dtype)
-    out = xw.new_empty(frame)
-    for i, p in zip(idx, pieces):
-        out.index_copy_(d, i, p)
-    return _unwire(out, x.dtype)
+    gathered = _start_gather(xw.reshape(-1), [math.prod(s) for s in shapes], groups, a)
+
+    def finish() -> torch.Tensor:
+        pieces = [p.view(s) for p, s in zip(gathered(), shapes)]
+        if shard.blocks == 1:  # plain shards are contiguous ranges in coordinate order
+            return _unwire(torch.cat(pieces, dim=d), x.dtype)
+        out = xw.new_empty(frame)
+        for i, p in zip(idx, pieces):
+            out.index_copy_(d, i, p)
+        return _unwire(out, x.dtype)
+
+    return finish
 
 
 def _step_all_to_all(x: torch.Tensor, st: AxisTransition, frame: tuple[int, ...], groups: MeshGroups) -> torch.Tensor:
@@ -323,19 +343,33 @@ def _run_step(
 ) -> tuple[torch.Tensor, bool]:
     if st.kind is None:
         return _step_local(x, st, groups)
-    mesh_shape = groups.mesh.shape
-    if st.kind == "all_reduce":
-        return _all_reduce(x, st.reduce_op, groups, st.axis), True
+    if st.kind in ("all_reduce", "all_gather"):
+        return start_collective(x, st, current, shape, groups)(), True
     if st.kind == "reduce_scatter":
         return _step_reduce_scatter(x, st, groups), True
-    replicated = list(current)
-    replicated[st.axis] = Replicate()
-    frame = local_shape(shape, tuple(replicated), mesh_shape, groups.coordinate)
-    if st.kind == "all_gather":
-        return _step_all_gather(x, st, frame, groups), True
+    frame = _frame(st, current, shape, groups)
     if st.kind == "all_to_all":
         return _step_all_to_all(x, st, frame, groups), True
     raise AssertionError(f"transition kind {st.kind!r} on mesh axis {st.axis} has no runtime implementation")
+
+
+def _frame(st: AxisTransition, current: Sequence[Placement], shape: tuple[int, ...], groups: MeshGroups):
+    """This rank's local shape with ``st``'s axis replicated: what a gather along that axis assembles."""
+    replicated = list(current)
+    replicated[st.axis] = Replicate()
+    return local_shape(shape, tuple(replicated), groups.mesh.shape, groups.coordinate)
+
+
+def start_collective(
+    x: torch.Tensor, st: AxisTransition, current: Sequence[Placement], shape: tuple[int, ...], groups: MeshGroups
+) -> Callable[[], torch.Tensor]:
+    """Start step ``st`` (an ``all_reduce`` or ``all_gather`` of a global ``shape`` tensor now placed
+    ``current``) without waiting; the returned function waits and gives the step's result."""
+    if st.kind == "all_reduce":
+        return _start_all_reduce(x, st.reduce_op, groups, st.axis)
+    if st.kind == "all_gather":
+        return _start_step_all_gather(x, st, _frame(st, current, shape, groups), groups)
+    raise AssertionError(f"transition kind {st.kind!r}: only all_reduce and all_gather start asynchronously")
 
 
 # ---- public --------------------------------------------------------------------------
