@@ -175,6 +175,13 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
         "num_nodes": len(ctx.tables.names),
         "num_choices": int(sum(len(t) for t in ctx.tables.node_time_ps)),
     }
+    if sol.stats.get("approximate"):  # past the width budget (search/minibucket.py): a bound, not a proof
+        search.update(
+            approximate=True,
+            why=str(sol.stats.get("why", "")),
+            lower_bound_ps=int(sol.stats.get("lower_bound", 0)),
+            gap=float(sol.stats.get("gap", 0.0)),
+        )
     return Plan(
         model=graph.model_name,
         mesh=ctx.mesh,

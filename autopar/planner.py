@@ -507,6 +507,7 @@ def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> 
         except InfeasibleError as e:
             entry.update(
                 feasible=False,
+                proven=not getattr(e, "approximate", False),
                 total_s=None,
                 compute_s=None,
                 comm_s=None,
@@ -546,19 +547,31 @@ def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep
     from .plan_builder import breakdown
 
     sol = err.min_mem_solution
-    lines = [f"no plan of {ctx.graph.model_name} on {ctx.mesh} fits the memory cap of {format_bytes(cap)} per device."]
+    approximate = getattr(err, "approximate", False)
+    if approximate:  # too wide to search exactly: the least memory found, not proven the least
+        lines = [
+            f"no plan of {ctx.graph.model_name} on {ctx.mesh} was found under the memory cap of {format_bytes(cap)} "
+            "per device by the approximate search (the problem is too wide to search exactly, so this is not "
+            "proven: a plan under the cap may exist)."
+        ]
+        reaches = "the least per-device memory of the plans it found is"
+    else:
+        lines = [
+            f"no plan of {ctx.graph.model_name} on {ctx.mesh} fits the memory cap of {format_bytes(cap)} per device."
+        ]
+        reaches = "the smallest per-device memory any plan reaches is"
     if sol is not None:
         choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
         mem = breakdown(ctx, choice)["memory"]
         parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
         top = max(parts, key=parts.get)
         lines.append(
-            f"  the smallest per-device memory any plan reaches is {format_bytes(err.min_mem_bytes)}: "
+            f"  {reaches} {format_bytes(err.min_mem_bytes)}: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
             + f" ({top} dominate)."
         )
     else:
-        lines.append(f"  the smallest per-device memory any plan reaches is {format_bytes(err.min_mem_bytes)}.")
+        lines.append(f"  {reaches} {format_bytes(err.min_mem_bytes)}.")
     lines.append(
         "  Fix: raise --mem-cap to at least that, use more devices, a smaller batch or sequence, "
         "or bf16 (--dtype bf16)."

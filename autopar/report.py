@@ -41,6 +41,12 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.3f} ms"
 
 
+def _optimality(search: dict) -> str:
+    if search.get("approximate"):
+        return f"approximate search, within {100 * search['gap']:.2f}% of its lower bound"
+    return "optimal" if search["optimal"] else "not proven optimal"
+
+
 def render_table(plan: Plan, *, width: int = 130) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
@@ -48,7 +54,7 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
     con.print(
         f"autopar plan: {plan.model} on mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
         f"profile {s['profile']}, {s['dtype']}, {s['optimizer']}, cap {format_bytes(s.get('mem_cap_bytes'))}, "
-        f"solver {s['solver']} ({'optimal' if plan.search['optimal'] else 'not proven optimal'})"
+        f"solver {s['solver']} ({_optimality(plan.search)})"
     )
     con.print(f"plan: {plan.family}")
     if plan.hints:

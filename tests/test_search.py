@@ -9,6 +9,7 @@ import pytest
 
 from autopar.search import INF, InfeasibleError, SearchProblem, min_memory, solve_brute_force, solve_cpsat, solve_dp
 from autopar.search.generate import random_problem, transformer_like_problem
+from autopar.search.prune import prune_dominated
 
 
 def _brute_frontier(problem: SearchProblem) -> list[tuple[int, int]]:
@@ -258,3 +259,105 @@ def test_a_shared_array_is_checked_for_every_node_that_holds_it() -> None:
     good = np.array([1, 2], np.int64)
     with pytest.raises(ValueError, match=r"node_time\[0\] \(a\)[^\n]*\n  - node_time\[2\] \(c\)"):
         SearchProblem(("a", "b", "c"), (bad, good, bad), (good, good, good), (), (), (), None)
+
+
+# ---- dominance pruning (search/prune.py) ---------------------------------------------------
+def _with_copies(problem: SearchProblem, seed: int) -> SearchProblem:
+    """``problem`` with extra strategies per node: exact copies of existing ones, and copies
+    made worse (a nonnegative noise on the node's entries and its edges' rows), so no
+    (T, M) point of any plan changes and the optimum under any cap stays the same."""
+    rng = np.random.default_rng(seed)
+    src, nt, nm = [], [], []
+    for t in problem.node_time:
+        extra = rng.integers(0, t.size, int(rng.integers(1, 3)))
+        src.append(np.concatenate([np.arange(t.size), extra]))
+        worse = rng.random(extra.size) < 0.5
+        nt.append(np.concatenate([np.zeros(t.size, np.int64), worse * rng.integers(0, 5, extra.size)]))
+        nm.append(np.concatenate([np.zeros(t.size, np.int64), worse * rng.integers(0, 5, extra.size)]))
+
+    def worse(arr: np.ndarray, noise: np.ndarray) -> np.ndarray:
+        return np.where(arr >= INF, INF, np.minimum(arr + noise, INF)).astype(np.int64)
+
+    def edge(arr: np.ndarray | None, u: int, v: int, noise: list[np.ndarray]) -> np.ndarray | None:
+        if arr is None:
+            return None
+        return worse(arr[np.ix_(src[u], src[v])], noise[u][:, None] + noise[v][None, :])
+
+    return SearchProblem(
+        problem.names,
+        tuple(worse(t[s], n) for t, s, n in zip(problem.node_time, src, nt)),
+        tuple(m[s] + n for m, s, n in zip(problem.node_mem, src, nm)),
+        problem.edges,
+        tuple(edge(t, u, v, nt) for t, (u, v) in zip(problem.edge_time, problem.edges)),
+        tuple(edge(m, u, v, nm) for m, (u, v) in zip(problem.edge_mem, problem.edges)),
+        problem.mem_cap_bytes,
+        problem.base_mem_bytes,
+    )
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_pruned_dp_matches_brute_force_with_dominated_copies(seed: int) -> None:
+    base = random_problem(2000 + seed, 6, 3, edge_prob=0.3, cap_quantile=None, inf_prob=0.1)
+    problem = _with_copies(base, seed)
+    kept = prune_dominated(problem, problem.allowed_choices())
+    assert sum(map(len, kept)) <= sum(base.num_choices) < sum(problem.num_choices)  # every copy went
+    front = _brute_frontier(problem)
+    assert solve_dp(problem, frontier=True).stats["frontier"] == front == _brute_frontier(base)
+    least = front[-1][1]
+    for cap in (least - 1, least, (least + front[0][1]) // 2, front[0][1]):
+        capped = problem.with_cap(cap)
+        try:
+            want = solve_brute_force(capped)
+        except InfeasibleError as err:
+            with pytest.raises(InfeasibleError) as got:
+                solve_dp(capped)
+            assert got.value.min_mem_bytes == err.min_mem_bytes == least
+            continue
+        got = solve_dp(capped)
+        _check_plan(capped, got)
+        assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
+    assert (min_memory(problem).mem_bytes, min_memory(problem).time) == (least, front[-1][0])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_pruned_dp_equals_cpsat_with_dominated_copies(seed: int) -> None:
+    problem = _with_copies(_small(seed), seed)
+    try:
+        ref = solve_cpsat(problem, time_limit_s=30)  # CP-SAT sees every strategy: an independent check
+    except InfeasibleError as err:
+        with pytest.raises(InfeasibleError) as got:
+            solve_dp(problem)
+        assert got.value.min_mem_bytes == err.min_mem_bytes
+        return
+    assert ref.optimal
+    got = solve_dp(problem)
+    _check_plan(problem, got)
+    assert got.time == ref.time
+
+
+def test_dominance_keeps_the_first_of_equals_and_never_prunes_kept_nodes() -> None:
+    # op0: 0 and 2 are equal, 1 is faster alone but dearer on the edge, 3 is 0 made worse
+    problem = SearchProblem(
+        ("op0", "op1"),
+        (np.array([5, 4, 5, 6], np.int64), np.array([1, 1], np.int64)),
+        (np.array([2, 2, 2, 2], np.int64), np.array([0, 0], np.int64)),
+        ((0, 1),),
+        (np.array([[0, 3], [1, 3], [0, 3], [0, 3]], np.int64),),
+        (np.array([[0, 0], [0, 0], [0, 0], [0, 1]], np.int64),),
+        None,
+    )
+    got = prune_dominated(problem, problem.allowed_choices())
+    assert [a.tolist() for a in got] == [[0, 1], [0]]  # op1's 1 loses to 0 on the edge whatever op0 picks
+    kept = prune_dominated(problem, problem.allowed_choices(), keep=frozenset({0}))
+    assert [a.tolist() for a in kept] == [[0, 1, 2, 3], [0]]
+    # a forbidden pair of the dominated side (a1, b1): its memory there does not count, so a0 wins
+    inf = SearchProblem(
+        ("a", "b"),
+        (np.array([1, 1], np.int64), np.array([1, 0], np.int64)),
+        (np.zeros(2, np.int64), np.zeros(2, np.int64)),
+        ((0, 1),),
+        (np.array([[0, 0], [0, INF]], np.int64),),
+        (np.array([[0, 9], [0, 0]], np.int64),),
+        None,
+    )
+    assert [a.tolist() for a in prune_dominated(inf, inf.allowed_choices())] == [[0], [0, 1]]

@@ -7,6 +7,15 @@ Objective and constraints (``c`` picks one strategy per node; see ``problem.py``
 * forbidden  no ``INF`` choice or pair: arc consistency cuts the domains
              (``SearchProblem.allowed_choices``); forbidden pairs are empty entries (:class:`_Model`)
 
+Domains.  After arc consistency, strategies dominated on their whole neighbourhood go
+(:func:`.prune.prune_dominated`: every (T, M) point survives, so the search stays exact).
+
+Width.  Past ``WIDTH_BUDGET`` cells per weight row in the largest joint table (weights
+shared across layers put every layer in one bucket) :func:`solve_dp` and :func:`min_memory`
+approximate instead (:mod:`.minibucket`: mini-buckets, a lower bound, local search;
+``optimal=False``, ``stats["approximate"]``), and :class:`_Model` with kept nodes (a
+:mod:`.chain` part) raises :class:`.ChainError`, so the planner solves flat.
+
 Factors.  Node i gives a unary factor, edge (u, v) a binary one: a table holding, per
 assignment of its scope, a Pareto set of (t, m) pairs (:class:`_Model`).
 
@@ -61,6 +70,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .problem import INF, InfeasibleError, SearchProblem, Solution
+from .prune import prune_dominated
+from .split import ChainError
 
 __all__ = ["solve_dp", "min_memory"]
 
@@ -71,6 +82,12 @@ _LAMBDA_GRID = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0, 8.0, 16.0)  # extra slope
 _GRID_GAP = 5e-3  # relative gap (target - L) / target above which the extra slopes pay
 _THIN_GAP = 2e-4  # ... above which thinned passes pay
 _FRONTIER_POINTS = 32  # frontier mode: at most this many pairs per entry (else not exact)
+#: Cells per weight row of the largest joint table the exact search builds; past it the
+#: search approximates (:mod:`.minibucket`).  Measured (exact, 2x2 mesh, 70% cap): tiny
+#: ALBERT at 4.1e7 cells peaks at 8.7 GiB and 58-170 s, tiny T5 at 2.9e7 cells at 5.8 GiB
+#: and 57 s CPU; memory and time scale about linearly with the width, so 2^21 (2.1e6)
+#: keeps the peak near 450 MiB and the search to seconds.  Read at each call: tests lower it.
+WIDTH_BUDGET = 2**21
 
 
 def _tol(bound: float | np.ndarray) -> float | np.ndarray:
@@ -126,9 +143,12 @@ class _Model:
     ``keep``: nodes left uneliminated; the final table is then over them (a marginal
     Pareto table, as :mod:`.chain` uses), not a scalar."""
 
-    def __init__(self, problem: SearchProblem, keep: frozenset[int] = frozenset()) -> None:
+    def __init__(self, problem: SearchProblem, keep: frozenset[int] = frozenset(), budget: int | None = None) -> None:
         self.problem = problem
-        self.allowed = problem.allowed_choices()
+        # INF and arc consistency, then dominance (:mod:`.prune`): cap-free, kept with the arrays
+        self.allowed = problem.memo(
+            ("allowed", keep), lambda: prune_dominated(problem, problem.allowed_choices(), keep)
+        )
         k = self.k = [len(a) for a in self.allowed]
         base = [np.zeros((), np.int64), np.full((), problem.base_mem_bytes, np.int64), np.ones((), bool)]
         acc: dict[tuple[int, ...], list[np.ndarray]] = {(): base}  # scope -> [t, m, allowed]
@@ -149,37 +169,64 @@ class _Model:
         scopes = list(acc)
         self.t, self.m, self.ok = ([acc[s][i] for s in scopes] for i in range(3))
         self.n_orig = len(scopes)
+        self._plan(scopes, _order(scopes, k, keep), budget)
+        if keep and self.width > WIDTH_BUDGET:
+            raise ChainError(
+                f"a part's elimination needs a joint table of {self.width} cells per weight row, over the width "
+                f"budget of {WIDTH_BUDGET}; solve flat (the flat search approximates past the budget)"
+            )
+
+    def _plan(self, scopes: list[tuple[int, ...]], order: list[int], budget: int | None) -> None:
+        """The steps eliminating ``order``, then the final sum; ``budget`` (mini-buckets,
+        :mod:`.minibucket`): a bucket whose joint table would exceed it is split into parts
+        that fit, each eliminating the node on its own."""
+        k = self.k
         holding: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
         for tid, s in enumerate(scopes):
             for v in s:
                 holding[v].add(tid)
         self.steps: list[_Step] = []
         self.step_of: dict[int, _Step] = {}
+        self.buckets: dict[int, tuple[int, ...]] = {}  # node -> every table its bucket held (decoding)
         live = set(range(len(scopes)))
-        for v in _order(scopes, k, keep) + [-1]:
+        for v in order + [-1]:
             inputs = tuple(sorted(holding.pop(v) if v >= 0 else live))
             live.difference_update(inputs)
             for tid in inputs:
                 for w in scopes[tid]:
                     if w != v:
                         holding[w].discard(tid)
-            scope = tuple(sorted({w for tid in inputs for w in scopes[tid]} - {v}))
-            joint = scope + ((v,) if v >= 0 else ())
-            bcast, poss = [], []
-            for tid in inputs:
-                pos = tuple(joint.index(w) for w in scopes[tid])
-                bshape = [k[w] if w in scopes[tid] else 1 for w in joint]
-                poss.append(pos)
-                bcast.append(((0,) + tuple(int(p) + 1 for p in np.argsort(pos)), tuple(bshape)))
-            step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), tuple(poss), len(scopes))
-            scopes.append(scope)
-            self.steps.append(step)
-            self.step_of[step.out] = step
-            live.add(step.out)
-            for w in scope:
-                holding[w].add(step.out)
+            self.buckets[v] = inputs
+            if budget is None or v < 0:
+                parts = [inputs]
+            else:
+                from .minibucket import mini_buckets  # (it imports this module)
+
+                parts = mini_buckets(inputs, scopes, k, v, budget)
+            for part in parts:
+                step = self._step(scopes, v, part)
+                live.add(step.out)
+                for w in step.scope:
+                    holding[w].add(step.out)
         self.scopes = scopes
         self.final = self.steps[-1].out
+        self.width = max((math.prod(st.shape) for st in self.steps), default=1)  # cells per weight row
+
+    def _step(self, scopes: list[tuple[int, ...]], v: int, inputs: tuple[int, ...]) -> _Step:
+        k = self.k
+        scope = tuple(sorted({w for tid in inputs for w in scopes[tid]} - {v}))
+        joint = scope + ((v,) if v >= 0 else ())
+        bcast, poss = [], []
+        for tid in inputs:
+            pos = tuple(joint.index(w) for w in scopes[tid])
+            bshape = [k[w] if w in scopes[tid] else 1 for w in joint]
+            poss.append(pos)
+            bcast.append(((0,) + tuple(int(p) + 1 for p in np.argsort(pos)), tuple(bshape)))
+        step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), tuple(poss), len(scopes))
+        scopes.append(scope)
+        self.steps.append(step)
+        self.step_of[step.out] = step
+        return step
 
     def original_choice(self, reduced: np.ndarray) -> tuple[int, ...]:
         return tuple(int(self.allowed[i][reduced[i]]) for i in range(len(self.k)))
@@ -229,17 +276,18 @@ def _inside(model: _Model, w: np.ndarray, argmins: bool = True) -> tuple[list, d
     return vals, args
 
 
-def _argmin_at(model: _Model, st: _Step, vals: list, red: np.ndarray) -> np.ndarray:
-    """Per row b, the argmin over ``st.var`` of the step's joint table at the scope
-    choices ``red[b]``: the joint's line summed as :func:`_joint` sums it (same floats,
-    so the same argmin as ``joint.argmin(axis=-1)``)."""
+def _argmin_at(model: _Model, var: int, vals: list, red: np.ndarray) -> np.ndarray:
+    """Per row b, the argmin over ``var`` of the sum of its bucket's tables at the choices
+    ``red[b]`` of the nodes eliminated after it: the exact joint's line summed as
+    :func:`_joint` sums it (same floats, so the same argmin as ``joint.argmin(axis=-1)``);
+    with mini-buckets, every part's tables (the classic mini-bucket decoding)."""
     rows = np.arange(red.shape[0])[:, None]
-    xs = np.arange(st.shape[-1])[None, :]
+    xs = np.arange(model.k[var])[None, :]
     acc: np.ndarray | float = 0.0
-    for tid in st.inputs:
-        idx = tuple(xs if v == st.var else red[:, v, None] for v in model.scopes[tid])
+    for tid in model.buckets[var]:
+        idx = tuple(xs if v == var else red[:, v, None] for v in model.scopes[tid])
         acc = acc + vals[tid][(rows,) + idx]
-    return np.broadcast_to(acc, (red.shape[0], st.shape[-1])).argmin(axis=-1)
+    return np.broadcast_to(acc, (red.shape[0], model.k[var])).argmin(axis=-1)
 
 
 def _outside(model: _Model, vals: list, final_out: np.ndarray | None = None) -> list:
@@ -273,9 +321,9 @@ def _plans(model: _Model, w: np.ndarray) -> tuple[list[_Point], list]:
     if not np.isfinite(vals[model.final]).all():
         raise InfeasibleError(f"{model.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
     red = np.zeros((len(w), len(model.k)), np.int64)
-    for st in reversed(model.steps):
-        if st.var >= 0:
-            red[:, st.var] = _argmin_at(model, st, vals, red)
+    for var in reversed(model.buckets):
+        if var >= 0:
+            red[:, var] = _argmin_at(model, var, vals, red)
     choices = [model.original_choice(r) for r in red]
     return [_Point(*model.problem.evaluate(c), c) for c in choices], vals
 
@@ -498,9 +546,18 @@ def _min_memory(model: _Model, start: float) -> Solution:
     return Solution(choice, t, m, True, "dp", time.perf_counter() - start, stats)
 
 
-def min_memory(problem: SearchProblem) -> Solution:
-    """The plan with the smallest memory ``M`` (ties broken by time), exactly."""
-    return _min_memory(_Model(problem), time.perf_counter())
+def min_memory(problem: SearchProblem, *, width_budget: int | None = None) -> Solution:
+    """The plan with the smallest memory ``M`` (ties broken by time), exactly; past the
+    width budget (``WIDTH_BUDGET`` unless given) the least found, ``optimal=False``
+    (:func:`.minibucket.approx_min_memory`)."""
+    start = time.perf_counter()
+    model = _Model(problem)
+    budget = WIDTH_BUDGET if width_budget is None else width_budget
+    if model.width > budget:
+        from .minibucket import approx_min_memory
+
+        return approx_min_memory(problem, model.width, budget, start)
+    return _min_memory(model, start)
 
 
 def _lagrange(model: _Model, lo: _Point, hi: _Point, cap: int, seen: list[_Point]) -> tuple[float, list]:
@@ -576,8 +633,17 @@ def solve_dp(
     *,
     progress: Callable[[int, int], None] | None = None,
     frontier: bool = False,
+    width_budget: int | None = None,
+    thinned_only: bool = False,
 ) -> Solution:
     """Minimum time under the memory cap, exactly (ties broken by memory).
+
+    Past the width budget (the largest joint table over ``width_budget`` cells per weight
+    row, ``WIDTH_BUDGET`` unless given) the search is approximate instead
+    (:func:`.minibucket.solve_approx`): a plan, ``optimal=False``, with a lower bound and the
+    gap in ``stats``; its :class:`InfeasibleError` is marked ``approximate``.
+    ``thinned_only`` (a heuristic, for :mod:`.minibucket`'s windows): skip the exact pass,
+    return the best plan the bounds and the coarsest thinned pass met.
 
     ``progress(done, total)`` is called after each node of the exact pass.
     ``frontier=True`` also returns the (time, mem) Pareto frontier, cap ignored, sorted
@@ -587,6 +653,11 @@ def solve_dp(
     """
     start = time.perf_counter()
     model = _Model(problem)
+    budget = WIDTH_BUDGET if width_budget is None else width_budget
+    if model.width > budget:
+        from .minibucket import solve_approx
+
+        return solve_approx(problem, model.width, budget, frontier=frontier, start=start)
     cap = problem.mem_cap_bytes
     w = np.array([[1.0, 0.0], [0.0, 1.0]] if cap is not None or frontier else [[1.0, 0.0]])
     seen, vals = _plans(model, w)
@@ -614,7 +685,7 @@ def solve_dp(
     ub = min(p.time for p in seen if cap is None or p.mem <= cap)
     bnd = _bounds(model, w, vals)
     stats.update(bounds_s=time.perf_counter() - start, lagrange_ub=ub)
-    for grid in _THIN_GRIDS if ub - lb > _THIN_GAP * abs(ub) else ():
+    for grid in (_THIN_GRIDS[:1] if thinned_only else _THIN_GRIDS) if ub - lb > _THIN_GAP * abs(ub) else ():
         # Coarse to fine; stop once a fine pass finds nothing better.
         tick = time.perf_counter()
         tabs, _ = _pareto_pass(model, bnd, _limits(bnd, ub, cap), beam=max(1, (fast.mem - small.mem) // grid))
@@ -627,5 +698,9 @@ def solve_dp(
             ub = seen[-1].time
         if ub <= lb + _tol(lb) or (grid != _THIN_GRIDS[0] and not better):
             break
+    if thinned_only:  # the best plan met; optimal only when it meets the bound
+        best = min((p for p in seen if cap is None or p.mem <= cap), key=lambda p: (p.time, p.mem))
+        optimal = not frontier and (cap is None or fast.mem <= cap)  # the min-sum's plan is then the optimum
+        return Solution(best.choice, best.time, best.mem, optimal, "dp", time.perf_counter() - start, stats)
     tabs, pstats = _pareto_pass(model, bnd, _limits(bnd, ub, cap), progress=progress)
     return _finish(model, tabs, seen, {**stats, **pstats, "upper_bound": ub}, start)

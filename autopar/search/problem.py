@@ -429,7 +429,10 @@ class InfeasibleError(ValueError):
 
     ``min_mem_bytes`` is the smallest reachable memory and ``min_mem_solution`` the
     assignment reaching it (ties broken by time); both ``None`` when every assignment
-    is forbidden.
+    is forbidden.  ``approximate``: the search that raised it was approximate (past the
+    width budget, :mod:`.minibucket`): ``min_mem_bytes`` is the least memory of the plans
+    it found, not necessarily the least there is, and the message says whether a bound
+    proves that no plan fits or only that none was found.
     """
 
     def __init__(
@@ -439,15 +442,30 @@ class InfeasibleError(ValueError):
         cap_bytes: int | None = None,
         min_mem_bytes: int | None = None,
         min_mem_solution: Solution | None = None,
+        approximate: bool = False,
     ) -> None:
         super().__init__(message)
         self.cap_bytes = cap_bytes
         self.min_mem_bytes = min_mem_bytes
         self.min_mem_solution = min_mem_solution
+        self.approximate = approximate
 
     @classmethod
     def over_cap(cls, problem: SearchProblem, min_mem: Solution) -> InfeasibleError:
+        """``min_mem``: the least-memory plan; not ``optimal`` (an approximate search's) makes
+        the error ``approximate`` and says the memory is the least found, not the least."""
         cap = problem.mem_cap_bytes
+        if not min_mem.optimal:
+            return cls(
+                f"memory cap {cap} B per device: the approximate search (the problem is too wide to search "
+                f"exactly) found no plan under it; the least-memory plan it found uses {min_mem.mem_bytes} B "
+                f"(time {min_mem.time} ps), not proven least; fix: raise mem_cap_bytes, use more devices, or "
+                "raise autopar.search.dp.WIDTH_BUDGET",
+                cap_bytes=cap,
+                min_mem_bytes=min_mem.mem_bytes,
+                min_mem_solution=min_mem,
+                approximate=True,
+            )
         return cls(
             f"memory cap {cap} B per device is below the smallest reachable memory {min_mem.mem_bytes} B "
             f"(short by {min_mem.mem_bytes - (cap or 0)} B; that plan's time is {min_mem.time} ps); "
