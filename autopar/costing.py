@@ -49,6 +49,7 @@ from costmodel.profiles import DeviceProfile
 
 from .candidates import CandidateGraph, SourceStrategy
 from .capture import OpNode
+from .fuse import fused_keeps, prices_as_fused
 from .placement import Placement
 from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
 from .spec import TensorMeta, local_meta
@@ -130,7 +131,7 @@ class Coster:
 
     def edge_mem_key(self, v: OpNode, pos: int) -> tuple:
         """What ``edge_matrices`` depends on beyond the tensor, the two strategy lists and the nodes' kinds."""
-        return (self.edge_shares.get((v.index, pos)), pos in self.saved_inputs(v))
+        return (self.edge_shares.get((v.index, pos)), pos in self.saved_inputs(v), prices_as_fused(v.fx_node, pos))
 
     def node_mem_key(self, node: OpNode) -> tuple:
         """What ``node_mem_bytes`` depends on beyond the call, the strategies and ``saved_outputs``."""
@@ -328,7 +329,7 @@ class Coster:
         if src != dst or grad_moves:
             return self.local_bytes(u.outputs[out_idx], dst)
         root_kept, k, n, root_numel = share
-        if root_kept:
+        if root_kept or prices_as_fused(v.fx_node, pos) and not fused_keeps(dst):  # fused: the log-softmax instead
             return 0
         meta = u.outputs[out_idx]
         nbytes = self.local_bytes(meta, src) * root_numel // max(meta.numel, 1)

@@ -15,7 +15,11 @@ floats (max, sum-exp, target logit): Megatron's vocab-parallel cross-entropy,
 found by the search from the pieces, with the full logits never gathered.
 ``label_smoothing`` > 0 adds ``eps * (log(s) - mean_c(z))`` (a sum over C:
 P(sum) again).  A class ``weight`` or inputs that are not (N, C) keep the fused
-op (then planned by its rule or the replicate fallback).
+op (then planned by its rule or the replicate fallback).  Every node the rewrite
+emits carries ``node.meta[DECOMPOSED]``, a ``CrossEntropyPart`` (the loss it
+came from and its role above): where the plan keeps the classes whole, lowering
+runs the pieces from ``x`` to ``nll * valid`` as one fused log-softmax again
+(``fuse.py``: the rule, and what it saves).
 
 Two smaller rewrites make other models' ops plannable by the existing rules:
 
@@ -29,17 +33,48 @@ Two smaller rewrites make other models' ops plannable by the existing rules:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["decompose_for_planning", "cross_entropy_reference"]
+__all__ = ["decompose_for_planning", "cross_entropy_reference", "CrossEntropyPart", "DECOMPOSED", "LOGIT_ROLES"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
+
+#: ``node.meta`` key of every node ``_decompose_cross_entropy`` emits: a ``CrossEntropyPart``
+DECOMPOSED = "autopar_decomposed"
+#: the roles computed from the logits, up to the masked per-row loss ``"masked"`` (``nll * valid``):
+#: what lowering may run as one fused log-softmax where the class dim is whole (``autopar/fuse.py``)
+LOGIT_ROLES = frozenset(
+    "max_input max shifted exp sum_exp log_sum_exp target_logit nll "
+    "sum_logit mean_logit smooth nll_part smooth_part smoothed rows masked".split()
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CrossEntropyPart:
+    """What one node of a decomposed cross-entropy is (``node.meta[DECOMPOSED]``).
+
+    ``group``: the name of the ``cross_entropy_loss`` node it replaces (one per
+    loss); ``role``: which line of the decomposition (module docstring) it computes:
+    ``max_input``/``max`` (``m``), ``shifted`` (``z``), ``exp``, ``sum_exp`` (``s``),
+    ``log_sum_exp``, ``valid``, ``zeros``, ``safe_target`` (``t'``), ``index``
+    (``t'`` unsqueezed), ``target_logit`` (``zt``), ``nll``, the smoothing terms
+    (``sum_logit``, ``mean_logit``, ``smooth``, ``nll_part``, ``smooth_part``,
+    ``smoothed``), ``rows`` (per-row loss), ``valid_float``, ``masked`` (``nll *
+    valid``), ``total``, ``count``, ``mean``.  ``label_smoothing`` and
+    ``num_classes`` are the loss's, so a pass can rebuild the rows from the logits.
+    """
+
+    group: str
+    role: str
+    label_smoothing: float
+    num_classes: int
 
 
 def decompose_for_planning(gm: fx.GraphModule) -> None:
@@ -237,29 +272,39 @@ def _decompose_cross_entropy(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
         float(bound["label_smoothing"]),
     )
     num_classes = x.meta["val"].shape[1]
-    e = lambda target, *a, **k: _emit(graph, fake_mode, node, target, *a, **k)  # noqa: E731
+
+    def e(role: str, target, *a, **k) -> fx.Node:
+        out = _emit(graph, fake_mode, node, target, *a, **k)
+        out.meta[DECOMPOSED] = CrossEntropyPart(node.name, role, eps, num_classes)
+        return out
+
     with graph.inserting_before(node):
-        m = e(aten.amax.default, e(aten.detach.default, x), [1], True)  # no grad: amax keeps nothing
-        z = e(aten.sub.Tensor, x, m)
-        s = e(aten.sum.dim_IntList, e(aten.exp.default, z), [1], True)
-        log_s = e(aten.log.default, s)
-        valid = e(aten.ne.Scalar, t, ignore)
-        t_safe = e(aten.where.self, valid, t, e(aten.zeros_like.default, t))
-        zt = e(aten.gather.default, z, 1, e(aten.unsqueeze.default, t_safe, 1))
-        nll = e(aten.sub.Tensor, log_s, zt)
+        m = e("max", aten.amax.default, e("max_input", aten.detach.default, x), [1], True)  # no grad: keeps nothing
+        z = e("shifted", aten.sub.Tensor, x, m)
+        s = e("sum_exp", aten.sum.dim_IntList, e("exp", aten.exp.default, z), [1], True)
+        log_s = e("log_sum_exp", aten.log.default, s)
+        valid = e("valid", aten.ne.Scalar, t, ignore)
+        t_safe = e("safe_target", aten.where.self, valid, t, e("zeros", aten.zeros_like.default, t))
+        zt = e("target_logit", aten.gather.default, z, 1, e("index", aten.unsqueeze.default, t_safe, 1))
+        nll = e("nll", aten.sub.Tensor, log_s, zt)
         if eps > 0.0:
-            mean_z = e(aten.div.Tensor, e(aten.sum.dim_IntList, z, [1], True), num_classes)
-            smooth = e(aten.sub.Tensor, log_s, mean_z)
-            nll = e(aten.add.Tensor, e(aten.mul.Tensor, nll, 1.0 - eps), e(aten.mul.Tensor, smooth, eps))
-        nll = e(aten.squeeze.dim, nll, 1)
-        validf = e(aten._to_copy.default, valid, dtype=x.meta["val"].dtype)
-        nll = e(aten.mul.Tensor, nll, validf)
+            mean_z = e("mean_logit", aten.div.Tensor, e("sum_logit", aten.sum.dim_IntList, z, [1], True), num_classes)
+            smooth = e("smooth", aten.sub.Tensor, log_s, mean_z)
+            nll = e(
+                "smoothed",
+                aten.add.Tensor,
+                e("nll_part", aten.mul.Tensor, nll, 1.0 - eps),
+                e("smooth_part", aten.mul.Tensor, smooth, eps),
+            )
+        nll = e("rows", aten.squeeze.dim, nll, 1)
+        validf = e("valid_float", aten._to_copy.default, valid, dtype=x.meta["val"].dtype)
+        nll = e("masked", aten.mul.Tensor, nll, validf)
         if reduction == "none":
             out = nll
         elif reduction == "sum":
-            out = e(aten.sum.default, nll)
+            out = e("total", aten.sum.default, nll)
         else:
-            out = e(aten.div.Tensor, e(aten.sum.default, nll), e(aten.sum.default, validf))
+            out = e("mean", aten.div.Tensor, e("total", aten.sum.default, nll), e("count", aten.sum.default, validf))
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 

@@ -26,6 +26,12 @@ while lowering, not per call:
    ``runtime.deferred.DeferredLossStep``: forward starts the collective and
    returns a pending loss, read (waited for) on first use; backward never waits
    for it (not in the instrumented variant).
+6. a decomposed cross-entropy (``decompose.py``) whose logit pieces the plan
+   keeps on whole rows (no class-dim shard, nothing partial, no move between
+   them) runs as one fused log-softmax (``fuse.py`` has the rule): same value,
+   gradients and moves, half the (N, C) tensors kept for backward.  The
+   instrumented variant fuses it too, so ``SavedBytes`` measures what the fast
+   program keeps, and records the unfused nodes' values beside it (``trace``).
 
 The result prints as plain Python (``gm.code``: aten calls and the inserted
 steps); ``ShardedModule.local_graph`` exposes it.  What changes between calls
@@ -56,6 +62,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from .capture import OpGraph
+from .fuse import FusedLoss, decomposed_values, emit_fused_loss, fusable_groups
 from .kernels import KERNELS, KernelContext
 from .placement import Placement, Replicate, Shard, parse_placements
 from .runtime.deferred import defer_loss_tail
@@ -329,6 +336,24 @@ class OpStep(_Step):
         return out
 
 
+class _TraceDecomposed(_Step):
+    """Instrumented program only: records what a fused cross-entropy's unfused nodes would output (``state.trace``)."""
+
+    def __init__(self, name: str, state: RunState, group: FusedLoss) -> None:
+        super().__init__(name, state)
+        self.group = group
+
+    def __call__(self, x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> None:
+        if self.state.trace is not None:
+            self.state.trace.update(decomposed_values(self.group, x, index, valid))
+
+
+def _tensor_args(fxn: fx.Node) -> list[fx.Node]:
+    """``fxn``'s tensor arguments in the order of its ``OpNode.inputs`` (flattened args, then kwargs)."""
+    flat, _ = pytree.tree_flatten((fxn.args, fxn.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
 def _kernel(xplan: ExecutionPlan, opnode, ex: NodeExec, coordinate: tuple[int, ...]):
     """The op's local callable: its aten target, or the one kernel its strategies name, bound to its context."""
     names = {k for k in ex.kernels if k}
@@ -422,6 +447,20 @@ def lower(
             regather.append(((moved, value), step.move))
         return moved
 
+    def fused_node(name: str, target, *args):
+        if instrument:  # measured and traced like every op of the instrumented program
+            return g.create_node("call_function", OpStep(name, state, target, instrument=True), args, name=name)
+        return g.create_node("call_function", target, args, name=name)
+
+    def identity_edge(opnode, ex: NodeExec, pos: int) -> bool:
+        producer, out_idx = graph.nodes[opnode.inputs[pos][0]], opnode.inputs[pos][1]
+        no_grad = producer.kind in ("op", "buffer") and not producer.requires_grad
+        same_grad = ex.input_grad(pos) == xplan.grad_target(producer.name, out_idx)
+        return xplan.output_placement(producer.name, out_idx) == ex.inputs[pos] and (same_grad or no_grad)
+
+    fused = fusable_groups(xplan, by_fx, identity_edge)
+    fused_inputs: dict[tuple[str, int], fx.Node] = {}  # (member, position) -> the value its edge delivers
+
     out_fx = None
     for fxn in graph.gm.graph.nodes:
         opnode = by_fx.get(fxn)
@@ -435,6 +474,19 @@ def lower(
             env[fxn] = g.node_copy(fxn, lambda n: env[n])
             continue
         ex = xplan.nodes[opnode.name]
+        if fxn in fused:  # a fused cross-entropy (autopar/fuse.py): only the edges from outside it are lowered
+            group = fused[fxn]
+            for pos, (src, _) in enumerate(opnode.inputs):
+                producer_fx = graph.nodes[src].fx_node
+                if producer_fx not in group.members.values():
+                    value = env[_tensor_args(fxn)[pos]]
+                    fused_inputs[(fxn.name, pos)] = edge(opnode, ex, pos, value, [])
+            if fxn is group.result:
+                x, index, valid = (fused_inputs[k] for k in group.inputs())
+                if instrument:
+                    g.call_function(_TraceDecomposed(f"trace_{group.part.group}", state, group), (x, index, valid))
+                env[fxn] = emit_fused_loss(group, x, index, valid, fused_node)
+            continue
         flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))
         pos, new_flat, regather = 0, [], []
         for a in flat:

@@ -16,6 +16,10 @@ same global batch inside the same processes:
     autopar DP        autopar.compile(..., family="data parallel")
     torch DDP         DistributedDataParallel, each rank on its 1/ranks slice of the batch
 
+and, only when named in ``--variants``, ``autopar DP unfused``: the same plan as
+``autopar DP`` lowered without fusing the cross-entropy (``autopar/fuse.py``), so
+its ratio to ``autopar DP`` is what the fused log-softmax saves.
+
 Every model returns only its loss (a wrapper around the HF model), so no variant
 pays for gathering logits it does not need.  Measurements alternate: after
 ``--warmup`` steps of each variant, ``--iters`` rounds each time every variant
@@ -56,6 +60,7 @@ assertions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -70,8 +75,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-VARIANTS = ("autopar auto", "autopar TP", "torch TP", "autopar DP", "torch DDP")
-PAIRS = (("autopar auto", "torch TP"), ("autopar TP", "torch TP"), ("autopar DP", "torch DDP"))
+VARIANTS = ("autopar auto", "autopar TP", "torch TP", "autopar DP", "torch DDP", "autopar DP unfused")
+DEFAULT_VARIANTS = VARIANTS[:5]
+PAIRS = (
+    ("autopar auto", "torch TP"),
+    ("autopar TP", "torch TP"),
+    ("autopar DP", "torch DDP"),
+    ("autopar DP unfused", "torch DDP"),
+    ("autopar DP", "autopar DP unfused"),
+)
 
 
 class LossOnly(nn.Module):
@@ -113,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
     p.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated variants to run (default all: {', '.join(VARIANTS)})",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated variants to run (default: {', '.join(DEFAULT_VARIANTS)}; also 'autopar DP unfused')",
     )
     p.add_argument("--phases", action="store_true", help="also print per-phase wall and CPU times on rank 0")
     return p
@@ -226,15 +238,22 @@ def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases)
         ("autopar auto", None, None),
         ("autopar TP", "tensor parallel", a.tp_mem_cap),
         ("autopar DP", "data parallel", None),
+        ("autopar DP unfused", "data parallel", None),
     ):
         if name not in variants:
             continue
-        models[name] = (
-            autopar.compile(
-                copy.deepcopy(base), mesh, example_inputs=(ids, labels), family=family, profile=a.profile, mem_cap=cap
-            ),
-            (ids, labels),
-        )
+        with _unfused_loss(name.endswith("unfused")):
+            models[name] = (
+                autopar.compile(
+                    copy.deepcopy(base),
+                    mesh,
+                    example_inputs=(ids, labels),
+                    family=family,
+                    profile=a.profile,
+                    mem_cap=cap,
+                ),
+                (ids, labels),
+            )
     if "torch TP" in variants:
         models["torch TP"] = (_torch_tp(copy.deepcopy(base), world), (ids, labels))
     if "torch DDP" in variants:
@@ -250,6 +269,20 @@ def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases)
         steps[name] = step
     plans = {n: _describe(m.plan) for n, (m, _) in models.items() if hasattr(m, "plan")}
     return steps, plans
+
+
+@contextlib.contextmanager
+def _unfused_loss(on: bool):
+    """While ``on``: lowering runs the decomposed cross-entropy as planned, never fused (``autopar/fuse.py``)."""
+    from autopar import executor
+
+    fusable = executor.fusable_groups
+    if on:
+        executor.fusable_groups = lambda *args: {}
+    try:
+        yield
+    finally:
+        executor.fusable_groups = fusable
 
 
 def _describe(plan) -> str:
