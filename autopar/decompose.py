@@ -209,7 +209,13 @@ def _functionalize_inplace(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
     if any(_scatter_back(v, v) is None for v in up[:-1]):
         return _leave(node, root)
     with graph.inserting_before(node):
-        out = _emit(graph, fake_mode, node, functional, *node.args, **node.kwargs)
+        if functional is aten.copy.default:  # no autograd formula: the value is src cast and broadcast
+            dst, src = node.args[0].meta["val"], node.args[1]
+            out = _emit(graph, fake_mode, node, aten._to_copy.default, src, dtype=dst.dtype)
+            if tuple(out.meta["val"].shape) != tuple(dst.shape):
+                out = _emit(graph, fake_mode, node, aten.expand.default, out, list(dst.shape))
+        else:
+            out = _emit(graph, fake_mode, node, functional, *node.args, **node.kwargs)
     new = cursor = out
     for v in up[:-1]:  # scatter the new value back up to the storage owner
         target, args = _scatter_back(v, new)
@@ -225,8 +231,22 @@ def _functionalize_inplace(graph: fx.Graph, node: fx.Node, fake_mode) -> None:
                     )
         for u in [u for u in a.users if u is not node and order.get(u, -1) > order[node]]:
             u.replace_input_with(a, replayed[a])
+            _refresh_aliases(u, ref, fake_mode)
     node.replace_all_uses_with(out)  # the op returns its (mutated) first argument
     graph.erase_node(node)
+
+
+def _refresh_aliases(node: fx.Node, old, fake_mode) -> None:
+    """``node``, just re-pointed at a rewritten value, and the views read through it: recompute
+    ``meta["val"]`` of each that still aliased the old storage ``old``, so a later in-place op
+    on them is seen as writing the new value (BART: ``s[:, 1:] = ...`` then ``s[:, 0] = 2``;
+    with a stale meta the second write looked like one into a dead tensor and was dropped)."""
+    mine = _storage(node)
+    if mine is None or mine != old:
+        return
+    node.meta["val"] = _fake_value(fake_mode, node.target, node.args, node.kwargs)
+    for user in node.users:
+        _refresh_aliases(user, old, fake_mode)
 
 
 def _leave(node: fx.Node, alias: fx.Node) -> None:
@@ -244,14 +264,18 @@ def _emit(graph: fx.Graph, fake_mode, like: fx.Node, target, *args, **kwargs) ->
     node = graph.call_function(target, args, kwargs)
     node.meta["nn_module_stack"] = like.meta.get("nn_module_stack", {})
     node.meta["stack_trace"] = like.meta.get("stack_trace")
+    node.meta["val"] = _fake_value(fake_mode, target, args, kwargs)
+    return node
+
+
+def _fake_value(fake_mode, target, args, kwargs):
+    """``target(*args, **kwargs)`` run on the argument nodes' ``meta["val"]`` (fake tensors)."""
     fargs = fx.node.map_arg(args, lambda n: n.meta["val"])
     fkwargs = fx.node.map_arg(kwargs, lambda n: n.meta["val"])
-    if fake_mode is not None:
-        with fake_mode:
-            node.meta["val"] = target(*fargs, **fkwargs)
-    else:
-        node.meta["val"] = target(*fargs, **fkwargs)
-    return node
+    if fake_mode is None:
+        return target(*fargs, **fkwargs)
+    with fake_mode:
+        return target(*fargs, **fkwargs)
 
 
 def _decompose_cross_entropy(graph: fx.Graph, node: fx.Node, fake_mode) -> None:

@@ -2,16 +2,20 @@
 
 ``load_model(spec, batch=, seq=, device=)`` returns ``(model, args, kwargs)``:
 
-* a built-in name (``gpt2``, ``gpt2-xl``, ``llama-7b-shaped``, ``bert-base``, and the
-  tiny test models): a Hugging Face model built from its config class with random
-  weights (nothing is downloaded), ``use_cache=False``, with ``input_ids`` and
-  ``labels`` of shape (batch, seq) so the graph ends in the loss;
+* a built-in name (``gpt2``, ``gpt2-xl``, ``llama-7b-shaped``, ``bert-base``, the
+  tiny test models, and ``<arch>-tiny`` for each architecture of the table
+  ``configs/models/tiny_hf.toml``, e.g. ``t5-tiny``): a Hugging Face model built
+  from its config class with random weights (nothing is downloaded),
+  ``use_cache=False``, with ``input_ids`` and ``labels`` of shape (batch, seq) so
+  the graph ends in the loss;
 * ``path/to/file.py:factory`` or ``package.module:factory``: ``factory()`` returns
   ``(model, example_inputs)`` (a tuple of positional inputs, or a dict of keyword
   inputs) and receives ``batch=`` and ``seq=`` when its signature accepts them.
 
 ``device="meta"`` (the default) builds without allocating weights, so a 7B model
-plans on a laptop.
+plans on a laptop.  ``no_dropout=True`` zeroes every dropout probability of a
+built-in model's config before it is built (numerics that compare exactly), and
+``overrides`` replaces config keyword arguments (odd sizes for one run).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from costmodel import config_dir
 
-__all__ = ["load_model", "builtin_models", "model_config"]
+__all__ = ["load_model", "builtin_models", "model_config", "tiny_hf_archs", "TINY_SUFFIX"]
 
 _HF_MODELS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
@@ -36,13 +40,51 @@ _HF_MODELS = {
 }
 
 
+#: The table of tiny architectures (``configs/models/<this>.toml``) and the suffix of their built-in names.
+TINY_HF_TABLE, TINY_SUFFIX = "tiny_hf", "-tiny"
+
+
 def builtin_models() -> list[str]:
-    return sorted(p.stem for p in (config_dir() / "models").glob("*.toml"))
+    files = [p.stem for p in (config_dir() / "models").glob("*.toml") if p.stem != TINY_HF_TABLE]
+    return sorted(files + [f"{arch}{TINY_SUFFIX}" for arch in tiny_hf_archs()])
+
+
+def tiny_hf_archs() -> dict[str, dict[str, Any]]:
+    """Architecture -> ``{"config_class", "model_class", "config"}`` from the tiny table, bases resolved.
+
+    ``config`` holds every keyword argument of the config class (the entry's ``none``
+    names become None).  See the table's header for its format.
+    """
+    path = config_dir() / "models" / f"{TINY_HF_TABLE}.toml"
+    if not path.is_file():
+        return {}
+    table = tomllib.loads(path.read_text())
+    bases = table.get("bases", {})
+
+    def resolved(entry: dict[str, Any], seen: tuple[str, ...]) -> dict[str, Any]:
+        base = entry.get("base")
+        if base is None:
+            return {}
+        if base not in bases or base in seen:
+            raise ValueError(f"{path}: base {base!r} is {'circular' if base in seen else 'not under [bases]'}")
+        body = {k: v for k, v in bases[base].items() if k != "base"}
+        return resolved(bases[base], seen + (base,)) | body
+
+    out = {}
+    for arch, entry in table.get("archs", {}).items():
+        config = resolved(entry, ()) | entry.get("config", {}) | dict.fromkeys(entry.get("none", ()))
+        out[arch] = {"config_class": entry["config_class"], "model_class": entry["model_class"], "config": config}
+    return out
 
 
 def model_config(name: str) -> dict[str, Any]:
+    """A built-in model's config: ``builder`` (or ``config_class``/``model_class``), ``config``, ``description``."""
+    arch = name.removesuffix(TINY_SUFFIX) if name.endswith(TINY_SUFFIX) else None
+    tiny = tiny_hf_archs().get(arch) if arch else None
+    if tiny is not None:
+        return dict(tiny, description=f"tiny {tiny['model_class']}, random weights ({TINY_HF_TABLE}.toml)")
     path = config_dir() / "models" / f"{name}.toml"
-    if not path.is_file():
+    if not path.is_file() or name == TINY_HF_TABLE:
         raise ValueError(
             f"model {name!r} is not a built-in model ({', '.join(builtin_models())}) nor a factory; "
             "pass a built-in name, path/to/file.py:factory or package.module:factory"
@@ -50,14 +92,30 @@ def model_config(name: str) -> dict[str, Any]:
     return tomllib.loads(path.read_text())
 
 
-def _build_hf(name: str, *, batch: int, seq: int, device: str, seed: int = 0):
+def _no_dropout(config) -> None:
+    """Every dropout probability of a Hugging Face config to 0 (its modules copy them when built)."""
+    for attr, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in attr or "pdrop" in attr or attr == "layerdrop"):
+            setattr(config, attr, 0.0)
+
+
+def _build_hf(name: str, *, batch: int, seq: int, device: str, seed: int = 0, no_dropout: bool = False, overrides=None):
     cfg = model_config(name)
     import transformers
 
-    config_cls, model_cls = (getattr(transformers, c) for c in _HF_MODELS[cfg["builder"]])
-    kwargs = dict(cfg.get("config", {}))
+    classes = _HF_MODELS[cfg["builder"]] if "builder" in cfg else (cfg["config_class"], cfg["model_class"])
+    missing = [c for c in classes if not hasattr(transformers, c)]
+    if missing:
+        raise ValueError(
+            f"model {name}: transformers {transformers.__version__} has no {', '.join(missing)}; "
+            "install a transformers that has it or pick another model (autopar models)"
+        )
+    config_cls, model_cls = (getattr(transformers, c) for c in classes)
+    kwargs = dict(cfg.get("config", {})) | dict(overrides or {})
     kwargs.setdefault("use_cache", False)
     config = config_cls(**kwargs)
+    if no_dropout:
+        _no_dropout(config)
     max_pos = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq > max_pos:
         raise ValueError(f"model {name}: --seq {seq} exceeds its {max_pos} positions; pass --seq <= {max_pos}")
@@ -65,6 +123,10 @@ def _build_hf(name: str, *, batch: int, seq: int, device: str, seed: int = 0):
         torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls(config)
+    if no_dropout:  # a dropout probability set outside the config
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
@@ -91,10 +153,23 @@ def _load_factory(spec: str):
     return factory
 
 
-def load_model(spec: str, *, batch: int = 8, seq: int = 1024, device: str = "meta"):
-    """(model, args, kwargs) for a built-in name or a ``module:factory`` spec."""
+def load_model(
+    spec: str,
+    *,
+    batch: int = 8,
+    seq: int = 1024,
+    device: str = "meta",
+    no_dropout: bool = False,
+    overrides: dict[str, Any] | None = None,
+):
+    """(model, args, kwargs) for a built-in name or a ``module:factory`` spec.
+
+    ``no_dropout`` and ``overrides`` (config keyword arguments) apply to built-in models only.
+    """
     if ":" not in spec:
-        return _build_hf(spec, batch=batch, seq=seq, device=device)
+        return _build_hf(spec, batch=batch, seq=seq, device=device, no_dropout=no_dropout, overrides=overrides)
+    if no_dropout or overrides:
+        raise ValueError(f"model factory {spec!r}: no_dropout and overrides apply to built-in models only")
     factory = _load_factory(spec)
     params = inspect.signature(factory).parameters
     kw = {k: v for k, v in (("batch", batch), ("seq", seq)) if k in params}

@@ -3,10 +3,18 @@
 For each architecture (a tiny random-weight config: odd vocabulary, head counts and
 widths the mesh does not divide, batch 3) and each mesh shape, plan with no memory
 cap and with a tight one, and print one line: plan ok / the ops that fell back to
-replicate / the error.  Nothing is downloaded; architectures this transformers lacks
-are reported as missing.
+replicate / the error.  Nothing is downloaded; an architecture this transformers lacks
+is reported as an error that names the missing class.  ``--numerics`` trains instead:
+3 AdamW steps on gloo ranks against one device, one line per family with the worst
+deviation in units of the tolerance (rtol 1e-4, atol 1e-5; <= 1 passes).
 
     python3 scripts/probe_models.py [--arch mistral,opt] [--mesh 2,4,2x2,3] [--profile h100]
+    python3 scripts/probe_models.py --numerics --arch t5 --mesh 2,3 --families auto,"data parallel" \
+        [--batch 4] [--set hidden_size=40,num_attention_heads=5]
+
+The architectures are those of ``configs/models/tiny_hf.toml`` (also built-in CLI
+models: ``autopar plan t5-tiny``).  ``--set`` overrides config keyword arguments of
+every architecture probed (ints, floats, true/false, none).
 """
 
 from __future__ import annotations
@@ -14,178 +22,69 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import tomllib
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: Shared tiny sizes: vocab 1001 (odd), hidden 48 with 6 heads (4 does not divide 6), ffn 100.
-TINY = {"vocab_size": 1001, "hidden_size": 48, "num_attention_heads": 6, "intermediate_size": 100}
-LLAMA_LIKE = dict(TINY, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=64)
 
-#: name -> (config class, model class, config kwargs)
-ARCHS: dict[str, tuple[str, str, dict]] = {
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA_LIKE, sliding_window=None)),
-    # nothing divides: 5 heads of width 8 (= kv heads: uneven head splits), ffn 97, vocab 1001
-    "mistral_odd": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        dict(
-            LLAMA_LIKE,
-            hidden_size=40,
-            num_attention_heads=5,
-            num_key_value_heads=5,
-            intermediate_size=97,
-            sliding_window=None,
-        ),
-    ),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA_LIKE)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(LLAMA_LIKE, head_dim=8)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(LLAMA_LIKE, head_dim=8, sliding_window=16)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(LLAMA_LIKE, pad_token_id=0)),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(LLAMA_LIKE, partial_rotary_factor=0.25)),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(LLAMA_LIKE, partial_rotary_factor=0.5)),
-    "gpt_neox": (
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        dict(TINY, num_hidden_layers=2, rotary_pct=0.25, max_position_embeddings=64, use_parallel_residual=True),
-    ),
-    "opt": (
-        "OPTConfig",
-        "OPTForCausalLM",
-        dict(
-            vocab_size=1001,
-            hidden_size=48,
-            num_attention_heads=6,
-            ffn_dim=100,
-            num_hidden_layers=2,
-            max_position_embeddings=64,
-            word_embed_proj_dim=48,
-        ),
-    ),
-    "falcon": (
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(
-            vocab_size=1001,
-            hidden_size=48,
-            num_attention_heads=6,
-            num_hidden_layers=2,
-            new_decoder_architecture=False,
-            multi_query=True,
-            parallel_attn=True,
-            alibi=False,
-        ),
-    ),
-    "falcon_alibi": (
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(
-            vocab_size=1001,
-            hidden_size=48,
-            num_attention_heads=6,
-            num_hidden_layers=2,
-            multi_query=False,
-            parallel_attn=False,
-            alibi=True,
-        ),
-    ),
-    "gptj": (
-        "GPTJConfig",
-        "GPTJForCausalLM",
-        dict(vocab_size=1001, n_embd=48, n_head=6, n_layer=2, rotary_dim=4, n_positions=64),
-    ),
-    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=1001, hidden_size=48, n_head=6, n_layer=2)),
-    "mpt": (
-        "MptConfig",
-        "MptForCausalLM",
-        dict(vocab_size=1001, d_model=48, n_heads=6, n_layers=2, max_seq_len=64, expansion_ratio=2),
-    ),
-    "roberta": (
-        "RobertaConfig",
-        "RobertaForMaskedLM",
-        dict(TINY, num_hidden_layers=2, max_position_embeddings=64),
-    ),
-    "distilbert": (
-        "DistilBertConfig",
-        "DistilBertForMaskedLM",
-        dict(vocab_size=1001, dim=48, n_heads=6, n_layers=2, hidden_dim=100, max_position_embeddings=64),
-    ),
-    "electra": (
-        "ElectraConfig",
-        "ElectraForMaskedLM",
-        dict(TINY, embedding_size=32, num_hidden_layers=2, max_position_embeddings=64),
-    ),
-    "gpt_bigcode": (
-        "GPTBigCodeConfig",
-        "GPTBigCodeForCausalLM",
-        dict(vocab_size=1001, n_embd=48, n_head=6, n_layer=2, n_positions=64, multi_query=True),
-    ),
-    "codegen": (
-        "CodeGenConfig",
-        "CodeGenForCausalLM",
-        # CodeGen's fused qkv is laid out for 4 model-parallel groups: heads must divide by 4
-        dict(vocab_size=1001, n_embd=64, n_head=8, n_layer=2, rotary_dim=4, n_positions=64, n_ctx=64),
-    ),
-    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(LLAMA_LIKE)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(LLAMA_LIKE)),
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(LLAMA_LIKE)),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(LLAMA_LIKE, sliding_window=None)),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(LLAMA_LIKE)),
-    "persimmon": (
-        "PersimmonConfig",
-        "PersimmonForCausalLM",
-        dict(TINY, num_hidden_layers=2, max_position_embeddings=64),
-    ),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(LLAMA_LIKE, num_local_experts=3, num_experts_per_tok=2)),
-    "albert": ("AlbertConfig", "AlbertForMaskedLM", dict(TINY, embedding_size=32, num_hidden_layers=2)),
-    "xlm_roberta": ("XLMRobertaConfig", "XLMRobertaForMaskedLM", dict(TINY, num_hidden_layers=2)),
-    "deberta_v2": ("DebertaV2Config", "DebertaV2ForMaskedLM", dict(TINY, num_hidden_layers=2)),
-    "mobilebert": (
-        "MobileBertConfig",
-        "MobileBertForMaskedLM",
-        dict(TINY, num_hidden_layers=2, embedding_size=32, intra_bottleneck_size=24, true_hidden_size=24),
-    ),
-    "t5": (
-        "T5Config",
-        "T5ForConditionalGeneration",
-        dict(vocab_size=1001, d_model=48, d_kv=8, d_ff=100, num_layers=2, num_heads=6, decoder_start_token_id=0),
-    ),
-}
+def _archs() -> list[str]:
+    from autopar.models import tiny_hf_archs
+
+    return list(tiny_hf_archs())
 
 
-def build(name: str, *, batch: int = 3, seq: int = 12, device: str = "cpu", seed: int = 0):
-    """(model, args, kwargs) of a tiny random-weight ``name``; raises AttributeError when missing."""
-    import transformers
+@dataclass(frozen=True, slots=True)
+class Size:
+    """The example batch and sequence, config keyword arguments over the table's, and whether the
+    user inputs are pinned to ``S(0)`` on mesh axis 0 (a batch split the search would not choose,
+    uneven ones included)."""
 
-    cfg_cls, model_cls, kwargs = ARCHS[name]
-    config = getattr(transformers, cfg_cls)(**dict(kwargs, use_cache=False))
-    for attr, value in list(vars(config).items()):  # every dropout off: the numerics compare exactly
-        if isinstance(value, float) and ("dropout" in attr or "pdrop" in attr or attr == "layerdrop"):
-            setattr(config, attr, 0.0)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = getattr(transformers, model_cls)(config)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    batch: int = 3
+    seq: int = 12
+    overrides: tuple[tuple[str, Any], ...] = ()
+    split_batch: bool = False
+
+
+def build(name: str, size: Size = Size(), *, device: str = "cpu"):
+    """(model, args, kwargs) of the tiny random-weight ``name`` (configs/models/tiny_hf.toml), dropout off."""
+    from autopar.models import TINY_SUFFIX, load_model
+
+    model, args, kwargs = load_model(
+        name + TINY_SUFFIX,
+        batch=size.batch,
+        seq=size.seq,
+        device=device,
+        no_dropout=True,
+        overrides=dict(size.overrides),
+    )
     model.train()
-    gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    labels = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    return model, (ids.to(device),), {"labels": labels.to(device)}
+    return model, args, kwargs
 
 
-def probe(name: str, mesh_shape: tuple[int, ...], profile: str) -> dict:
+def parse_overrides(text: str) -> tuple[tuple[str, Any], ...]:
+    """``"hidden_size=40,rope_theta=1e4,sliding_window=none"`` -> ((key, value), ...)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        key, _, raw = item.partition("=")
+        value = tomllib.loads(f"v = {raw}")["v"] if raw.lower() != "none" else None
+        out.append((key.strip(), value))
+    return tuple(out)
+
+
+def probe(name: str, mesh_shape: tuple[int, ...], profile: str, size: Size = Size()) -> dict:
     import autopar
     from autopar.planner import MemoryCapError, plan_from_context, prepare
 
-    model, args, kwargs = build(name, device="meta")
+    model, args, kwargs = build(name, size, device="meta")
     mesh = autopar.Mesh(mesh_shape)
     t0 = time.perf_counter()
     ctx = prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile=profile)
@@ -213,7 +112,7 @@ def train(model, call, args, kwargs) -> tuple:
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     losses, logits0, grads0 = [], None, None
     for step in range(STEPS):
-        loss, logits = call(*args, **kwargs)
+        loss, logits = call(*args, **kwargs)[:2]  # a compiled model returns every output (T5: 3)
         loss.backward()
         if step == 0:
             logits0 = logits.detach()
@@ -233,8 +132,8 @@ def train(model, call, args, kwargs) -> tuple:
     return losses, logits0, grads0, params
 
 
-def reference(name: str, batch: int = 3, seq: int = 12) -> tuple:
-    model, args, kwargs = build(name, batch=batch, seq=seq)
+def reference(name: str, size: Size) -> tuple:
+    model, args, kwargs = build(name, size)
 
     def call(*a, **k):
         o = model(*a, **k)
@@ -243,14 +142,22 @@ def reference(name: str, batch: int = 3, seq: int = 12) -> tuple:
     return train(model, call, args, kwargs)
 
 
-def rank_fn(rank: int, world: int, name: str, mesh_shape: tuple, family: str | None, batch: int = 3, seq: int = 12):
+def rank_fn(rank: int, world: int, name: str, mesh_shape: tuple, family: str | None, size: Size):
     """On one gloo rank: compile ``name`` under ``family`` (None: auto) and train; returns (plan family, train())."""
     import autopar
 
-    model, args, kwargs = build(name, batch=batch, seq=seq)
+    model, args, kwargs = build(name, size)
     mesh = autopar.Mesh(mesh_shape)
+    batch_split = ["S(0)"] + ["R"] * (len(mesh_shape) - 1)
+    pinned = {"input_ids": batch_split, "labels": batch_split} if getattr(size, "split_batch", False) else None
     sharded = autopar.compile(
-        model, mesh, example_inputs=args, example_kwargs=kwargs, family=family, profile=CHEAP_COMM
+        model,
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        family=family,
+        profile=CHEAP_COMM,
+        input_placements=pinned,
     )
     return sharded.plan.family, train(sharded, sharded, args, kwargs)
 
@@ -271,39 +178,45 @@ def worst_deviation(ref: tuple, got: tuple) -> tuple[float, str]:
     return worst, where
 
 
-def numerics(name: str, mesh_shape: tuple[int, ...], families: list) -> None:
+def numerics(name: str, mesh_shape: tuple[int, ...], families: list, size: Size = Size()) -> None:
     from autopar.runtime.spawn import spawn_ranks
 
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    ref = reference(name)
+    ref = reference(name, size)
     for family in families:
-        key = f"{name} {'x'.join(map(str, mesh_shape))} {family or 'auto'}"
+        split = " split" if size.split_batch else ""
+        key = f"{name} {'x'.join(map(str, mesh_shape))} {family or 'auto'} b{size.batch}{split}"
+        t0 = time.perf_counter()
         try:
-            results, _ = spawn_ranks(rank_fn, world, name, mesh_shape, family, timeout_s=600)
+            results, _ = spawn_ranks(rank_fn, math.prod(mesh_shape), name, mesh_shape, family, size, timeout_s=600)
             devs = [(worst_deviation(ref, res), label) for label, res in results]
             (dev, where), label = max(devs, key=lambda x: x[0][0])
             verdict = "PASS" if dev <= 1.0 else "FAIL"
-            print(f"{key:40s} {verdict} ({label}) worst {dev:.3g} at {where}", flush=True)
+            line = f"{verdict} ({label}) worst {dev:.3g} at {where}"
         except Exception as e:  # noqa: BLE001 - a probe reports every failure
-            print(f"{key:40s} ERROR {type(e).__name__}: {str(e)[-400:]}", flush=True)
+            detail = "\n    ".join(str(e).strip().splitlines()[-30:])  # the ranks' tracebacks end the message
+            line = f"ERROR {type(e).__name__}:\n    {detail}"
+        print(f"{key:44s} {line} [{time.perf_counter() - t0:.0f}s]", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default=",".join(ARCHS))
+    ap.add_argument("--arch", default=",".join(_archs()))
     ap.add_argument("--mesh", default="2,4,2x2,3")
     ap.add_argument("--profile", default="tests/profiles/cheap_comm.toml")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--numerics", action="store_true", help="train on gloo ranks vs one device instead")
     ap.add_argument("--families", default="auto,tensor parallel")
+    ap.add_argument("--batch", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=12)
+    ap.add_argument("--set", default="", help="config overrides, e.g. hidden_size=40,num_attention_heads=5")
+    ap.add_argument("--split-batch", action="store_true", help="pin the inputs to S(0) on mesh axis 0")
     ns = ap.parse_args()
+    size = Size(ns.batch, ns.seq, parse_overrides(ns.set), ns.split_batch)
     if ns.numerics:
         fams = [None if f == "auto" else f for f in ns.families.split(",")]
         for name in ns.arch.split(","):
             for m in ns.mesh.split(","):
-                numerics(name, tuple(int(x) for x in m.split("x")), fams)
+                numerics(name, tuple(int(x) for x in m.split("x")), fams, size)
         return
     meshes = [tuple(int(x) for x in m.split("x")) for m in ns.mesh.split(",")]
     results = {}
@@ -311,10 +224,8 @@ def main() -> None:
         for mesh_shape in meshes:
             key = f"{name} {'x'.join(map(str, mesh_shape))}"
             try:
-                r = probe(name, mesh_shape, ns.profile)
+                r = probe(name, mesh_shape, ns.profile, size)
                 line = f"ok {r['family']}; fallback {r['fallback'] or 'none'}; {r['cap']}; {r['s']:.1f}s"
-            except AttributeError as e:
-                r, line = {"error": f"missing: {e}"}, f"MISSING {e}"
             except Exception as e:  # noqa: BLE001 - a probe reports every failure
                 tb = traceback.format_exc().strip().splitlines()
                 r = {"error": f"{type(e).__name__}: {e}"[:300], "where": tb[-3:]}

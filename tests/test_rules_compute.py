@@ -87,6 +87,8 @@ CASES = [
     case(aten.clone.default, (r(5, 7),), id="clone"),
     case(aten.lift_fresh_copy.default, (r(5, 7),), id="lift_fresh_copy"),
     case(aten.copy.default, (r(5, 7), r(7)), id="copy-bcast"),
+    case(aten.fill.Scalar, (r(5, 7), 2.0), id="fill-scalar"),
+    case(aten.fill.Tensor, (r(5, 7), torch.tensor(1.5)), id="fill-tensor"),
     case(aten.eq.Tensor, (ints(5, 7), ints(7)), id="eq"),
     case(aten.le.Tensor, (ints(5, 1), ints(1, 7)), id="le"),
     case(aten.ne.Scalar, (ints(5, 7), 1), id="ne-scalar"),
@@ -118,6 +120,7 @@ CASES = [
     case(aten.cumsum.default, (r(4, 7), -1), id="cumsum"),
     case(aten.cumsum.default, (ints(4, 7), 0), id="cumsum-int"),
     case(aten.diff.default, (r(4, 7),), id="diff"),
+    case(aten.histc.default, (ints(6, 5).double(), 4, 0, 3), id="histc-moe-router-counts"),
     case(aten.topk.default, (r(4, 6, 7), 3), id="topk"),  # Mixtral's router: (values, indices)
     case(aten.topk.default, (r(4, 7, 6), 2, 1, False), id="topk-dim1-smallest"),
     case(aten.sort.default, (r(4, 7), 0, True), id="sort"),
@@ -311,6 +314,24 @@ def test_amax_and_softmax_and_cumsum():
     assert sorted(soft) == sorted(["(S(0)) -> (S(0))", "(S(1)) -> (S(1))", "(R) -> (R)"])
     scan = labels(aten.cumsum.default, (r(4, 6), 1))
     assert sorted(scan) == sorted(["(S(0)) -> (S(0))", "(P(sum)) -> (P(sum))", "(R) -> (R)"])
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_grouped_mm_of_experts_splits_columns_or_k_never_rows_or_experts(mesh_shape):
+    """Hugging Face's per-expert matmul (Mixtral, Qwen-MoE, ...): rows sorted by expert, expert 1 has none."""
+    pytest.importorskip("transformers.integrations.moe")
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    got = set(labels(op, (r(5, 4), r(3, 4, 6), torch.tensor([2, 2, 5])), mesh_shape=mesh_shape))
+    if mesh_shape == (2,):
+        assert {"(R) (S(2)) (R) -> (S(1))", "(S(1)) (S(1)) (R) -> (P(sum))", "(P(sum)) (R) (R) -> (P(sum))"} <= got
+    assert not any("S(0)" in lab for lab in got), got
+
+
+def test_histc_counts_add_up_only_over_a_fixed_range():
+    fixed = labels(aten.histc.default, (r(6, 5), 4, -1.0, 1.0))
+    assert {"(S(0)) -> (P(sum))", "(S(1)) -> (P(sum))"} <= set(fixed), fixed
+    data_range = labels(aten.histc.default, (r(6, 5), 4))  # min == max == 0: the range comes from the data
+    assert not any("P(sum)" in lab for lab in data_range), data_range
 
 
 def test_diff_shards_every_dim_but_its_own_and_passes_partial_sum():

@@ -135,6 +135,16 @@ def test_view_block_shard_of_fused_qkv(mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+def test_reshape_as_and_view_as_take_other_laid_out_as_the_output(mesh):
+    """RoFormer's ``x.reshape_as(y)``: ``other`` carries the output's shard (its local shape is the piece's)."""
+    lr = check(aten.reshape_as.default, rnd(3, 8, 6, 2), rnd(3, 8, 12), mesh=mesh)
+    lv = check(aten.view_as.default, rnd(3, 8, 12), rnd(3, 8, 6, 2), mesh=mesh)
+    if mesh == (2,):
+        has(lr, "(S(0)) (S(0)) -> (S(0))", "(S(2)) (S(2)) -> (S(2))", "(P(sum)) (R) -> (P(sum))")
+        has(lv, "(S(1)) (S(1)) -> (S(1))", "(S(2)) (S(2)) -> (S(2))")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
 def test_flatten_and_unflatten(mesh):
     labels = check(aten.flatten.using_ints, rnd(2, 8, 12, 4), 2, 3, mesh=mesh)
     labels2 = check(aten.unflatten.int, rnd(2, 8, 48), 2, [12, 4], mesh=mesh)
@@ -527,6 +537,23 @@ def test_index_put_mixtral_scatter_add(mesh):
         has(l_mid, "(S(0)) (R) (S(0)) -> (S(0))", "(S(2)) (R) (S(2)) -> (S(2))")
 
 
+@pytest.mark.parametrize("mesh", MESHES)
+def test_scatter_and_scatter_add(mesh):
+    """DeepSeek's group mask ``zeros_like(s).scatter_(1, idx, 1)``, a src scatter, and scatter_adds
+    (one whose index is narrower than self on a dim it does not scatter: never sharded there)."""
+    idx = torch.stack([torch.randperm(6)[:2] for _ in range(5)])  # (5, 2): distinct positions per row
+    lv = check(aten.scatter.value, rnd(5, 6), 1, idx, 1.0, mesh=mesh)
+    ls = check(aten.scatter.src, rnd(5, 6), 1, idx, rnd(5, 2), mesh=mesh)
+    la = check(aten.scatter_add.default, rnd(5, 6), 1, _ids(6, 5, 3), rnd(5, 3), mesh=mesh)
+    l_short = check(aten.scatter_add.default, rnd(5, 6), 0, _ids(5, 3, 4), rnd(4, 6), mesh=mesh)
+    if mesh == (2,):
+        has(lv, "(S(0)) (S(0)) -> (S(0))")
+        lacks(lv, "(S(1)) (S(1)) -> (S(1))", "(P(sum)) (R) -> (P(sum))")
+        has(ls, "(S(0)) (S(0)) (S(0)) -> (S(0))", "(P(sum)) (R) (P(sum)) -> (P(sum))")
+        has(la, "(S(0)) (S(0)) (S(0)) -> (S(0))", "(P(sum)) (R) (P(sum)) -> (P(sum))")
+        lacks(l_short, "(S(1)) (S(1)) (S(1)) -> (S(1))")  # index 4 columns of 6: pieces would not line up
+
+
 def test_index_tensor_with_a_bool_mask_is_not_sharded():
     x, m = rnd(4, 6), torch.tensor([True, False, True, True])
     call, _ = make_call(aten.index.Tensor, (x, [m]))
@@ -711,6 +738,11 @@ VALIDATED = {
     aten.index.Tensor,
     aten._unsafe_index.Tensor,
     aten.index_put.default,
+    aten.scatter.value,
+    aten.scatter.src,
+    aten.scatter_add.default,
+    aten.reshape_as.default,
+    aten.view_as.default,
     SDPA,
     aten.arange.default,
     aten.arange.start,

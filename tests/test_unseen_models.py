@@ -1,13 +1,16 @@
 """Architectures autopar was not written against, at sizes the mesh does not divide.
 
-Each case builds a tiny random-weight Hugging Face model (2 layers, vocabulary
-1001, 6 heads of width 8, batch 3, sequence 8: nothing divides evenly by 4 and
-the batch not by 2) and plans it on a 2-D mesh and on a mesh of 3.  Every op must
-get a rule (no replicate fallback), and the plan under a memory cap must fit it.
-Two architectures whose blocks differ most from GPT-2/Llama/BERT then train on 2
-gloo ranks and must match one device: GPT-NeoX (parallel attention + MLP residual,
-rotary on a quarter of each head, fused qkv laid out per head) and Gemma (decoupled
-head width, ``type_as`` casts, tanh-GELU gated MLP, scaled embeddings).
+Each case builds a tiny random-weight Hugging Face model from the table
+``configs/models/tiny_hf.toml`` (2 layers, vocabulary 1001, 6 heads of width 8,
+batch 3, sequence 8: nothing divides evenly by 4 and the batch not by 2) and
+plans it on a 2-D mesh and on a mesh of 3.  Every op must get a rule (no replicate
+fallback), and the plan under a memory cap must fit it.
+Architectures whose blocks differ most from GPT-2/Llama/BERT then train tensor-parallel
+on 2 gloo ranks and must match one device: GPT-NeoX (parallel attention + MLP residual,
+rotary on a quarter of each head, fused qkv laid out per head), Gemma (decoupled head
+width, ``type_as`` casts, tanh-GELU gated MLP, scaled embeddings), Falcon (multi-query),
+T5 (encoder-decoder, shared embeddings, relative position bias), ALBERT (one layer's
+weights in every layer) and OLMo-2 (RMSNorm over the whole q and k projections).
 
 ``scripts/probe_models.py`` runs the same check over more architectures and meshes.
 """
@@ -19,91 +22,61 @@ import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
 from test_execution import ATOL, RTOL, STEPS, _train
 
-VOCAB, BATCH, SEQ = 1001, 3, 8
-_DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=48,
-    num_attention_heads=6,
-    intermediate_size=100,
-    num_hidden_layers=2,
-    max_position_embeddings=32,
+BATCH, SEQ = 3, 8
+
+#: the architectures of configs/models/tiny_hf.toml whose plans these tests check
+PLANNED = (
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "phi",
+    "phi3",
+    "stablelm",
+    "gpt_neox",
+    "opt",
+    "falcon",
+    "falcon_alibi",
+    "gptj",
+    "bloom",
+    "mpt",
+    "roberta",
+    "distilbert",
+    "electra",
 )
-_GQA = dict(_DECODER, num_key_value_heads=2)
-
-#: id -> (config class, model class, config kwargs); every class ships with transformers 5.
-ARCHS: dict[str, tuple[str, str, dict]] = {
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_GQA, sliding_window=None)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _GQA),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_GQA, head_dim=8)),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_GQA, head_dim=8)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_GQA, head_dim=8, sliding_window=4)),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(_DECODER, partial_rotary_factor=0.5)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_GQA, pad_token_id=0)),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(_GQA, partial_rotary_factor=0.25)),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_DECODER, rotary_pct=0.25, use_parallel_residual=True)),
-    "opt": (
-        "OPTConfig",
-        "OPTForCausalLM",
-        dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=6, ffn_dim=100, num_hidden_layers=2),
-    ),
-    "falcon": (
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=6, num_hidden_layers=2, multi_query=True),
-    ),
-    "falcon-alibi": (
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=48,
-            num_attention_heads=6,
-            num_hidden_layers=2,
-            multi_query=False,
-            parallel_attn=False,
-            alibi=True,
-        ),
-    ),
-    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=VOCAB, n_embd=48, n_head=6, n_layer=2, rotary_dim=4)),
-    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=48, n_head=6, n_layer=2)),
-    "mpt": (
-        "MptConfig",
-        "MptForCausalLM",
-        dict(vocab_size=VOCAB, d_model=48, n_heads=6, n_layers=2, expansion_ratio=2),
-    ),
-    "roberta": ("RobertaConfig", "RobertaForMaskedLM", _DECODER),
-    "distilbert": (
-        "DistilBertConfig",
-        "DistilBertForMaskedLM",
-        dict(vocab_size=VOCAB, dim=48, n_heads=6, n_layers=2, hidden_dim=100, max_position_embeddings=32),
-    ),
-    "electra": ("ElectraConfig", "ElectraForMaskedLM", dict(_DECODER, embedding_size=32)),
-}
 
 
-def build(arch: str, *, device: str = "meta", seed: int = 0):
-    """(model, args, kwargs) of a tiny ``arch`` with every dropout off; skips when transformers lacks it."""
+def build(arch: str, *, device: str = "meta"):
+    """(model, args, kwargs) of the tiny ``arch`` with every dropout off; skips when transformers lacks it."""
     transformers = pytest.importorskip("transformers")
-    cfg_name, model_name, kwargs = ARCHS[arch]
-    if not hasattr(transformers, cfg_name) or not hasattr(transformers, model_name):
-        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    config = getattr(transformers, cfg_name)(**dict(kwargs, use_cache=False))
-    for attr, value in list(vars(config).items()):  # dropout off: the numerics compare exactly
-        if isinstance(value, float) and ("dropout" in attr or "pdrop" in attr or attr == "layerdrop"):
-            setattr(config, attr, 0.0)
-    if device != "meta":
-        torch.manual_seed(seed)
-    with torch.device(device):
-        model = getattr(transformers, model_name)(config)
+    from autopar.models import TINY_SUFFIX, load_model, model_config
+
+    classes = model_config(arch + TINY_SUFFIX)
+    for cls in (classes["config_class"], classes["model_class"]):
+        if not hasattr(transformers, cls):
+            pytest.skip(f"transformers {transformers.__version__} has no {cls}")
+    model, args, kwargs = load_model(arch + TINY_SUFFIX, batch=BATCH, seq=SEQ, device=device, no_dropout=True)
     model.train()
-    gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
-    return model, (ids,), {"labels": labels}
+    return model, args, kwargs
+
+
+def test_table_architectures_are_cli_models_with_bases_resolved():
+    """configs/models/tiny_hf.toml is the one table: the CLI names each entry ``<arch>-tiny``."""
+    from autopar.models import builtin_models, load_model, model_config, tiny_hf_archs
+
+    archs = tiny_hf_archs()
+    assert set(PLANNED) <= set(archs)
+    assert {f"{a}-tiny" for a in archs} <= set(builtin_models()) and "tiny_hf" not in builtin_models()
+    mistral = model_config("mistral-tiny")["config"]
+    assert mistral["num_key_value_heads"] == 2 and mistral["hidden_size"] == 48  # base gqa, its base decoder
+    assert "sliding_window" in mistral and mistral["sliding_window"] is None  # `none` list: TOML has no null
+    model, (ids,), kwargs = load_model("mistral-tiny", batch=BATCH, seq=SEQ, overrides={"num_hidden_layers": 1})
+    assert len(model.model.layers) == 1 and ids.shape == kwargs["labels"].shape == (BATCH, SEQ)
 
 
 #: every architecture on a 2-D mesh; those that differ most also on 3 ranks (nothing divides by 3)
-PLAN_CASES = [(arch, (2, 2)) for arch in ARCHS if arch not in ("qwen2", "phi3", "gemma")]  # ~ mistral, gemma2
+PLAN_CASES = [(arch, (2, 2)) for arch in PLANNED if arch not in ("qwen2", "phi3", "gemma")]  # ~ mistral, gemma2
 PLAN_CASES += [(arch, (3,)) for arch in ("gpt_neox", "falcon", "gptj", "bloom")]
 
 
@@ -178,9 +151,36 @@ def test_inplace_op_is_made_out_of_place_and_later_reads_see_the_update(how):
     torch.testing.assert_close(got, want)
 
 
+class _ShiftRight(torch.nn.Module):
+    """BART's ``shift_tokens_right``: two in-place writes into one fresh tensor, then a read of it."""
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 2  # the decoder start token (T5's is 0, which new_zeros already wrote)
+        shifted.masked_fill_(shifted == -100, 1)
+        return shifted
+
+
+def test_every_inplace_write_into_one_tensor_survives_the_rewrite():
+    """BART was silently wrong on every plan: the second write went into a stale alias and was dropped."""
+    from autopar.capture import capture
+
+    model, ids = _ShiftRight(), torch.randint(3, 9, (2, 5))
+    graph = capture(model, (ids,))
+    constants = [graph.constants[n.fqn] for n in graph.nodes if n.kind == "buffer"]
+    (got,) = graph.gm(*constants, ids)
+    torch.testing.assert_close(got, model(ids))
+
+
 # ---------------------------------------------------------------- numerics on 2 gloo ranks
 
 # the numerics settings and training loop of tests/test_execution.py (why AdamW eps 1e-6: see there)
+
+
+def _loss_and_logits(sharded):
+    """The compiled model's first two outputs (it returns every output: T5's encoder states too)."""
+    return lambda *a, **k: sharded(*a, **k)[:2]
 
 
 def _rank_fn(rank, world, archs, family):
@@ -193,7 +193,8 @@ def _rank_fn(rank, world, archs, family):
         sharded = autopar.compile(
             model, mesh, example_inputs=args, example_kwargs=kwargs, family=family, profile=PARTITIONING_PROFILE
         )
-        out[arch] = (sharded.plan.family, sharded.plan.fallback_ops, _train((sharded, sharded), args, kwargs))
+        train = _train((sharded, _loss_and_logits(sharded)), args, kwargs)
+        out[arch] = (sharded.plan.family, sharded.plan.fallback_ops, train)
     return out
 
 
@@ -211,21 +212,20 @@ def _close(actual, expected, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
-def test_tensor_parallel_training_matches_one_device():
+def _assert_trains_like_one_device(archs: tuple[str, ...], family: str) -> None:
     """Loss, logits, every gradient and every parameter after 3 AdamW steps, batch 3 on 2 ranks.
 
     All architectures run in one spawn of the ranks (starting them is most of the time).
     """
-    archs = ("gpt_neox", "gemma", "falcon")  # falcon (multi-query): forward makes constants export lifts
     for arch in archs:
         build(arch)  # skips when transformers lacks one
-    results = run_ranks(_rank_fn, 2, archs, "tensor parallel", timeout_s=600)
+    results = run_ranks(_rank_fn, 2, archs, family, timeout_s=600)
     for arch in archs:
         ref_losses, ref_logits, ref_grads, ref_params = _reference(arch)
         for rank, per_arch in enumerate(results):
-            family, fallback, (losses, logits, grads, params) = per_arch[arch]
-            where = f"{arch} on 2 ranks, rank {rank}, plan {family}"
-            assert "tensor parallel" in family and not fallback, where
+            plan_family, fallback, (losses, logits, grads, params) = per_arch[arch]
+            where = f"{arch} on 2 ranks, rank {rank}, plan {plan_family}"
+            assert family in plan_family and not fallback, where
             for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
                 _close(a, b, f"{where}: loss {step}")
             _close(logits, ref_logits, f"{where}: logits")
@@ -235,3 +235,46 @@ def test_tensor_parallel_training_matches_one_device():
             assert params.keys() == ref_params.keys()
             for k in ref_params:
                 _close(params[k], ref_params[k], f"{where}: param {k} after {STEPS} steps")
+
+
+def test_tensor_parallel_training_matches_one_device():
+    # falcon (multi-query): forward makes constants export lifts
+    _assert_trains_like_one_device(("gpt_neox", "gemma", "falcon"), "tensor parallel")
+
+
+def test_shared_weights_and_encoder_decoder_train_like_one_device():
+    """T5: encoder-decoder, one embedding shared by encoder, decoder and head, relative position
+    bias; ALBERT: one layer's weights used by every layer (their gradients sum over the uses);
+    OLMo-2: RMSNorm of the whole q and k projections, which tensor parallelism shards by head."""
+    _assert_trains_like_one_device(("t5", "albert", "olmo2"), "tensor parallel")
+
+
+class _CopyInto(torch.nn.Module):
+    """DeepSeek-V3's pattern: ``copy_`` of a computed value into a slice of a fresh tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = x.new_zeros(x.shape[0], 6)
+        out[:, :3].copy_(self.proj(x))
+        out[:, 3:].copy_(self.proj(x).exp()[:, :1])  # broadcast along the slice
+        return out.sum(-1)
+
+
+def test_copy_into_an_intermediate_is_rewritten_with_gradients():
+    """``copy_`` became ``aten.copy``, which has no derivative; it is now a cast and a broadcast."""
+    from autopar.capture import capture
+
+    model, x = _CopyInto(), torch.randn(2, 4, requires_grad=True)
+    graph = capture(model, (x,))
+    calls = [n.target for n in graph.gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.copy.default not in calls and torch.ops.aten.copy_.default not in calls
+    params = [dict(model.named_parameters())[n.fqn] for n in graph.nodes if n.kind == "param"]
+    (got,) = graph.gm(*params, x)
+    want = model(x)
+    torch.testing.assert_close(got, want)
+    (g_got,) = torch.autograd.grad(got.sum(), x)
+    (g_want,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(g_got, g_want)

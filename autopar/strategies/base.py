@@ -193,7 +193,12 @@ FALLBACK = "fallback"
 
 
 def register(*targets) -> Callable[[Rule], Rule]:
-    """Register a rule for one or more aten op overloads (or python callables)."""
+    """Register a rule for one or more aten op overloads (or python callables).
+
+    A target may also be an op's name as ``str(op)`` gives it
+    (``"transformers.grouped_mm_fallback.default"``): a custom op of a library autopar
+    does not import, which exists only once that library has registered it.
+    """
 
     def deco(fn: Rule) -> Rule:
         for t in targets:
@@ -209,7 +214,8 @@ def rule_for(target) -> Rule | None:
     """The registered rule for an op, or None (the op then falls back to replicate)."""
     from . import _load_rules  # noqa: F401  (imports every rule module once)
 
-    return _RULES.get(target)
+    rule = _RULES.get(target)
+    return rule if rule is not None or isinstance(target, str) else _RULES.get(str(target))
 
 
 def registered_targets() -> list:

@@ -1,4 +1,5 @@
-"""Rules for lookups: ``embedding``, ``gather``, ``index_select``, advanced indexing (``index``, ``index_put``).
+"""Rules for lookups: ``embedding``, ``gather``, ``index_select``, advanced indexing (``index``, ``index_put``),
+and their writing counterparts ``scatter``/``scatter_add``.
 
 Each op reads rows of a table at integer positions.  On one mesh axis the table
 can be split along the looked-up dim (vocab-parallel, Megatron/Paddle style):
@@ -191,4 +192,29 @@ def index_put_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
         strategies.append(AxisStrategy((Shard(d),) + (_R,) * n_idx + (vp,), (Shard(d),)))
     if out.is_float:
         strategies.append(AxisStrategy((_SUM,) + (_R,) * n_idx + (_SUM,), (_SUM,)))
+    return strategies
+
+
+@register(aten.scatter.value, aten.scatter.src, aten.scatter_add.default)
+def scatter_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """scatter(self, dim, index, value | src) / scatter_add(self, dim, index, src): ``self`` with
+    ``out[..index[..i..]..] = src[..i..]`` on ``dim`` (``+=`` for scatter_add; ``value`` for every i).
+
+    1. a dim ``d != dim`` on which self, index and src have the same size: all ``S(d)``
+       -> out ``S(d)``; each rank writes its own slice of the selected rows (DeepSeek's
+       group mask ``zeros_like(scores).scatter_(1, idx, 1)`` on batch-sharded scores);
+    2. ``src``/``scatter_add``: self and src ``P(sum)``, index ``R`` -> out ``P(sum)``: the
+       written positions hold the sum of src's pieces (plus self's for scatter_add), the
+       others self's.  Not for ``scatter.value``: every rank would write the value.
+    """
+    src_self, index = call.inputs[0], call.inputs[1]
+    values = call.inputs[2:]  # src (scatter.src, scatter_add), none for scatter.value
+    dim = bound_args(call)["dim"] % max(src_self.ndim, 1)
+    strategies = []
+    if index.ndim == src_self.ndim:
+        for d in range(src_self.ndim):
+            if d != dim and all(m.shape[d] == src_self.shape[d] for m in (index, *values)):
+                strategies.append(AxisStrategy((Shard(d),) * len(call.inputs), (Shard(d),)))
+    if values and call.outputs[0].is_float:
+        strategies.append(AxisStrategy((_SUM, _R, _SUM), (_SUM,)))
     return strategies

@@ -1,4 +1,5 @@
-"""Rules for contractions: mm, addmm, bmm, baddbmm, matmul, linear, einsum, mv, addmv, dot.
+"""Rules for contractions: mm, addmm, bmm, baddbmm, matmul, linear, einsum, mv, addmv, dot,
+and the grouped (per-expert) matmul of Hugging Face mixture-of-experts layers.
 
 Every op is written as an einsum (``EinsumSpec``: one label string per operand,
 one for the output, and an optional bias that follows the output) and one
@@ -217,3 +218,31 @@ def matmul_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     """Contractions as einsums (module docstring); [] (replicate only) for shapes not covered."""
     spec = einsum_spec(call)
     return [] if spec is None else einsum_strategies(call, axis_size, spec)
+
+
+#: Hugging Face's grouped matmul for experts (``transformers.integrations.moe``), a custom op
+#: that exists once transformers has registered it: named, not imported.
+GROUPED_MM = "transformers.grouped_mm_fallback.default"
+
+
+@register(GROUPED_MM)
+def grouped_mm_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """grouped_mm_fallback(input (S, K), weight (E, K, N), offs (E,)) -> (S, N).
+
+    Rows ``offs[e-1]:offs[e]`` of input (sorted by expert) multiply ``weight[e]``, so
+    on one axis, with ``offs`` always ``R``:
+
+    1. weight ``S(2)``, input ``R`` -> out ``S(1)`` (each rank its columns of every expert);
+    2. input ``S(1)``, weight ``S(1)`` -> out ``P(sum)`` (each rank its part of K);
+    3. linearity: input or weight ``P(sum)``, the other ``R`` -> out ``P(sum)``.
+
+    Rows (``S``) and experts (``E``) are never split: ``offs`` holds global row offsets
+    for every expert, and an expert's rows must meet its weight.
+    """
+    x, weight, _ = call.inputs
+    if x.ndim != 2 or weight.ndim != 3:
+        return []
+    out = [AxisStrategy((R, Shard(2), R), (Shard(1),))]
+    if x.shape[1] == weight.shape[1]:
+        out.append(AxisStrategy((Shard(1), Shard(1), R), (PSUM,)))
+    return out + [AxisStrategy((PSUM, R, R), (PSUM,)), AxisStrategy((R, PSUM, R), (PSUM,))]

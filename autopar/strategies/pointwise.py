@@ -324,6 +324,8 @@ _NONLINEAR = [
     "where.Scalar",
     "threshold",
     "copy",  # copy(self, src): src broadcast to self (what an in-place copy_ becomes)
+    "fill.Scalar",  # fill(self, value): self's shape, every element value (what an in-place fill_ becomes)
+    "fill.Tensor",  # ... value a 0-d tensor, so it broadcasts (Replicate)
 ]
 _MONOTONE = ["exp", "relu", "sigmoid", "tanh", "clamp", "clamp_min", "clamp_max", "hardtanh", "floor", "ceil", "trunc"]
 _COPIES = [

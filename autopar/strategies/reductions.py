@@ -1,5 +1,5 @@
 """Rules for reductions and scans: sum, mean, amax/amin, max/min, arg*, var/std, any/all,
-logsumexp, prod, softmax/log_softmax, cumsum, diff, topk/sort.
+logsumexp, prod, softmax/log_softmax, cumsum, diff, topk/sort, histc.
 
 One generator, ``reduction_strategies``, covers every reduction on one mesh axis:
 
@@ -234,6 +234,21 @@ def diff_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
         out.append(AxisStrategy(ins, (Shard(d),)))
     out.append(AxisStrategy((PSUM,) * len(call.inputs), (PSUM,)))
     return out
+
+
+@register(*resolve_ops(["histc.default"]))
+def histc_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """histc(self, bins, min, max): counts of every element in ``bins`` equal bins of [min, max].
+
+    Input ``S(d)`` (any dim) -> counts ``P(sum)``: every element lands in one rank's
+    histogram, so the histograms add up (MoE routers count tokens per expert this way).
+    Only for a fixed range (``min < max``): with ``min == max`` torch takes the range
+    from the data, which differs from rank to rank.
+    """
+    args = bound_args(call)
+    if not args["min"] < args["max"]:
+        return []
+    return [AxisStrategy((Shard(d),), (PSUM,)) for d in range(call.inputs[0].ndim)]
 
 
 def _all_but(call: OpCall, axis_size: int, skip: int, passthrough: Sequence[Partial]) -> list[AxisStrategy]:

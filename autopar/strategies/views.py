@@ -1,4 +1,4 @@
-"""Rules for view-like ops: reshapes, permutations, (un)squeezes, expand, slices, splits, cat, repeat, pad.
+"""Rules for view-like ops: reshapes (``*_as`` too), permutations, (un)squeezes, expand, slice, split, cat, repeat, pad.
 
 Every rule here moves data without arithmetic, so on one mesh axis:
 
@@ -216,6 +216,20 @@ def _reshape_strategies(call: OpCall, axis_size: int) -> list[AxisStrategy]:
 def view_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
     """view/reshape/flatten/unflatten: shards follow ``view_groups``; Partial passes through."""
     return _reshape_strategies(call, axis_size)
+
+
+@register(aten.reshape_as.default, aten.view_as.default)
+def view_as_rule(call: OpCall, axis_size: int) -> list[AxisStrategy]:
+    """reshape_as/view_as(self, other): a reshape of self to ``other``'s shape (RoFormer's rotary).
+
+    Locally the op takes the shape of ``other``'s piece, so ``other`` must be laid out
+    as the output is: the output's ``S`` when it is sharded, ``R`` otherwise (only
+    its shape is read, so ``R`` serves a Partial output too).
+    """
+    return [
+        AxisStrategy((s.inputs[0], s.outputs[0] if isinstance(s.outputs[0], Shard) else _R), s.outputs)
+        for s in _reshape_strategies(call, axis_size)
+    ]
 
 
 # ----------------------------------------------------------------------------- permutations
