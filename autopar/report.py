@@ -42,6 +42,8 @@ def _ms(s: float | None) -> str:
 
 
 def _optimality(search: dict) -> str:
+    if search.get("approximate") and search["optimal"]:
+        return "approximate search, its plan proven fastest by its lower bound"
     if search.get("approximate"):
         return f"approximate search, within {100 * search['gap']:.2f}% of its lower bound"
     return "optimal" if search["optimal"] else "not proven optimal"

@@ -108,6 +108,14 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
     capped = plan_from_context(ctx, mem_cap=cap, compare_families=False)
     assert capped.memory["per_device_bytes"] <= cap
     assert capped.search["optimal"] is False and capped.search["objective_ps"] > free.time  # the cap binds
+    # the plan says it is approximate, with its bound and gap, and so does its table
+    assert capped.search["approximate"] and capped.search["lower_bound_ps"] <= capped.search["objective_ps"]
+    assert capped.search["gap"] == pytest.approx(1 - capped.search["lower_bound_ps"] / capped.search["objective_ps"])
+    from autopar.report import render_table
+
+    assert f"approximate search, within {100 * capped.search['gap']:.2f}% of its lower bound" in " ".join(
+        render_table(capped).split()
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
