@@ -348,6 +348,12 @@ class _TraceDecomposed(_Step):
             self.state.trace.update(decomposed_values(self.group, x, index, valid))
 
 
+def _moves_nothing(producer, src, dst, grad_src, grad_dst) -> bool:
+    """An edge with nothing to run: the same placement forward and, where a gradient flows, backward."""
+    no_grad = producer.kind in ("op", "buffer") and not producer.requires_grad  # its gradient never flows
+    return src == dst and (grad_src == grad_dst or no_grad)
+
+
 def _tensor_args(fxn: fx.Node) -> list[fx.Node]:
     """``fxn``'s tensor arguments in the order of its ``OpNode.inputs`` (flattened args, then kwargs)."""
     flat, _ = pytree.tree_flatten((fxn.args, fxn.kwargs))
@@ -431,8 +437,7 @@ def lower(
             grad_dst = grad_src
         # a ZeRO parameter is read from its buffer on each edge, unless its summed gradient is moved once
         shard = state_shards.get(producer.name) if producer.name not in xplan.accumulate else None
-        no_grad = producer.kind in ("op", "buffer") and not producer.requires_grad  # its gradient never flows
-        if shard is None and src == dst and (grad_src == grad_dst or no_grad):
+        if shard is None and _moves_nothing(producer, src, dst, grad_src, grad_dst):
             return value
         param = producer.kind == "param"
         step = MoveStep(
@@ -452,11 +457,10 @@ def lower(
             return g.create_node("call_function", OpStep(name, state, target, instrument=True), args, name=name)
         return g.create_node("call_function", target, args, name=name)
 
-    def identity_edge(opnode, ex: NodeExec, pos: int) -> bool:
+    def identity_edge(opnode, ex: NodeExec, pos: int) -> bool:  # (no bucket or ZeRO read: fused inputs are no params)
         producer, out_idx = graph.nodes[opnode.inputs[pos][0]], opnode.inputs[pos][1]
-        no_grad = producer.kind in ("op", "buffer") and not producer.requires_grad
-        same_grad = ex.input_grad(pos) == xplan.grad_target(producer.name, out_idx)
-        return xplan.output_placement(producer.name, out_idx) == ex.inputs[pos] and (same_grad or no_grad)
+        src, grad_dst = xplan.output_placement(producer.name, out_idx), xplan.grad_target(producer.name, out_idx)
+        return _moves_nothing(producer, src, ex.inputs[pos], ex.input_grad(pos), grad_dst)
 
     fused = fusable_groups(xplan, by_fx, identity_edge)
     fused_inputs: dict[tuple[str, int], fx.Node] = {}  # (member, position) -> the value its edge delivers

@@ -52,12 +52,20 @@ def _compile(model, args, kwargs, mesh_shape, axis_names, family, profile=None):
     return autopar.compile(model, mesh, example_inputs=args, example_kwargs=kwargs, family=family, profile=profile)
 
 
-def _train(model_fn, args, kwargs):
-    """(losses, logits of step 0, grads of step 0, params after STEPS steps) of a model callable."""
+def _loss_and_logits(sharded):
+    """The compiled model's first two outputs (it returns every output: T5's encoder states too)."""
+    return lambda *a, **k: sharded(*a, **k)[:2]
+
+
+def _train(model_fn, args, kwargs, counter=None):
+    """(losses, logits of step 0, grads of step 0, params after STEPS steps) of a model callable;
+    ``counter`` (a compiled model's ``CollectiveCounter``) records the first step's collectives."""
     model, call = model_fn
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     losses, first_logits, first_grads = [], None, None
     for step in range(STEPS):
+        if counter is not None:
+            model.collective_counter = counter if step == 0 else None
         loss, logits = call(*args, **kwargs)
         loss.backward()
         if step == 0:
@@ -115,26 +123,32 @@ def test_compiled_training_matches_single_device(name, mesh_shape, families):
     world = 1
     for s in mesh_shape:
         world *= s
-    ref_losses, ref_logits, ref_grads, ref_params = _reference(name)
+    ref = _reference(name)
     results = run_ranks(_rank_fn, world, name, mesh_shape, axis_names, families, timeout_s=600)
     for rank, per_family in enumerate(results):
-        for family, (label, (losses, logits, grads, params)) in per_family.items():
+        for family, (label, got) in per_family.items():
             where = f"{name} on {mesh_shape}, rank {rank}, plan {family or 'auto'} ({label})"
             if family is not None:
                 assert family in label or family == "data parallel" and label == "replicated", where
-            for step, (a, b) in enumerate(zip(losses, ref_losses)):
-                _close(a, b, f"{where}: loss {step}")
-            _close(logits, ref_logits, f"{where}: logits")
-            assert grads.keys() == ref_grads.keys()
-            for k in ref_grads:
-                _close(grads[k], ref_grads[k], f"{where}: grad {k}")
-            assert params.keys() == ref_params.keys()
-            for k in ref_params:
-                _close(params[k], ref_params[k], f"{where}: param {k} after {STEPS} steps")
+            _assert_trains_alike(got, ref, where)
 
 
 def _close(actual, expected, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def _assert_trains_alike(got: tuple, want: tuple, where: str) -> None:
+    """Two ``_train`` results agree: every loss, the first logits, every gradient, every parameter after."""
+    (losses, logits, grads, params), (ref_losses, ref_logits, ref_grads, ref_params) = got, want
+    for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        _close(a, b, f"{where}: loss {step}")
+    _close(logits, ref_logits, f"{where}: logits")
+    assert grads.keys() == ref_grads.keys(), where
+    for k in ref_grads:
+        _close(grads[k], ref_grads[k], f"{where}: grad {k}")
+    assert params.keys() == ref_params.keys(), where
+    for k in ref_params:
+        _close(params[k], ref_params[k], f"{where}: param {k} after {STEPS} steps")
 
 
 def _count_rank_fn(rank, world, name, mesh_shape, axis_names):

@@ -3,7 +3,7 @@
 Each case trains on 2 gloo ranks under a data-parallel plan (rows split, classes
 whole: the fused path must be taken) and under a plan whose hint shards the
 classifier's output dim (classes split: the decomposed vocab-parallel form must
-run), and compares loss, every gradient and every parameter after 3 AdamW steps
+run), and compares loss, logits, every gradient and every parameter after 3 AdamW steps
 with one device; the collectives counted in the first step must equal the plan's.
 """
 
@@ -13,15 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import PARTITIONING_PROFILE, run_ranks
+from test_execution import _assert_trains_alike, _loss_and_logits, _train
 from torch import nn
 
-STEPS = 3
 # (rows, classes) per plan: many rows make the data-parallel plan split them; few rows of many classes
 # make splitting the rows of the logits (an all-to-all of them) dearer than the vocab-parallel loss's
 # three small all-reduces, so the vocab hint's plan keeps the classes split through the loss
 SIZES = {"dp": (64, 1000), "vocab": (16, 16384)}
-RTOL, ATOL = 1e-4, 1e-5
-ADAMW = {"lr": 1e-3, "eps": 1e-6}  # as tests/test_execution.py: the default eps amplifies cancelled gradients
 # a vocab-parallel classifier: the activation whole, the weight's output features split over the 2 ranks
 VOCAB_HINT = ((1, 1), (1, 2))
 PLANS = {"dp": {"family": "data parallel"}, "vocab": {"hints": {"lm_head": VOCAB_HINT}}}
@@ -96,34 +94,6 @@ def _model(name: str, plan: str):
     return model, (ids,), {"labels": _labels(torch.randint(0, classes, (4, rows // 4), generator=gen))}
 
 
-def _train(model, call, args, kwargs, counter=None):
-    """(losses, grads of step 0, params after STEPS steps); ``counter`` records the first step's collectives."""
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses, grads = [], None
-    for step in range(STEPS):
-        if step == 0 and counter is not None:
-            model.collective_counter = counter
-        loss = call(*args, **kwargs)[0]
-        loss.backward()
-        if step == 0:
-            grads = (
-                model.full_grads()
-                if hasattr(model, "full_grads")
-                else {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-            )
-        opt.step()
-        opt.zero_grad()
-        if counter is not None:
-            model.collective_counter = None
-        losses.append(loss.detach())
-    params = (
-        model.full_state_dict()
-        if hasattr(model, "full_state_dict")
-        else {k: v.detach().clone() for k, v in model.state_dict().items()}
-    )
-    return losses, grads, params
-
-
 def _loss_facts(sharded) -> dict:
     """Whether the lowered program fuses the loss, and how the plan places the gathered logits (classes split?)."""
     from autopar.decompose import DECOMPOSED
@@ -154,7 +124,7 @@ def _rank_fn(rank, world, name, plans):
             model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, **PLANS[plan_name]
         )
         counter = CollectiveCounter()
-        result = _train(sharded, sharded, args, kwargs, counter)
+        result = _train((sharded, _loss_and_logits(sharded)), args, kwargs, counter)
         counted = sorted((r.kind, r.phase, r.bytes) for r in counter.records)
         planned = sorted((c["kind"], c["phase"], c["bytes"]) for c in sharded.plan.collectives)
         out[plan_name] = (result, _loss_facts(sharded), counted, planned)
@@ -163,15 +133,11 @@ def _rank_fn(rank, world, name, plans):
 
 def _reference(name, plan):
     model, args, kwargs = _model(name, plan)
-    return _train(model, lambda *a, **k: _as_pair(model(*a, **k)), args, kwargs)
+    return _train((model, lambda *a, **k: _as_pair(model(*a, **k))), args, kwargs)
 
 
 def _as_pair(out):
     return (out.loss, out.logits) if hasattr(out, "loss") else out
-
-
-def _close(actual, expected, what: str) -> None:
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
 CASES = ["llama", "gpt2", "classifier-mean-0.1", "classifier-sum-0.0", "classifier-none-0.2"]
@@ -183,8 +149,7 @@ def test_fused_loss_trains_like_one_device(name):
     refs = {plan: _reference(name, plan) for plan in PLANS}
     results = run_ranks(_rank_fn, 2, name, tuple(PLANS), timeout_s=600)
     for rank, per_plan in enumerate(results):
-        for plan_name, ((losses, grads, params), facts, counted, planned) in per_plan.items():
-            ref_losses, ref_grads, ref_params = refs[plan_name]
+        for plan_name, (got, facts, counted, planned) in per_plan.items():
             where = f"{name}, rank {rank}, plan {plan_name}"
             assert facts["groups"] == 1, f"{where}: {facts}"
             if plan_name == "dp":  # classes whole on every rank: one log-softmax, no exp of the decomposition
@@ -192,11 +157,4 @@ def test_fused_loss_trains_like_one_device(name):
             else:  # classes split: the vocab-parallel pieces run, nothing fused
                 assert (facts["fused"], facts["decomposed"], facts["classes_split"]) == (0, 1, True), where
             assert counted == planned, f"{where}: counted {counted} != planned {planned}"
-            for step, (a, b) in enumerate(zip(losses, ref_losses)):
-                _close(a, b, f"{where}: loss {step}")
-            assert grads.keys() == ref_grads.keys(), where
-            for k in ref_grads:
-                _close(grads[k], ref_grads[k], f"{where}: grad {k}")
-            assert params.keys() == ref_params.keys(), where
-            for k in ref_params:
-                _close(params[k], ref_params[k], f"{where}: param {k} after {STEPS} steps")
+            _assert_trains_alike(got, refs[plan_name], where)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
-from test_execution import ATOL, RTOL, STEPS, _train
+from test_execution import _assert_trains_alike, _loss_and_logits, _train
 
 BATCH, SEQ = 3, 8
 
@@ -178,11 +178,6 @@ def test_every_inplace_write_into_one_tensor_survives_the_rewrite():
 # the numerics settings and training loop of tests/test_execution.py (why AdamW eps 1e-6: see there)
 
 
-def _loss_and_logits(sharded):
-    """The compiled model's first two outputs (it returns every output: T5's encoder states too)."""
-    return lambda *a, **k: sharded(*a, **k)[:2]
-
-
 def _rank_fn(rank, world, archs, family):
     import autopar
 
@@ -208,10 +203,6 @@ def _reference(arch):
     return _train((model, call), args, kwargs)
 
 
-def _close(actual, expected, what: str) -> None:
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
-
-
 def _assert_trains_like_one_device(archs: tuple[str, ...], family: str) -> None:
     """Loss, logits, every gradient and every parameter after 3 AdamW steps, batch 3 on 2 ranks.
 
@@ -221,20 +212,12 @@ def _assert_trains_like_one_device(archs: tuple[str, ...], family: str) -> None:
         build(arch)  # skips when transformers lacks one
     results = run_ranks(_rank_fn, 2, archs, family, timeout_s=600)
     for arch in archs:
-        ref_losses, ref_logits, ref_grads, ref_params = _reference(arch)
+        ref = _reference(arch)
         for rank, per_arch in enumerate(results):
-            plan_family, fallback, (losses, logits, grads, params) = per_arch[arch]
+            plan_family, fallback, got = per_arch[arch]
             where = f"{arch} on 2 ranks, rank {rank}, plan {plan_family}"
             assert family in plan_family and not fallback, where
-            for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-                _close(a, b, f"{where}: loss {step}")
-            _close(logits, ref_logits, f"{where}: logits")
-            assert grads.keys() == ref_grads.keys()
-            for k in ref_grads:
-                _close(grads[k], ref_grads[k], f"{where}: grad {k}")
-            assert params.keys() == ref_params.keys()
-            for k in ref_params:
-                _close(params[k], ref_params[k], f"{where}: param {k} after {STEPS} steps")
+            _assert_trains_alike(got, ref, where)
 
 
 def test_tensor_parallel_training_matches_one_device():
