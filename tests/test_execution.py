@@ -26,10 +26,10 @@ RTOL, ATOL = 1e-4, 1e-5
 ADAMW = {"lr": 1e-3, "eps": 1e-6}
 
 
-def _model(name: str):
+def _model(name: str, batch: int = BATCH, seq: int = SEQ):
     from autopar.models import load_model
 
-    model, args, kwargs = load_model(name, batch=BATCH, seq=SEQ, device="cpu")
+    model, args, kwargs = load_model(name, batch=batch, seq=seq, device="cpu")
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -96,8 +96,8 @@ def _rank_fn(rank, world, name, mesh_shape, axis_names, families):
     return out
 
 
-def _reference(name):
-    model, args, kwargs = _model(name)
+def _reference(name, batch: int = BATCH, seq: int = SEQ):
+    model, args, kwargs = _model(name, batch, seq)
 
     def call(*a, **k):
         o = model(*a, **k)
