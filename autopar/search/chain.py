@@ -81,11 +81,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import dp
 from .dp import (
     _LAMBDA_GRID,
     _bounds,
     _limits,
-    _Model,
     _pareto_keep,
     _pareto_pass,
     _Tab,
@@ -93,6 +93,7 @@ from .dp import (
     _window,
     min_memory,
 )
+from .elimination import _Model
 from .minsum import MinSumChain, halving
 from .problem import INF, InfeasibleError, SearchProblem, Solution
 from .split import ChainError, _Part, _split
@@ -111,7 +112,7 @@ class _Table:
 
     def __init__(self, part: _Part, k_states: int) -> None:
         self.part = part
-        self.model = _Model(part.problem, keep=frozenset(part.left + part.right))
+        self.model = _Model(part.problem, keep=frozenset(part.left + part.right), width_budget=dp.WIDTH_BUDGET)
         model, k = self.model, self.model.k
         scope = model.steps[-1].scope
         self.shape = tuple(k[v] for v in scope)

@@ -5,7 +5,8 @@ Objective and constraints (``c`` picks one strategy per node; see ``problem.py``
 * memory     ``M(c) = base + sum_i m_i(c_i) + sum_(u,v) m_uv(c_u, c_v) <= cap``   -- pruned in
              :func:`_pareto_pass`, enforced by the final pick in :func:`_finish`
 * forbidden  no ``INF`` choice or pair: arc consistency cuts the domains
-             (``SearchProblem.allowed_choices``); forbidden pairs are empty entries (:class:`_Model`)
+             (``SearchProblem.allowed_choices``); forbidden pairs are empty entries
+             (:class:`.elimination._Model`)
 
 Domains.  After arc consistency, strategies dominated on their whole neighbourhood go
 (:func:`.prune.prune_dominated`: every (T, M) point survives, so the search stays exact).
@@ -13,16 +14,15 @@ Domains.  After arc consistency, strategies dominated on their whole neighbourho
 Width.  Past ``WIDTH_BUDGET`` cells per weight row in the largest joint table (weights
 shared across layers put every layer in one bucket) :func:`solve_dp` and :func:`min_memory`
 approximate instead (:mod:`.minibucket`: mini-buckets, a lower bound, local search;
-``optimal=False``, ``stats["approximate"]``), and :class:`_Model` with kept nodes (a
-:mod:`.chain` part) raises :class:`.ChainError`, so the planner solves flat.
+``optimal=False``, ``stats["approximate"]``), and a :mod:`.chain` part's model (given the
+budget) raises :class:`.ChainError`, so the planner solves flat.
 
-Factors.  Node i gives a unary factor, edge (u, v) a binary one: a table holding, per
-assignment of its scope, a Pareto set of (t, m) pairs (:class:`_Model`).
+Factors and order are :mod:`.elimination`'s (:class:`.elimination._Model`): the tables,
+here holding per assignment of their scope a Pareto set of (t, m) pairs, and the greedy
+elimination plan.
 
-Elimination (:func:`_pareto_pass`).  Greedy order, smallest new table first, ties in
-topological order (:func:`_order`): parameters (leaves) fold into their consumer, chain
-ops into an edge, residual blocks reduce series-parallel, one front sweeps the stream.
-Eliminating x with bucket ``F_1..F_r`` (the factors whose scope holds x) gives
+Elimination (:func:`_pareto_pass`).  Along the plan, eliminating x with bucket
+``F_1..F_r`` (the factors whose scope holds x) gives
 
     g(s) = Pareto( U_x  F_1(s, x) (+) ... (+) F_r(s, x) )    for each assignment s
 
@@ -30,15 +30,11 @@ with ``A (+) B = {(t + t', m + m')}``; ``Pareto`` drops dominated pairs (:func:`
 Pareto(A (+) B) = Pareto(Pareto(A) (+) B), so the bucket is folded one factor at a time;
 each pair keeps x and the pairs it came from, for :func:`_backtrack`.
 
-Bounds.  Min-sum with weight rows (w_t, w_m) (:func:`_inside`, :func:`_outside`: the same
-order, then its reverse) gives every table ``I_g(s)``, the least ``w_t t + w_m m`` of its
-pairs, and ``O_g(s)``, the same least over all factors not below g::
-
-    I_g(s) = min_x sum_j I_{F_j}(s, x)
-    O_{F_j}(s_j) = min over (s, x) \\ s_j of [ O_g(s) + sum_{l != j} I_{F_l}(s, x) ]
-
-A pair (t, m) at cell (s, x) goes when ``w_t t + w_m m + rest > B`` (rest = ``O_g(s)`` plus
-the ``I`` of the bucket factors not folded yet) on any row:
+Bounds.  Min-sum with weight rows (w_t, w_m) (:mod:`.elimination`'s inside and outside
+passes, :func:`_bounds`) gives every table ``I_g(s)``, the least ``w_t t + w_m m`` of its
+pairs, and ``O_g(s)``, the same least over all factors not below g.  A pair (t, m) at cell
+(s, x) goes when ``w_t t + w_m m + rest > B`` (rest = ``O_g(s)`` plus the ``I`` of the
+bucket factors not folded yet) on any row:
   time (1, 0), B = target;  memory (0, 1), B = cap;  Lagrange (1, lam), B = target + lam cap.
 lam* (:func:`_lagrange`) is the slope of the hull of the (T, M) frontier where it crosses
 the cap (solve ``min T + lam M``; move lam to the line through the hull plans either side
@@ -59,9 +55,7 @@ a pair stays while it may complete below a gap of the known plans' staircase
 from __future__ import annotations
 
 import copy
-import heapq
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,9 +63,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .problem import INF, InfeasibleError, SearchProblem, Solution
-from .prune import prune_dominated
-from .split import ChainError
+from .elimination import _argmin_at, _inside, _Model, _outside
+from .problem import InfeasibleError, SearchProblem, Solution
 
 __all__ = ["solve_dp", "min_memory"]
 
@@ -94,218 +87,6 @@ def _tol(bound: float | np.ndarray) -> float | np.ndarray:
     """Float slack for pruning: well above the rounding of sums of int64 costs, so a float
     test never drops a pair that the exact integer test would keep."""
     return 1e-9 * np.abs(bound) + 1.0
-
-
-def _order(scopes: list[tuple[int, ...]], k: list[int], keep: frozenset[int] = frozenset()) -> list[int]:
-    """Greedy elimination order: smallest new table (product of the neighbours' k)
-    first, ties in topological order, so one front sweeps from input to loss.
-    Nodes in ``keep`` are never eliminated (they stay in the final table's scope)."""
-    adj: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
-    for s in scopes:
-        for v in s:
-            adj[v].update(w for w in s if w != v)
-    current = {v: math.prod(k[w] for w in adj[v]) for v in adj}
-    heap = [(c, v) for v, c in current.items() if v not in keep]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        c, v = heapq.heappop(heap)
-        if current.get(v) != c:
-            continue
-        del current[v]
-        order.append(v)
-        nbrs = adj.pop(v)
-        for w in nbrs:
-            adj[w].discard(v)
-            adj[w].update(x for x in nbrs if x != w)
-            current[w] = math.prod(k[x] for x in adj[w])
-            if w not in keep:
-                heapq.heappush(heap, (current[w], w))
-    return order
-
-
-@dataclass(slots=True)
-class _Step:
-    """One bucket: eliminate ``var`` (-1: add up the final scalars) from ``inputs``."""
-
-    var: int
-    inputs: tuple[int, ...]
-    scope: tuple[int, ...]
-    shape: tuple[int, ...]  # joint axes: scope, then var
-    bcast: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per input: transpose (rows first), joint shape
-    pos: tuple[tuple[int, ...], ...]  # per input: joint axis of each of its scope nodes
-    out: int
-
-
-class _Model:
-    """The problem as factors over the allowed strategies, and an elimination plan.
-
-    ``keep``: nodes left uneliminated; the final table is then over them (a marginal
-    Pareto table, as :mod:`.chain` uses), not a scalar."""
-
-    def __init__(self, problem: SearchProblem, keep: frozenset[int] = frozenset(), budget: int | None = None) -> None:
-        self.problem = problem
-        # INF and arc consistency, then dominance (:mod:`.prune`): cap-free, kept with the arrays
-        self.allowed = problem.memo(
-            ("allowed", keep), lambda: prune_dominated(problem, problem.allowed_choices(), keep)
-        )
-        k = self.k = [len(a) for a in self.allowed]
-        base = [np.zeros((), np.int64), np.full((), problem.base_mem_bytes, np.int64), np.ones((), bool)]
-        acc: dict[tuple[int, ...], list[np.ndarray]] = {(): base}  # scope -> [t, m, allowed]
-
-        def add(nodes: tuple[int, ...], t: np.ndarray, m: np.ndarray) -> None:
-            scope = tuple(v for v in nodes if k[v] > 1)
-            shape = tuple(k[v] for v in scope)
-            ok = (t < INF).reshape(shape)
-            t, m = np.where(ok, t.reshape(shape), 0), np.where(ok, m.reshape(shape), 0)
-            old = acc.get(scope)
-            acc[scope] = [t, m, ok] if old is None else [old[0] + t, old[1] + m, old[2] & ok]
-
-        for i, al in enumerate(self.allowed):
-            add((i,), problem.node_time[i][al], problem.node_mem[i][al])
-        for (u, v), et, em in zip(problem.edges, problem.edge_time, problem.edge_mem):
-            ix = np.ix_(self.allowed[u], self.allowed[v])
-            add((u, v), et[ix], np.zeros((k[u], k[v]), np.int64) if em is None else em[ix])
-        scopes = list(acc)
-        self.t, self.m, self.ok = ([acc[s][i] for s in scopes] for i in range(3))
-        self.n_orig = len(scopes)
-        self._plan(scopes, _order(scopes, k, keep), budget)
-        if keep and self.width > WIDTH_BUDGET:
-            raise ChainError(
-                f"a part's elimination needs a joint table of {self.width} cells per weight row, over the width "
-                f"budget of {WIDTH_BUDGET}; solve flat (the flat search approximates past the budget)"
-            )
-
-    def _plan(self, scopes: list[tuple[int, ...]], order: list[int], budget: int | None) -> None:
-        """The steps eliminating ``order``, then the final sum; ``budget`` (mini-buckets,
-        :mod:`.minibucket`): a bucket whose joint table would exceed it is split into parts
-        that fit, each eliminating the node on its own."""
-        k = self.k
-        holding: dict[int, set[int]] = {v: set() for v in range(len(k)) if k[v] > 1}
-        for tid, s in enumerate(scopes):
-            for v in s:
-                holding[v].add(tid)
-        self.steps: list[_Step] = []
-        self.step_of: dict[int, _Step] = {}
-        self.buckets: dict[int, tuple[int, ...]] = {}  # node -> every table its bucket held (decoding)
-        live = set(range(len(scopes)))
-        for v in order + [-1]:
-            inputs = tuple(sorted(holding.pop(v) if v >= 0 else live))
-            live.difference_update(inputs)
-            for tid in inputs:
-                for w in scopes[tid]:
-                    if w != v:
-                        holding[w].discard(tid)
-            self.buckets[v] = inputs
-            if budget is None or v < 0:
-                parts = [inputs]
-            else:
-                from .minibucket import mini_buckets  # (it imports this module)
-
-                parts = mini_buckets(inputs, scopes, k, v, budget)
-            for part in parts:
-                step = self._step(scopes, v, part)
-                live.add(step.out)
-                for w in step.scope:
-                    holding[w].add(step.out)
-        self.scopes = scopes
-        self.final = self.steps[-1].out
-        self.width = max((math.prod(st.shape) for st in self.steps), default=1)  # cells per weight row
-
-    def _step(self, scopes: list[tuple[int, ...]], v: int, inputs: tuple[int, ...]) -> _Step:
-        k = self.k
-        scope = tuple(sorted({w for tid in inputs for w in scopes[tid]} - {v}))
-        joint = scope + ((v,) if v >= 0 else ())
-        bcast, poss = [], []
-        for tid in inputs:
-            pos = tuple(joint.index(w) for w in scopes[tid])
-            bshape = [k[w] if w in scopes[tid] else 1 for w in joint]
-            poss.append(pos)
-            bcast.append(((0,) + tuple(int(p) + 1 for p in np.argsort(pos)), tuple(bshape)))
-        step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), tuple(poss), len(scopes))
-        scopes.append(scope)
-        self.steps.append(step)
-        self.step_of[step.out] = step
-        return step
-
-    def original_choice(self, reduced: np.ndarray) -> tuple[int, ...]:
-        return tuple(int(self.allowed[i][reduced[i]]) for i in range(len(self.k)))
-
-
-def _bc(step: _Step, j: int, arr: np.ndarray) -> np.ndarray:
-    """Input j's (rows, *scope) table laid onto the step's joint axes (size 1 where it has none)."""
-    perm, bshape = step.bcast[j]
-    return arr.transpose(perm).reshape((arr.shape[0],) + bshape)
-
-
-def _joint(step: _Step, vals: list, skip: int = -1) -> np.ndarray:
-    acc: np.ndarray | float = 0.0
-    for j, tid in enumerate(step.inputs):
-        if j != skip:
-            acc = _add(acc, _bc(step, j, vals[tid]))
-    return acc
-
-
-def _add(acc: np.ndarray | float, x: np.ndarray) -> np.ndarray:
-    """``acc + x`` for a running sum begun at the float 0.0, so an array ``acc`` is a
-    temporary of an earlier ``_add``: in place once it has the full shape (the same
-    floats, without a joint-sized allocation per term)."""
-    if isinstance(acc, np.ndarray) and np.broadcast_shapes(acc.shape, x.shape) == acc.shape:
-        return np.add(acc, x, out=acc)
-    return acc + x
-
-
-def _inside(model: _Model, w: np.ndarray, argmins: bool = True) -> tuple[list, dict[int, np.ndarray]]:
-    """Min-sum elimination of ``w[b, 0] T + w[b, 1] M`` for every row b at once:
-    inside values (rows, *scope) of every table, and (``argmins``) the argmins.
-    Without them :func:`_argmin_at` recovers one plan's choices: an argmin over the
-    whole joint table costs as much as the min itself."""
-    vals: list = []
-    for t, m, ok in zip(model.t, model.m, model.ok):
-        shape = (-1,) + (1,) * t.ndim
-        vals.append(np.where(ok, w[:, 0].reshape(shape) * t + w[:, 1].reshape(shape) * m, np.inf))
-    vals += [None] * len(model.steps)
-    args: dict[int, np.ndarray] = {}
-    for st in model.steps:
-        joint = _joint(st, vals)
-        if st.var >= 0:
-            if argmins:
-                args[st.out] = joint.argmin(axis=-1)
-            joint = joint.min(axis=-1)
-        vals[st.out] = joint
-    return vals, args
-
-
-def _argmin_at(model: _Model, var: int, vals: list, red: np.ndarray) -> np.ndarray:
-    """Per row b, the argmin over ``var`` of the sum of its bucket's tables at the choices
-    ``red[b]`` of the nodes eliminated after it: the exact joint's line summed as
-    :func:`_joint` sums it (same floats, so the same argmin as ``joint.argmin(axis=-1)``);
-    with mini-buckets, every part's tables (the classic mini-bucket decoding)."""
-    rows = np.arange(red.shape[0])[:, None]
-    xs = np.arange(model.k[var])[None, :]
-    acc: np.ndarray | float = 0.0
-    for tid in model.buckets[var]:
-        idx = tuple(xs if v == var else red[:, v, None] for v in model.scopes[tid])
-        acc = acc + vals[tid][(rows,) + idx]
-    return np.broadcast_to(acc, (red.shape[0], model.k[var])).argmin(axis=-1)
-
-
-def _outside(model: _Model, vals: list, final_out: np.ndarray | None = None) -> list:
-    """Outside value of every eliminated table (the reverse pass of the docstring);
-    ``final_out`` (rows, *final scope): a lower bound on what lies outside the model."""
-    rows = vals[0].shape[0]
-    outs: list = [None] * len(vals)
-    shape = (rows,) + tuple(model.k[v] for v in model.steps[-1].scope)
-    outs[model.final] = np.zeros(shape) if final_out is None else np.broadcast_to(final_out, shape).astype(float)
-    for st in reversed(model.steps):
-        oh = outs[st.out] if st.var < 0 else outs[st.out][..., None]
-        for j, tid in enumerate(st.inputs):
-            if tid >= model.n_orig:
-                rest = np.broadcast_to(oh + _joint(st, vals, skip=j), (rows,) + st.shape)
-                perm, bshape = st.bcast[j]
-                axes = tuple(1 + a for a, size in enumerate(bshape) if size == 1)
-                outs[tid] = (rest.min(axis=axes) if axes else rest).transpose(np.argsort(perm))
-    return outs
 
 
 class _Point(NamedTuple):

@@ -17,7 +17,7 @@ exact one, for every weight row ``w``: the final value ``L_w`` bounds
   infeasibility is proven), and ``L_(1, lam) - lam cap`` the optimum under the cap
   (weak duality, as :func:`.dp._lagrange`);
 * decoding in reverse order, each node's argmin of the sum of *all* its bucket's tables
-  (every part's) at the choices already made (:func:`.dp._argmin_at`), gives real plans,
+  (every part's) at the choices already made (:func:`.elimination._argmin_at`), gives real plans,
   re-evaluated exactly (:meth:`.SearchProblem.evaluate`).
 
 Plans (:func:`solve_approx`): the time and memory rows, then Eisner-Severance for lam*
@@ -58,7 +58,8 @@ import time
 
 import numpy as np
 
-from .dp import _GRID_GAP, _LAMBDA_GRID, _lagrange, _Model, _order, _pareto_keep, _plans, _Point, _tol
+from .dp import _GRID_GAP, _LAMBDA_GRID, _lagrange, _pareto_keep, _plans, _Point, _tol
+from .elimination import _Model, _order
 from .problem import INF, InfeasibleError, SearchProblem, Solution
 
 __all__ = ["mini_buckets", "solve_approx", "approx_min_memory"]
@@ -192,7 +193,7 @@ def _window_problem(problem: SearchProblem, nodes: list[int], choice: tuple[int,
 
 
 def _width(problem: SearchProblem, k: list[int], gone: set[int]) -> int:
-    """Largest joint table (cells) of the greedy elimination (:func:`.dp._order`) of the
+    """Largest joint table (cells) of the greedy elimination (:func:`.elimination._order`) of the
     problem without the nodes ``gone`` (fixed: their edges fold into unary costs)."""
     scopes = [(u, v) for u, v in problem.edges if u not in gone and v not in gone and k[u] > 1 and k[v] > 1]
     kk = [1 if v in gone else k[v] for v in range(len(k))]

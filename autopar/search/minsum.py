@@ -1,7 +1,7 @@
 """The min-sum chain behind :mod:`.chain`'s bounds and target: scalar tables, no Pareto sets.
 
 For rows of weights ``w = (w_t, w_m)``, ``f`` and ``r`` are the least ``w_t t + w_m m`` per
-state pair of the block table F and the rest table Rest (``dp._inside`` with the ports
+state pair of the block table F and the rest table Rest (``elimination._inside`` with the ports
 kept).  :class:`MinSumChain` computes (min-plus matrix products, :func:`minplus`)::
 
     f^l = f^(l//2) (x) f^(l - l//2)                         memoized halving (:meth:`MinSumChain.fpow`)
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .dp import _inside
+from .elimination import _inside
 
 if TYPE_CHECKING:
     from .chain import _Table
