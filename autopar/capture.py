@@ -132,14 +132,14 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
     was_training = model.training
     model.train()
     try:
-        with _lean_export():
+        with _lean_export(), _without_kv_cache(model):
             return torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # export raises many types; all mean "could not trace"
         raise CaptureError(
             f"autopar could not trace {name} with torch.export (non-strict): {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}\n"
             "  - check that example_inputs match forward()'s signature (args vs kwargs) and shapes;\n"
-            "  - Hugging Face models: build them with use_cache=False and pass input_ids (and labels for a loss);\n"
+            "  - Hugging Face models: pass input_ids (and labels for a loss), not use_cache=True or past_key_values;\n"
             "  - data-dependent Python control flow must be static for the example inputs.\n"
             "Fix the model or inputs, or pass a smaller reproduction to torch.export.export to see the full trace."
         ) from e
@@ -201,6 +201,29 @@ def _lean_export():
             yield
     finally:
         fx.config.do_not_emit_stack_traces = before
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: torch.nn.Module):
+    """Trace with every Hugging Face ``config.use_cache`` turned off, then restore them.
+
+    A training step has no use for a key/value cache: it is inference state, and
+    Hugging Face decoders build one by default (``use_cache=True`` in most configs),
+    returning a cache object torch.export cannot flatten.  The compiled module
+    therefore never returns a cache, whatever the config says; an explicit
+    ``use_cache=True`` in the example kwargs still wins (and fails to trace, with
+    ``CaptureError`` saying so).
+    """
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
+    if configs:
+        log.info("tracing %s with use_cache=False: a training step keeps no key/value cache", type(model).__name__)
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 def _canonical_param_names(model: torch.nn.Module) -> dict[str, str]:
