@@ -34,6 +34,12 @@ forward reads) and the optimizer step's all-gather runs right after
 ``opt.step()`` (``runtime/zero.py``).  ``model_state_bytes(opt)`` gives the bytes
 held, to compare with ``plan.memory``.
 
+Train and eval mode: the module starts in the mode ``model`` was in; ``sharded.eval()``
+turns dropout off (its ops run their eval form, ``executor.EVAL_FORMS``) and
+``sharded.train()`` on again, as on the model itself.  The graph is traced in train
+mode, so Python branches on ``self.training`` inside the model keep their
+train-mode choice in both.
+
 Lazy compile: ``example_inputs=None`` plans on the first call (see ``compile``).
 Bad input fails before any collective where it can: a plan for another mesh,
 model or input shapes (``_load_plan``, ``_check_plan_inputs``), ranks that
@@ -267,6 +273,7 @@ class ShardedModule(nn.Module):
         self.saved_bytes = SavedBytes(self.parameters()) if self.measure_saved else None
         st = self._state
         st.counter, st.step, st.trace, st.saved = counter, self._step, self.trace, self.saved_bytes
+        st.training = self.training
         self._step += 1
         if instrument not in self._programs:
             self._programs[instrument] = self._lower(instrument=instrument)
@@ -467,6 +474,7 @@ def compile(
         state_keys=list(model.state_dict().keys()),
         grad_bucket_bytes=grad_bucket_bytes,
     )
+    sharded.train(model.training)  # the mode the model was in; dropout follows sharded.train() / .eval()
     if not lazy:
         args = (
             tuple(example_inputs)

@@ -47,6 +47,14 @@ rank's coordinates on the axes where the op's output is *sharded*), so ranks
 that hold the same (replicated) values draw the same mask and ranks holding
 different shards draw their own parts — Megatron's and Paddle's local/global
 seed policy.  The RNG state around the op is restored afterwards.
+
+Train and eval mode: the graph is traced in train mode.  When the compiled module
+is in eval mode (``RunState.training`` False, from ``ShardedModule.eval()``), the
+ops whose behaviour ``nn.Module.eval()`` switches in the aten graph run their
+eval form: dropout (``aten.dropout``, ``aten.native_dropout``: ``train=False``)
+and attention dropout (``scaled_dot_product_attention``: ``dropout_p=0``)
+(``EVAL_FORMS``).  Python branches on ``self.training`` inside the model were
+decided when it was traced (train mode) and stay so.
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ from .spec import local_shape
 from .strategies.views import localize_size_args
 from .transitions import input_grad_placements, output_grad_placements, partial_on, producer_grad_placement
 
-__all__ = ["ExecutionPlan", "RunState", "lower", "SavedBytes", "RANDOM_OPS"]
+__all__ = ["ExecutionPlan", "RunState", "lower", "SavedBytes", "RANDOM_OPS", "EVAL_FORMS"]
 
 aten = torch.ops.aten
 RANDOM_OPS = {
@@ -83,6 +91,22 @@ RANDOM_OPS = {
     aten.rand_like.default,
     aten.randn_like.default,
 }
+# op -> (argument, the value eval mode gives it): what nn.Module.eval() changes in a train-mode graph
+EVAL_FORMS = {
+    aten.dropout.default: ("train", False),
+    aten.native_dropout.default: ("train", False),
+    aten.scaled_dot_product_attention.default: ("dropout_p", 0.0),
+}
+
+
+def _eval_form(target, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``target``'s arguments with its ``EVAL_FORMS`` entry applied (positional or keyword, as given)."""
+    name, value = EVAL_FORMS[target]
+    names = [a.name for a in target._schema.arguments]
+    at = names.index(name)
+    if at < len(args):
+        return (*args[:at], value, *args[at + 1 :]), kwargs
+    return args, {**kwargs, name: value}
 
 
 @dataclass
@@ -253,7 +277,8 @@ class RunState:
     """What may change between calls of a lowered graph; its steps read it (``ShardedModule`` sets it per call).
 
     ``counter``: a ``CollectiveCounter`` every move records in (or None);
-    ``step``: the call number, part of every random op's seed; ``trace``: when a
+    ``step``: the call number, part of every random op's seed; ``training``: the
+    module's mode (False: ``EVAL_FORMS`` ops run their eval form); ``trace``: when a
     dict, op node name -> this rank's local outputs; ``saved``: when given, the
     bytes ops save for backward are measured there.  ``trace`` and ``saved`` are
     only honoured by a graph lowered with ``instrument=True``.
@@ -261,6 +286,7 @@ class RunState:
 
     counter: Any = None
     step: int = 0
+    training: bool = True
     trace: dict[str, list[torch.Tensor]] | None = None
     saved: SavedBytes | None = None
 
@@ -302,12 +328,26 @@ class OpStep(_Step):
     ``regather`` moves, ``pairs`` holding each gathered parameter's (full, local
     piece) in the same order.  ``seed_key``: (seed, node index, sharded
     coordinates) of a random op; the RNG seed also takes ``state.step``.
+    ``eval_target``: the aten op whose ``EVAL_FORMS`` entry applies when
+    ``state.training`` is False (then no RNG is forked: the eval form draws nothing).
     """
 
-    def __init__(self, name: str, state: RunState, fn, *, regather=(), seed_key=None, rng_devices=(), instrument=False):
+    def __init__(
+        self,
+        name: str,
+        state: RunState,
+        fn,
+        *,
+        regather=(),
+        seed_key=None,
+        rng_devices=(),
+        instrument=False,
+        eval_target=None,
+    ):
         super().__init__(name, state)
         self.fn, self.regather, self.seed_key, self.instrument = fn, tuple(regather), seed_key, instrument
         self.rng_devices = list(rng_devices)
+        self.eval_target = eval_target
 
     def seed(self, step: int) -> int:
         seed, index, coords = self.seed_key
@@ -320,7 +360,10 @@ class OpStep(_Step):
             gathered = tuple((full, (local, move)) for (full, local), move in zip(args[0], self.regather))
             args = args[1:]
         with _regather_saved(gathered, state.counter, state.saved if self.instrument else None, self.__name__):
-            if self.seed_key is None:
+            if self.eval_target is not None and not state.training:
+                args, kwargs = _eval_form(self.eval_target, args, kwargs)
+                out = self.fn(*args, **kwargs)
+            elif self.seed_key is None:
                 out = self.fn(*args, **kwargs)
             else:
                 with torch.random.fork_rng(devices=self.rng_devices):
@@ -514,6 +557,7 @@ def lower(
                 seed_key=_seed_key(seed, opnode, ex, coord) if random else None,
                 rng_devices=rng_devices,
                 instrument=instrument,
+                eval_target=fxn.target if fxn.target in EVAL_FORMS else None,
             )
             if regather:
                 args = (tuple(pair for pair, _ in regather), *args)

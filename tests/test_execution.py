@@ -217,6 +217,40 @@ def test_dropout_masks_follow_placements():
     assert sharded_dropouts or dropouts
 
 
+def _eval_mode_rank_fn(rank, world):
+    from autopar.models import load_model
+
+    model, args, kwargs = load_model("gpt2-tiny", batch=BATCH, seq=SEQ, device="cpu")  # dropout 0.1 kept
+    sharded = _compile(model, args, kwargs, (world,), ("tp",), "tensor parallel", PARTITIONING_PROFILE)
+    out = {"starts_training": sharded.training}
+    sharded.eval()
+    with torch.no_grad():
+        out["eval"] = [sharded(*args, **kwargs)[1] for _ in range(2)]
+    sharded.train()
+    with torch.no_grad():
+        out["train"] = sharded(*args, **kwargs)[1]
+    model.eval()
+    out["compiled_from_eval_model_training"] = _compile(model, args, kwargs, (world,), ("tp",), None).training
+    return out
+
+
+def test_eval_mode_turns_dropout_off():
+    """sharded.eval() runs dropout and attention dropout in their eval form, as model.eval() does; sharded.train()
+    turns them on again; a compiled module starts in the mode its model was in."""
+    from autopar.models import load_model
+
+    model, args, kwargs = load_model("gpt2-tiny", batch=BATCH, seq=SEQ, device="cpu")
+    model.eval()
+    with torch.no_grad():
+        want = model(*args, **kwargs).logits
+    for rank, got in enumerate(run_ranks(_eval_mode_rank_fn, 2, timeout_s=300)):
+        assert got["starts_training"] and not got["compiled_from_eval_model_training"], rank
+        first, second = got["eval"]
+        assert torch.equal(first, second), f"rank {rank}: two eval-mode calls differ (dropout still on)"
+        _close(first, want, f"rank {rank}: eval-mode logits")
+        assert (got["train"] - want).abs().max() > 1e-3, f"rank {rank}: train mode after eval() drew no dropout"
+
+
 MEMORY_MODELS = ("gpt2-tiny", "llama-tiny", "bert-tiny")
 
 
