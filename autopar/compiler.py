@@ -12,6 +12,10 @@ returns full tensors: the loss as planned (the plan makes it replicated), other
 outputs gathered (outside the plan's collective list, which covers the training
 step).
 
+Gradient clipping: ``sharded.clip_grad_norm_(max_norm)`` clips by the full gradient's
+norm (``runtime/clip.py``); ``torch.nn.utils.clip_grad_norm_`` over the local shards
+would not.
+
 Instrumentation, off by default because it costs a hook per op:
 ``sharded.trace = {}`` records each op's local outputs (op node name -> tensors)
 and ``sharded.measure_saved = True`` makes every forward measure what it saves
@@ -312,11 +316,32 @@ class ShardedModule(nn.Module):
 
         if self._build is not None:  # not compiled yet: parameters (and gradients) are still full
             return local.detach().clone()
-        node = self._graph.nodes[next(n.index for n in self._graph.params() if n.fqn == fqn)]
-        placement = self._xplan.sources[node.name][1]  # a parameter and its gradient live at the state placement
+        node, placement = self._state_placement(fqn)
         meta = TensorMeta(node.outputs[0].shape, local.dtype)
         full = tuple(Replicate() for _ in self.mesh.shape)
         return redistribute_local(local.detach(), meta, placement, full, self._groups)
+
+    def _state_placement(self, fqn: str):
+        """(param node, placement) of the parameter ``fqn``: where it and its gradient live (the state placement)."""
+        node = self._graph.nodes[next(n.index for n in self._graph.params() if n.fqn == fqn)]
+        return node, self._xplan.sources[node.name][1]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """``torch.nn.utils.clip_grad_norm_`` over the full gradients (``runtime/clip.py``); call on every rank.
+
+        Returns the norm the unpartitioned model's gradients have (the same on every
+        rank) and scales every local gradient by ``min(1, max_norm / (norm + 1e-6))``.
+        Use this, not ``torch.nn.utils.clip_grad_norm_(sharded.parameters())``, which
+        sees only this rank's pieces.
+        """
+        from .runtime.clip import clip_grad_norm_
+
+        full = tuple(Replicate() for _ in self.mesh.shape)
+        grads = [
+            (p.grad, full if self._build is not None else self._state_placement(fqn)[1])
+            for fqn, p in self.named_parameters()
+        ]
+        return clip_grad_norm_(grads, self._groups, max_norm, norm_type, error_if_nonfinite)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{original FQN: full tensor}, tied aliases and buffers included (like model.state_dict())."""

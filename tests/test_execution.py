@@ -251,6 +251,56 @@ def test_eval_mode_turns_dropout_off():
         assert (got["train"] - want).abs().max() > 1e-3, f"rank {rank}: train mode after eval() drew no dropout"
 
 
+CLIP = {"max_norm": 0.05, "lr": 0.5}  # SGD: the clip factor scales the update itself (AdamW would cancel it)
+
+
+def _train_clipped(model, call, clip, args, kwargs):
+    """(norms returned by each step's clipping, params after STEPS clipped SGD steps)."""
+    opt = torch.optim.SGD(model.parameters(), lr=CLIP["lr"])
+    norms = []
+    for _ in range(STEPS):
+        call(*args, **kwargs)[0].backward()
+        norms.append(clip(CLIP["max_norm"]))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _clip_rank_fn(rank, world, name, mesh_shape, axis_names):
+    out = {}
+    for family in FAMILIES:
+        model, args, kwargs = _model(name)
+        sharded = _compile(model, args, kwargs, mesh_shape, axis_names, family, PARTITIONING_PROFILE)
+        norms = _train_clipped(sharded, sharded, sharded.clip_grad_norm_, args, kwargs)
+        out[family] = (sharded.plan.family, norms, sharded.full_state_dict())
+    sharded(*args, **kwargs)[0].backward()  # the last family's module, trained like the reference
+    return out, sharded.clip_grad_norm_(1e9, norm_type=float("inf"))
+
+
+def test_clip_grad_norm_clips_by_the_full_gradient():
+    """sharded.clip_grad_norm_ returns the unpartitioned model's gradient norm on every rank and clips by it:
+    clipped SGD on 4 ranks ends where clipped SGD on one device does, under every family."""
+    name, mesh_shape = "gpt2-tiny", (2, 2)
+    model, args, kwargs = _model(name)
+    ref_norms = _train_clipped(
+        model, model, lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m), args, kwargs
+    )
+    assert min(ref_norms) > 2 * CLIP["max_norm"], f"clipping must be active: norms {ref_norms}"
+    ref_params = model.state_dict()
+    model(*args, **kwargs).loss.backward()
+    ref_max = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=float("inf"))
+    for rank, (per_family, max_norm) in enumerate(
+        run_ranks(_clip_rank_fn, 4, name, mesh_shape, ("dp", "tp"), timeout_s=600)
+    ):
+        _close(max_norm, ref_max, f"rank {rank}: the infinity norm")
+        for family, (label, norms, params) in per_family.items():
+            where = f"{name} on {mesh_shape}, rank {rank}, plan {family or 'auto'} ({label})"
+            for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
+                _close(a, b, f"{where}: norm at step {step}")
+            for k, v in ref_params.items():
+                _close(params[k], v, f"{where}: param {k} after {STEPS} clipped steps")
+
+
 MEMORY_MODELS = ("gpt2-tiny", "llama-tiny", "bert-tiny")
 
 
