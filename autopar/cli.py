@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--profile", default="h100", help="device profile from configs/devices (default h100)")
     pl.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
     pl.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
-    pl.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="training precision")
+    pl.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "bf16", "bf16-pure"),
+        help="training precision: fp32, bf16 (mixed, float32 master weights) or bf16-pure (no float32 copy)",
+    )
     pl.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd_momentum | none")
     pl.add_argument("--solver", default="dp", choices=("dp", "ilp"), help="exact DP (default) or the CP-SAT model")
     pl.add_argument("--format", default="table", choices=("table", "json"))

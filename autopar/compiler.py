@@ -422,6 +422,7 @@ def compile(
     input_placements=None,
     output_placements=None,
     strict: bool = False,
+    dtype: str | None = None,
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
@@ -445,6 +446,11 @@ def compile(
     ``hints``, ``input_placements``, ``output_placements``, ``strict``: semi-auto
     mode, passed to the planner as in ``autopar.plan`` (ignored with ``plan=``).
 
+    ``dtype``: the training precision the plan prices (``costmodel.PRECISIONS``);
+    None: the one the model's parameters are in (``training_precision``): float32
+    parameters "fp32", bfloat16 ones "bf16-pure" (bf16 compute, gradients and
+    optimizer state, as torch.optim keeps them).
+
     A ``plan=`` is checked against the model (mesh, parameter names and shapes,
     input shapes) before anything runs, on every rank alike.
     """
@@ -460,6 +466,7 @@ def compile(
             "shapes, or use input_mode='global'"
         )
     plan_obj = None if plan is None else _load_plan(plan, mesh, model)
+    dtype = dtype or training_precision(model)
     groups = MeshGroups(mesh)
     full_params = _full_parameters(model, state_dict, weights_from_rank0)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
@@ -477,6 +484,7 @@ def compile(
                 profile=profile,
                 family=family,
                 allow_state_sharding=allow_state_sharding,
+                dtype=dtype,
                 hint_options={
                     "hints": hints,
                     "input_placements": input_placements,
@@ -510,8 +518,37 @@ def compile(
     return sharded
 
 
+def training_precision(model: nn.Module) -> str:
+    """The ``costmodel.PRECISIONS`` name of training ``model`` as it is, from its floating parameters' dtypes.
+
+    All float32 (or none): "fp32"; all bfloat16: "bf16-pure".  Any other mix is
+    priced as "fp32" (the larger figures), with a warning naming the dtypes.
+    """
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes == {torch.bfloat16}:
+        return "bf16-pure"
+    if dtypes - {torch.float32}:
+        log.warning(
+            "%s has %s parameters: the plan prices fp32 training (pass compile(dtype=...) to choose)",
+            type(model).__name__,
+            ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)),
+        )
+    return "fp32"
+
+
 def _plan_on_rank0(
-    model, mesh, args, kwargs, groups, *, mem_cap, profile, family, allow_state_sharding=True, hint_options=None
+    model,
+    mesh,
+    args,
+    kwargs,
+    groups,
+    *,
+    mem_cap,
+    profile,
+    family,
+    allow_state_sharding=True,
+    hint_options=None,
+    dtype="fp32",
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
@@ -530,7 +567,7 @@ def _plan_on_rank0(
                 example_inputs=args,
                 example_kwargs=kwargs,
                 profile=profile or _default_profile(groups),
-                dtype="fp32",
+                dtype=dtype,
                 **(hint_options or {}),
             )
             graph = ctx.graph

@@ -36,6 +36,9 @@ class TrainingPrecision:
 
     ``master_weights``: the optimizer keeps a float32 copy of every parameter it
     updates (mixed precision), counted with the optimizer state.
+    ``optimizer_state_dtype``: the dtype of the optimizer's state tensors when the
+    precision fixes it (torch.optim keeps them like the parameter: bf16 for bf16
+    parameters); None: the optimizer's own (``OptimizerSpec.state_dtype``).
     """
 
     name: str
@@ -43,6 +46,7 @@ class TrainingPrecision:
     grad_dtype: torch.dtype
     compute_dtype: torch.dtype
     master_weights: bool
+    optimizer_state_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,16 @@ class ModelStateBytes:
 PRECISIONS: dict[str, TrainingPrecision] = {
     "fp32": TrainingPrecision("fp32", torch.float32, torch.float32, torch.float32, master_weights=False),
     "bf16": TrainingPrecision("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16, master_weights=True),
+    # a model whose parameters are bf16, trained by a torch.optim optimizer as it is: no float32
+    # copy, and the optimizer's state tensors are bf16 like the parameters (zeros_like(p))
+    "bf16-pure": TrainingPrecision(
+        "bf16-pure",
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.bfloat16,
+        master_weights=False,
+        optimizer_state_dtype=torch.bfloat16,
+    ),
 }
 
 # Adam(W) keeps exp_avg and exp_avg_sq (Kingma & Ba 2015; torch.optim.AdamW);
@@ -86,7 +100,7 @@ _MASTER_DTYPE = torch.float32
 
 
 def precision(name: str) -> TrainingPrecision:
-    """The training precision called ``name`` ("fp32" or "bf16")."""
+    """The training precision called ``name`` ("fp32", "bf16" (mixed, float32 master weights) or "bf16-pure")."""
     try:
         return PRECISIONS[name]
     except KeyError:
@@ -115,7 +129,8 @@ def model_state_bytes(
         if isinstance(value, bool) or int(value) != value or value < 0:
             raise ValueError(f"model_state_bytes: {label} must be an int >= 0, got {value!r}")
     master = _MASTER_DTYPE.itemsize if precision.master_weights else 0
-    per_state = optimizer.states_per_param * optimizer.state_dtype.itemsize + master
+    state_dtype = precision.optimizer_state_dtype or optimizer.state_dtype
+    per_state = optimizer.states_per_param * state_dtype.itemsize + master
     return ModelStateBytes(
         params=int(param_numel_local) * precision.param_dtype.itemsize,
         grads=int(state_numel_local) * precision.grad_dtype.itemsize,

@@ -477,6 +477,8 @@ def test_adamw_model_state_bytes_per_param():
     assert (fp32.params, fp32.grads, fp32.optimizer, fp32.total) == (4000, 4000, 8000, 16000)
     bf16 = cm.model_state_bytes(1000, 1000, cm.precision("bf16"), adamw)
     assert (bf16.params, bf16.grads, bf16.optimizer, bf16.total) == (2000, 2000, 12000, 16000)
+    pure = cm.model_state_bytes(1000, 1000, cm.precision("bf16-pure"), adamw)  # AdamW state like the bf16 params
+    assert (pure.params, pure.grads, pure.optimizer, pure.total) == (2000, 2000, 4000, 8000)
 
 
 def test_zero_shards_state_not_params():
@@ -493,7 +495,7 @@ def test_optimizer_specs(name, states):
 
 
 def test_unknown_precision_and_optimizer():
-    with pytest.raises(ValueError, match=r"unknown training precision 'fp8'.*\['bf16', 'fp32'\]"):
+    with pytest.raises(ValueError, match=r"unknown training precision 'fp8'.*\['bf16', 'bf16-pure', 'fp32'\]"):
         cm.precision("fp8")
     with pytest.raises(ValueError, match=r"unknown optimizer 'lion'.*adamw"):
         cm.optimizer_spec("lion")

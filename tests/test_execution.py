@@ -347,6 +347,33 @@ def test_model_state_bytes_held_equal_the_plan(memory_runs):
                 assert held[key] <= planned[key], f"{where}: {key} held {held[key]} > planned {planned[key]}"
 
 
+def _bf16_memory_rank_fn(rank, world):
+    model, args, kwargs = _model("llama-tiny")
+    model.to(torch.bfloat16)
+    out = []
+    for family in (None, "tensor parallel"):
+        sharded = _compile(model, args, kwargs, (world,), ("tp",), family, PARTITIONING_PROFILE)
+        opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
+        sharded(*args, **kwargs)[0].float().backward()
+        opt.step()
+        out.append((family, sharded.plan.settings["dtype"], sharded.model_state_bytes(opt), sharded.plan.memory))
+    return out
+
+
+def test_bf16_model_is_planned_as_it_trains():
+    """A model whose parameters are bf16 is planned as "bf16-pure": bf16 parameters, gradients and AdamW state
+    (torch.optim keeps them like the parameter), no float32 copy; the bytes held equal the plan's."""
+    for rank, runs in enumerate(run_ranks(_bf16_memory_rank_fn, 2, timeout_s=300)):
+        for family, dtype, held, planned in runs:
+            where = f"llama-tiny bf16, rank {rank}, plan {family or 'auto'}"
+            assert dtype == "bf16-pure", where
+            for key in ("params", "grads", "optimizer"):
+                if rank == 0:
+                    assert held[key] == planned[key], f"{where}: {key} held {held[key]} != planned {planned[key]}"
+                else:
+                    assert held[key] <= planned[key], f"{where}: {key} held {held[key]} > planned {planned[key]}"
+
+
 def test_saved_activations_within_ten_percent_of_the_plan(memory_runs):
     """Issue 3, done-when 4 (activations): bytes saved for backward in one forward vs the plan's figure.
 
