@@ -75,6 +75,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from costmodel import optimizer_spec, precision
+
 from .capture import OpGraph, capture
 from .executor import ExecutionPlan, RunState, SavedBytes, lower
 from .layout import shard_tensor
@@ -423,6 +425,7 @@ def compile(
     output_placements=None,
     strict: bool = False,
     dtype: str | None = None,
+    optimizer: str = "adamw",
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
@@ -449,7 +452,9 @@ def compile(
     ``dtype``: the training precision the plan prices (``costmodel.PRECISIONS``);
     None: the one the model's parameters are in (``training_precision``): float32
     parameters "fp32", bfloat16 ones "bf16-pure" (bf16 compute, gradients and
-    optimizer state, as torch.optim keeps them).
+    optimizer state, as torch.optim keeps them).  ``optimizer``: the one whose
+    state the plan's memory counts (``costmodel.OPTIMIZERS``: "adamw", "adam",
+    "sgd", "sgd_momentum", "none"); any torch optimizer runs whatever it says.
 
     A ``plan=`` is checked against the model (mesh, parameter names and shapes,
     input shapes) before anything runs, on every rank alike.
@@ -467,6 +472,7 @@ def compile(
         )
     plan_obj = None if plan is None else _load_plan(plan, mesh, model)
     dtype = dtype or training_precision(model)
+    precision(dtype), optimizer_spec(optimizer)  # unknown names fail here, on every rank alike
     groups = MeshGroups(mesh)
     full_params = _full_parameters(model, state_dict, weights_from_rank0)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
@@ -485,6 +491,7 @@ def compile(
                 family=family,
                 allow_state_sharding=allow_state_sharding,
                 dtype=dtype,
+                optimizer=optimizer,
                 hint_options={
                     "hints": hints,
                     "input_placements": input_placements,
@@ -549,6 +556,7 @@ def _plan_on_rank0(
     allow_state_sharding=True,
     hint_options=None,
     dtype="fp32",
+    optimizer="adamw",
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
@@ -568,6 +576,7 @@ def _plan_on_rank0(
                 example_kwargs=kwargs,
                 profile=profile or _default_profile(groups),
                 dtype=dtype,
+                optimizer=optimizer,
                 **(hint_options or {}),
             )
             graph = ctx.graph

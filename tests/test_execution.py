@@ -350,10 +350,24 @@ def test_model_state_bytes_held_equal_the_plan(memory_runs):
 def _bf16_memory_rank_fn(rank, world):
     model, args, kwargs = _model("llama-tiny")
     model.to(torch.bfloat16)
+    import autopar
+
     out = []
-    for family in (None, "tensor parallel"):
-        sharded = _compile(model, args, kwargs, (world,), ("tp",), family, PARTITIONING_PROFILE)
-        opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
+    runs = ((None, "adamw", lambda ps: torch.optim.AdamW(ps, **ADAMW)),) + (
+        ("tensor parallel", "sgd_momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    )
+    for family, optimizer, make in runs:
+        mesh = autopar.Mesh((world,), axis_names=("tp",))
+        sharded = autopar.compile(
+            model,
+            mesh,
+            example_inputs=args,
+            example_kwargs=kwargs,
+            family=family,
+            profile=PARTITIONING_PROFILE,
+            optimizer=optimizer,
+        )
+        opt = make(sharded.parameters())
         sharded(*args, **kwargs)[0].float().backward()
         opt.step()
         out.append((family, sharded.plan.settings["dtype"], sharded.model_state_bytes(opt), sharded.plan.memory))
@@ -361,8 +375,9 @@ def _bf16_memory_rank_fn(rank, world):
 
 
 def test_bf16_model_is_planned_as_it_trains():
-    """A model whose parameters are bf16 is planned as "bf16-pure": bf16 parameters, gradients and AdamW state
-    (torch.optim keeps them like the parameter), no float32 copy; the bytes held equal the plan's."""
+    """A model whose parameters are bf16 is planned as "bf16-pure": bf16 parameters, gradients and optimizer
+    state (torch.optim keeps them like the parameter), no float32 copy; the bytes held after a step of AdamW,
+    and of SGD with momentum planned with optimizer="sgd_momentum", equal the plan's."""
     for rank, runs in enumerate(run_ranks(_bf16_memory_rank_fn, 2, timeout_s=300)):
         for family, dtype, held, planned in runs:
             where = f"llama-tiny bf16, rank {rank}, plan {family or 'auto'}"
