@@ -430,7 +430,8 @@ def compile(
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
     Must be called on every rank inside an initialized default process group whose
-    world size equals ``mesh.size``.  ``family`` forces the search into one family
+    world size equals ``mesh.size``; ``mesh`` is an ``autopar.Mesh`` or a torch
+    ``DeviceMesh`` (``Mesh.from_device_mesh``).  ``family`` forces the search into one family
     (``"data parallel"``, ``"sharded parameters"``, ``"tensor parallel"``);
     ``allow_state_sharding=False`` keeps every gradient and optimizer state with its
     parameter (no ZeRO-1/2; see ``runtime/zero.py`` for how ZeRO plans run).
@@ -461,8 +462,13 @@ def compile(
     """
     from .runtime.groups import MeshGroups
 
+    if type(mesh).__name__ == "DeviceMesh" and hasattr(mesh, "mesh_dim_names"):  # torch's, as DTensor users hold
+        mesh = Mesh.from_device_mesh(mesh)
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh")
+        raise TypeError(
+            f"mesh {mesh!r}: expected an autopar.Mesh (e.g. autopar.Mesh((2, 2), axis_names=('dp', 'tp'))) "
+            "or a torch DeviceMesh"
+        )
     lazy = example_inputs is None and example_kwargs is None
     if lazy and input_mode == "local":
         raise ValueError(

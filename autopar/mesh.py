@@ -42,6 +42,12 @@ class Mesh:
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "ranks", rank_ids)
 
+    @classmethod
+    def from_device_mesh(cls, device_mesh) -> Mesh:
+        """The ``Mesh`` of a ``torch.distributed.device_mesh.DeviceMesh``: its shape, dim names and rank layout."""
+        names = device_mesh.mesh_dim_names
+        return cls(tuple(device_mesh.shape), names, ranks=device_mesh.mesh.flatten().tolist())
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

@@ -41,7 +41,11 @@ ratios of the pairs present are printed).  ``--phases`` also prints, per
 variant, rank 0's median wall and CPU (process) time of forward, backward
 (including waiting for gradient buckets) and optimizer step + zero_grad, and the
 time autopar spent waiting for its bucketed gradient all-reduces at the end of
-backward: where a step's time goes, not only how much there is.
+backward: where a step's time goes, not only how much there is.  Every run also
+prints each variant's CPU seconds per step summed over all ranks (process time,
+gloo's threads included) and its ratio: with more ranks than cores (4 on 2 here)
+the ranks take turns on the cores, so the wall time follows the total CPU work and
+the CPU ratio is the steadier of the two.
 
 Notes.  With transformers >= 4.48 Llama attention reshapes with ``-1`` heads, so
 the tensor-parallel peer needs no ``num_heads`` patching (older versions would:
@@ -320,22 +324,29 @@ def _rank(rank: int, world: int, port: int, a) -> None:
                         loss = float(t) / world
                     first_loss[name] = loss
         times: dict[str, list[float]] = {n: [] for n in variants}
+        cpu: dict[str, list[float]] = {n: [] for n in variants}
         phases.on = True
         for it in range(a.iters):
             order = variants[it % len(variants) :] + variants[: it % len(variants)]
             for name in order:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 steps[name]()
+                c1 = time.process_time()
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(c1 - c0)
+        for name in variants:  # every rank's CPU seconds of each step, summed over the ranks
+            total = torch.tensor(cpu[name], dtype=torch.float64)
+            dist.all_reduce(total)
+            cpu[name] = total.tolist()
         if rank == 0:
-            _report(a, world, times, first_loss, plans, build_s, phases if a.phases else None)
+            _report(a, world, times, cpu, first_loss, plans, build_s, phases if a.phases else None)
     finally:
         dist.destroy_process_group()
 
 
-def _report(a, world: int, times, first_loss, plans, build_s: float, phases: _Phases | None) -> None:
+def _report(a, world: int, times, cpu, first_loss, plans, build_s: float, phases: _Phases | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -348,9 +359,10 @@ def _report(a, world: int, times, first_loss, plans, build_s: float, phases: _Ph
     )
     con.print(f"warmup {a.warmup} steps each, then {a.iters} interleaved rounds; setup {build_s:.1f} s")
     t = Table(title="one training step (forward + backward + AdamW), median over rounds", title_justify="left")
-    for col in ("variant", "median", "min", "max", "first loss", "autopar plan"):
+    for col in ("variant", "median", "min", "max", "CPU, all ranks", "first loss", "autopar plan"):
         t.add_column(col, justify="left" if col in ("variant", "autopar plan") else "right")
     med = {n: statistics.median(v) for n, v in times.items()}
+    med_cpu = {n: statistics.median(v) for n, v in cpu.items()}
     for name in times:
         v = times[name]
         t.add_row(
@@ -358,17 +370,21 @@ def _report(a, world: int, times, first_loss, plans, build_s: float, phases: _Ph
             f"{med[name] * 1e3:.1f} ms",
             f"{min(v) * 1e3:.1f} ms",
             f"{max(v) * 1e3:.1f} ms",
+            f"{med_cpu[name] * 1e3:.0f} ms",
             f"{first_loss[name]:.5f}",
             plans.get(name, "-"),
         )
     con.print(t)
-    con.print("ratios: median autopar step / median peer step (< 1: autopar faster)")
+    con.print(
+        "ratios: median autopar step / median peer step (< 1: autopar faster); CPU: the same for the CPU "
+        "seconds all ranks spent in a step (on a box with fewer cores than ranks the wall time follows it)"
+    )
     r = Table()
-    for col in ("pair", "ratio"):
+    for col in ("pair", "ratio", "CPU ratio"):
         r.add_column(col, justify="left" if col == "pair" else "right")
     for mine, peer in PAIRS:
         if mine in med and peer in med:
-            r.add_row(f"{mine} / {peer}", f"{med[mine] / med[peer]:.2f}")
+            r.add_row(f"{mine} / {peer}", f"{med[mine] / med[peer]:.2f}", f"{med_cpu[mine] / med_cpu[peer]:.2f}")
     con.print(r)
     if phases is not None:
         p = Table(title="rank 0 per phase, median ms: wall (CPU of this process)", title_justify="left")

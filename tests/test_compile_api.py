@@ -172,6 +172,14 @@ def _lazy_rank_fn(rank, world):
         )
     )
     out["local_mode"] = _local_mode(rank, mesh, args, kwargs)
+    # a torch DeviceMesh, as DTensor users hold one, is taken as the autopar.Mesh it describes
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    via = autopar.compile(
+        _model("gpt2-tiny")[0], device_mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE
+    )
+    out["device_mesh"] = (via.mesh, float(via(*args, **kwargs)[0]))
     # ranks that disagree on the input shapes of a lazy compile: every rank raises, none waits
     uneven = autopar.compile(_model("gpt2-tiny")[0], mesh)
     mine = {k: v[: v.shape[0] - rank] if torch.is_tensor(v) else v for k, v in kwargs.items()}
@@ -209,6 +217,9 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
         assert "compile again with example inputs" in out["other_shape"]
         assert "input_ids: shape (2, 16) given, (4, 16) in the plan" in out["plan_other_inputs"], out
         assert "the ranks got inputs of different shapes" in out["ranks_disagree"], out["ranks_disagree"]
+        dm_mesh, dm_loss = out["device_mesh"]
+        assert dm_mesh == autopar.Mesh((2,), axis_names=("tp",)), dm_mesh
+        torch.testing.assert_close(torch.tensor(dm_loss), ref_losses[0], rtol=1e-4, atol=1e-5)
         # input_mode='local': each rank's own pieces give the global mode's loss; a global batch is refused
         local = out["local_mode"]
         assert local["shapes"] and local["split"], local
