@@ -159,6 +159,8 @@ class ShardedModule(nn.Module):
         for fqn, full in full_params.items():
             _set_param(self, fqn, nn.Parameter(full.detach(), requires_grad=full.requires_grad))
         self._buffers_full = {k: v.to(groups.device) for k, v in buffers.items()}
+        # buffer fqn -> (this rank's piece forward reads and updates, its placement, the full shape)
+        self._buffer_pieces: dict[str, tuple[torch.Tensor, tuple, tuple[int, ...]]] = {}
         self._state_keys = list(state_keys)
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
@@ -247,7 +249,11 @@ class ShardedModule(nn.Module):
                 full = self._buffers_full.get(n.fqn)
                 if full is None:  # a constant export lifted out of forward: not a model buffer
                     full = self._graph.constants[n.fqn].to(self._groups.device)
-                out.append((None, shard_tensor(full, self._xplan.sources[n.name][0], self.mesh.shape, self._coord)))
+                placement = self._xplan.sources[n.name][0]
+                piece = shard_tensor(full, placement, self.mesh.shape, self._coord)
+                if n.fqn in self._buffers_full:  # what forward updates in place (running statistics) lives here
+                    self._buffer_pieces[n.fqn] = (piece, placement, n.outputs[0].shape)
+                out.append((None, piece))
             elif n.kind == "input":
                 out.append((n, None))
         return out
@@ -323,6 +329,14 @@ class ShardedModule(nn.Module):
         full = tuple(Replicate() for _ in self.mesh.shape)
         return redistribute_local(local.detach(), meta, placement, full, self._groups)
 
+    def _full_buffer(self, fqn: str) -> torch.Tensor:
+        """The buffer's current full value, from the piece forward reads (and updates: running statistics)."""
+        from .runtime.redistribute import redistribute_local
+
+        piece, placement, shape = self._buffer_pieces[fqn]
+        full = tuple(Replicate() for _ in self.mesh.shape)
+        return redistribute_local(piece.detach(), TensorMeta(shape, piece.dtype), placement, full, self._groups)
+
     def _state_placement(self, fqn: str):
         """(param node, placement) of the parameter ``fqn``: where it and its gradient live (the state placement)."""
         node = self._graph.nodes[next(n.index for n in self._graph.params() if n.fqn == fqn)]
@@ -351,6 +365,7 @@ class ShardedModule(nn.Module):
         for alias, canon in self._graph.tied.items():
             out[alias] = out[canon]
         out.update({k: v.clone() for k, v in self._buffers_full.items()})
+        out.update({k: self._full_buffer(k) for k in self._buffer_pieces})
         return {k: out[k] for k in self._state_keys}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:

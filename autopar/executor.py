@@ -53,8 +53,16 @@ is in eval mode (``RunState.training`` False, from ``ShardedModule.eval()``), th
 ops whose behaviour ``nn.Module.eval()`` switches in the aten graph run their
 eval form: dropout (``aten.dropout``, ``aten.native_dropout``: ``train=False``)
 and attention dropout (``scaled_dot_product_attention``: ``dropout_p=0``)
-(``EVAL_FORMS``).  Python branches on ``self.training`` inside the model were
-decided when it was traced (train mode) and stay so.
+and batch norm (``training=False``: the running statistics, not the batch's)
+(``EVAL_FORMS``); ops that write into a model buffer (``num_batches_tracked.add_(1)``)
+are skipped, as a module in eval mode updates no running statistics.  Python
+branches on ``self.training`` inside the model were decided when it was traced
+(train mode) and stay so.
+
+Buffers the forward writes (batch norm's running statistics and counter): the op
+gets this rank's persistent piece of the buffer itself, so the update stays for
+the next call and ``full_state_dict``; a plan that would hand it a moved copy is
+refused (``_check_buffer_writes``), never a silently dropped update.
 """
 
 from __future__ import annotations
@@ -96,7 +104,40 @@ EVAL_FORMS = {
     aten.dropout.default: ("train", False),
     aten.native_dropout.default: ("train", False),
     aten.scaled_dot_product_attention.default: ("dropout_p", 0.0),
+    aten.batch_norm.default: ("training", False),
+    aten.native_batch_norm.default: ("training", False),
+    aten._native_batch_norm_legit.default: ("training", False),
 }
+# composite ops whose schema does not mark the arguments they update in place (in training)
+_UNDECLARED_WRITES = {
+    aten.batch_norm.default: ("running_mean", "running_var"),
+    aten.native_batch_norm.default: ("running_mean", "running_var"),
+}
+
+
+def written_arguments(target) -> set[str]:
+    """Names of the arguments ``target`` writes in place: its schema's ``(a!)`` ones and ``_UNDECLARED_WRITES``."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return set()
+    marked = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    return marked | set(_UNDECLARED_WRITES.get(target, ()))
+
+
+def _written_buffers(fxn: fx.Node, by_fx: dict) -> list[tuple[int, Any]]:
+    """(tensor input position, buffer OpNode) of each model buffer ``fxn`` writes in place."""
+    names = written_arguments(fxn.target)
+    if not names:
+        return []
+    params = [a.name for a in fxn.target._schema.arguments]
+    written = {fxn.kwargs[n] for n in names if n in fxn.kwargs}
+    written |= {a for i, a in enumerate(fxn.args) if i < len(params) and params[i] in names}
+    out = []
+    for pos, a in enumerate(_tensor_args(fxn)):
+        node = by_fx.get(a)
+        if a in written and node is not None and node.kind == "buffer":
+            out.append((pos, node))
+    return out
 
 
 def _eval_form(target, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -330,6 +371,8 @@ class OpStep(_Step):
     coordinates) of a random op; the RNG seed also takes ``state.step``.
     ``eval_target``: the aten op whose ``EVAL_FORMS`` entry applies when
     ``state.training`` is False (then no RNG is forked: the eval form draws nothing).
+    ``eval_skips``: the op only writes a model buffer, and in eval mode is not run
+    (its first argument, the buffer, is returned unchanged).
     """
 
     def __init__(
@@ -343,11 +386,12 @@ class OpStep(_Step):
         rng_devices=(),
         instrument=False,
         eval_target=None,
+        eval_skips=False,
     ):
         super().__init__(name, state)
         self.fn, self.regather, self.seed_key, self.instrument = fn, tuple(regather), seed_key, instrument
         self.rng_devices = list(rng_devices)
-        self.eval_target = eval_target
+        self.eval_target, self.eval_skips = eval_target, eval_skips
 
     def seed(self, step: int) -> int:
         seed, index, coords = self.seed_key
@@ -360,7 +404,9 @@ class OpStep(_Step):
             gathered = tuple((full, (local, move)) for (full, local), move in zip(args[0], self.regather))
             args = args[1:]
         with _regather_saved(gathered, state.counter, state.saved if self.instrument else None, self.__name__):
-            if self.eval_target is not None and not state.training:
+            if self.eval_skips and not state.training:
+                out = args[0]
+            elif self.eval_target is not None and not state.training:
                 args, kwargs = _eval_form(self.eval_target, args, kwargs)
                 out = self.fn(*args, **kwargs)
             elif self.seed_key is None:
@@ -389,6 +435,19 @@ class _TraceDecomposed(_Step):
     def __call__(self, x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> None:
         if self.state.trace is not None:
             self.state.trace.update(decomposed_values(self.group, x, index, valid))
+
+
+def _check_buffer_writes(xplan: ExecutionPlan, opnode, ex: NodeExec, writes: list) -> None:
+    """An op that writes a buffer must get the buffer's persistent piece: no move on that edge."""
+    for pos, buf in writes:
+        src = xplan.output_placement(buf.name, 0)
+        if src != ex.inputs[pos]:
+            raise ValueError(
+                f"node {opnode.name} ({opnode.target}) updates buffer {buf.fqn} in place (running statistics), "
+                f"but the plan hands it the buffer at {ex.inputs[pos]} while the buffer is kept at {src}: the update "
+                "would land in a moved copy and be lost. Fix: re-plan (the planner keeps such buffers where the op "
+                "reads them) or keep the buffer replicated with a hint"
+            )
 
 
 def _moves_nothing(producer, src, dst, grad_src, grad_dst) -> bool:
@@ -548,7 +607,11 @@ def lower(
         args, kwargs = localize_size_args(fxn.target, tuple(args), dict(kwargs), shapes)
         fn = _kernel(xplan, opnode, ex, coord)
         random = fxn.target in RANDOM_OPS
-        if instrument or random or regather or fn is not fxn.target:
+        writes = _written_buffers(fxn, by_fx)
+        _check_buffer_writes(xplan, opnode, ex, writes)
+        # an op that writes a buffer and is no EVAL_FORMS op (num_batches_tracked.add_(1)) does not run in eval
+        skips = bool(writes) and fxn.target not in EVAL_FORMS
+        if instrument or random or regather or fn is not fxn.target or fxn.target in EVAL_FORMS or skips:
             fn = OpStep(
                 opnode.name,
                 state,
@@ -558,6 +621,7 @@ def lower(
                 rng_devices=rng_devices,
                 instrument=instrument,
                 eval_target=fxn.target if fxn.target in EVAL_FORMS else None,
+                eval_skips=skips,
             )
             if regather:
                 args = (tuple(pair for pair, _ in regather), *args)

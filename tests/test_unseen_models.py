@@ -261,3 +261,59 @@ def test_copy_into_an_intermediate_is_rewritten_with_gradients():
     (g_got,) = torch.autograd.grad(got.sum(), x)
     (g_want,) = torch.autograd.grad(want.sum(), x)
     torch.testing.assert_close(g_got, g_want)
+
+
+def _resnet():
+    """Hugging Face's ResNet (batch norm: running statistics and a counter the forward updates in place)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 12], depths=[1, 1], num_labels=5, layer_type="basic")
+    model = ResNetForImageClassification(config)
+    gen = torch.Generator().manual_seed(1)
+    pixels, labels = torch.randn(BATCH, 3, 20, 20, generator=gen), torch.randint(0, 5, (BATCH,), generator=gen)
+    return model, (pixels,), {"labels": labels}
+
+
+def _batch_norm_run(model, call, args, kwargs, state):
+    """Two SGD steps in train mode, then two eval-mode forwards: (state after training, eval logits, state after)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        call(*args, **kwargs)[0].backward()
+        opt.step()
+        opt.zero_grad()
+    trained = state()
+    model.eval()
+    with torch.no_grad():
+        logits = [call(*args, **kwargs)[1] for _ in range(2)]
+    return trained, logits, state()
+
+
+def _batch_norm_rank_fn(rank, world):
+    import autopar
+
+    model, args, kwargs = _resnet()
+    sharded = autopar.compile(
+        model, autopar.Mesh((world,)), example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE
+    )
+    return _batch_norm_run(sharded, _loss_and_logits(sharded), args, kwargs, sharded.full_state_dict)
+
+
+def test_batch_norm_running_statistics_train_and_evaluate_like_one_device():
+    """Buffers the forward updates (running mean/var, num_batches_tracked) keep their updates on the ranks and in
+    full_state_dict; eval mode normalizes with them and updates nothing, as model.eval() does."""
+    model, args, kwargs = _resnet()
+
+    def call(*a, **k):
+        out = model(*a, **k)
+        return out.loss, out.logits
+
+    want = _batch_norm_run(model, call, args, kwargs, lambda: {k: v.clone() for k, v in model.state_dict().items()})
+    assert int(want[0]["resnet.embedder.embedder.normalization.num_batches_tracked"]) == 2
+    for rank, (trained, logits, after_eval) in enumerate(run_ranks(_batch_norm_rank_fn, 2, timeout_s=300)):
+        for got, ref, when in ((trained, want[0], "after training"), (after_eval, want[2], "after eval")):
+            assert got.keys() == ref.keys(), rank
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k} {when}")
+        for got in logits:
+            torch.testing.assert_close(got, want[1][0], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: eval logits")
