@@ -8,9 +8,10 @@ each *family* so the report can show why the winner won:
 * ``sharded parameters``: every parameter that can be is stored sharded and read
   whole by its consumers, so it is all-gathered before use and its gradient
   reduce-scattered (ZeRO-3/FSDP);
-* ``tensor parallel``: every weight matrix stored sharded and read in that
-  placement (never all-gathered), state kept with it; vectors (biases, norm
-  weights) may stay replicated, as in Megatron.
+* ``tensor parallel``: every weight matrix that its ops can read sharded stored
+  sharded and read in that placement (never all-gathered), state kept with it;
+  vectors (biases, norm weights) and matrices only a replicated op reads (a
+  convolution) may stay replicated, as in Megatron.
 
 Families are restrictions of the one search space, not rules that build plans.
 User hints (``hints=``, ``input_placements=``, ``output_placements=``, and
@@ -404,6 +405,21 @@ def _is_sharded(placement) -> bool:
     return any(isinstance(p, Shard) for p in placement)
 
 
+def _read_sharded(ctx: PlanningContext, param: int) -> bool:
+    """Whether some sharded placement of ``param`` is one every op using it can read as it is (no move).
+
+    The tensor-parallel family shards exactly those matrices: a weight only a
+    replicated op reads (a convolution without a rule, ViT's patch embedding) stays
+    whole, as Megatron leaves such layers.
+    """
+    strategies = ctx.cand.strategies
+    uses = [(v, pos) for v, n in enumerate(ctx.graph.nodes) for pos, (u, _) in enumerate(n.inputs) if u == param]
+    for placement in {st.placement for st in strategies[param] if _is_sharded(st.placement)}:
+        if uses and all(any(st.inputs[pos] == placement for st in strategies[v]) for v, pos in uses):
+            return True
+    return False
+
+
 def family_restriction(ctx: PlanningContext, family: str):
     """(allow_node, allow_edge) that confine the search to one family."""
     params = _param_nodes(ctx)
@@ -435,11 +451,7 @@ def family_restriction(ctx: PlanningContext, family: str):
 
         return allow_node, None
     if family == "tensor parallel":
-        matrices = {
-            i
-            for i in params
-            if ctx.graph.nodes[i].outputs[0].ndim >= 2 and any(_is_sharded(st.placement) for st in strategies[i])
-        }
+        matrices = {i for i in params if ctx.graph.nodes[i].outputs[0].ndim >= 2 and _read_sharded(ctx, i)}
 
         def allow_node(i: int, s: int) -> bool:
             if i in params:

@@ -27,7 +27,8 @@ once (the order rotates per round), each step timed on rank 0 between two
 barriers, so the slowest rank sets the time and background load hits every
 variant alike.  It prints the median step time of each variant and the ratios.
 
-How to read the ratios.  ``autopar auto / torch TP``, ``autopar TP / torch TP`` and
+How to read the ratios.  ``autopar auto / torch TP``, ``autopar auto / torch DDP``
+(the plan a user gets by default against each peer), ``autopar TP / torch TP`` and
 ``autopar DP / torch DDP`` are median autopar time over median peer time from this
 run: below 1.0 autopar is faster, above 1.0 slower (1.25 = 25 % slower).  CPU gloo
 timings say how much overhead autopar's interpreter and collectives add relative
@@ -83,6 +84,7 @@ VARIANTS = ("autopar auto", "autopar TP", "torch TP", "autopar DP", "torch DDP",
 DEFAULT_VARIANTS = VARIANTS[:5]
 PAIRS = (
     ("autopar auto", "torch TP"),
+    ("autopar auto", "torch DDP"),
     ("autopar TP", "torch TP"),
     ("autopar DP", "torch DDP"),
     ("autopar DP unfused", "torch DDP"),

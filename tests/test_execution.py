@@ -73,7 +73,7 @@ def _train(model_fn, args, kwargs, counter=None):
             first_grads = (
                 model.full_grads()
                 if hasattr(model, "full_grads")
-                else {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+                else {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
             )
         opt.step()
         opt.zero_grad()
@@ -145,7 +145,10 @@ def _assert_trains_alike(got: tuple, want: tuple, where: str) -> None:
     _close(logits, ref_logits, f"{where}: logits")
     assert grads.keys() == ref_grads.keys(), where
     for k in ref_grads:
-        _close(grads[k], ref_grads[k], f"{where}: grad {k}")
+        if ref_grads[k] is None:  # a frozen parameter (requires_grad=False): none on the ranks either
+            assert grads[k] is None, f"{where}: grad {k} exists, the model has none"
+        else:
+            _close(grads[k], ref_grads[k], f"{where}: grad {k}")
     assert params.keys() == ref_params.keys(), where
     for k in ref_params:
         _close(params[k], ref_params[k], f"{where}: param {k} after {STEPS} steps")

@@ -317,3 +317,63 @@ def test_batch_norm_running_statistics_train_and_evaluate_like_one_device():
                 torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k} {when}")
         for got in logits:
             torch.testing.assert_close(got, want[1][0], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: eval logits")
+
+
+def _vision_audio(arch: str):
+    """Hugging Face architectures beyond text: a convolution front end autopar has no sharding rule for."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if arch == "vit":  # patch embedding: a Conv2d
+        config = tf.ViTConfig(
+            image_size=16, patch_size=4, hidden_size=24, num_hidden_layers=2, num_attention_heads=3,
+            intermediate_size=50, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        pixels = torch.randn(BATCH, 3, 16, 16, generator=gen)
+        return tf.ViTForImageClassification(config), (pixels,), {"labels": torch.randint(0, 5, (BATCH,), generator=gen)}
+    config = tf.WhisperConfig(  # audio encoder-decoder: two Conv1d, frozen sinusoidal positions
+        vocab_size=101, d_model=24, encoder_layers=1, decoder_layers=1, encoder_attention_heads=3,
+        decoder_attention_heads=3, encoder_ffn_dim=40, decoder_ffn_dim=40, num_mel_bins=8, max_source_positions=8,
+        max_target_positions=16, dropout=0.0, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    features, labels = torch.randn(BATCH, 8, 16, generator=gen), torch.randint(3, 101, (BATCH, 6), generator=gen)
+    return tf.WhisperForConditionalGeneration(config), (features,), {"labels": labels}
+
+
+def _vision_audio_rank_fn(rank, world, archs):
+    import autopar
+
+    out = {}
+    for arch in archs:
+        model, args, kwargs = _vision_audio(arch)
+        sharded = autopar.compile(
+            model,
+            autopar.Mesh((world,)),
+            example_inputs=args,
+            example_kwargs=kwargs,
+            family="tensor parallel",
+            profile=PARTITIONING_PROFILE,
+        )
+        sharded_params = [k for k, v in sharded.plan.params.items() if any("S" in p for p in v["placements"])]
+        out[arch] = (sharded_params, _train((sharded, _loss_and_logits(sharded)), args, kwargs))
+    return out
+
+
+def test_vision_and_audio_models_train_tensor_parallel_like_one_device():
+    """ViT and Whisper under the forced tensor-parallel family: their linear layers shard, the convolutions only a
+    replicated op reads stay whole (the family used to have no plan at all), and training matches one device."""
+    archs = ("vit", "whisper")
+    results = run_ranks(_vision_audio_rank_fn, 2, archs, timeout_s=600)
+    for arch in archs:
+        model, args, kwargs = _vision_audio(arch)
+
+        def call(*a, model=model, **k):
+            out = model(*a, **k)
+            return out.loss, out.logits
+
+        want = _train((model, call), args, kwargs)
+        for rank, per_arch in enumerate(results):
+            sharded_params, got = per_arch[arch]
+            assert any(k.endswith("proj.weight") for k in sharded_params), f"{arch}: no projection sharded"
+            _assert_trains_alike(got, want, f"{arch} tensor parallel, rank {rank}")
