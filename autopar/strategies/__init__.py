@@ -9,7 +9,18 @@ from .base import AxisStrategy, OpCall, OpComm, OpStrategy, expand_to_mesh, regi
 __all__ = ["AxisStrategy", "OpCall", "OpComm", "OpStrategy", "expand_to_mesh", "register", "rule_for"]
 
 #: Every rule module; importing one registers its rules.
-RULE_MODULES = ("matmul", "pointwise", "reductions", "norms", "views", "embedding", "attention", "misc", "hints")
+RULE_MODULES = (
+    "matmul",
+    "conv",
+    "pointwise",
+    "reductions",
+    "norms",
+    "views",
+    "embedding",
+    "attention",
+    "misc",
+    "hints",
+)
 
 
 def _import_rule_modules() -> bool:
