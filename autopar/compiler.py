@@ -178,6 +178,8 @@ class ShardedModule(nn.Module):
             else:
                 self._zero.add(node.name, node.fqn, full, placement, state, param=param)
         self._graph, self._xplan, self._plan = graph, xplan, plan
+        # parameter FQN -> (its node, the placement it and its gradient live at: the state placement)
+        self._param_state = {n.fqn: (n, xplan.sources[n.name][1]) for n in graph.params()}
         self._local_input_shapes = {
             n.fqn: local_shape(n.outputs[0].shape, xplan.sources[n.name][0], self.mesh.shape, self._coord)
             for n in graph.nodes
@@ -324,23 +326,21 @@ class ShardedModule(nn.Module):
 
         if self._build is not None:  # not compiled yet: parameters (and gradients) are still full
             return local.detach().clone()
-        node, placement = self._state_placement(fqn)
+        node, placement = self._param_state[fqn]
         meta = TensorMeta(node.outputs[0].shape, local.dtype)
-        full = tuple(Replicate() for _ in self.mesh.shape)
-        return redistribute_local(local.detach(), meta, placement, full, self._groups)
+        return redistribute_local(local.detach(), meta, placement, self._replicated, self._groups)
 
     def _full_buffer(self, fqn: str) -> torch.Tensor:
         """The buffer's current full value, from the piece forward reads (and updates: running statistics)."""
         from .runtime.redistribute import redistribute_local
 
         piece, placement, shape = self._buffer_pieces[fqn]
-        full = tuple(Replicate() for _ in self.mesh.shape)
-        return redistribute_local(piece.detach(), TensorMeta(shape, piece.dtype), placement, full, self._groups)
+        meta = TensorMeta(shape, piece.dtype)
+        return redistribute_local(piece.detach(), meta, placement, self._replicated, self._groups)
 
-    def _state_placement(self, fqn: str):
-        """(param node, placement) of the parameter ``fqn``: where it and its gradient live (the state placement)."""
-        node = self._graph.nodes[next(n.index for n in self._graph.params() if n.fqn == fqn)]
-        return node, self._xplan.sources[node.name][1]
+    @property
+    def _replicated(self) -> tuple[Replicate, ...]:
+        return tuple(Replicate() for _ in self.mesh.shape)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """``torch.nn.utils.clip_grad_norm_`` over the full gradients (``runtime/clip.py``); call on every rank.
@@ -352,9 +352,8 @@ class ShardedModule(nn.Module):
         """
         from .runtime.clip import clip_grad_norm_
 
-        full = tuple(Replicate() for _ in self.mesh.shape)
         grads = [
-            (p.grad, full if self._build is not None else self._state_placement(fqn)[1])
+            (p.grad, self._replicated if self._build is not None else self._param_state[fqn][1])
             for fqn, p in self.named_parameters()
         ]
         return clip_grad_norm_(grads, self._groups, max_norm, norm_type, error_if_nonfinite)
@@ -365,7 +364,7 @@ class ShardedModule(nn.Module):
         for alias, canon in self._graph.tied.items():
             out[alias] = out[canon]
         out.update({k: v.clone() for k, v in self._buffers_full.items()})
-        out.update({k: self._full_buffer(k) for k in self._buffer_pieces})
+        out.update({k: self._full_buffer(k) for k in self._buffer_pieces if k in self._state_keys})
         return {k: out[k] for k in self._state_keys}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
@@ -475,9 +474,11 @@ def compile(
     A ``plan=`` is checked against the model (mesh, parameter names and shapes,
     input shapes) before anything runs, on every rank alike.
     """
+    from torch.distributed.device_mesh import DeviceMesh
+
     from .runtime.groups import MeshGroups
 
-    if type(mesh).__name__ == "DeviceMesh" and hasattr(mesh, "mesh_dim_names"):  # torch's, as DTensor users hold
+    if isinstance(mesh, DeviceMesh):  # torch's, as DTensor users hold one
         mesh = Mesh.from_device_mesh(mesh)
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -492,8 +493,9 @@ def compile(
             "shapes, or use input_mode='global'"
         )
     plan_obj = None if plan is None else _load_plan(plan, mesh, model)
-    dtype = dtype or training_precision(model)
-    precision(dtype), optimizer_spec(optimizer)  # unknown names fail here, on every rank alike
+    if plan is None:
+        dtype = dtype or training_precision(model)
+        precision(dtype), optimizer_spec(optimizer)  # unknown names fail here, on every rank alike
     groups = MeshGroups(mesh)
     full_params = _full_parameters(model, state_dict, weights_from_rank0)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}

@@ -53,9 +53,10 @@ is in eval mode (``RunState.training`` False, from ``ShardedModule.eval()``), th
 ops whose behaviour ``nn.Module.eval()`` switches in the aten graph run their
 eval form: dropout (``aten.dropout``, ``aten.native_dropout``: ``train=False``)
 and attention dropout (``scaled_dot_product_attention``: ``dropout_p=0``)
-and batch norm (``training=False``: the running statistics, not the batch's)
-(``EVAL_FORMS``); ops that write into a model buffer (``num_batches_tracked.add_(1)``)
-are skipped, as a module in eval mode updates no running statistics.  Python
+feature and alpha dropout, batch and instance norm with running statistics (which
+they then normalize with, not the batch's) (``EVAL_FORMS``); an op whose only
+effect is a buffer update (``num_batches_tracked.add_(1)``, result unused) is
+skipped, as a module in eval mode updates no running statistics.  Python
 branches on ``self.training`` inside the model were decided when it was traced
 (train mode) and stay so.
 
@@ -98,21 +99,47 @@ RANDOM_OPS = {
     aten.bernoulli.p,
     aten.rand_like.default,
     aten.randn_like.default,
+    aten.feature_dropout.default,
+    aten.alpha_dropout.default,
+    aten.feature_alpha_dropout.default,
 }
 # op -> (argument, the value eval mode gives it): what nn.Module.eval() changes in a train-mode graph
+# (batch and instance norm: only with running statistics; without, eval mode normalizes by the batch too)
 EVAL_FORMS = {
     aten.dropout.default: ("train", False),
     aten.native_dropout.default: ("train", False),
+    aten.feature_dropout.default: ("train", False),
+    aten.alpha_dropout.default: ("train", False),
+    aten.feature_alpha_dropout.default: ("train", False),
     aten.scaled_dot_product_attention.default: ("dropout_p", 0.0),
     aten.batch_norm.default: ("training", False),
     aten.native_batch_norm.default: ("training", False),
     aten._native_batch_norm_legit.default: ("training", False),
+    aten.instance_norm.default: ("use_input_stats", False),
 }
 # composite ops whose schema does not mark the arguments they update in place (in training)
 _UNDECLARED_WRITES = {
     aten.batch_norm.default: ("running_mean", "running_var"),
     aten.native_batch_norm.default: ("running_mean", "running_var"),
+    aten.instance_norm.default: ("running_mean", "running_var"),
 }
+
+
+def _argument(fxn: fx.Node, name: str):
+    """The value ``fxn`` passes for its schema argument ``name`` (positional or keyword; None if absent)."""
+    if name in fxn.kwargs:
+        return fxn.kwargs[name]
+    names = [a.name for a in fxn.target._schema.arguments]
+    at = names.index(name) if name in names else len(fxn.args)
+    return fxn.args[at] if at < len(fxn.args) else None
+
+
+def _has_eval_form(fxn: fx.Node) -> bool:
+    """Whether eval mode changes ``fxn``: an ``EVAL_FORMS`` op (a norm only when it keeps running statistics)."""
+    if fxn.target not in EVAL_FORMS:
+        return False
+    names = {a.name for a in fxn.target._schema.arguments}
+    return "running_mean" not in names or _argument(fxn, "running_mean") is not None
 
 
 def written_arguments(target) -> set[str]:
@@ -129,9 +156,7 @@ def _written_buffers(fxn: fx.Node, by_fx: dict) -> list[tuple[int, Any]]:
     names = written_arguments(fxn.target)
     if not names:
         return []
-    params = [a.name for a in fxn.target._schema.arguments]
-    written = {fxn.kwargs[n] for n in names if n in fxn.kwargs}
-    written |= {a for i, a in enumerate(fxn.args) if i < len(params) and params[i] in names}
+    written = {a for n in names for a in pytree.tree_leaves(_argument(fxn, n)) if isinstance(a, fx.Node)}
     out = []
     for pos, a in enumerate(_tensor_args(fxn)):
         node = by_fx.get(a)
@@ -371,8 +396,8 @@ class OpStep(_Step):
     coordinates) of a random op; the RNG seed also takes ``state.step``.
     ``eval_target``: the aten op whose ``EVAL_FORMS`` entry applies when
     ``state.training`` is False (then no RNG is forked: the eval form draws nothing).
-    ``eval_skips``: the op only writes a model buffer, and in eval mode is not run
-    (its first argument, the buffer, is returned unchanged).
+    ``eval_skips``: the op only writes a model buffer (its result is unused), and in
+    eval mode is not run (its first argument, the buffer it writes, is returned).
     """
 
     def __init__(
@@ -444,9 +469,9 @@ def _check_buffer_writes(xplan: ExecutionPlan, opnode, ex: NodeExec, writes: lis
         if src != ex.inputs[pos]:
             raise ValueError(
                 f"node {opnode.name} ({opnode.target}) updates buffer {buf.fqn} in place (running statistics), "
-                f"but the plan hands it the buffer at {ex.inputs[pos]} while the buffer is kept at {src}: the update "
-                "would land in a moved copy and be lost. Fix: re-plan (the planner keeps such buffers where the op "
-                "reads them) or keep the buffer replicated with a hint"
+                f"but the plan's strategy for it reads the buffer at {ex.inputs[pos]} while the buffer is kept at "
+                f"{src}: the update would land in a moved copy and be lost. Fix: hint the module "
+                f"{opnode.module or '(the op)'} 'replicate', or use a plan whose strategy reads the buffer at {src}"
             )
 
 
@@ -609,9 +634,11 @@ def lower(
         random = fxn.target in RANDOM_OPS
         writes = _written_buffers(fxn, by_fx)
         _check_buffer_writes(xplan, opnode, ex, writes)
-        # an op that writes a buffer and is no EVAL_FORMS op (num_batches_tracked.add_(1)) does not run in eval
-        skips = bool(writes) and fxn.target not in EVAL_FORMS
-        if instrument or random or regather or fn is not fxn.target or fxn.target in EVAL_FORMS or skips:
+        eval_form = _has_eval_form(fxn)
+        # an op whose only effect is a buffer update (num_batches_tracked.add_(1)) does not run in eval; one whose
+        # result is read (a cache-like update) runs in both modes
+        skips = [pos for pos, _ in writes] == [0] and not fxn.users and fxn.target not in EVAL_FORMS
+        if instrument or random or regather or fn is not fxn.target or eval_form or skips:
             fn = OpStep(
                 opnode.name,
                 state,
@@ -620,7 +647,7 @@ def lower(
                 seed_key=_seed_key(seed, opnode, ex, coord) if random else None,
                 rng_devices=rng_devices,
                 instrument=instrument,
-                eval_target=fxn.target if fxn.target in EVAL_FORMS else None,
+                eval_target=fxn.target if eval_form else None,
                 eval_skips=skips,
             )
             if regather:

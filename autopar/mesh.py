@@ -45,8 +45,13 @@ class Mesh:
     @classmethod
     def from_device_mesh(cls, device_mesh) -> Mesh:
         """The ``Mesh`` of a ``torch.distributed.device_mesh.DeviceMesh``: its shape, dim names and rank layout."""
-        names = device_mesh.mesh_dim_names
-        return cls(tuple(device_mesh.shape), names, ranks=device_mesh.mesh.flatten().tolist())
+        ranks = device_mesh.mesh.flatten().tolist()
+        if sorted(ranks) != list(range(len(ranks))) or len(ranks) != _world_size(len(ranks)):
+            raise ValueError(
+                f"DeviceMesh {device_mesh}: autopar needs a mesh over the whole world (ranks 0..world size - 1), "
+                f"got ranks {ranks}; pass the root DeviceMesh, not a slice of it"
+            )
+        return cls(tuple(device_mesh.shape), device_mesh.mesh_dim_names, ranks=ranks)
 
     @property
     def ndim(self) -> int:
@@ -93,3 +98,10 @@ class Mesh:
 
     def __str__(self) -> str:
         return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
+
+
+def _world_size(default: int) -> int:
+    """The default process group's size, or ``default`` when there is none."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else default

@@ -405,7 +405,7 @@ def _is_sharded(placement) -> bool:
     return any(isinstance(p, Shard) for p in placement)
 
 
-def _read_sharded(ctx: PlanningContext, param: int) -> bool:
+def _read_sharded(ctx: PlanningContext, param: int, consumers: dict[int, list[tuple[int, int, int]]]) -> bool:
     """Whether some sharded placement of ``param`` is one every op using it can read as it is (no move).
 
     The tensor-parallel family shards exactly those matrices: a weight only a
@@ -413,7 +413,7 @@ def _read_sharded(ctx: PlanningContext, param: int) -> bool:
     whole, as Megatron leaves such layers.
     """
     strategies = ctx.cand.strategies
-    uses = [(v, pos) for v, n in enumerate(ctx.graph.nodes) for pos, (u, _) in enumerate(n.inputs) if u == param]
+    uses = [(v, pos) for v, pos, _ in consumers[param]]
     for placement in {st.placement for st in strategies[param] if _is_sharded(st.placement)}:
         if uses and all(any(st.inputs[pos] == placement for st in strategies[v]) for v, pos in uses):
             return True
@@ -451,7 +451,8 @@ def family_restriction(ctx: PlanningContext, family: str):
 
         return allow_node, None
     if family == "tensor parallel":
-        matrices = {i for i in params if ctx.graph.nodes[i].outputs[0].ndim >= 2 and _read_sharded(ctx, i)}
+        consumers = ctx.graph.consumers()
+        matrices = {i for i in params if ctx.graph.nodes[i].outputs[0].ndim >= 2 and _read_sharded(ctx, i, consumers)}
 
         def allow_node(i: int, s: int) -> bool:
             if i in params:

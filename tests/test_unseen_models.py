@@ -361,8 +361,9 @@ def _vision_audio_rank_fn(rank, world, archs):
 
 
 def test_vision_and_audio_models_train_tensor_parallel_like_one_device():
-    """ViT and Whisper under the forced tensor-parallel family: their linear layers shard, the convolutions only a
-    replicated op reads stay whole (the family used to have no plan at all), and training matches one device."""
+    """ViT and Whisper under the forced tensor-parallel family: their projections shard and training matches one
+    device.  The family used to have no plan at all for them: it required every matrix some op could hold sharded
+    to be stored sharded, and their convolutions had no rule to read a sharded weight."""
     archs = ("vit", "whisper")
     results = run_ranks(_vision_audio_rank_fn, 2, archs, timeout_s=600)
     for arch in archs:
@@ -377,3 +378,58 @@ def test_vision_and_audio_models_train_tensor_parallel_like_one_device():
             sharded_params, got = per_arch[arch]
             assert any(k.endswith("proj.weight") for k in sharded_params), f"{arch}: no projection sharded"
             _assert_trains_alike(got, want, f"{arch} tensor parallel, rank {rank}")
+
+
+class _Norms(torch.nn.Module):
+    """Every norm and dropout eval mode changes: batch norm with and without running statistics, instance norm
+    with them, channel dropout (Dropout1d: aten.feature_dropout) and alpha dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(3, 6, 3)
+        self.bn = torch.nn.BatchNorm1d(6)
+        self.bn_batch_stats = torch.nn.BatchNorm1d(6, track_running_stats=False)
+        self.inorm = torch.nn.InstanceNorm1d(6, affine=True, track_running_stats=True)
+        self.drop, self.alpha = torch.nn.Dropout1d(0.3), torch.nn.AlphaDropout(0.2)
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x, target):
+        h = self.alpha(self.drop(self.inorm(self.bn_batch_stats(self.bn(self.conv(x))))))
+        out = self.head(h.mean(-1))
+        return (out - target).pow(2).mean(), out
+
+
+def _norms():
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return _Norms(), (torch.randn(BATCH, 3, 9, generator=gen), torch.randn(BATCH, 2, generator=gen)), {}
+
+
+def _forward_then_eval(model, args, state):
+    """A train-mode forward (running statistics move; dropout masks differ by design, so no optimizer step),
+    then two eval-mode forwards: (their outputs, the state after)."""
+    with torch.no_grad():
+        model(*args)
+        model.eval()
+        outs = [model(*args)[1] for _ in range(2)]
+    return outs, state()
+
+
+def _norms_rank_fn(rank, world):
+    import autopar
+
+    model, args, _ = _norms()
+    sharded = autopar.compile(model, autopar.Mesh((world,)), example_inputs=args, profile=PARTITIONING_PROFILE)
+    return _forward_then_eval(sharded, args, sharded.full_state_dict)
+
+
+def test_eval_mode_switches_every_norm_and_dropout_like_the_model():
+    model, args, _ = _norms()
+    want_outs, want_state = _forward_then_eval(model, args, lambda: dict(model.state_dict()))
+    assert int(want_state["bn.num_batches_tracked"]) == 1
+    for rank, (outs, state) in enumerate(run_ranks(_norms_rank_fn, 2, timeout_s=300)):
+        assert torch.equal(outs[0], outs[1]), f"rank {rank}: eval mode still draws dropout masks"
+        torch.testing.assert_close(outs[0], want_outs[0], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: eval outputs")
+        assert state.keys() == want_state.keys(), rank
+        for k in want_state:
+            torch.testing.assert_close(state[k], want_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")

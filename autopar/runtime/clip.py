@@ -32,14 +32,19 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ..placement import Placement, Replicate
+from ..placement import Partial, Placement, Replicate
 from .groups import MeshGroups
 
 __all__ = ["clip_grad_norm_", "replication"]
 
 
 def replication(placement: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> int:
-    """How many ranks hold the same piece of a tensor under ``placement`` (the product of its R axes)."""
+    """How many ranks hold the same piece of a tensor under ``placement`` (the product of its R axes).
+
+    Stored gradients are never Partial (backward reduced them); one would be a bug upstream.
+    """
+    if any(isinstance(p, Partial) for p in placement):
+        raise AssertionError(f"a stored gradient at {placement}: Partial gradients are reduced before they are stored")
     return math.prod(n for p, n in zip(placement, mesh_shape) if isinstance(p, Replicate))
 
 
@@ -58,9 +63,9 @@ def clip_grad_norm_(
     p = float(norm_type)
     mesh_shape = tuple(groups.mesh.shape)
     device = grads[0][0].device if grads else groups.device
-    if math.isinf(p):
-        local = max((g.detach().abs().max().double() for g, _ in grads), default=torch.zeros((), dtype=torch.float64))
-        total = local.to(device).clone()
+    if math.isinf(p):  # an uneven shard may leave a rank an empty piece: it adds nothing, and must not raise
+        maxima = [g.detach().abs().amax().double() for g, _ in grads if g.numel()]
+        total = torch.stack(maxima).amax() if maxima else torch.zeros((), dtype=torch.float64, device=device)
         with groups.collectives("clip_grad_norm_"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
     else:
