@@ -117,7 +117,7 @@ def test_untraceable_model_names_cause_and_fix():
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "t5-tiny"])
 def test_hf_models_with_the_default_kv_cache_capture_without_it(name):
     """Hugging Face decoders default to use_cache=True and then return a cache object torch.export
-    cannot flatten: 41 of the 54 architectures in configs/models/tiny_hf.toml failed to trace so.
+    cannot flatten: 40 of the 54 architectures in configs/models/tiny_hf.toml failed to trace so.
     Capture turns the cache off while tracing (a training step keeps none) and restores the config:
     the graph is the one a use_cache=False model gives."""
     from autopar.models import load_model
