@@ -24,6 +24,7 @@ from .placement import Partial, Placement, Replicate, Shard
 from .spec import TensorMeta
 from .strategies.base import (
     OpStrategy,
+    every_rank_gets_an_element,
     expand_to_mesh,
     partial_grad_flags,
     partial_grad_suffix,
@@ -231,7 +232,7 @@ def _fits(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ..
             if p.dim >= len(shape) or shape[p.dim] % p.blocks or shape[p.dim] // p.blocks < size:
                 return False
             shape[p.dim] = -(-(shape[p.dim] // p.blocks) // size) * p.blocks
-    return True
+    return every_rank_gets_an_element(meta.shape, pl, mesh_shape)  # the smaller pieces of nested uneven splits
 
 
 def _order_key(pl: tuple[Placement, ...]) -> tuple:

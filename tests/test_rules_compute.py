@@ -176,6 +176,16 @@ def test_mm_drops_a_dim_smaller_than_the_axis_and_expands_to_2d():
     assert "(P(sum),R) (R,P(sum)) -> (P(sum),P(sum))" in got2d  # lhs partial on axis 0, rhs on axis 1
 
 
+def test_nested_uneven_splits_never_leave_a_rank_an_empty_piece():
+    """3 rows split on both axes of a 2x2 mesh are pieces 2, 1 and then 1, 1, 1, 0: not offered; 5 rows (3, 2
+    then 2, 1, 1, 1) are.  Each axis alone only sees the largest piece the earlier one left."""
+    three = labels(aten.mm.default, (r(3, 8), r(8, 6)), mesh_shape=(2, 2))
+    assert "(S(0),S(0)) (R,R) -> (S(0),S(0))" not in three
+    assert "(S(0),R) (R,R) -> (S(0),R)" in three  # one axis alone is fine
+    five = labels(aten.mm.default, (r(5, 8), r(8, 6)), mesh_shape=(2, 2))
+    assert "(S(0),S(0)) (R,R) -> (S(0),S(0))" in five
+
+
 def test_addmm_block_hint_splits_inside_each_of_q_k_v():
     args = (r(48), r(6, 16), r(16, 48))  # bias, x, W: W holds q | k | v side by side
     plain = labels(aten.addmm.default, args)

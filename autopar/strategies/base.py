@@ -256,15 +256,17 @@ def expand_to_mesh(call: OpCall, mesh_shape: tuple[int, ...], rule: Rule | None)
     """All strategies of an op on the n-D mesh: the product of per-axis strategies.
 
     Axis ``a``'s strategies are enumerated on the local metas left by the choices
-    on axes ``0..a-1``.  A strategy whose shard gives some rank no element, or
-    shards a non-float tensor as Partial, is dropped.  With no rule, or when the
+    on axes ``0..a-1``.  A strategy whose shard gives some rank no element (on any
+    axis, or nested over several: ``_every_rank_gets_an_element``), or shards a
+    non-float tensor as Partial, is dropped.  With no rule, or when the
     rule yields nothing, the op falls back to replicate on every axis.
     """
     results: list[OpStrategy] = []
 
     def recurse(axis: int, c: OpCall, chosen: list[AxisStrategy]) -> None:
         if axis == len(mesh_shape):
-            results.append(_combine(chosen))
+            if _every_rank_gets_an_element(call, chosen, mesh_shape):
+                results.append(_combine(chosen))
             return
         size = mesh_shape[axis]
         options = _axis_options(c, size, rule)
@@ -288,6 +290,35 @@ def expand_to_mesh(call: OpCall, mesh_shape: tuple[int, ...], rule: Rule | None)
     for s in results:
         seen.setdefault((s.inputs, s.outputs, s.kernels), s)
     return list(seen.values())
+
+
+def every_rank_gets_an_element(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> bool:
+    """Whether no rank's piece of a tensor of ``shape`` under ``placements`` (one per axis) is empty.
+
+    Checking each axis on the *largest* piece the earlier axes leave
+    (``shrink_meta``) misses the smaller ones: 3 rows split by 2 then by 2 are
+    pieces 2, 1 and then 1, 1, 1, 0.  Nested ``tensor_split``s leave at least
+    ``floor(n / (k1 * k2 * ...))`` per block (``floor(floor(n/a)/b) == floor(n/(ab))``),
+    so a dim must hold, per block, at least the product of its splitting axes' sizes.
+    """
+    ways: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+    for p, size in zip(placements, mesh_shape):
+        if isinstance(p, Shard) and size > 1:
+            ways[p.dim] = ways.get(p.dim, 1) * size
+            blocks[p.dim] = max(blocks.get(p.dim, 1), p.blocks)
+    return all(d < len(shape) and shape[d] // blocks[d] >= k for d, k in ways.items())
+
+
+def _every_rank_gets_an_element(call: OpCall, per_axis: list[AxisStrategy], mesh_shape: tuple[int, ...]) -> bool:
+    """``every_rank_gets_an_element`` for every tensor of ``call`` under the per-axis strategies."""
+    for t, meta in enumerate(call.inputs + call.outputs):
+        placements = tuple((s.inputs + s.outputs)[t] for s in per_axis)
+        if not every_rank_gets_an_element(meta.shape, placements, mesh_shape):
+            return False
+    return True
 
 
 def _axis_options(call: OpCall, axis_size: int, rule: Rule | None) -> list[AxisStrategy]:
