@@ -45,11 +45,14 @@ def _model(name: str, batch: int = BATCH, seq: int = SEQ):
 # the test profile derives what attention saves from the CPU kernels these ranks run, as cpu does.
 
 
-def _compile(model, args, kwargs, mesh_shape, axis_names, family, profile=None):
+def _compile(model, args, kwargs, mesh_shape, axis_names, family, profile=None, **options):
+    """``autopar.compile`` on a new mesh of that shape; ``options`` are further compile keywords."""
     import autopar
 
     mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)
-    return autopar.compile(model, mesh, example_inputs=args, example_kwargs=kwargs, family=family, profile=profile)
+    return autopar.compile(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, family=family, profile=profile, **options
+    )
 
 
 def _loss_and_logits(sharded):
@@ -353,23 +356,12 @@ def test_model_state_bytes_held_equal_the_plan(memory_runs):
 def _bf16_memory_rank_fn(rank, world):
     model, args, kwargs = _model("llama-tiny")
     model.to(torch.bfloat16)
-    import autopar
-
     out = []
     runs = ((None, "adamw", lambda ps: torch.optim.AdamW(ps, **ADAMW)),) + (
         ("tensor parallel", "sgd_momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     )
     for family, optimizer, make in runs:
-        mesh = autopar.Mesh((world,), axis_names=("tp",))
-        sharded = autopar.compile(
-            model,
-            mesh,
-            example_inputs=args,
-            example_kwargs=kwargs,
-            family=family,
-            profile=PARTITIONING_PROFILE,
-            optimizer=optimizer,
-        )
+        sharded = _compile(model, args, kwargs, (world,), ("tp",), family, PARTITIONING_PROFILE, optimizer=optimizer)
         opt = make(sharded.parameters())
         sharded(*args, **kwargs)[0].float().backward()
         opt.step()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
-from test_execution import _assert_trains_alike, _loss_and_logits, _model, _reference, _train
+from test_execution import _assert_trains_alike, _compile, _loss_and_logits, _model, _reference, _train
 from torch import nn
 
 SEQ = 15  # odd as well: no even split of any activation dim is on offer either
@@ -34,29 +34,28 @@ def _row_split_hints(model: nn.Module, ranks: int) -> dict:
 
 
 def _rank_fn(rank, world, name, batch):
-    import autopar
     from autopar.layout import shard_tensor
     from autopar.placement import parse_placements
 
-    mesh = autopar.Mesh((world,), axis_names=("dp",))
     out = {}
     for mode in ("global", "local"):
         model, args, kwargs = _model(name, batch, SEQ)
         given = {"input_ids": args[0], **kwargs}
-        sharded = autopar.compile(
+        sharded = _compile(
             model,
-            mesh,
-            example_inputs=args,
-            example_kwargs=kwargs,
-            family="data parallel",
+            args,
+            kwargs,
+            (world,),
+            ("dp",),
+            "data parallel",
+            PARTITIONING_PROFILE,
             hints=_row_split_hints(model, world),
             input_placements=dict.fromkeys(given, ["S(0)"]),
             input_mode=mode,
-            profile=PARTITIONING_PROFILE,
         )
         if mode == "local":
             pieces = {
-                k: shard_tensor(v, parse_placements(sharded.plan.inputs[k]["placements"]), mesh.shape, (rank,))
+                k: shard_tensor(v, parse_placements(sharded.plan.inputs[k]["placements"]), (world,), (rank,))
                 for k, v in given.items()
             }
             args, kwargs = (pieces.pop("input_ids"),), pieces
