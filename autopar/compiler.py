@@ -39,8 +39,9 @@ forward reads) and the optimizer step's all-gather runs right after
 held, to compare with ``plan.memory``.
 
 Train and eval mode: the module starts in the mode ``model`` was in; ``sharded.eval()``
-turns dropout off (its ops run their eval form, ``executor.EVAL_FORMS``) and
-``sharded.train()`` on again, as on the model itself.  The graph is traced in train
+turns dropout off and makes batch and instance norm use their running statistics
+(their ops run their eval form, ``executor.EVAL_FORMS``), and ``sharded.train()``
+undoes both, as on the model itself.  The graph is traced in train
 mode, so Python branches on ``self.training`` inside the model keep their
 train-mode choice in both.
 
@@ -322,21 +323,18 @@ class ShardedModule(nn.Module):
 
     # ---- full views -------------------------------------------------------------------
     def _full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
-        from .runtime.redistribute import redistribute_local
-
+        """The full value of parameter ``fqn`` (or its gradient) from this rank's ``local`` piece."""
         if self._build is not None:  # not compiled yet: parameters (and gradients) are still full
             return local.detach().clone()
         node, placement = self._param_state[fqn]
-        meta = TensorMeta(node.outputs[0].shape, local.dtype)
-        return redistribute_local(local.detach(), meta, placement, self._replicated, self._groups)
+        return self._gathered(local, placement, node.outputs[0].shape)
 
-    def _full_buffer(self, fqn: str) -> torch.Tensor:
-        """The buffer's current full value, from the piece forward reads (and updates: running statistics)."""
+    def _gathered(self, local: torch.Tensor, placement, shape: tuple[int, ...]) -> torch.Tensor:
+        """The full tensor of ``shape`` whose piece under ``placement`` this rank holds as ``local``."""
         from .runtime.redistribute import redistribute_local
 
-        piece, placement, shape = self._buffer_pieces[fqn]
-        meta = TensorMeta(shape, piece.dtype)
-        return redistribute_local(piece.detach(), meta, placement, self._replicated, self._groups)
+        meta = TensorMeta(shape, local.dtype)
+        return redistribute_local(local.detach(), meta, placement, self._replicated, self._groups)
 
     @property
     def _replicated(self) -> tuple[Replicate, ...]:
@@ -363,8 +361,11 @@ class ShardedModule(nn.Module):
         out = {fqn: self._full(p, fqn) for fqn, p in self.named_parameters()}
         for alias, canon in self._graph.tied.items():
             out[alias] = out[canon]
-        out.update({k: v.clone() for k, v in self._buffers_full.items()})
-        out.update({k: self._full_buffer(k) for k in self._buffer_pieces if k in self._state_keys})
+        for k, v in self._buffers_full.items():
+            if k not in self._state_keys:  # non-persistent: not in a state dict
+                continue
+            # the piece forward reads holds its updates (running statistics)
+            out[k] = self._gathered(*self._buffer_pieces[k]) if k in self._buffer_pieces else v.clone()
         return {k: out[k] for k in self._state_keys}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
