@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["spawn_ranks", "RankError", "free_port"]
+__all__ = ["spawn_ranks", "RankPool", "RankError", "free_port"]
 
 
 class RankError(RuntimeError):
@@ -39,6 +39,45 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run_task(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    args: tuple,
+    init: bool,
+    collective_timeout_s: float,
+) -> bool:
+    """One rank's share of a run: gloo up (``init``), ``fn``, its result or traceback to ``out_dir``, gloo down.
+
+    True if ``fn`` returned.
+    """
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    out = Path(out_dir)
+    try:
+        if init:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=collective_timeout_s),
+            )
+        result = fn(rank, world_size, *args)
+        torch.save(result, out / f"rank{rank}.pt.tmp")
+        os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
+        return True
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        return False
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _child(
@@ -53,31 +92,67 @@ def _child(
     threads: int,
     env: dict[str, str],
 ) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
     for key, value in env.items():
         os.environ.setdefault(key, value)
     torch.set_num_threads(threads)  # the ranks share this machine's cores
-    out = Path(out_dir)
-    try:
-        if init:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=collective_timeout_s),
-            )
-        result = fn(rank, world_size, *args)
-        torch.save(result, out / f"rank{rank}.pt.tmp")
-        os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    if not _run_task(fn, rank, world_size, port, out_dir, args, init, collective_timeout_s):
+        raise SystemExit(1)
+
+
+def _wait(ranks: int, deadline: float, poll: Callable[[], dict[int, bool]]) -> tuple[list[int], list[int]]:
+    """(failed ranks, unfinished ranks) once every rank ended, one failed, or ``deadline`` passed.
+
+    ``poll()`` names the ranks that ended since it was last called: True for a
+    rank whose function returned, False for one that failed.
+    """
+    ended: dict[int, bool] = {}
+    while True:
+        ended.update(poll())
+        failed = sorted(r for r, ok in ended.items() if not ok)
+        if failed or len(ended) == ranks or time.monotonic() >= deadline:
+            return failed, [r for r in range(ranks) if r not in ended]
+        time.sleep(0.02)
+
+
+def _exited(procs: list) -> dict[int, bool]:
+    """{rank: exited 0} of the processes that have exited."""
+    return {r: p.exitcode == 0 for r, p in enumerate(procs) if p.exitcode is not None}
+
+
+def _stop(procs: list) -> None:
+    """Terminate (then kill) every process of ``procs`` still alive."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _results(tmp: str, fn: Callable, world_size: int, timeout_s: float, failed: list[int], hung: list[int], exitcode):
+    """The per-rank results saved in ``tmp``; else ``RankError`` naming the rank that failed first or the hung ones."""
+    errors = {
+        r: (Path(tmp) / f"rank{r}.err").read_text() for r in range(world_size) if (Path(tmp) / f"rank{r}.err").exists()
+    }
+    name = getattr(fn, "__name__", "fn")
+    if failed or errors:
+        # the rank that failed first is the cause; its peers often fail after it (a collective with a dead peer)
+        first = min(errors, key=lambda r: ((Path(tmp) / f"rank{r}.err").stat().st_mtime_ns, r)) if errors else failed[0]
+        code = exitcode(first)
+        killed = f"killed by signal {-code}" + (" (SIGKILL: often the out-of-memory killer)" if code == -9 else "")
+        detail = errors.get(first, killed if code is not None and code < 0 else f"exit code {code}, no traceback")
+        raise RankError(
+            f"{name} on {world_size} ranks: rank {first} failed "
+            f"(failed ranks {sorted(set(failed) | set(errors))}):\n{detail}"
+        )
+    if hung:
+        raise RankError(
+            f"{name} on {world_size} ranks: ranks {hung} still running after {timeout_s:.0f} s "
+            "(a collective that not every rank issued?); stopped them"
+        )
+    return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def spawn_ranks(
@@ -112,45 +187,118 @@ def spawn_ranks(
             for r in range(world_size)
         ]
         failed: list[int] = []
+        hung: list[int] = []
         try:
             for p in procs:
                 p.start()
             deadline = time.monotonic() + timeout_s
             if while_waiting is not None:
                 extra = while_waiting()
-            while time.monotonic() < deadline:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed or all(p.exitcode == 0 for p in procs):
-                    break
-                time.sleep(0.02)
+            failed, hung = _wait(world_size, deadline, lambda: _exited(procs))
         finally:
-            hung = [r for r, p in enumerate(procs) if p.is_alive()]
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-        errors = {
-            r: (Path(tmp) / f"rank{r}.err").read_text()
-            for r in range(world_size)
-            if (Path(tmp) / f"rank{r}.err").exists()
-        }
-        name = getattr(fn, "__name__", "fn")
-        if failed or errors:
-            first = min(errors) if errors else failed[0]
-            code = procs[first].exitcode
-            killed = f"killed by signal {-code}" + (" (SIGKILL: often the out-of-memory killer)" if code == -9 else "")
-            detail = errors.get(first, killed if code is not None and code < 0 else f"exit code {code}, no traceback")
-            raise RankError(
-                f"{name} on {world_size} ranks: rank {first} failed "
-                f"(failed ranks {sorted(set(failed) | set(errors))}):\n{detail}"
+            _stop(procs)
+        hung = [] if failed else hung
+        return _results(tmp, fn, world_size, timeout_s, failed, hung, lambda r: procs[r].exitcode), extra
+
+
+def _pool_worker(rank: int, world_size: int, tasks, finished, threads: int) -> None:
+    """A ``RankPool`` rank: runs the tasks it is sent, one after another, each from the state it started in."""
+    torch.set_num_threads(threads)
+    rng = torch.random.get_rng_state()
+    environ = dict(os.environ)
+    while (task := tasks.get()) is not None:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)  # each task starts from a fresh process's random state
+        os.environ.clear()
+        os.environ.update(environ)
+        ok = _run_task(task[0], rank, world_size, *task[1:])
+        finished.put((rank, ok))
+        if not ok:
+            return  # its peers may be stuck in a collective: the pool is stopped and started afresh
+
+
+class RankPool:
+    """``world_size`` gloo rank processes kept alive between runs: ``spawn_ranks`` without the start-up per run.
+
+    ``run(fn, *args)`` has ``spawn_ranks``'s contract (default init, results in
+    rank order, ``RankError`` with the failing rank's traceback, never hangs).  Each
+    run initializes a fresh default process group on a new port and destroys it
+    afterwards, and starts from the process's initial random state and
+    environment; module-level state a run leaves in imported modules persists.  A
+    run that fails or times out stops every rank; the next run starts new ones.
+    Meant for test suites, where a fresh interpreter per run costs seconds of
+    imports (torch, transformers) per rank.
+    """
+
+    def __init__(self, world_size: int, *, threads: int = 1) -> None:
+        self.world_size, self.threads = world_size, threads
+        self._procs: list = []
+        self._tasks: list = []
+        self._finished = None
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._finished = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_pool_worker,
+                args=(r, self.world_size, self._tasks[r], self._finished, self.threads),
+                daemon=True,
             )
-        if hung:
-            raise RankError(
-                f"{name} on {world_size} ranks: ranks {hung} still running after {timeout_s:.0f} s "
-                "(a collective that not every rank issued?); stopped them"
-            )
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)], extra
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def _ended(self) -> dict[int, bool]:
+        """{rank: its function returned} of the ranks that reported since the last call; a dead rank failed."""
+        import queue
+
+        ended: dict[int, bool] = {}
+        while True:
+            try:
+                rank, ok = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            ended[rank] = ok
+        return ended | {r: False for r, p in enumerate(self._procs) if not p.is_alive() and r not in ended}
+
+    def run(
+        self,
+        fn: Callable,
+        *args: Any,
+        timeout_s: float = 120.0,
+        collective_timeout_s: float = 60.0,
+        while_waiting: Callable[[], Any] | None = None,
+    ) -> tuple[list[Any], Any]:
+        """(per-rank results, ``while_waiting()``'s result) of ``fn(rank, world_size, *args)`` on the pool's ranks."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        extra = None
+        with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as tmp:
+            port = free_port()
+            for q in self._tasks:
+                q.put((fn, port, tmp, args, True, collective_timeout_s))
+            deadline = time.monotonic() + timeout_s
+            if while_waiting is not None:
+                extra = while_waiting()
+            failed, hung = _wait(self.world_size, deadline, self._ended)
+            procs = self._procs
+            if failed or hung:
+                self.close()
+            hung = [] if failed else hung
+            return _results(tmp, fn, self.world_size, timeout_s, failed, hung, lambda r: procs[r].exitcode), extra
+
+    def close(self) -> None:
+        """Stop the ranks (idle ones exit, busy ones are terminated)."""
+        for q, p in zip(self._tasks, self._procs, strict=True):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=2)
+        _stop(self._procs)
+        self._procs, self._tasks, self._finished = [], [], None
