@@ -10,7 +10,8 @@ rank's traceback; ranks that outlive ``timeout_s`` are stopped and reported.
 
 ``fn`` must be importable by the children (a module-level function of a module
 on ``sys.path``; spawn copies the parent's ``sys.path``).  ``autopar run`` and
-the multi-rank tests both launch through here.
+the multi-rank tests both launch through here; the tests keep their ranks
+between runs in a ``RankPool`` (same contract, no interpreter start-up per run).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,34 +42,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_task(
-    fn: Callable,
-    rank: int,
-    world_size: int,
-    port: int,
-    out_dir: str,
-    args: tuple,
-    init: bool,
-    collective_timeout_s: float,
-) -> bool:
+class _Task(NamedTuple):
+    """One run as every rank receives it."""
+
+    fn: Callable
+    port: int  # of the run's gloo store
+    out_dir: str  # where each rank leaves its result (rank{r}.pt) or traceback (rank{r}.err)
+    args: tuple
+    init: bool  # initialize the default process group around ``fn``
+    collective_timeout_s: float
+
+
+def _run_task(task: _Task, rank: int, world_size: int) -> bool:
     """One rank's share of a run: gloo up (``init``), ``fn``, its result or traceback to ``out_dir``, gloo down.
 
     True if ``fn`` returned.
     """
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(task.port),
     )
-    out = Path(out_dir)
+    out = Path(task.out_dir)
     try:
-        if init:
+        if task.init:
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
+                init_method=f"tcp://127.0.0.1:{task.port}",
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(seconds=collective_timeout_s),
+                timeout=timedelta(seconds=task.collective_timeout_s),
             )
-        result = fn(rank, world_size, *args)
+        result = task.fn(rank, world_size, *task.args)
         torch.save(result, out / f"rank{rank}.pt.tmp")
         os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
         return True
@@ -80,22 +87,12 @@ def _run_task(
             dist.destroy_process_group()
 
 
-def _child(
-    fn: Callable,
-    rank: int,
-    world_size: int,
-    port: int,
-    out_dir: str,
-    args: tuple,
-    init: bool,
-    collective_timeout_s: float,
-    threads: int,
-    env: dict[str, str],
-) -> None:
+def _child(task: _Task, rank: int, world_size: int, threads: int, env: dict[str, str]) -> None:
+    """A ``spawn_ranks`` rank: one run, then exit (1 if ``fn`` raised)."""
     for key, value in env.items():
         os.environ.setdefault(key, value)
     torch.set_num_threads(threads)  # the ranks share this machine's cores
-    if not _run_task(fn, rank, world_size, port, out_dir, args, init, collective_timeout_s):
+    if not _run_task(task, rank, world_size):
         raise SystemExit(1)
 
 
@@ -181,13 +178,13 @@ def spawn_ranks(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, port, tmp, args, init, collective_timeout_s, threads, dict(env or {})),
+                args=(_Task(fn, port, tmp, args, init, collective_timeout_s), r, world_size, threads, dict(env or {})),
                 daemon=True,
             )
             for r in range(world_size)
         ]
         failed: list[int] = []
-        hung: list[int] = []
+        hung: list[int] = []  # reported only when no rank failed (``_results``)
         try:
             for p in procs:
                 p.start()
@@ -197,7 +194,6 @@ def spawn_ranks(
             failed, hung = _wait(world_size, deadline, lambda: _exited(procs))
         finally:
             _stop(procs)
-        hung = [] if failed else hung
         return _results(tmp, fn, world_size, timeout_s, failed, hung, lambda r: procs[r].exitcode), extra
 
 
@@ -211,7 +207,7 @@ def _pool_worker(rank: int, world_size: int, tasks, finished, threads: int) -> N
         torch.random.set_rng_state(rng)  # each task starts from a fresh process's random state
         os.environ.clear()
         os.environ.update(environ)
-        ok = _run_task(task[0], rank, world_size, *task[1:])
+        ok = _run_task(task, rank, world_size)
         finished.put((rank, ok))
         if not ok:
             return  # its peers may be stuck in a collective: the pool is stopped and started afresh
@@ -282,7 +278,7 @@ class RankPool:
         with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as tmp:
             port = free_port()
             for q in self._tasks:
-                q.put((fn, port, tmp, args, True, collective_timeout_s))
+                q.put(_Task(fn, port, tmp, args, True, collective_timeout_s))
             deadline = time.monotonic() + timeout_s
             if while_waiting is not None:
                 extra = while_waiting()
@@ -290,7 +286,6 @@ class RankPool:
             procs = self._procs
             if failed or hung:
                 self.close()
-            hung = [] if failed else hung
             return _results(tmp, fn, self.world_size, timeout_s, failed, hung, lambda r: procs[r].exitcode), extra
 
     def close(self) -> None:
