@@ -15,6 +15,12 @@ tensors, then cleans the graph for planning:
 Every ``OpNode`` carries TensorMeta for its outputs, its module path (from
 ``nn_module_stack``) and, for parameters and buffers, the original FQN.
 
+Calls: the example ``(args, kwargs)`` are bound to ``forward``'s signature first
+(``call_spec.bind_call``: defaults dropped, one canonical form), and the graph keeps
+the input and output trees torch.export recorded (``OpGraph.call``, a
+``call_spec.CallSpec``), so the compiled module takes and returns what the model
+does.
+
 ``capture`` is ``export_program`` then ``graph_from_export``; ``autopar.specialize``
 exports once with a symbolic batch and hands ``graph_from_export`` a copy of that
 graph at each concrete batch.
@@ -32,11 +38,29 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from .call_spec import (
+    CallSpec,
+    InputLeaf,
+    OutputLeaf,
+    bind_call,
+    forward_signature,
+    register_dataclasses,
+    render_input_path,
+)
 from .decompose import decompose_for_planning
 from .spec import TensorMeta
 from .strategies.base import OpCall
 
-__all__ = ["OpNode", "OpGraph", "capture", "CaptureError", "export_program", "graph_from_export", "normalize_inputs"]
+__all__ = [
+    "OpNode",
+    "OpGraph",
+    "ExportedCall",
+    "capture",
+    "CaptureError",
+    "export_program",
+    "graph_from_export",
+    "normalize_inputs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +105,11 @@ class OpNode:
 class OpGraph:
     """The captured model as planning data: nodes in topological order.
 
-    ``outputs`` are the graph outputs as (node index, output index); ``loss_output``
-    indexes into ``outputs`` the scalar loss when the model returns one.
+    ``outputs`` are the tensor outputs as (node index, output index), in the order
+    of the output tree's leaves; ``loss_output`` indexes into ``outputs`` the scalar
+    loss when the model returns one.  ``call`` maps a call's Python values to the
+    input nodes and the outputs back to the model's structure (its
+    ``OutputLeaf.index`` points into ``outputs``).
     ``tied`` maps every alias FQN of a tied parameter to its canonical FQN.
     """
 
@@ -97,6 +124,7 @@ class OpGraph:
     # tensors export lifted out of forward (``torch.tensor(...)``, index constants): buffer-kind
     # nodes whose ``fqn`` names them here, not in the model's buffers
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    call: CallSpec | None = None
 
     def params(self) -> list[OpNode]:
         return [n for n in self.nodes if n.kind == "param"]
@@ -110,20 +138,46 @@ class OpGraph:
         return out
 
 
+@dataclass(frozen=True)
+class ExportedCall:
+    """What ``graph_from_export`` needs of a call besides the graph: forward's signature and export's trees."""
+
+    signature: Any
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, ep) -> ExportedCall:
+        return cls(forward_signature(model), ep.call_spec.in_spec, ep.call_spec.out_spec)
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> OpGraph:
     """Trace ``model(*example_inputs, **example_kwargs)`` and build its OpGraph."""
-    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    args, kwargs = normalize_inputs(model, example_inputs, example_kwargs)
     ep = export_program(model, args, kwargs)
     return graph_from_export(
-        ep.graph_module, ep.graph_signature, _canonical_param_names(model), type(model).__name__, ep.constants
+        ep.graph_module,
+        ep.graph_signature,
+        _canonical_param_names(model),
+        type(model).__name__,
+        ep.constants,
+        ExportedCall.of(model, ep),
     )
 
 
-def normalize_inputs(example_inputs, example_kwargs: dict | None) -> tuple[tuple, dict]:
-    """(args, kwargs) as ``torch.export.export`` takes them."""
+def normalize_inputs(model: torch.nn.Module, example_inputs, example_kwargs: dict | None) -> tuple[tuple, dict]:
+    """The canonical ``(args, kwargs)`` of calling ``model`` so (``call_spec.bind_call``), as export takes them.
+
+    ``example_inputs`` is a tuple or list of positional inputs, or one input; a
+    dataclass anywhere in them is registered with pytree.
+    """
     kwargs = dict(example_kwargs or {})
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    return args, kwargs
+    if example_inputs is None:
+        args = ()
+    else:
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    register_dataclasses((args, kwargs))
+    return bind_call(forward_signature(model), args, kwargs, model_name=type(model).__name__)
 
 
 def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic_shapes=None):
@@ -131,6 +185,8 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
     name = type(model).__name__
     was_training = model.training
     model.train()
+    # outputs are flattened after forward returns: register the dataclasses it returns before that
+    hook = model.register_forward_hook(lambda _module, _args, out: register_dataclasses(out))
     try:
         with _lean_export(), _without_kv_cache(model):
             return torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes)
@@ -139,22 +195,32 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
             f"autopar could not trace {name} with torch.export (non-strict): {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}\n"
             "  - check that example_inputs match forward()'s signature (args vs kwargs) and shapes;\n"
+            "  - inputs and outputs may nest tuples, lists, dicts, dataclasses and ModelOutputs of tensors, and hold "
+            "int, float, bool, str or None; any other class must be registered with "
+            "torch.utils._pytree.register_pytree_node;\n"
             "  - Hugging Face models: pass input_ids (and labels for a loss), not use_cache=True or past_key_values;\n"
             "  - data-dependent Python control flow must be static for the example inputs.\n"
             "Fix the model or inputs, or pass a smaller reproduction to torch.export.export to see the full trace."
         ) from e
     finally:
+        hook.remove()
         model.train(was_training)
 
 
 def graph_from_export(
-    gm: fx.GraphModule, sig, canonical: dict[str, str], model_name: str, constants: dict | None = None
+    gm: fx.GraphModule,
+    sig,
+    canonical: dict[str, str],
+    model_name: str,
+    constants: dict | None,
+    exported: ExportedCall,
 ) -> OpGraph:
     """Clean an exported graph for planning (in place: see the module docstring) and build its OpGraph.
 
     ``sig`` is the export's graph signature, ``canonical`` maps every parameter FQN to
     its canonical one (``_canonical_param_names``), ``constants`` is the export's lifted
-    constants (``ExportedProgram.constants``; the tensors are kept in ``OpGraph.constants``).
+    constants (``ExportedProgram.constants``; the tensors are kept in ``OpGraph.constants``),
+    ``exported`` the call's signature and trees (``OpGraph.call``).
     """
     param_of = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind.name == "PARAMETER"}
     buffer_of = {
@@ -166,20 +232,56 @@ def graph_from_export(
     gm.graph.eliminate_dead_code()
     gm.recompile()
     tied = {alias: canon for alias, canon in canonical.items() if alias != canon}
-    graph = _build(
-        gm,
-        model_name,
-        param_of,
-        buffer_of,
-        canonical,
-        tied,
-        no_grad_nodes,
-        list(sig.user_inputs),
-        list(sig.user_outputs),
+    graph, output_leaves = _build(
+        gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, list(sig.user_inputs)
     )
     lifted = {spec.target for spec in sig.input_specs if spec.kind.name == "CONSTANT_TENSOR"}
     graph.constants = {k: v for k, v in (constants or {}).items() if k in lifted and isinstance(v, torch.Tensor)}
+    graph.call = _call_spec(graph, sig, exported, output_leaves)
     return graph
+
+
+def _call_spec(graph: OpGraph, sig, exported: ExportedCall, output_leaves: list) -> CallSpec:
+    """The graph's ``CallSpec``: one ``InputLeaf`` per user input of the export, one ``OutputLeaf`` per output."""
+    user = [spec.arg for spec in sig.input_specs if spec.kind.name == "USER_INPUT"]
+    paths = [render_input_path(exported.signature, _plain_keys(kp)) for kp, _ in _leaf_paths(exported.in_spec)]
+    if len(paths) != len(user):
+        raise AssertionError(f"export recorded {len(user)} user inputs for an input tree of {len(paths)} leaves")
+    inputs = tuple(
+        InputLeaf(path, arg.name, None) if type(arg).__name__ == "TensorArgument" else InputLeaf(path, None, arg.value)
+        for path, arg in zip(paths, user)
+    )
+    out_paths = ["output" + pytree.keystr(kp) for kp, _ in _leaf_paths(exported.out_spec)]
+    if len(out_paths) != len(output_leaves):
+        raise AssertionError(
+            f"export recorded an output tree of {len(out_paths)} leaves, the graph returns {len(output_leaves)}"
+        )
+    outputs = tuple(
+        OutputLeaf(path, leaf, None) if isinstance(leaf, int) else OutputLeaf(path, None, leaf.value)
+        for path, leaf in zip(out_paths, output_leaves)
+    )
+    return CallSpec(graph.model_name, exported.signature, exported.in_spec, inputs, exported.out_spec, outputs)
+
+
+def _leaf_paths(spec: pytree.TreeSpec) -> list:
+    """(key path, placeholder) per leaf of ``spec``, in flattening order.
+
+    The placeholders are distinct objects, not None: a ``ModelOutput`` drops None fields when flattened.
+    """
+    return pytree.tree_flatten_with_path(pytree.tree_unflatten([object() for _ in range(spec.num_leaves)], spec))[0]
+
+
+def _plain_keys(key_path: tuple) -> tuple:
+    """Pytree keys as plain ints/strings where they index (``SequenceKey(0)`` -> 0), attribute keys kept."""
+    out = []
+    for k in key_path:
+        if isinstance(k, pytree.SequenceKey):
+            out.append(k.idx)
+        elif isinstance(k, pytree.MappingKey):
+            out.append(k.key)
+        else:
+            out.append(k)
+    return tuple(out)
 
 
 @contextlib.contextmanager
@@ -280,7 +382,8 @@ def _tensor_vals(val) -> list:
     return []
 
 
-def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, user_inputs, user_outputs) -> OpGraph:
+def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, user_inputs):
+    """(the OpGraph, one entry per output leaf: an index into its ``outputs`` or a ``_Constant``)."""
     nodes: list[OpNode] = []
     where: dict[fx.Node, int] = {}  # fx node -> OpNode index (single-output or multi-output op)
     proj: dict[fx.Node, tuple[int, int]] = {}  # getitem node -> (producer, output index)
@@ -352,12 +455,23 @@ def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, 
         nodes.append(node)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs: list[tuple[int, int]] = []
+    output_leaves: list[int | _Constant] = []
     loss_output = None
-    for o in pytree.tree_leaves(out_node.args):
+    for o in out_node.args[0]:
         if isinstance(o, fx.Node) and (o in where or o in proj):
             ref = proj.get(o) or (where[o], 0)
             meta = nodes[ref[0]].outputs[ref[1]]
             if loss_output is None and meta.numel == 1 and meta.is_float and nodes[ref[0]].requires_grad:
                 loss_output = len(outputs)
+            output_leaves.append(len(outputs))
             outputs.append(ref)
-    return OpGraph(nodes, outputs, loss_output, gm, model_name, tied, user_inputs, aliases)
+        else:  # a constant export kept in the output (an int, None), or a non-tensor input passed through
+            output_leaves.append(_Constant(o.meta.get("val") if isinstance(o, fx.Node) else o))
+    return OpGraph(nodes, outputs, loss_output, gm, model_name, tied, user_inputs, aliases), output_leaves
+
+
+@dataclass(frozen=True)
+class _Constant:
+    """A graph output that is no tensor: its value."""
+
+    value: Any

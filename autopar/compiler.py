@@ -65,7 +65,6 @@ synchronization in forward, like DDP's.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import weakref
 from collections.abc import Callable
@@ -119,7 +118,7 @@ class ShardedModule(nn.Module):
         self,
         groups,
         *,
-        build: Callable[[tuple, dict], tuple[OpGraph, Plan, list[str]]],
+        build: Callable[[tuple, dict], tuple[OpGraph, Plan]],
         input_mode: str,
         full_params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
@@ -133,7 +132,7 @@ class ShardedModule(nn.Module):
         self.mesh = groups.mesh
         self.input_mode = input_mode
         self._groups = groups
-        self._build = build  # (args, kwargs) -> (graph, plan, argument names); None once compiled
+        self._build = build  # (args, kwargs) -> (graph, plan); None once compiled
         self._plan: Plan | None = None
         self._graph: OpGraph | None = None
         self._xplan: ExecutionPlan | None = None
@@ -152,7 +151,6 @@ class ShardedModule(nn.Module):
         self._bucket_slots: list[tuple[int, str]] = []  # (argument index, param node name) of bucketed params
         self._seed = seed
         self._step = 0
-        self._arg_names: list[str] = []
         self._coord = tuple(groups.coordinate)
         # until compiled: the full parameters under their names, so an optimizer can be built before a lazy
         # compile; compiling re-points each Parameter object at this rank's piece (``.data``)
@@ -166,7 +164,7 @@ class ShardedModule(nn.Module):
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
         """Capture (and plan, unless given a plan) for these inputs; shard the parameters."""
-        graph, plan, self._arg_names = self._build(args, kwargs)
+        graph, plan = self._build(args, kwargs)
         xplan = ExecutionPlan.from_plan(graph, plan)
         params = dict(self.named_parameters())
         for node in graph.params():
@@ -181,10 +179,10 @@ class ShardedModule(nn.Module):
         self._graph, self._xplan, self._plan = graph, xplan, plan
         # parameter FQN -> (its node, the placement it and its gradient live at: the state placement)
         self._param_state = {n.fqn: (n, xplan.sources[n.name][1]) for n in graph.params()}
+        self._input_nodes = {n.fqn: n for n in graph.nodes if n.kind == "input"}
         self._local_input_shapes = {
             n.fqn: local_shape(n.outputs[0].shape, xplan.sources[n.name][0], self.mesh.shape, self._coord)
-            for n in graph.nodes
-            if n.kind == "input"
+            for n in self._input_nodes.values()
         }
         bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes else {}
         sizes = {n.name: params[n.fqn].numel() * params[n.fqn].element_size() for n in graph.params()}
@@ -268,10 +266,11 @@ class ShardedModule(nn.Module):
         self._groups.check_alive("sharded(...)")
         wait_pending()  # the previous call's loss collective, if nobody read the loss (runtime/deferred.py)
         counter = self.collective_counter
-        given = dict(zip(self._arg_names, args))
-        given.update(kwargs)
         try:
-            values = [value if node is None else self._local_input(node, given) for node, value in self._sources]
+            given = self._graph.call.match(args, kwargs, self._expected_input)
+            values = [
+                value if node is None else self._local_input(node, given[node.fqn]) for node, value in self._sources
+            ]
         except (ValueError, TypeError) as e:  # before any collective: peers may be waiting in one
             if self._groups.fail(f"{type(e).__name__}: {e}"):
                 raise type(e)(
@@ -294,32 +293,32 @@ class ShardedModule(nn.Module):
             self._programs[instrument] = self._lower(instrument=instrument)
         with self._groups.collectives("forward"):
             self._zero.sync(counter)  # shards updated outside an optimizer step (see runtime/zero.py)
-            return self._programs[instrument](*values)
+            flat = self._programs[instrument](*values)
+        return self._graph.call.unflatten_outputs(flat)
 
-    def _local_input(self, node, given: dict) -> torch.Tensor:
-        if node.fqn not in given:
-            raise ValueError(
-                f"input {node.fqn!r} missing: the model was compiled with inputs "
-                f"{[m.fqn for m in self._graph.nodes if m.kind == 'input']}"
+    def _expected_input(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
+        """(shape, dtype, the fix when the shape differs) of graph input ``name`` as this rank must be passed it."""
+        node = self._input_nodes[name]
+        if self.input_mode == "local":
+            placement = ",".join(map(str, self._xplan.sources[node.name][0]))
+            return (
+                self._local_input_shapes[name],
+                node.outputs[0].dtype,
+                f"under input_mode='local' each rank passes its piece (placement {placement} of the global "
+                f"{node.outputs[0].shape}); pass this rank's own slice, or use input_mode='global'",
             )
-        value = given[node.fqn]
-        placement = self._xplan.sources[node.name][0]
+        return (
+            node.outputs[0].shape,
+            node.outputs[0].dtype,
+            "compile again with example inputs of the new shape (or pad/trim the batch to the compiled one)",
+        )
+
+    def _local_input(self, node, value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of input ``node`` from the tensor the call passed (shape and dtype already checked)."""
         value = value.to(self._groups.device)
         if self.input_mode == "local":
-            expected = self.local_input_shapes[node.fqn]
-            if tuple(value.shape) != tuple(expected):
-                raise ValueError(
-                    f"input {node.fqn!r}: local shape {tuple(value.shape)} but this rank's piece under "
-                    f"{','.join(map(str, placement))} is {tuple(expected)} (global "
-                    f"{node.outputs[0].shape}); pass each rank's own slice, or use input_mode='global'"
-                )
             return value
-        if tuple(value.shape) != tuple(node.outputs[0].shape):
-            raise ValueError(
-                f"input {node.fqn!r}: shape {tuple(value.shape)} but the model was compiled for "
-                f"{node.outputs[0].shape}; compile again with example inputs of the new shape"
-            )
-        return shard_tensor(value, placement, self.mesh.shape, self._coord)
+        return shard_tensor(value, self._xplan.sources[node.name][0], self.mesh.shape, self._coord)
 
     # ---- full views -------------------------------------------------------------------
     def _full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -501,7 +500,7 @@ def compile(
     full_params = _full_parameters(model, state_dict, weights_from_rank0)
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
 
-    def build(args: tuple, kwargs: dict) -> tuple[OpGraph, Plan, list[str]]:
+    def build(args: tuple, kwargs: dict) -> tuple[OpGraph, Plan]:
         _check_same_inputs_on_every_rank(args, kwargs)
         if plan_obj is None:
             found, graph = _plan_on_rank0(
@@ -526,7 +525,7 @@ def compile(
         else:
             found, graph = plan_obj, capture(model, args, kwargs)
             _check_plan_inputs(found, graph)
-        return graph, found, _arg_names(model, len(args))
+        return graph, found
 
     sharded = ShardedModule(
         groups,
@@ -617,15 +616,6 @@ def _plan_on_rank0(
     if graph is None:
         graph = capture(model, args, kwargs)
     return Plan.from_json(box[0]), graph
-
-
-def _arg_names(model: nn.Module, n: int) -> list[str]:
-    params = [
-        p.name
-        for p in inspect.signature(model.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    return params[:n]
 
 
 def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> dict[str, Any]:

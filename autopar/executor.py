@@ -20,8 +20,10 @@ while lowering, not per call:
    kernel (``kernels.KERNELS``, bound to its ``KernelContext``), a random op, or an
    op reading an all-gathered parameter: that parameter is not kept for backward,
    the op saves a handle and backward gathers it again (FSDP), as the plan prices;
-4. graph outputs are moved to full tensors; only the loss's move is counted
-   (the plan's list covers the training step, not gathering e.g. the logits);
+4. graph outputs are moved to full tensors, and the program returns one value
+   per leaf of the model's output tree (``OpGraph.call``; constants included);
+   only the loss's move is counted (the plan's list covers the training step,
+   not gathering e.g. the logits);
 5. the loss's last collective and the affine ops after it become one
    ``runtime.deferred.DeferredLossStep``: forward starts the collective and
    returns a pending loss, read (waited for) on first use; backward never waits
@@ -653,23 +655,29 @@ def lower(
             if regather:
                 args = (tuple(pair for pair, _ in regather), *args)
         env[fxn] = g.create_node("call_function", fn, args, kwargs, name=fxn.name)
-    out = g.output(_lower_outputs(xplan, groups, state, g, env, out_fx))
+    outs = _lower_outputs(xplan, groups, state, g, env, out_fx)
+    g.output(tuple(outs))
     if not instrument and graph.loss_output is not None:  # the loss's last collective, started without waiting
-        loss = pytree.tree_leaves(out.args[0])[graph.loss_output]
+        loss = outs[next(j for j, leaf in enumerate(graph.call.outputs) if leaf.index == graph.loss_output)]
         node_idx, out_idx = graph.outputs[graph.loss_output]
         if isinstance(loss, fx.Node):
             defer_loss_tail(g, loss, state, graph.nodes[node_idx].outputs[out_idx])
     return fx.GraphModule(graph.gm, g, class_name="LocalProgram")
 
 
-def _lower_outputs(xplan: ExecutionPlan, groups, state: RunState, g: fx.Graph, env: dict, out_fx: fx.Node):
-    """The outputs gathered to full tensors: only the loss's move is counted (the plan's list covers the step)."""
+def _lower_outputs(xplan: ExecutionPlan, groups, state: RunState, g: fx.Graph, env: dict, out_fx: fx.Node) -> list:
+    """One value per leaf of the model's output tree (``OpGraph.call.outputs``): tensors gathered to full, constants
+    as they are.  Only the loss's move is counted (the plan's list covers the step)."""
     graph = xplan.graph
-    flat, spec = pytree.tree_flatten(out_fx.args[0])
     full = tuple(Replicate() for _ in xplan.mesh_shape)
     result = []
-    for k, (value, (node_idx, out_idx)) in enumerate(zip(flat, graph.outputs)):
-        value = env[value] if isinstance(value, fx.Node) else value
+    for value, leaf in zip(out_fx.args[0], graph.call.outputs):
+        if leaf.index is None:
+            result.append(leaf.value)
+            continue
+        k = leaf.index
+        value = env[value]
+        node_idx, out_idx = graph.outputs[k]
         node = graph.nodes[node_idx]
         src = xplan.output_placement(node.name, out_idx)
         if src != full:
@@ -677,4 +685,4 @@ def _lower_outputs(xplan: ExecutionPlan, groups, state: RunState, g: fx.Graph, e
             step = MoveStep(f"gather_output_{k}", state, move, counted=k == graph.loss_output)
             value = g.call_function(step, (value,))
         result.append(value)
-    return pytree.tree_unflatten(result, spec) if len(result) > 1 else result[0]
+    return result

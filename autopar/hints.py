@@ -384,12 +384,15 @@ def _shard_nodes(b: _Builder) -> None:
 def _io_hints(b: _Builder, input_placements, output_placements) -> None:
     inputs = {n.fqn: n for n in b.graph.nodes if n.kind == "input"}
     names = [n for n in b.graph.user_inputs if n in inputs]
-    given = _by_key(input_placements, names, "input_placements")
+    # an input is named by its graph input name (``batch_ids``) or by its path in the call (``batch['ids']``)
+    by_path = {path: name for name, path in b.graph.call.input_paths.items()} if b.graph.call is not None else {}
+    given = {by_path.get(k, k): v for k, v in _by_key(input_placements, names, "input_placements").items()}
     for name, value in given.items():
         if name not in inputs:
+            known = [n if b.graph.call is None else _name_or_path(n, b.graph.call.input_paths.get(n, n)) for n in names]
             raise ValueError(
                 f"input_placements names {name!r}, which is not an input of {b.graph.model_name}; "
-                f"its tensor inputs are {names}. Fix: use one of those names."
+                f"its tensor inputs are {known}. Fix: use one of those names or paths."
             )
         node = inputs[name]
         label = f"input_placements[{name!r}] = {value!r}"
@@ -414,6 +417,10 @@ def _io_hints(b: _Builder, input_placements, output_placements) -> None:
             entry["outputs"][str(o)] = format_placements(pl)
         else:
             b.fix(("src", i), pl, label, desc, node.outputs[o].shape)
+
+
+def _name_or_path(name: str, path: str) -> str:
+    return name if name == path else f"{name} or {path}"
 
 
 def _by_key(value, keys: list, what: str) -> dict:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .mesh import Mesh
 from .plan_types import Plan
@@ -183,8 +184,7 @@ def build_model(config: RunConfig, device: torch.device | str = "cpu"):
     model.train()
     if device.type not in ("cpu", "meta"):
         model = model.to(device)
-        args = tuple(a.to(device) if torch.is_tensor(a) else a for a in args)
-        kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        args, kwargs = pytree.tree_map(lambda v: v.to(device) if torch.is_tensor(v) else v, (args, kwargs))
     return model, args, kwargs
 
 
@@ -203,14 +203,19 @@ def _disable_dropout(model: nn.Module) -> None:
 
 
 def _flat(out) -> list[tuple[str, Any]]:
-    """A model's outputs as (name, value) in the order torch.export flattens them."""
-    if isinstance(out, Mapping):  # HF ModelOutput: its non-None fields, in order
-        items = [(str(k), v) for k, v in out.items() if v is not None]
-    elif isinstance(out, (tuple, list)):
-        items = [(f"output[{i}]", v) for i, v in enumerate(out)]
-    else:
-        items = [("output", out)]
-    return [(k, v) for k, v in items if torch.is_tensor(v)]
+    """A model's tensor outputs as (path, value), flattened as torch.export flattens them (pytree).
+
+    The compiled module returns the model's own structure, so both sides flatten alike.
+    """
+    leaves = pytree.tree_flatten_with_path(out)[0]
+    return [(_output_name(path), v) for path, v in leaves if torch.is_tensor(v)]
+
+
+def _output_name(path: tuple) -> str:
+    """``logits`` for a field of a dict or ModelOutput, ``output[1]`` for a tuple's element, ``output`` alone."""
+    if path and isinstance(path[0], pytree.MappingKey):
+        return str(path[0].key) + pytree.keystr(path[1:])
+    return "output" + pytree.keystr(path)
 
 
 def _loss_index(flat: list[tuple[str, Any]], where: str) -> int:

@@ -56,6 +56,7 @@ from torch.fx._lazy_graph_module import _make_graph_module
 from torch.utils import _pytree as pytree
 
 from .capture import (
+    ExportedCall,
     OpGraph,
     _canonical_param_names,
     _lean_export,
@@ -107,6 +108,7 @@ class BatchTemplate:
     canonical: dict | None = None
     reason: str | None = None
     constants: dict | None = None  # the export's lifted constants (capture.graph_from_export)
+    exported: ExportedCall | None = None  # forward's signature and export's input/output trees
 
     @property
     def symbolic(self) -> bool:
@@ -115,14 +117,14 @@ class BatchTemplate:
 
 def static_template(model: torch.nn.Module, example_inputs=(), example_kwargs: dict | None = None) -> BatchTemplate:
     """A template without a symbolic graph: ``specialize`` re-captures (prepare without ``reuse_batch``)."""
-    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    args, kwargs = normalize_inputs(model, example_inputs, example_kwargs)
     batch = _common_batch(args, kwargs)
     return BatchTemplate(model, args, kwargs, batch if isinstance(batch, int) else 0, reason="prepared statically")
 
 
 def capture_template(model: torch.nn.Module, example_inputs=(), example_kwargs: dict | None = None) -> BatchTemplate:
     """Export ``model`` once with dim 0 of every tensor input as one symbolic batch dim."""
-    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    args, kwargs = normalize_inputs(model, example_inputs, example_kwargs)
     batch = _common_batch(args, kwargs)
     if isinstance(batch, str):
         return _fallback(BatchTemplate(model, args, kwargs, 0), batch)
@@ -163,6 +165,7 @@ def capture_template(model: torch.nn.Module, example_inputs=(), example_kwargs: 
         upper,
         _canonical_param_names(model),
         constants=dict(ep.constants),
+        exported=ExportedCall.of(model, ep),
     )
 
 
@@ -182,7 +185,9 @@ def specialize(template: BatchTemplate, batch: int) -> tuple[OpGraph, str | None
                 reason = str(e)
             else:
                 name = type(template.model).__name__
-                graph = graph_from_export(gm, template.signature, template.canonical, name, template.constants)
+                graph = graph_from_export(
+                    gm, template.signature, template.canonical, name, template.constants, template.exported
+                )
                 return graph, None
     if batch == template.batch:
         return capture(template.model, template.args, template.kwargs), reason

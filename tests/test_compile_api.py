@@ -213,7 +213,7 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-5, msg=f"grad {k}")
         for k in ref_params:
             torch.testing.assert_close(params[k], ref_params[k], rtol=1e-4, atol=1e-5, msg=f"param {k}")
-        assert "input 'input_ids': shape (2, 16) but the model was compiled for (4, 16)" in out["other_shape"], out
+        assert "input_ids: shape (2, 16) given, expected (4, 16)" in out["other_shape"], out
         assert "compile again with example inputs" in out["other_shape"]
         assert "input_ids: shape (2, 16) given, (4, 16) in the plan" in out["plan_other_inputs"], out
         assert "the ranks got inputs of different shapes" in out["ranks_disagree"], out["ranks_disagree"]
@@ -224,7 +224,7 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
         local = out["local_mode"]
         assert local["shapes"] and local["split"], local
         assert local["loss"][0] == pytest.approx(local["loss"][1], rel=1e-6), local
-        assert "local shape" in local["global_given"] and "this rank's piece" in local["global_given"], local
+        assert "input_mode='local' each rank passes its piece" in local["global_given"], local
         assert "rank 0: (4, 16) int64" in out["ranks_disagree"] and "rank 1: (3, 16) int64" in out["ranks_disagree"]
 
 
@@ -272,7 +272,10 @@ def test_bad_input_on_one_rank_fails_every_rank_fast():
     """Only rank 1 passes a wrong shape: rank 0, already in a collective, raises rank 1's reason within seconds."""
     timeout_s = 120.0  # the collective timeout a waiting rank would otherwise sit out
     outs, _ = spawn_ranks(_one_rank_bad_input_fn, 2, timeout_s=600, collective_timeout_s=timeout_s)
-    wrong = "input 'input_ids': local shape (1, 16) but this rank's piece under S(0) is (2, 16)"
+    wrong = (
+        "input_ids: shape (1, 16) given, expected (2, 16); under input_mode='local' each rank passes its piece "
+        "(placement S(0)"
+    )
     for rank, out in enumerate(outs):
         # the same bad input on every rank: each raises its own error, nobody waits, the module stays usable
         msg, _ = out["everyone_bad"]
@@ -284,6 +287,6 @@ def test_bad_input_on_one_rank_fails_every_rank_fast():
         assert wrong in msg, (rank, msg)
         assert "shut the mesh's process groups down" in msg and "compile again" in msg.lower(), (rank, msg)
         if rank == 0:  # waiting in a collective of forward or backward when rank 1 shut the groups down
-            assert "on rank 0 (mesh coordinate (0,)) stopped: rank 1: ValueError" in msg, msg
+            assert "on rank 0 (mesh coordinate (0,)) stopped: rank 1: InputMismatchError" in msg, msg
         # the module is shut down on every rank: a further call says so instead of hanging
         assert "process groups were shut down" in out["after"][0] and "compile the model again" in out["after"][0]

@@ -69,7 +69,7 @@ def _train(model_fn, args, kwargs, counter=None):
     for step in range(STEPS):
         if counter is not None:
             model.collective_counter = counter if step == 0 else None
-        loss, logits = call(*args, **kwargs)
+        loss, logits = call(*args, **kwargs)[:2]
         loss.backward()
         if step == 0:
             first_logits = logits.detach()
@@ -164,7 +164,7 @@ def _count_rank_fn(rank, world, name, mesh_shape, axis_names):
         sharded = _compile(model, args, kwargs, mesh_shape, axis_names, family, PARTITIONING_PROFILE)
         opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
         sharded.collective_counter = CollectiveCounter()
-        loss, _ = sharded(*args, **kwargs)
+        loss = sharded(*args, **kwargs)[0]
         loss.backward()
         opt.step()  # one whole training step: a ZeRO plan's all-gathers run after the optimizer step
         counted = [(r.kind, axis_names[r.axis], r.phase, r.bytes) for r in sharded.collective_counter.records]
@@ -188,7 +188,7 @@ def _dropout_rank_fn(rank, world, mesh_shape, axis_names):
     model, args, kwargs = load_model("gpt2-tiny", batch=BATCH, seq=SEQ, device="cpu")  # dropout 0.1 kept
     sharded = _compile(model, args, kwargs, mesh_shape, axis_names, "tensor parallel")
     sharded.trace = {}
-    loss, _ = sharded(*args, **kwargs)
+    sharded(*args, **kwargs)
     placements = {name: entry["outputs"] for name, entry in sharded.plan.nodes.items()}
     return sharded.mesh.coordinate(rank), sharded.trace, placements
 
@@ -320,7 +320,7 @@ def _memory_one(rank, name, mesh_shape, axis_names, family):
     sharded = _compile(model, args, kwargs, mesh_shape, axis_names, family, PARTITIONING_PROFILE)
     opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
     sharded.measure_saved = True  # opt-in: the instrumented local graph measures what forward saves
-    loss, _ = sharded(*args, **kwargs)
+    loss = sharded(*args, **kwargs)[0]
     saved = sharded.saved_bytes.total_bytes  # what this forward packed for backward (executor.SavedBytes)
     loss.backward()
     opt.step()

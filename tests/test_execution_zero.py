@@ -65,7 +65,7 @@ def _zero_rank_fn(rank, world, mesh_shape, axis_names, cap, plan_json):
     out = {"coord": mesh.coordinate(rank), "plan": sharded.plan.to_dict(), "losses": [], "counted": []}
     for step in range(STEPS):
         sharded.collective_counter = CollectiveCounter()
-        loss, logits = sharded(*args, **kwargs)
+        loss, logits = sharded(*args, **kwargs)[:2]
         loss.backward()
         if step == 0:
             out["logits"], out["grads"] = logits.detach(), sharded.full_grads()
@@ -206,7 +206,7 @@ def _bucket_rank_fn(rank, world, batch):
         sharded.collective_counter = CollectiveCounter()
         calls.clear()
         for _ in range(2):  # two backwards accumulate into .grad before the step
-            loss, _ = sharded(*args, **kwargs)
+            loss = sharded(*args, **kwargs)[0]
             loss.backward()
         physical = len(calls)
         grads = sharded.full_grads()
