@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -621,12 +621,7 @@ def _plan_on_rank0(
 def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> dict[str, Any]:
     params = dict(model.named_parameters())
     if state_dict is not None:
-        missing = [k for k in params if k not in state_dict]
-        if missing:
-            raise ValueError(
-                f"state_dict lacks {len(missing)} parameters (first: {missing[:3]}); "
-                "pass model.state_dict() of the full model"
-            )
+        _check_state_dict(state_dict, params)
         return {k: state_dict[k].detach().requires_grad_(p.requires_grad) for k, p in params.items()}
     if any(p.is_meta for p in params.values()) and not weights_from_rank0:
         raise ValueError(
@@ -641,6 +636,35 @@ def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> 
             out[k] = t.requires_grad_(p.requires_grad)
         return out
     return params
+
+
+def _check_state_dict(state_dict, params: dict[str, nn.Parameter]) -> None:
+    """Every parameter of the model is in ``state_dict`` as a tensor of its shape and dtype (before anything runs)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict={type(state_dict).__name__}: expected a mapping of parameter names to tensors, "
+            "e.g. model.state_dict() of the full model"
+        )
+    bad = [f"{k}: missing" for k in params if k not in state_dict]
+    for k, p in params.items():
+        value = state_dict.get(k)
+        if k not in state_dict:
+            continue
+        if not isinstance(value, torch.Tensor):
+            bad.append(f"{k}: a {type(value).__name__}, expected a tensor of shape {tuple(p.shape)}")
+        elif tuple(value.shape) != tuple(p.shape) or value.dtype != p.dtype:
+            bad.append(
+                f"{k}: shape {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}, the model's parameter "
+                f"is {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+            )
+        elif value.is_meta:
+            bad.append(f"{k}: on the meta device (no values); expected the weights")
+    if bad:
+        raise ValueError(
+            f"state_dict does not fit the model: {len(bad)} parameters differ:{_bullets(bad)}\n"
+            "Fix: pass the full (unsharded) state dict of this model, e.g. model.state_dict() of the model built "
+            "with real weights, converted to the model's dtype"
+        )
 
 
 def _bullets(items: list[str], limit: int = 5) -> str:

@@ -141,6 +141,11 @@ def _lazy_rank_fn(rank, world):
     out = {}
     model, args, kwargs = _model("gpt2-tiny")
     out["wrong_world"] = _errors(lambda: autopar.compile(model, autopar.Mesh((2 * world,)), example_inputs=args))
+    # a state_dict whose tensors do not fit the model fails up front, naming each key (not later inside aten)
+    full = dict(model.state_dict())
+    bad_sd = {**full, "transformer.wte.weight": torch.zeros(3, 3)}
+    del bad_sd["transformer.ln_f.bias"]
+    out["bad_state_dict"] = _errors(lambda: autopar.compile(model, mesh, example_inputs=args, state_dict=bad_sd))
     sharded = autopar.compile(model, mesh, profile=PARTITIONING_PROFILE)  # lazy: plans on the first call
     try:
         _ = sharded.plan
@@ -192,6 +197,11 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
     for rank, out in enumerate(run_ranks(_lazy_rank_fn, 2, timeout_s=600)):
         assert "world size 2 != mesh size 4" in out["wrong_world"], out["wrong_world"]
         assert "not been compiled yet" in out["plan_before"] and "example_inputs=" in out["plan_before"]
+        bad_sd = out["bad_state_dict"]
+        assert "state_dict does not fit the model: 2 parameters differ" in bad_sd, bad_sd
+        assert "transformer.ln_f.bias: missing" in bad_sd, bad_sd
+        assert "transformer.wte.weight: shape (3, 3) float32, the model's parameter is (1001, 64) float32" in bad_sd
+        assert "Fix: pass the full (unsharded) state dict" in bad_sd
         # before the first call the parameters are whole; after it, each is this rank's piece under the plan
         assert out["params_before"]["transformer.wte.weight"] == (1001, 64)
         sharded_any = False
