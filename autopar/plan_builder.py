@@ -151,6 +151,8 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
                 "placements": _fmt(s.placement, shown),
                 "shape": list(n.outputs[0].shape),
             }
+            if n.kind == "input" and graph.call is not None:  # how the call names it: batch['ids'], rest[0]
+                inputs[n.fqn]["path"] = graph.call.input_paths.get(n.fqn, n.fqn)
         else:
             op = str(n.target)
             nodes[n.name] = {

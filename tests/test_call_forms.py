@@ -304,3 +304,28 @@ def test_canonical_form_drops_defaults_and_keeps_positionals_before_var_args():
     assert bind_call(sig, (x, 2), {"c": 2.0}) == ((x, 2), {})
     assert bind_call(sig, (x, 1, 2.0, x), {}) == ((x, 1, 2.0, x), {})  # before a non-empty *rest nothing drops
     assert bind_call(sig, (x,), {"e": "y", "z": x}) == ((x,), {"e": "y", "z": x})
+
+
+def test_the_plan_names_each_input_by_its_path_and_takes_hints_by_path():
+    import autopar
+
+    model, args, kwargs = build("nested")
+    plan = autopar.plan(
+        model,
+        autopar.Mesh((2,)),
+        example_inputs=args,
+        example_kwargs=kwargs,
+        input_placements={"batch['extra'][1][0]": ["S(0)"], "aux.x": ["S(1)"]},
+        compare_families=False,
+    )
+    paths = {k: v["path"] for k, v in plan.inputs.items() if v["kind"] == "input"}
+    assert sorted(paths.values()) == sorted(
+        ["batch['x']", "batch['extra'][0]", "batch['extra'][1][0]", "batch['extra'][1][1]", "batch['meta']['target']"]
+        + ["aux.x", "aux.target"]
+    ), paths
+    by_path = {v["path"]: v["placements"] for v in plan.inputs.values() if v["kind"] == "input"}
+    assert by_path["batch['extra'][1][0]"] == ["S(0)"] and by_path["aux.x"] == ["S(1)"], by_path
+    with pytest.raises(ValueError, match=r"batch_extra_1_0 or batch\['extra'\]\[1\]\[0\]"):
+        autopar.plan(
+            model, autopar.Mesh((2,)), example_inputs=args, example_kwargs=kwargs, input_placements={"y": ["R"]}
+        )
