@@ -28,19 +28,27 @@ from autopar.capture import capture
 STEPS = 3
 RTOL, ATOL = 1e-4, 1e-5
 ADAMW = {"lr": 1e-3, "eps": 1e-6}
-VARIANTS = ("batch split", "tensor parallel")
+# each form runs under: its batch split over the ranks (inputs hinted S(0) by path), the same with each rank
+# passing only its rows (input_mode='local'), tensor parallel (weights split, inputs whole), and tensor parallel
+# compiled lazily on the first call
+VARIANTS = ("batch split", "local pieces", "tensor parallel", "lazy")
 
 
 def _detached(out):
     return pytree.tree_map(lambda v: v.detach().as_subclass(torch.Tensor).clone() if torch.is_tensor(v) else v, out)
 
 
-def _train(module, args, kwargs, restated=None):
-    """(first outputs, losses, step-0 grads, params after STEPS steps); step 1 calls in the ``restated`` form."""
+def _train(module, args, kwargs, restated=None, piece=None):
+    """(first outputs, losses, step-0 grads, params after STEPS steps); step 1 calls in the ``restated`` form.
+
+    ``piece`` maps a call's (args, kwargs) to what this rank passes (its rows, under ``input_mode='local'``).
+    """
     opt = torch.optim.AdamW(module.parameters(), **ADAMW)
     first, losses, grads = None, [], None
     for step in range(STEPS):
         a, k = restated(args, kwargs) if restated is not None and step == 1 else (args, kwargs)
+        if piece is not None:
+            a, k = piece(a, k)
         out = module(*a, **k)
         loss = loss_of(out)
         loss.backward()
@@ -101,17 +109,35 @@ def _batch_split(model, args, kwargs) -> dict:
 
 
 def _variants(model, args, kwargs) -> dict[str, dict]:
-    """Two plans per form: the batch split over the ranks, and tensor parallel (weights split, inputs whole)."""
+    """The plans and modes each form runs under (see VARIANTS)."""
+    split = {"input_placements": _batch_split(model, args, kwargs)}
     return {
-        "batch split": {"input_placements": _batch_split(model, args, kwargs)},
+        "batch split": split,
+        "local pieces": {**split, "input_mode": "local"},
         "tensor parallel": {"family": "tensor parallel"},
+        "lazy": {"family": "tensor parallel", "lazy": True},
     }
 
 
-def _compile(model, args, kwargs, world: int, **options):
+def _rows_of(rank: int, world: int):
+    """(args, kwargs) -> this rank's rows of every batch-shaped tensor (what ``input_mode='local'`` takes)."""
+
+    def piece(args, kwargs):
+        def rows(v):
+            return v.tensor_split(world)[rank] if torch.is_tensor(v) and v.shape[:1] == (ROWS,) else v
+
+        return pytree.tree_map(rows, (args, kwargs))
+
+    return piece
+
+
+def _compile(model, args, kwargs, world: int, lazy: bool = False, **options):
+    """``autopar.compile`` on a 1-D mesh of ``world``; ``lazy`` plans on the first call instead."""
     import autopar
 
     mesh = autopar.Mesh((world,), axis_names=("x",))
+    if lazy:
+        args = kwargs = None
     return autopar.compile(
         model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, **options
     )
@@ -121,10 +147,13 @@ def _forms_rank_fn(rank, world, form):
     out = {}
     for variant in VARIANTS:
         model, args, kwargs = build(form)
-        sharded = _compile(model, args, kwargs, world, **_variants(model, args, kwargs)[variant])
+        options = _variants(model, args, kwargs)[variant]
+        sharded = _compile(model, args, kwargs, world, **options)
+        piece = _rows_of(rank, world) if options.get("input_mode") == "local" else None
+        result = _train(sharded, args, kwargs, RESTATED.get(form), piece)
         split = sorted(k for k, v in sharded.plan.inputs.items() if v.get("placements") == ["S(0)"])
         sharded_params = sorted(k for k, v in sharded.plan.params.items() if v["placements"] != ["R"])
-        out[variant] = (split, sharded_params, _train(sharded, args, kwargs, RESTATED.get(form)))
+        out[variant] = (split, sharded_params, result)
     return out
 
 
@@ -134,7 +163,7 @@ def test_every_call_form_trains_like_one_device_on_two_ranks(form):
     want = _train(model, args, kwargs, RESTATED.get(form))
     for rank, per_variant in enumerate(run_ranks(_forms_rank_fn, 2, form, timeout_s=300)):
         for variant, (split, sharded_params, got) in per_variant.items():
-            if variant == "batch split":  # the plan really splits the inputs: each rank gets its rows
+            if variant in ("batch split", "local pieces"):  # the plan really splits the inputs: each rank its rows
                 assert split and not sharded_params, (form, split, sharded_params)
             else:
                 assert sharded_params, (form, variant)
