@@ -3,7 +3,9 @@
 A ``DeviceProfile`` is pure data loaded from ``configs/devices/<name>.toml`` (or any
 TOML file of the same schema, e.g. a calibration file measured on the target
 machine).  No number lives in this module: every constant sits in the TOML next to
-the datasheet or measurement it comes from.
+the datasheet or measurement it comes from.  ``config_dir()`` finds the configs
+folder: ``$AUTOPAR_CONFIG_DIR``, else the package ``autopar.configs`` that the
+repository's top-level ``configs/`` installs as (read with ``importlib.resources``).
 
 Mesh axes map to links by rank distance (``DeviceProfile.link_for_axis``): the mesh
 is row-major with the last axis innermost, so an axis whose ranks all sit inside one
@@ -13,6 +15,7 @@ any other over ``inter_node`` (InfiniBand).
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import math
 import os
@@ -51,6 +54,8 @@ ATTENTION_SAVES = ("traced", "flash")
 REDUCE_SCATTER = ("native", "all_reduce")
 
 _CONFIG_ENV = "AUTOPAR_CONFIG_DIR"
+#: The package the top-level configs/ folder installs as (pyproject.toml, [tool.setuptools.package-dir]).
+_CONFIG_PACKAGE = "autopar.configs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +205,37 @@ def _check_positive(profile: str, key: str, value: Any) -> None:
 
 
 def config_dir() -> Path:
-    """The configs directory: ``$AUTOPAR_CONFIG_DIR`` if set, else ``<repo>/configs``."""
+    """The configs directory: ``$AUTOPAR_CONFIG_DIR`` if set, else the installed package ``autopar.configs``.
+
+    It holds ``devices/<name>.toml`` (``load_profile``) and ``models/<name>.toml``
+    (``autopar.models``).  The package is the repository's top-level ``configs/``
+    folder, which pyproject.toml installs under that name: an editable install
+    (``pip install -e .``) resolves to the checkout's folder, a wheel or
+    ``pip install .`` to the copy in site-packages.  It is found with
+    ``importlib.resources``, never by a path relative to this file, so the answer
+    does not depend on the working directory or on where the checkout lies.
+
+    Raises ``ImportError`` when the package is missing (an install made before
+    configs/ became a package, or autopar run from a checkout it was never installed
+    from) and when it is not a folder on disk (a zip import).
+    """
     env = os.environ.get(_CONFIG_ENV)
     if env:
         return Path(env).expanduser().resolve()
-    return Path(__file__).resolve().parent.parent / "configs"
+    try:
+        root = importlib.resources.files(_CONFIG_PACKAGE)
+    except ModuleNotFoundError as e:
+        raise ImportError(
+            f"autopar's data package {_CONFIG_PACKAGE!r} (device profiles and built-in models) is not installed: "
+            f"expected it next to the autopar package, got {e}. Reinstall autopar (`pip install -e .` in the "
+            f"checkout, or `pip install .`), or set ${_CONFIG_ENV} to a folder with devices/ and models/"
+        ) from e
+    if not isinstance(root, Path):
+        raise ImportError(
+            f"autopar's data package {_CONFIG_PACKAGE!r}: expected a folder on disk, got {root!r} (a zip import?); "
+            f"install autopar with pip (wheels unpack to disk), or set ${_CONFIG_ENV} to a folder with devices/"
+        )
+    return root
 
 
 def available_profiles() -> list[str]:

@@ -3,6 +3,7 @@ flop counts against textbook formulas and torch's FlopCounterMode, model-state b
 
 from __future__ import annotations
 
+import importlib.resources
 import math
 from pathlib import Path
 
@@ -101,9 +102,13 @@ def test_profile_by_path_and_env_dir(tmp_path, monkeypatch):
     assert cm.load_profile("mine").peak_flops_for(torch.bfloat16) == 312e12
 
 
-def test_default_config_dir_is_repo_configs(monkeypatch):
+def test_default_config_dir_is_the_configs_package(monkeypatch):
+    """Without the override, configs come from the package autopar.configs (importlib.resources);
+    the editable install the tests run against maps it to the checkout's top-level configs/."""
     monkeypatch.delenv("AUTOPAR_CONFIG_DIR", raising=False)
-    assert cm.config_dir() == Path(__file__).resolve().parent.parent / "configs"
+    package = importlib.resources.files("autopar.configs")
+    assert cm.config_dir() == package
+    assert cm.config_dir().resolve() == Path(__file__).resolve().parent.parent / "configs"
 
 
 def test_unknown_profile_lists_available():
