@@ -47,7 +47,7 @@ train-mode choice in both.
 
 Lazy compile: ``example_inputs=None`` plans on the first call (see ``compile``).
 Bad input fails before any collective where it can: a plan for another mesh,
-model or input shapes (``_load_plan``, ``_check_plan_inputs``), ranks that
+model, input shapes or traced graph (``_load_plan``, ``_check_plan_inputs``, ``_check_plan_graph``), ranks that
 disagree on the input shapes at compile time; world size != mesh size and a
 missing process group fail in ``MeshGroups``.  Inputs of other shapes than the
 compiled ones raise in ``forward`` on the ranks that pass them; when not every
@@ -525,6 +525,7 @@ def compile(
         else:
             found, graph = plan_obj, capture(model, args, kwargs)
             _check_plan_inputs(found, graph)
+            _check_plan_graph(found, graph, model)
         return graph, found
 
     sharded = ShardedModule(
@@ -720,6 +721,33 @@ def _check_plan_inputs(plan: Plan, graph: OpGraph) -> None:
         raise ValueError(
             f"the inputs do not match the plan's (for {plan.model}):{_bullets(bad)}\nFix: pass inputs of the "
             "shapes the plan was made for, or re-plan with these inputs"
+        )
+
+
+def _check_plan_graph(plan: Plan, graph: OpGraph, model: nn.Module) -> None:
+    """The plan's op nodes are the ops of the graph this rank traced (same names, same aten ops).
+
+    torch.export traces the kernels the model's tensors run, so a plan made on
+    another device (``meta``, CUDA) or another library version can describe another
+    graph: HF attention's ``.contiguous()`` of a transposed output is a copy on one
+    device and a no-op on another.
+    """
+    traced = {n.name: str(n.target) for n in graph.nodes if n.kind == "op"}
+    planned = {name: entry["op"] for name, entry in plan.nodes.items()}
+    bad = [f"{name}: {op} in the plan, not in the traced graph" for name, op in planned.items() if name not in traced]
+    bad += [f"{name}: {op} in the traced graph, not in the plan" for name, op in traced.items() if name not in planned]
+    bad += [
+        f"{name}: {op} in the plan, {traced[name]} in the traced graph"
+        for name, op in planned.items()
+        if name in traced and traced[name] != op
+    ]
+    if bad:
+        raise ValueError(
+            f"the plan (for {plan.model}) describes another graph than {type(model).__name__} traces here: "
+            f"{len(bad)} ops differ:{_bullets(bad)}\ntorch.export records the ops the model's tensors run, which "
+            "can differ between devices (a plan made on the meta device or a GPU, used on CPU) and library "
+            "versions.\nFix: plan on the device and versions you run on (the same dtype and example inputs), "
+            "or leave plan= out to let compile plan it"
         )
 
 

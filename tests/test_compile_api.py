@@ -177,6 +177,15 @@ def _lazy_rank_fn(rank, world):
         )
     )
     out["local_mode"] = _local_mode(rank, mesh, args, kwargs)
+    # a plan made on the meta device, where Llama's graph has other ops than on the CPU, is refused up front
+    from autopar.models import load_model
+
+    meta_model, margs, mkwargs = load_model("llama-tiny", batch=4, seq=16, device="meta")
+    meta_plan = autopar.plan(meta_model, mesh, example_inputs=margs, example_kwargs=mkwargs, compare_families=False)
+    cpu_model, cargs, ckwargs = _model("llama-tiny")
+    out["plan_other_graph"] = _errors(
+        lambda: autopar.compile(cpu_model, mesh, example_inputs=cargs, example_kwargs=ckwargs, plan=meta_plan)
+    )
     # a torch DeviceMesh, as DTensor users hold one, is taken as the autopar.Mesh it describes
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -227,6 +236,9 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
         assert "compile again with example inputs" in out["other_shape"]
         assert "input_ids: shape (2, 16) given, (4, 16) in the plan" in out["plan_other_inputs"], out
         assert "the ranks got inputs of different shapes" in out["ranks_disagree"], out["ranks_disagree"]
+        other = out["plan_other_graph"]
+        assert "describes another graph than LlamaForCausalLM traces here" in other, other
+        assert "in the plan, not in the traced graph" in other and "Fix: plan on the device" in other, other
         dm_mesh, dm_loss = out["device_mesh"]
         assert dm_mesh == autopar.Mesh((2,), axis_names=("tp",)), dm_mesh
         torch.testing.assert_close(torch.tensor(dm_loss), ref_losses[0], rtol=1e-4, atol=1e-5)
