@@ -162,9 +162,9 @@ class Coster:
         return 1.0 - self.settings.profile.grad_reduce_overlap if producer.kind == "param" else 1.0
 
     def comm_time_s(self, kind: str, nbytes: int, axis: int) -> float:
-        """Ring time on the axis's link plus one kernel launch (a collective is a kernel too)."""
+        """The collective's time on the axis's link plus one op's overhead (the runtime issues it as a step)."""
         t = collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
-        return t + self.settings.profile.kernel_overhead_s if t > 0 else 0.0
+        return t + self.settings.profile.op_overhead_s() if t > 0 else 0.0
 
     def transition_time_s(self, meta: TensorMeta, src, dst) -> float:
         key = (meta, src, dst)
@@ -196,7 +196,9 @@ class Coster:
         nbytes = flops_mod.bytes_moved(local)
         t = op_time_s(flops_mod.forward_flops(local), nbytes, self.settings.profile, dtype, matmul=matmul)
         if node.requires_grad:
-            t += op_time_s(flops_mod.backward_flops(local), 2 * nbytes, self.settings.profile, dtype, matmul=matmul)
+            t += op_time_s(
+                flops_mod.backward_flops(local), 2 * nbytes, self.settings.profile, dtype, matmul=matmul, backward=True
+            )
         for axis, comms in enumerate(strategy.comm):
             t += sum(self.comm_time_s(c.kind, c.bytes, axis) for c in comms)
         return t

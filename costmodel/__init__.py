@@ -24,9 +24,10 @@ from .memory import (
     optimizer_spec,
     precision,
 )
-from .profiles import DeviceProfile, LinkProfile, available_profiles, config_dir, load_profile
+from .profiles import CollectiveFit, DeviceProfile, LinkProfile, available_profiles, config_dir, load_profile
 
 __all__ = [
+    "CollectiveFit",
     "LinkProfile",
     "DeviceProfile",
     "load_profile",

@@ -15,6 +15,13 @@ of the buffer through every rank's link.  The step counts are the ring's: ``n-1`
 steps per phase.  ``OpComm.bytes`` in ``autopar.strategies.base`` uses the same
 ``nbytes`` definitions.
 
+Measured collectives: where the link carries a fit of ``kind`` (``LinkProfile.collectives``,
+written by ``autopar calibrate``), the collective costs ``latency + factor * nbytes / bandwidth``
+with that fit's latency and bandwidth, ``factor`` the ring bandwidth factor above
+(``bandwidth_factor``).  A group size between two measured ones interpolates both
+linearly; outside the measured range the nearest fit is scaled as the ring scales
+(latency by the step count, the factor by ``(n-1)/n``).
+
 Emulated reduce-scatter: on a link whose backend has none
 (``LinkProfile.reduce_scatter == "all_reduce"``, e.g. the ``cpu`` profile: gloo,
 where autopar's runtime all-reduces the full input and keeps its slice), a
@@ -28,7 +35,7 @@ import math
 
 from .profiles import DeviceProfile, LinkProfile
 
-__all__ = ["COLLECTIVES", "collective_time_s", "collective_time_on_axis_s"]
+__all__ = ["COLLECTIVES", "bandwidth_factor", "collective_time_s", "collective_time_on_axis_s"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -39,6 +46,31 @@ _RING_FACTORS = {
     "reduce_scatter": (1, 1),
     "all_to_all": (1, 1),
 }
+
+
+def bandwidth_factor(kind: str, group_size: int, emulated_reduce_scatter: bool = False) -> float:
+    """The ring bandwidth factor of ``kind`` among ``group_size`` ranks: 2(n-1)/n for an all-reduce (and an
+    emulated reduce-scatter, which runs one), (n-1)/n otherwise."""
+    if kind == "reduce_scatter" and emulated_reduce_scatter:
+        kind = "all_reduce"
+    n = group_size
+    return _RING_FACTORS[kind][0] * (n - 1) / n
+
+
+def _fitted_time_s(fits: tuple, kind: str, nbytes: float, n: int, emulated: bool) -> float:
+    """Seconds from the measured fits of one kind (sorted by group size; see the module docstring)."""
+    factor = bandwidth_factor(kind, n, emulated)
+    below = [f for f in fits if f.group_size <= n]
+    above = [f for f in fits if f.group_size >= n]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        w = 0.0 if hi.group_size == lo.group_size else (n - lo.group_size) / (hi.group_size - lo.group_size)
+        latency = (1 - w) * lo.latency_s + w * hi.latency_s
+        inv_bw = (1 - w) / lo.bandwidth_bytes_per_s + w / hi.bandwidth_bytes_per_s
+        return latency + factor * nbytes * inv_bw
+    near = below[-1] if below else above[0]
+    latency = near.latency_s * (n - 1) / (near.group_size - 1)
+    return latency + factor * nbytes / near.bandwidth_bytes_per_s
 
 
 def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfile) -> float:
@@ -58,6 +90,9 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfi
     n = int(group_size)
     if n == 1 or nbytes == 0:
         return 0.0
+    fits = link.fits_for(kind)
+    if fits:
+        return _fitted_time_s(fits, kind, nbytes, n, link.reduce_scatter == "all_reduce")
     if kind == "reduce_scatter" and link.reduce_scatter == "all_reduce":
         kind = "all_reduce"  # emulated: the full input all-reduced, this rank's slice kept
     bw_factor, steps = _RING_FACTORS[kind]

@@ -4,7 +4,7 @@ An op takes the longer of its math time and its memory time, plus a fixed
 per-op overhead (launch and dispatch)::
 
     time_s = max(flops / (peak_flops(dtype) * eff), bytes / (mem_bw * memory_efficiency))
-             + kernel_overhead_s
+             + overhead (kernel_overhead_s, or the measured forward / backward one)
 
 where ``eff`` is ``matmul_efficiency`` for matmul-like ops and 1 otherwise (an
 elementwise op's flops never bind before its bytes do, so its peak needs no
@@ -24,8 +24,17 @@ from .profiles import DeviceProfile
 __all__ = ["op_time_s", "call_time_s"]
 
 
-def op_time_s(flops: float, bytes_moved: float, profile: DeviceProfile, dtype: torch.dtype, *, matmul: bool) -> float:
-    """Roofline seconds of one op: math or memory bound, plus ``kernel_overhead_s``.
+def op_time_s(
+    flops: float,
+    bytes_moved: float,
+    profile: DeviceProfile,
+    dtype: torch.dtype,
+    *,
+    matmul: bool,
+    backward: bool = False,
+) -> float:
+    """Roofline seconds of one op: math or memory bound, plus the per-op overhead (``op_overhead_s``:
+    ``kernel_overhead_s``, or the measured forward or ``backward`` overhead of a calibrated profile).
 
     Returns 0.0 when both ``flops`` and ``bytes_moved`` are 0 (a view: no kernel
     runs).  Raises ``ValueError`` for negative or non-finite counts.
@@ -38,7 +47,7 @@ def op_time_s(flops: float, bytes_moved: float, profile: DeviceProfile, dtype: t
     efficiency = profile.matmul_efficiency if matmul else 1.0
     math_s = flops / (profile.peak_flops_for(dtype) * efficiency)
     memory_s = bytes_moved / (profile.mem_bandwidth_bytes_per_s * profile.memory_efficiency)
-    return max(math_s, memory_s) + profile.kernel_overhead_s
+    return max(math_s, memory_s) + profile.op_overhead_s(backward=backward)
 
 
 def call_time_s(call: Any, profile: DeviceProfile, *, backward: bool = False) -> float:
@@ -51,4 +60,5 @@ def call_time_s(call: Any, profile: DeviceProfile, *, backward: bool = False) ->
         n_flops, n_bytes = _flops.backward_flops(call), _flops.backward_bytes_moved(call)
     else:
         n_flops, n_bytes = _flops.forward_flops(call), _flops.bytes_moved(call)
-    return op_time_s(n_flops, n_bytes, profile, _flops.compute_dtype(call), matmul=_flops.is_matmul_like(call))
+    dtype = _flops.compute_dtype(call)
+    return op_time_s(n_flops, n_bytes, profile, dtype, matmul=_flops.is_matmul_like(call), backward=backward)

@@ -25,15 +25,10 @@ from typing import Any
 
 import torch
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
-    try:
-        import tomli as tomllib
-    except ModuleNotFoundError as e:
-        raise ImportError("costmodel reads TOML device profiles: on Python 3.10 run `pip install tomli`") from e
+from .toml_compat import tomllib
 
 __all__ = [
+    "CollectiveFit",
     "LinkProfile",
     "DeviceProfile",
     "PEAK_FLOPS_KEYS",
@@ -59,6 +54,33 @@ _CONFIG_PACKAGE = "autopar.configs"
 
 
 @dataclass(frozen=True, slots=True)
+class CollectiveFit:
+    """A measured collective on one link: ``t = latency_s + factor(n) * nbytes / bandwidth_bytes_per_s``.
+
+    ``factor(n)`` is the ring bandwidth factor of ``kind`` (``costmodel.comm``), so
+    ``bandwidth_bytes_per_s`` reads as the bus bandwidth the collective achieved
+    among ``group_size`` ranks, and ``latency_s`` is its whole fixed cost per call
+    (not per ring step).  ``autopar calibrate`` fits them (``autopar.measure.fit``).
+    """
+
+    kind: str
+    group_size: int
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(
+                f"collective fit {self.kind} x{self.group_size}: latency_s must be >= 0, got {self.latency_s!r}"
+            )
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise ValueError(
+                f"collective fit {self.kind} x{self.group_size}: bandwidth_bytes_per_s must be a positive finite "
+                f"number, got {self.bandwidth_bytes_per_s!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class LinkProfile:
     """One interconnect as a ring collective sees it.
 
@@ -71,6 +93,10 @@ class LinkProfile:
     full input plus a local slice, as autopar's runtime does on gloo:
     ``MeshGroups.native_reduce_scatter``); ``costmodel.comm`` prices it as it runs.
     A profile file sets it once, as the top-level key ``reduce_scatter``.
+    ``collectives`` are measured fits per kind and group size (``CollectiveFit``,
+    the table ``[<link>.collectives.<kind>]`` of a calibrated profile); where one
+    covers a collective, ``costmodel.comm`` prices it from the fit instead of the
+    ring estimate from ``bandwidth_bytes_per_s`` and ``latency_s``.
     """
 
     name: str
@@ -78,6 +104,11 @@ class LinkProfile:
     latency_s: float
     source: str
     reduce_scatter: str = "native"
+    collectives: tuple[CollectiveFit, ...] = ()
+
+    def fits_for(self, kind: str) -> tuple[CollectiveFit, ...]:
+        """The measured fits of ``kind``, by group size (empty: price it by the ring estimate)."""
+        return tuple(sorted((f for f in self.collectives if f.kind == kind), key=lambda f: f.group_size))
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
@@ -104,7 +135,10 @@ class DeviceProfile:
     ``peak_flops`` maps "float32", "bfloat16", "float16" to dense peak flop/s;
     ``matmul_efficiency`` scales it for matmul-like ops, ``memory_efficiency`` scales
     ``mem_bandwidth_bytes_per_s`` for every op (achievable / datasheet);
-    ``kernel_overhead_s`` is added once per op (launch and dispatch).
+    ``kernel_overhead_s`` is added once per op (launch and dispatch);
+    ``forward_op_overhead_s`` / ``backward_op_overhead_s``, when a calibration
+    measured them apart (a Python runtime's backward costs more per op than its
+    forward), replace it for an op's forward and backward (``op_overhead_s``).
     ``grad_reduce_overlap`` is the fraction of the time of collectives that reduce
     *parameter gradients* in backward that is hidden behind backward compute (DDP
     and FSDP bucket them and overlap them with the rest of backward); collectives on
@@ -134,6 +168,13 @@ class DeviceProfile:
     grad_reduce_overlap: float = 0.0
     dropout_mask_bytes: int = 1
     attention_saves: str = "traced"
+    forward_op_overhead_s: float | None = None
+    backward_op_overhead_s: float | None = None
+
+    def op_overhead_s(self, *, backward: bool = False) -> float:
+        """Fixed seconds per op call: the measured forward/backward overhead, else ``kernel_overhead_s``."""
+        measured = self.backward_op_overhead_s if backward else self.forward_op_overhead_s
+        return self.kernel_overhead_s if measured is None else measured
 
     def __post_init__(self) -> None:
         missing = [k for k in PEAK_FLOPS_KEYS if k not in self.peak_flops]
@@ -152,10 +193,10 @@ class DeviceProfile:
             raise ValueError(
                 f"device profile {self.name!r}: devices_per_node must be an int >= 1, got {self.devices_per_node!r}"
             )
-        if not (self.kernel_overhead_s >= 0 and math.isfinite(self.kernel_overhead_s)):
-            raise ValueError(
-                f"device profile {self.name!r}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}"
-            )
+        for key in ("kernel_overhead_s", "forward_op_overhead_s", "backward_op_overhead_s"):
+            value = getattr(self, key)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"device profile {self.name!r}: {key} must be >= 0 seconds, got {value!r}")
         if self.attention_saves not in ATTENTION_SAVES:
             raise ValueError(
                 f"device profile {self.name!r}: attention_saves must be one of {ATTENTION_SAVES}, "
@@ -319,6 +360,10 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     mask_bytes = data.pop("dropout_mask_bytes", 1)
     attention = data.pop("attention_saves", "traced")  # optional: older files lack it
     reduce_scatter = data.pop("reduce_scatter", "native")  # optional: how the backend runs it (LinkProfile)
+    overheads = {k: data.pop(k) for k in ("forward_op_overhead_s", "backward_op_overhead_s") if k in data}
+    for key, value in overheads.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {key} must be a number of seconds, got {value!r}")
     if not isinstance(attention, str):
         raise ValueError(f"{where}: attention_saves must be a string {ATTENTION_SAVES}, got {attention!r}")
     if not isinstance(mask_bytes, int) or mask_bytes < 1:
@@ -327,10 +372,13 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         raise ValueError(f"{where}: grad_reduce_overlap must be a number in [0, 1), got {overlap!r}")
     top = _take(data, _TOP_KEYS, where)
     peak = _take(top.pop("peak_flops"), dict.fromkeys(PEAK_FLOPS_KEYS, float), f"{where} [peak_flops]")
-    links = {
-        key: LinkProfile(**_take(top.pop(key), _LINK_KEYS, f"{where} [{key}]"), reduce_scatter=reduce_scatter)
-        for key in ("intra_node", "inter_node")
-    }
+    links = {}
+    for key in ("intra_node", "inter_node"):
+        table = dict(top.pop(key))
+        fits = _collective_fits(table.pop("collectives", {}), f"{where} [{key}.collectives]")
+        links[key] = LinkProfile(
+            **_take(table, _LINK_KEYS, f"{where} [{key}]"), reduce_scatter=reduce_scatter, collectives=fits
+        )
     return DeviceProfile(
         peak_flops=peak,
         **links,
@@ -338,4 +386,25 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         grad_reduce_overlap=float(overlap),
         dropout_mask_bytes=mask_bytes,
         attention_saves=attention,
+        **{k: float(v) for k, v in overheads.items()},
     )
+
+
+def _collective_fits(table: dict, where: str) -> tuple[CollectiveFit, ...]:
+    """``{kind: {group_sizes, latency_s, bandwidth_bytes_per_s}}`` (arrays of one length) as CollectiveFits."""
+    from .comm import COLLECTIVES
+
+    out = []
+    for kind, entry in table.items():
+        if kind not in COLLECTIVES:
+            raise ValueError(f"{where}: unknown collective {kind!r}; expected one of {COLLECTIVES}")
+        cols = _take(
+            entry, {"group_sizes": list, "latency_s": list, "bandwidth_bytes_per_s": list}, f"{where}.{kind}"
+        )
+        if len({len(v) for v in cols.values()}) != 1:
+            raise ValueError(f"{where}.{kind}: group_sizes, latency_s and bandwidth_bytes_per_s differ in length")
+        for n, lat, bw in zip(cols["group_sizes"], cols["latency_s"], cols["bandwidth_bytes_per_s"]):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+                raise ValueError(f"{where}.{kind}: group sizes must be ints >= 2, got {n!r}")
+            out.append(CollectiveFit(kind, n, float(lat), float(bw)))
+    return tuple(out)
