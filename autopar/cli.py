@@ -16,9 +16,17 @@ module region, or a MindSpore tuple (``'encoder.layer.0.intermediate.dense=((2,1
 ``--hints`` reads a JSON or TOML table of ``pattern = value`` (lists of placements,
 ``"replicate"``, or ``[[2, 1], [1, 4]]``); ``--hint`` entries override it.
 
-``--batch`` is the global batch.  ``--timings`` prints, as the last line on
+``--batch`` is the global batch; ``--seq`` defaults to 1024, or to the model's
+position count when it has fewer.  ``--timings`` prints, as the last line on
 stderr, one JSON object {"capture_s", "strategies_s", "search_s", "total_s",
 "peak_rss_bytes"}.
+
+Bad input exits with code 2 and one ``autopar: error:`` line that names the flag
+and ends with the fix; what can be checked without the model (the profile, the
+output path, the hints file, the sequence length against the model's positions)
+is checked before the model is built, so nothing is planned only to be lost.
+Errors from the API are given in the CLI's words (``--strict-hints``, not
+``strict=False``), and warnings print as ``autopar: warning:`` lines.
 """
 
 from __future__ import annotations
@@ -31,10 +39,12 @@ import os
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 
-import tomllib
+from costmodel.toml_compat import tomllib
 
+from . import __version__
 from .mesh import Mesh
 from .units import parse_bytes
 
@@ -59,28 +69,52 @@ def _bytes_arg(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from costmodel.memory import OPTIMIZERS
+
     p = argparse.ArgumentParser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"autopar {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{plan,run,models}")
     pl = sub.add_parser("plan", help="plan a model and print the chosen strategies")
     pl.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
     )
     pl.add_argument("--mesh", type=_mesh_shape, default=(4,), help="mesh shape, e.g. 8 or 2x4 (default 4)")
-    pl.add_argument("--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp")
-    pl.add_argument("--mem-cap", type=_bytes_arg, default=None, help="per-device memory cap: bytes or 40GiB, 512MiB")
-    pl.add_argument("--profile", default="h100", help="device profile from configs/devices (default h100)")
-    pl.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
-    pl.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    pl.add_argument(
+        "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default dp, or axis0,axis1,...)"
+    )
+    pl.add_argument(
+        "--mem-cap", type=_bytes_arg, default=None, help="per-device memory cap: bytes or 40GiB, 512MiB (default none)"
+    )
+    pl.add_argument(
+        "--profile",
+        default="h100",
+        metavar="PROFILE",
+        help="device profile: a name from `configs/devices` (a100, cpu, h100, ...) or a .toml path (default h100)",
+    )
+    pl.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
+    pl.add_argument(
+        "--seq",
+        type=_positive_int,
+        default=None,
+        help="sequence length (default 1024, or the model's position count when smaller)",
+    )
     pl.add_argument(
         "--dtype",
         default="fp32",
         choices=("fp32", "bf16", "bf16-pure"),
         help="training precision: fp32, bf16 (mixed, float32 master weights) or bf16-pure (no float32 copy)",
     )
-    pl.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd_momentum | none")
+    pl.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer state to count")
     pl.add_argument("--solver", default="dp", choices=("dp", "ilp"), help="exact DP (default) or the CP-SAT model")
-    pl.add_argument("--format", default="table", choices=("table", "json"))
-    pl.add_argument("-o", "--output", default=None, help="write the plan JSON to this file")
+    pl.add_argument(
+        "--format",
+        default="table",
+        choices=("table", "json"),
+        help="what to print: the plan table (default) or the plan JSON",
+    )
+    pl.add_argument(
+        "-o", "--output", default=None, metavar="FILE", help="also write the plan JSON to FILE (checked first)"
+    )
     pl.add_argument("--no-compare", action="store_true", help="skip the per-family comparison solves")
     pl.add_argument("--timings", action="store_true", help="print timings as JSON, last line on stderr")
     pl.add_argument(
@@ -92,10 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fix placements: 'PATTERN=R,S(1)' (parameters), 'PATTERN=replicate' (modules), "
         "'MODULE=((2,1),(1,4))' (a matmul, MindSpore form); repeatable",
     )
-    pl.add_argument("--hints", default=None, help="JSON or TOML file of pattern = value hints")
+    pl.add_argument("--hints", default=None, metavar="FILE", help="JSON or TOML file of pattern = value hints")
     pl.add_argument("--strict-hints", action="store_true", help="a hint pattern that matches nothing is an error")
-    sub.add_parser("models", help="list the built-in models")
     _add_run_parser(sub)
+    sub.add_parser("models", help="list the built-in models")
     return p
 
 
@@ -135,11 +169,29 @@ def _load_hints(path: str | None, given: list[tuple[str, object]]) -> dict | Non
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise ValueError(f"--hints {path}: no such file; pass a .json or .toml file of pattern = value")
-        text = file.read_text()
-        hints = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+            why = "is a folder" if file.is_dir() else "no such file"
+            raise ValueError(f"--hints {path}: {why}; pass a .json or .toml file of pattern = value")
+        try:
+            text = file.read_text()
+            hints = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"--hints {path}: not a text file; pass a .json or .toml file of pattern = value"
+            ) from None
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--hints {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                'fix the file, e.g. {"*.mlp.c_fc.weight": ["R", "S(1)"]}, or name a .toml file'
+            ) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(
+                f'--hints {path}: not valid TOML ({e}); fix the file, e.g. \'"*.mlp.c_fc.weight" = ["R", "S(1)"]\''
+            ) from None
         if not isinstance(hints, dict):
-            raise ValueError(f"--hints {path}: expected a table of pattern = value, got {type(hints).__name__}")
+            raise ValueError(
+                f"--hints {path}: expected a table of pattern = value, got a {type(hints).__name__}; "
+                'write e.g. {"*.mlp.c_fc.weight": ["R", "S(1)"]}'
+            )
     hints.update(dict(given))
     return hints or None
 
@@ -152,6 +204,16 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
     return n
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
+    return x
 
 
 _RUN_FAMILIES = {
@@ -170,15 +232,48 @@ def _add_run_parser(sub) -> None:
     r.add_argument(
         "--mesh", type=_mesh_shape, default=(2,), help="mesh shape, e.g. 2 or 2x2 (default 2); one rank each"
     )
-    r.add_argument("--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp")
+    r.add_argument(
+        "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default dp, or dp,tp on 2 axes)"
+    )
     r.add_argument("--steps", type=_positive_int, default=3, help="AdamW steps (default 3)")
     r.add_argument("--check", action="store_true", help="dropout off; compare with the same model on one device")
     r.add_argument("--batch", type=_positive_int, default=4, help="global batch (default 4)")
     r.add_argument("--seq", type=_positive_int, default=32, help="sequence length (default 32)")
     r.add_argument("--family", default="auto", choices=tuple(_RUN_FAMILIES), help="force a plan family (default auto)")
-    r.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    r.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    r.add_argument("--timeout", type=float, default=600.0, help="stop the ranks after this many seconds (default 600)")
+    r.add_argument(
+        "--timeout", type=_positive_float, default=600.0, help="stop the ranks after this many seconds (default 600)"
+    )
+
+
+def _mesh(shape: tuple[int, ...], axis_names: str | None, default: tuple[str, ...] | None) -> Mesh:
+    """The mesh of ``--mesh`` and ``--axis-names``, with errors in the flags' words."""
+    if axis_names is None:
+        return Mesh(shape, axis_names=default)
+    names = [n.strip() for n in axis_names.split(",")]
+    mesh_text = "x".join(map(str, shape))
+    example = ",".join(("dp", "tp", "pp", "ep")[: len(shape)]) if len(shape) <= 4 else "a,b,..."
+    if len(names) != len(shape) or not all(names):
+        count = f"{len(shape)} non-empty comma-separated names" if len(shape) > 1 else "one non-empty name"
+        raise ValueError(
+            f"--axis-names {axis_names}: expected {count} for --mesh {mesh_text}, e.g. --axis-names {example}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"--axis-names {axis_names}: names must be distinct, e.g. --axis-names {example}")
+    return Mesh(shape, axis_names=tuple(names))
+
+
+def _check_seq(model: str, seq: int | None) -> int:
+    """``--seq``, or the model's default, checked against a built-in model's positions before it is built."""
+    from .models import default_seq, max_positions
+
+    if seq is None:
+        return default_seq(model)
+    limit = max_positions(model)
+    if limit is not None and seq > limit:
+        raise ValueError(f"--seq {seq}: model {model} has {limit} positions; pass --seq {limit} or less")
+    return seq
 
 
 def _cmd_run(args) -> int:
@@ -189,11 +284,11 @@ def _cmd_run(args) -> int:
         config = RunConfig(
             model=args.model,
             mesh_shape=args.mesh,
-            axis_names=tuple(args.axis_names.split(",")) if args.axis_names else None,
+            axis_names=_mesh(args.mesh, args.axis_names, None).axis_names if args.axis_names else None,
             steps=args.steps,
             check=args.check,
             batch=args.batch,
-            seq=args.seq,
+            seq=_check_seq(args.model, args.seq),
             family=_RUN_FAMILIES[args.family],
             lr=args.lr,
             seed=args.seed,
@@ -210,22 +305,32 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    from costmodel import load_profile
+
+    from .hints import UnmatchedHintError
     from .models import load_model
+    from .plan_types import check_writable
     from .planner import MemoryCapError, plan
     from .progress import TerminalProgress
     from .report import render_table
 
     t0 = time.perf_counter()
-    names = (
-        tuple(args.axis_names.split(","))
-        if args.axis_names
-        else (("dp",) if len(args.mesh) == 1 else tuple(f"axis{i}" for i in range(len(args.mesh))))
-    )
+    try:  # everything that can be checked without the model, before it is built and planned
+        mesh = _mesh(args.mesh, args.axis_names, ("dp",) if len(args.mesh) == 1 else None)
+        try:
+            load_profile(args.profile)
+        except ValueError as e:
+            raise ValueError(f"--profile {args.profile}: {e}") from None
+        if args.output:
+            check_writable(args.output, "-o")
+        hints = _load_hints(args.hints, args.hint)
+        seq = _check_seq(args.model, args.seq)
+    except (ValueError, TypeError) as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
     bar = TerminalProgress()  # stages and a bar on a terminal when planning takes over a second
     try:
-        mesh = Mesh(args.mesh, axis_names=names)
-        hints = _load_hints(args.hints, args.hint)
-        model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=args.seq)
+        model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=seq)
         result = plan(
             model,
             mesh,
@@ -241,17 +346,28 @@ def _cmd_plan(args) -> int:
             strict=args.strict_hints,
             progress=bar,
         )
+    except UnmatchedHintError as e:  # the API's fix says strict=False; here it is the flag
+        bar.close()
+        print(
+            f"autopar: error: {e.problem}. Fix: correct the pattern, or drop --strict-hints to only warn.",
+            file=sys.stderr,
+        )
+        return 2
     except (MemoryCapError, ValueError, TypeError) as e:
         bar.close()
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
     bar.close()
-    if args.output:
-        result.to_json(args.output)
     if args.format == "json":
         sys.stdout.write(result.to_json())
     else:
         sys.stdout.write(render_table(result))
+    if args.output:
+        try:
+            result.to_json(args.output)
+        except (OSError, ValueError) as e:
+            print(f"autopar: error: -o {args.output}: could not write the plan JSON ({e})", file=sys.stderr)
+            return 2
     if args.timings:
         t = dict(result.timings)
         t["total_s"] = time.perf_counter() - t0
@@ -261,18 +377,32 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one ``autopar: warning:`` line, without the source line of the library that raised them."""
+    print(f"autopar: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.command == "models":
-        from .models import builtin_models, model_config
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            if args.command == "models":
+                from .models import builtin_models, model_config
 
-        for name in builtin_models():
-            print(f"{name:18s} {model_config(name).get('description', '')}")
-        return 0
-    if args.command == "run":
-        return _cmd_run(args)
-    return _cmd_plan(args)
+                for name in builtin_models():
+                    print(f"{name:18s} {model_config(name).get('description', '')}")
+                return 0
+            if args.command == "run":
+                return _cmd_run(args)
+            return _cmd_plan(args)
+        except BrokenPipeError:  # `autopar models | head`: the reader left; nothing more to say
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, AttributeError):  # no real stdout (captured in tests)
+                pass
+            return 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,24 @@ from .mesh import Mesh
 from .placement import Placement, Replicate, format_placements
 from .shard_op import SHARD_OP
 
-__all__ = ["Layout", "LayoutSpec", "ResolvedHints", "resolve_hints", "parse_hint_placements"]
+__all__ = ["Layout", "LayoutSpec", "ResolvedHints", "resolve_hints", "parse_hint_placements", "UnmatchedHintError"]
+
+
+class UnmatchedHintError(ValueError):
+    """A hint pattern matched nothing under ``strict=True``.
+
+    ``problem`` says which hint and what it could have matched; the message adds the
+    fix in the API's words (``strict=False``), so a front end such as the CLI can give
+    the fix in its own (``--strict-hints``).
+    """
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem}. Fix: correct the pattern, or pass strict=False to only warn.")
+        self.problem = problem
+
+    def __reduce__(self):  # pickles (to another rank) as it was built, not from the full message
+        return type(self), (self.problem,)
+
 
 aten = torch.ops.aten
 
@@ -446,5 +463,5 @@ def _unmatched(graph: OpGraph, label: str, what: str, strict: bool) -> None:
         "check the pattern (fnmatch: '*' matches any text, dots included)"
     )
     if strict:
-        raise ValueError(msg + ". Fix: correct the pattern, or pass strict=False to only warn.")
+        raise UnmatchedHintError(msg)
     warnings.warn(msg, UserWarning, stacklevel=4)

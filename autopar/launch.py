@@ -279,15 +279,17 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
 
 
 def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
-    """The plan ``autopar.compile`` would make on every rank, made once (on a meta-device model).
+    """The plan ``autopar.compile`` would make on every rank, made once (on a CPU model, as the ranks run it).
 
     Same settings as ``compile``'s own search (fp32, ZeRO state sharding allowed, ``family``),
     so the ranks only capture and shard.  Planning once also keeps the search's
-    memory in one process instead of one copy per rank.
+    memory in one process instead of one copy per rank.  The model is built on the
+    CPU, not the meta device: torch.export traces the kernels the tensors run, and
+    some graphs differ between the two (``compiler._check_plan_graph``).
     """
     from .planner import plan_from_context, prepare
 
-    model, args, kwargs = build_model(config, "meta")
+    model, args, kwargs = build_model(config, "cpu")
     ctx = prepare(model, config.mesh(), example_inputs=args, example_kwargs=kwargs, profile=profile, dtype="fp32")
     return plan_from_context(ctx, compare_families=False, family=config.family)
 
@@ -495,6 +497,8 @@ def render_report(report: RunReport, *, width: int = 140) -> str:
     from rich.markup import escape
     from rich.table import Table
 
+    from .report import describe_plan
+
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
     cfg, ref = report.config, report.reference
@@ -503,11 +507,12 @@ def render_report(report: RunReport, *, width: int = 140) -> str:
     con.print(
         escape(
             f"autopar run: {cfg.model} on mesh {dict(zip(mesh.axis_names, mesh.shape))}, {len(report.ranks)} ranks "
-            f"({report.launcher}); batch {cfg.batch}, seq {cfg.seq}, {cfg.steps} AdamW steps (lr {cfg.lr:g}), "
+            f"({report.launcher}); batch {cfg.batch}, seq {cfg.seq}, {cfg.steps} AdamW "
+            f"step{'s' if cfg.steps != 1 else ''} (lr {cfg.lr:g}), "
             f"dropout {'off' if cfg.check else 'as configured'}"
         )
     )
-    con.print(escape(f"plan: {r0.family}" + ("" if cfg.family is None else f" (forced family: {cfg.family})")))
+    con.print(escape(describe_plan(r0.family, cfg.family)))
 
     t = Table(title="training (rank 0)", title_justify="left")
     for col in ("step", "loss", *(("one-device loss", "|Δ|") if ref else ()), "step time"):

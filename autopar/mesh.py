@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Mesh"]
@@ -12,30 +14,36 @@ __all__ = ["Mesh"]
 class Mesh:
     """An n-D device mesh.
 
-    ``shape`` is the size of each axis, ``axis_names`` names them (default
-    ``axis0, axis1, ...``), and ``ranks`` lists the global rank at each mesh
-    position in row-major order (default ``0..size-1``; any permutation is allowed,
-    so non-contiguous layouts such as MindSpore's work).
+    ``shape`` is the size of each axis: an int (one axis) or a tuple of ints, each
+    ``>= 1`` (``Mesh((2, 4))``; the CLI's ``--mesh 2x4``).  ``axis_names`` names the
+    axes: a tuple of distinct, non-empty strings, or one string, which is one name
+    (``"dp"``) or names joined by commas as the CLI's ``--axis-names`` takes them
+    (``"dp,tp"``); default ``axis0, axis1, ...``.  ``ranks`` lists the global rank at
+    each mesh position in row-major order (default ``0..size-1``; any permutation is
+    allowed, so non-contiguous layouts such as MindSpore's work).
     """
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...] = ()
     ranks: tuple[int, ...] = field(default=())
 
-    def __init__(self, shape, axis_names=None, ranks=None) -> None:
-        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-        if not shape or any(s < 1 for s in shape):
-            raise ValueError(f"Mesh shape {shape}: expected one or more axis sizes >= 1, e.g. Mesh((2, 4))")
-        names = tuple(axis_names) if axis_names is not None else tuple(f"axis{i}" for i in range(len(shape)))
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        axis_names: str | Sequence[str] | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        shape = _shape(shape)
+        names = _axis_names(axis_names, len(shape))
         if len(names) != len(shape):
             raise ValueError(
                 f"Mesh axis_names {names} has {len(names)} names but shape {shape} has {len(shape)} axes; "
                 "give one name per axis, e.g. axis_names=('dp', 'tp')"
             )
         if len(set(names)) != len(names):
-            raise ValueError(f"Mesh axis_names {names}: names must be distinct")
+            raise ValueError(f"Mesh axis_names {names}: names must be distinct; rename the repeated axis")
         size = math.prod(shape)
-        rank_ids = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
+        rank_ids = tuple(range(size)) if ranks is None else tuple(_int(r, "Mesh ranks", ranks) for r in ranks)
         if sorted(rank_ids) != list(range(size)):
             raise ValueError(f"Mesh ranks {rank_ids}: expected a permutation of 0..{size - 1} for shape {shape}")
         object.__setattr__(self, "shape", shape)
@@ -94,10 +102,71 @@ class Mesh:
 
     @classmethod
     def from_dict(cls, d: dict) -> Mesh:
-        return cls(tuple(d["shape"]), axis_names=tuple(d["axis_names"]), ranks=d.get("ranks"))
+        """The inverse of ``to_dict``; a missing or malformed field is a ``ValueError`` naming it."""
+        if not isinstance(d, dict) or "shape" not in d:
+            raise ValueError(f"mesh {d!r}: expected a table with 'shape' (and 'axis_names', 'ranks')")
+        try:
+            return cls(d["shape"], axis_names=d.get("axis_names"), ranks=d.get("ranks"))
+        except TypeError as e:
+            raise ValueError(str(e)) from None
 
     def __str__(self) -> str:
         return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
+
+
+def _int(value, what: str, given) -> int:
+    """``value`` as an int; floats (``2.5``, even ``2.0``), bools and strings are a ``TypeError`` naming ``what``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} {given!r}: {value!r} is a bool; expected whole numbers, e.g. Mesh((2, 4))")
+    try:
+        return operator.index(value)  # ints, numpy and torch integers; never truncates a float
+    except TypeError:
+        raise TypeError(
+            f"{what} {given!r}: {value!r} is a {type(value).__name__}; expected whole numbers, e.g. Mesh((2, 4))"
+        ) from None
+
+
+def _shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, str):
+        raise TypeError(
+            f"Mesh shape {shape!r}: expected an int or a tuple of ints, not a string; "
+            f"the CLI's --mesh 2x4 is Mesh((2, 4)) in Python"
+        )
+    try:
+        sizes = (operator.index(shape),) if not isinstance(shape, bool) else None
+    except TypeError:
+        sizes = None
+    if sizes is None:
+        if not hasattr(shape, "__iter__"):
+            _int(shape, "Mesh shape", shape)  # raises, naming the type
+        sizes = tuple(_int(s, "Mesh shape", shape) for s in shape)
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"Mesh shape {sizes}: expected one or more axis sizes >= 1, e.g. Mesh((2, 4))")
+    return sizes
+
+
+def _axis_names(axis_names, ndim: int) -> tuple[str, ...]:
+    if axis_names is None:
+        return tuple(f"axis{i}" for i in range(ndim))
+    if isinstance(axis_names, str):  # "dp" is one name, "dp,tp" two (the CLI's --axis-names form)
+        names = tuple(n.strip() for n in axis_names.split(","))
+    elif isinstance(axis_names, Sequence):
+        names = tuple(axis_names)
+    else:
+        raise TypeError(
+            f"Mesh axis_names {axis_names!r}: expected a tuple of strings or one string, e.g. ('dp', 'tp') or 'dp,tp'"
+        )
+    if wrong := [n for n in names if not isinstance(n, str)]:
+        raise TypeError(
+            f"Mesh axis_names {names}: {wrong[0]!r} is a {type(wrong[0]).__name__}; expected strings, "
+            "e.g. axis_names=('dp', 'tp')"
+        )
+    if bad := [n for n in names if not n.strip()]:
+        raise ValueError(
+            f"Mesh axis_names {names}: {bad[0]!r} is not a name; give one non-empty string per axis, "
+            "e.g. axis_names=('dp', 'tp')"
+        )
+    return names
 
 
 def _world_size(default: int) -> int:

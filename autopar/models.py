@@ -12,6 +12,13 @@
   ``(model, example_inputs)`` (a tuple of positional inputs, or a dict of keyword
   inputs) and receives ``batch=`` and ``seq=`` when its signature accepts them.
 
+``batch`` and ``seq`` must be whole numbers >= 1; ``seq=None`` (the default) is
+``default_seq(spec)``: 1024, or the model's position count when it has fewer
+(``gpt2-tiny``: 128), so the defaults work for every built-in model.
+Transformers' warnings about the random configs (out-of-vocabulary special token
+ids, GPT-2's unnamed loss type) are silenced while autopar builds a built-in
+model; they are about autopar's configs, not the user's model.
+
 ``device="meta"`` (the default) builds without allocating weights, so a 7B model
 plans on a laptop.  ``no_dropout=True`` zeroes every dropout probability of a
 built-in model's config before it is built (numerics that compare exactly), and
@@ -20,18 +27,34 @@ built-in model's config before it is built (numerics that compare exactly), and
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import torch
 
 from costmodel import config_dir
+from costmodel.toml_compat import tomllib
 
-__all__ = ["load_model", "builtin_models", "model_config", "tiny_hf_archs", "TINY_SUFFIX"]
+__all__ = [
+    "load_model",
+    "builtin_models",
+    "model_config",
+    "tiny_hf_archs",
+    "default_seq",
+    "max_positions",
+    "TINY_SUFFIX",
+    "DEFAULT_SEQ",
+]
+
+#: The sequence length ``load_model`` and ``autopar plan`` use unless told, capped by the model's positions.
+DEFAULT_SEQ = 1024
+#: Config attributes that bound the sequence length (learned positions, ALiBi/causal-mask tables).
+_POSITION_ATTRS = ("n_positions", "max_position_embeddings", "max_seq_len", "n_ctx")
 
 _HF_MODELS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
@@ -99,7 +122,25 @@ def _no_dropout(config) -> None:
             setattr(config, attr, 0.0)
 
 
-def _build_hf(name: str, *, batch: int, seq: int, device: str, seed: int = 0, no_dropout: bool = False, overrides=None):
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Transformers' logging at error level for the duration (its config/model-building warnings)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def _max_positions(config) -> int | None:
+    return next((v for a in _POSITION_ATTRS if isinstance(v := getattr(config, a, None), int) and v > 0), None)
+
+
+def _hf_config(name: str, *, overrides=None):
+    """(config class instance, model class) of a built-in model; transformers' config warnings silenced."""
     cfg = model_config(name)
     import transformers
 
@@ -113,16 +154,36 @@ def _build_hf(name: str, *, batch: int, seq: int, device: str, seed: int = 0, no
     config_cls, model_cls = (getattr(transformers, c) for c in classes)
     kwargs = dict(cfg.get("config", {})) | dict(overrides or {})
     kwargs.setdefault("use_cache", False)
-    config = config_cls(**kwargs)
+    with _quiet_transformers():
+        return config_cls(**kwargs), model_cls
+
+
+def max_positions(spec: str) -> int | None:
+    """The longest sequence a built-in model takes (its position count); None for factories and models without."""
+    return None if ":" in spec else _max_positions(_hf_config(spec)[0])
+
+
+def default_seq(spec: str) -> int:
+    """``DEFAULT_SEQ``, or a built-in model's position count when it has fewer (``gpt2-tiny``: 128)."""
+    max_pos = max_positions(spec)
+    return DEFAULT_SEQ if max_pos is None else min(DEFAULT_SEQ, max_pos)
+
+
+def _build_hf(name: str, *, batch: int, seq: int, device: str, seed: int = 0, no_dropout: bool = False, overrides=None):
+    config, model_cls = _hf_config(name, overrides=overrides)
     if no_dropout:
         _no_dropout(config)
-    max_pos = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    max_pos = _max_positions(config)
     if max_pos is not None and seq > max_pos:
-        raise ValueError(f"model {name}: --seq {seq} exceeds its {max_pos} positions; pass --seq <= {max_pos}")
+        raise ValueError(f"model {name}: seq={seq} exceeds its {max_pos} positions; pass seq <= {max_pos}")
     if device != "meta":
         torch.manual_seed(seed)
-    with torch.device(device):
+    with _quiet_transformers(), torch.device(device):
         model = model_cls(config)
+        if getattr(model, "loss_type", "") is None and hasattr(type(model), "loss_function"):
+            # GPT-2's class name maps to no loss type: transformers warns on the first forward that it takes
+            # ForCausalLM's loss, which is the right one.  Resolve it here, quietly, once.
+            model.loss_function = model.loss_function
     if no_dropout:  # a dropout probability set outside the config
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
@@ -138,26 +199,60 @@ def _build_hf(name: str, *, batch: int, seq: int, device: str, seed: int = 0, no
 
 def _load_factory(spec: str):
     target, _, fn_name = spec.rpartition(":")
+    if not target or not fn_name:
+        raise ValueError(f"model {spec!r}: expected a built-in name, path/to/file.py:factory or package.module:factory")
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
             raise ValueError(f"model factory file {target!r} not found; pass path/to/file.py:factory")
         mod_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise ValueError(
+                f"model factory file {target!r} failed to run: {type(e).__name__}: {e}; fix that file"
+            ) from e
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            if e.name is not None and target.startswith(e.name):  # the module itself, not one it imports
+                if target in builtin_models():
+                    raise ValueError(
+                        f"model {spec!r}: {target!r} is a built-in model, not a module; pass it as {target!r}"
+                    ) from None
+                raise ValueError(
+                    f"model {spec!r}: no module named {target!r} (nor a built-in model {target!r}, see "
+                    "`autopar models`); pass path/to/file.py:factory or an importable package.module:factory"
+                ) from None
+            raise ValueError(f"model factory module {target!r} failed to import: {e}; install what it needs") from e
+        except Exception as e:
+            raise ValueError(
+                f"model factory module {target!r} failed to import: {type(e).__name__}: {e}; fix that module"
+            ) from e
     factory = getattr(module, fn_name, None)
     if factory is None:
         raise ValueError(f"model factory {spec!r}: {target} has no attribute {fn_name!r}")
+    if not callable(factory):
+        raise ValueError(f"model factory {spec!r}: {target}.{fn_name} is a {type(factory).__name__}, not a function")
     return factory
+
+
+def _whole_number(value, name: str, meaning: str) -> int:
+    """``value`` if it is an int >= 1; else a TypeError/ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"load_model {name}={value!r}: expected a whole number >= 1 ({meaning}), e.g. {name}=8")
+    if value < 1:
+        raise ValueError(f"load_model {name}={value}: expected a whole number >= 1 ({meaning}), e.g. {name}=8")
+    return value
 
 
 def load_model(
     spec: str,
     *,
     batch: int = 8,
-    seq: int = 1024,
+    seq: int | None = None,
     device: str = "meta",
     no_dropout: bool = False,
     overrides: dict[str, Any] | None = None,
@@ -165,7 +260,12 @@ def load_model(
     """(model, args, kwargs) for a built-in name or a ``module:factory`` spec.
 
     ``no_dropout`` and ``overrides`` (config keyword arguments) apply to built-in models only.
+    ``seq=None`` is ``default_seq(spec)``.
     """
+    if not isinstance(spec, str):
+        raise TypeError(f"load_model({spec!r}): expected a model name or 'module:factory' string")
+    batch = _whole_number(batch, "batch", "the global batch")
+    seq = default_seq(spec) if seq is None else _whole_number(seq, "seq", "the sequence length")
     if ":" not in spec:
         return _build_hf(spec, batch=batch, seq=seq, device=device, no_dropout=no_dropout, overrides=overrides)
     if no_dropout or overrides:
@@ -173,7 +273,10 @@ def load_model(
     factory = _load_factory(spec)
     params = inspect.signature(factory).parameters
     kw = {k: v for k, v in (("batch", batch), ("seq", seq)) if k in params}
-    result = factory(**kw)
+    try:
+        result = factory(**kw)
+    except Exception as e:
+        raise ValueError(f"model factory {spec!r} raised {type(e).__name__}: {e}; fix the factory") from e
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ValueError(f"model factory {spec!r} returned {type(result).__name__}; expected (model, example_inputs)")
     model, inputs = result

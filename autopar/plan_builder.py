@@ -8,20 +8,22 @@ the objective the search minimized (node times to the picosecond, as the search 
 them).  Compute is op time and optimizer-step time;
 communication is every transition, op-issued collective and ZeRO step all-gather,
 with parameter-gradient reductions counted at their exposed time (``time_s`` of a
-collective is what it adds to the step).
+collective is what it adds to the step, ``hidden_s`` the rest of its ring time,
+overlapped with backward compute).  ``classify`` names what the chosen plan does
+(``Plan.family``: tensor / sequence / data parallel, sharded parameters or state).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .placement import Replicate, format_placements
+from .placement import Replicate, Shard, format_placements
 from .plan_types import Plan
 from .problem_builder import PS_PER_S
 from .spec import local_shape
 from .transitions import transitions
 
-__all__ = ["assemble_plan", "breakdown"]
+__all__ = ["assemble_plan", "breakdown", "classify"]
 
 
 def _fmt(pl, memo: dict | None = None) -> list[str]:
@@ -49,7 +51,8 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
 
     def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0):
         nonlocal comm_s
-        t = coster.comm_time_s(kind, nbytes, axis) * exposed
+        whole = coster.comm_time_s(kind, nbytes, axis)
+        t = whole * exposed
         comm_s += t
         collectives.append(
             {
@@ -62,6 +65,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 "tensor": tensor,
                 "reduce_op": reduce_op,
                 "time_s": t,
+                "hidden_s": whole - t,  # overlapped with backward compute (grad_exposed)
             }
         )
 
@@ -122,8 +126,6 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
 
 
 def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alternatives: list[dict[str, Any]]) -> Plan:
-    from .planner import classify
-
     graph = ctx.graph
     b = breakdown(ctx, choice)
     strat = b["strategies"]
@@ -199,3 +201,74 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
         alternatives=alternatives,
         search=search,
     )
+
+
+def classify(ctx, choice: list[int]) -> str:
+    """Name what a chosen plan does, e.g. ``tensor parallel + sequence parallel``.
+
+    * ``tensor parallel``: some parameter is read sharded by its consumer;
+    * ``data parallel``: an op that reads a parameter replicated is split on an
+      axis along the batch (``_splits_batch``), so that parameter's gradient is
+      reduced across the axis;
+    * ``sequence parallel``: such an op is split along another dim, the sequence or
+      the tokens of a batch too small to split (Megatron's sequence parallelism:
+      norms and biases on token-split activations between tensor-parallel matmuls);
+    * ``sharded parameters``: some parameter is stored sharded and gathered before use;
+    * ``sharded optimizer state``: some gradient/optimizer state is sharded beyond its parameter;
+    * ``replicated``: none of these (every rank runs the whole step).
+    """
+    strategies = ctx.cand.strategies
+    nodes = ctx.graph.nodes
+    batch = _batch_size(ctx.graph)
+    found: set[str] = set()
+    for node in nodes:
+        if node.kind == "param":
+            s = strategies[node.index][choice[node.index]]
+            if s.state != s.placement:
+                found.add("sharded optimizer state")
+            continue
+        if node.kind != "op":
+            continue
+        s = strategies[node.index][choice[node.index]]
+        for pos, (u, _) in enumerate(node.inputs):
+            if nodes[u].kind != "param":
+                continue
+            stored = strategies[u][choice[u]].placement
+            read = s.inputs[pos]
+            if any(isinstance(p, Shard) for p in read):
+                found.add("tensor parallel")
+            if any(isinstance(a, Shard) and a != b for a, b in zip(stored, read)):
+                found.add("sharded parameters")
+            for axis, (p, split) in enumerate(zip(read, s.split)):
+                if isinstance(p, Replicate) and split:
+                    by_batch = _splits_batch(ctx, node, s, axis, batch)
+                    found.add("data parallel" if by_batch else "sequence parallel")
+    order = ("tensor parallel", "sequence parallel", "data parallel", "sharded parameters", "sharded optimizer state")
+    return " + ".join(f for f in order if f in found) or "replicated"
+
+
+def _batch_size(graph) -> int | None:
+    """Dim 0 of the graph's tensor inputs (the most common one when they differ); None without inputs."""
+    sizes = [n.outputs[0].shape[0] for n in graph.nodes if n.kind == "input" and n.outputs and n.outputs[0].ndim]
+    return max(set(sizes), key=sizes.count) if sizes else None
+
+
+def _splits_batch(ctx, node, strategy, axis: int, batch: int | None) -> bool:
+    """Whether ``axis`` splits ``node``'s work along the batch: one of its activations is split on dim 0 whose
+    size is a multiple of a batch of at least the axis size ((B, S, H) or flattened (B * S, H) rows: whole
+    samples per rank).  Without graph inputs every split counts as a batch split."""
+    if batch is None:
+        return True
+    if batch < ctx.mesh.shape[axis]:
+        return False
+    nodes = ctx.graph.nodes
+    tensors = list(zip(strategy.outputs, node.outputs)) + [
+        (strategy.inputs[pos], nodes[u].outputs[o])
+        for pos, (u, o) in enumerate(node.inputs)
+        if nodes[u].kind != "param"
+    ]
+    for placement, meta in tensors:
+        p = placement[axis]
+        if isinstance(p, Shard) and p.dim == 0 and meta.ndim and meta.shape[0] % batch == 0:
+            return True
+    return False

@@ -12,7 +12,7 @@ Schema (placements in the printed form, one entry per mesh axis)::
     params {FQN: {placements, state_placements, shape, local_shape, tied_to[, partial_grad_axes]}},
     inputs {name: {placements, shape}},
     nodes {fx name: {op, module, inputs, outputs, kernels, fallback[, partial_grad_axes]}},
-    collectives [{kind, axis, phase, bytes, node, module, tensor, reduce_op, time_s}],
+    collectives [{kind, axis, phase, bytes, node, module, tensor, reduce_op, time_s, hidden_s}],
     cost {compute_s, comm_s, total_s},
     memory {per_device_bytes, params, grads, optimizer, activations, cap_bytes},
     fallback_ops [{node, op, module}],
@@ -25,16 +25,25 @@ Schema (placements in the printed form, one entry per mesh axis)::
            ops {fx name: {inputs {pos: placements}, outputs {index: placements}}}, replicate [patterns]}
            (only when the plan was hinted: the normalized hints, see ``autopar.hints``)
 
-``phase`` is ``forward``, ``backward`` or ``optimizer`` (the all-gather of updated
-parameters after a ZeRO-sharded optimizer step).  ``partial_grad_axes`` (only when
+``time_s`` of a collective is what it adds to the step (its exposed time) and
+``hidden_s`` the part that overlaps with backward compute (parameter-gradient
+reductions; ``DeviceProfile.grad_reduce_overlap``), so ``time_s + hidden_s`` is its
+whole ring time.  ``phase`` is ``forward``, ``backward`` or ``optimizer`` (the
+all-gather of updated parameters after a ZeRO-sharded optimizer step).
+``partial_grad_axes`` (only when
 not empty) names the axes where a node's backward runs on ``P(sum)`` gradients, or
 where a parameter read by several ops sums its uses' partial gradients before one
 reduction (``OpStrategy`` / ``SourceStrategy`` in ``strategies.base`` / ``candidates``).
+
+``repr(plan)`` is one line (model, mesh, family, step time, memory against the
+cap); ``plan.table()`` is the full report ``autopar plan`` prints
+(``autopar.report.render_table``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,12 +51,30 @@ from typing import Any
 from .mesh import Mesh
 from .placement import Placement, format_placements, parse_placements
 
-__all__ = ["Plan", "SCHEMA_VERSION"]
+__all__ = ["Plan", "SCHEMA_VERSION", "check_writable"]
 
 SCHEMA_VERSION = 1
 
 
-@dataclass
+#: The fields ``Plan.from_dict`` needs, with the JSON type each must have (``hints`` is optional).
+_FIELDS: dict[str, type] = {
+    "model": str,
+    "mesh": dict,
+    "settings": dict,
+    "params": dict,
+    "inputs": dict,
+    "nodes": dict,
+    "collectives": list,
+    "cost": dict,
+    "memory": dict,
+    "fallback_ops": list,
+    "family": str,
+    "alternatives": list,
+    "search": dict,
+}
+
+
+@dataclass(repr=False)
 class Plan:
     """A chosen training plan (see the module docstring for the fields)."""
 
@@ -102,22 +129,48 @@ class Plan:
         } | ({"hints": self.hints} if self.hints else {})
 
     def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON text; also written to ``path`` when given (its folder must exist)."""
         text = json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
         if path is not None:
+            check_writable(path, "plan file")
             Path(path).write_text(text)
         return text
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
+    def from_dict(cls, d: dict[str, Any], *, source: str = "plan") -> Plan:
+        """The plan of ``to_dict()``; ``source`` names where ``d`` came from in errors (a file, "plan")."""
+        if not isinstance(d, dict):
+            raise ValueError(
+                f"{source}: expected a JSON object (the dict Plan.to_dict() gives), got a {type(d).__name__}; "
+                "pass a plan written by plan.to_json() or `autopar plan ... -o plan.json`"
+            )
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(
-                f"plan schema_version {version!r}: this autopar reads version {SCHEMA_VERSION}; "
+                f"{source}: plan schema_version {version!r}: this autopar reads version {SCHEMA_VERSION}; "
                 "re-create the plan with `autopar plan ... -o plan.json`"
             )
+        missing = [k for k in _FIELDS if k not in d]
+        problems = (
+            [f"missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"] if missing else []
+        )
+        problems += [
+            f"field {k!r} is a {type(d[k]).__name__}, expected a {_FIELDS[k].__name__}"
+            for k in _FIELDS
+            if k in d and not isinstance(d[k], _FIELDS[k])
+        ]
+        if problems:
+            raise ValueError(
+                f"{source}: not a complete autopar plan ({'; '.join(problems)}); re-create it with plan.to_json() "
+                "or `autopar plan ... -o plan.json` and do not edit it by hand"
+            )
+        try:
+            mesh = Mesh.from_dict(d["mesh"])
+        except ValueError as e:
+            raise ValueError(f"{source}: field 'mesh': {e}; re-create the plan") from None
         return cls(
             model=d["model"],
-            mesh=Mesh.from_dict(d["mesh"]),
+            mesh=mesh,
             settings=d["settings"],
             params=d["params"],
             inputs=d["inputs"],
@@ -134,11 +187,72 @@ class Plan:
 
     @classmethod
     def from_json(cls, source: str | Path) -> Plan:
-        """Read a plan from a JSON file path or a JSON string."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            text = Path(source).read_text()
-        return cls.from_dict(json.loads(text))
+        """Read a plan from a JSON file or from JSON text.
+
+        A ``Path`` is always a file.  A ``str`` is JSON text when it starts (after
+        whitespace) with ``{`` or ``[``, and a file path otherwise.  A missing file,
+        text that is not JSON and JSON that is not a plan raise ``ValueError`` naming
+        the file (or ``plan JSON text``) and what is wrong.
+        """
+        if not isinstance(source, (str, Path)):
+            raise TypeError(
+                f"Plan.from_json({type(source).__name__}): expected a file path or JSON text; "
+                "for a dict use Plan.from_dict"
+            )
+        if isinstance(source, str) and source.lstrip()[:1] in ("{", "["):
+            where, text = "plan JSON text", source
+        else:
+            path = Path(source)
+            where = f"plan file {str(source)!r}"
+            if not path.is_file():
+                why = "is a folder" if path.is_dir() else "does not exist"
+                raise ValueError(
+                    f"{where} {why}; pass the path of a plan JSON file (plan.to_json(path), "
+                    "`autopar plan ... -o plan.json`) or the JSON text itself"
+                )
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:
+                raise ValueError(f"{where} is not a text file; pass a plan JSON file") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                "re-create it with plan.to_json() or `autopar plan ... -o plan.json`"
+            ) from None
+        return cls.from_dict(data, source=where)
+
+    # ---- printing ---------------------------------------------------------------------
+    def __repr__(self) -> str:
+        from .units import format_bytes
+
+        cap = self.memory.get("cap_bytes")
+        total = self.cost.get("total_s")
+        step = "?" if total is None else f"{total * 1e3:.3f} ms"
+        return (
+            f"<Plan {self.model} on {self.mesh}: {self.family}; step {step}, "
+            f"memory {format_bytes(self.memory.get('per_device_bytes'))} per device of cap {format_bytes(cap)}; "
+            "plan.table() for the full report>"
+        )
+
+    def table(self, *, width: int = 130) -> str:
+        """The full report ``autopar plan`` prints: placements, collectives, totals, families."""
+        from .report import render_table
+
+        return render_table(self, width=width)
+
+
+def check_writable(path: str | Path, what: str) -> None:
+    """Raise ``ValueError`` unless ``path`` can be written as a file: its folder exists and it is no folder."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {str(path)!r} is a folder; pass a file path, e.g. {Path(path) / 'plan.json'}")
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"{what} {str(path)!r}: folder {str(folder)!r} does not exist; create it or pass another path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{what} {str(path)!r}: folder {str(folder)!r} is not writable; pass another path")
 
 
 def placements_json(placements) -> list[str]:

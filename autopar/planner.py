@@ -471,42 +471,6 @@ def family_restriction(ctx: PlanningContext, family: str):
     raise ValueError(f"family {family!r}: expected one of {FAMILIES}")
 
 
-def classify(ctx: PlanningContext, choice: list[int]) -> str:
-    """Name what a chosen plan does with its parameters, e.g. ``tensor parallel + data parallel``.
-
-    * ``tensor parallel``: some parameter is read sharded by its consumer;
-    * ``sharded parameters``: some parameter is stored sharded and gathered before use;
-    * ``sharded optimizer state``: some gradient/optimizer state is sharded beyond its parameter;
-    * ``data parallel``: some parameter is read replicated by a computation an axis
-      splits (its gradient is reduced across that axis);
-    * ``replicated``: none of these.
-    """
-    strategies = ctx.cand.strategies
-    found: set[str] = set()
-    for node in ctx.graph.nodes:
-        if node.kind == "param":
-            s = strategies[node.index][choice[node.index]]
-            if s.state != s.placement:
-                found.add("sharded optimizer state")
-            continue
-        if node.kind != "op":
-            continue
-        s = strategies[node.index][choice[node.index]]
-        for pos, (u, _) in enumerate(node.inputs):
-            if ctx.graph.nodes[u].kind != "param":
-                continue
-            stored = strategies[u][choice[u]].placement
-            read = s.inputs[pos]
-            if any(isinstance(p, Shard) for p in read):
-                found.add("tensor parallel")
-            if any(isinstance(a, Shard) and a != b for a, b in zip(stored, read)):
-                found.add("sharded parameters")
-            if any(isinstance(p, Replicate) and split for p, split in zip(read, s.split)):
-                found.add("data parallel")
-    order = ("tensor parallel", "data parallel", "sharded parameters", "sharded optimizer state")
-    return " + ".join(f for f in order if f in found) or "replicated"
-
-
 def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> list[dict[str, Any]]:
     out = []
     for family in FAMILIES:

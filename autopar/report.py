@@ -3,7 +3,10 @@
 Rows are grouped so a 48-layer model reads like a 2-layer one: parameter and
 module names have their block index replaced by ``*`` (``transformer.h.*.mlp.c_fc``),
 and a group whose members all agree is one row.  Collectives are counted *per
-block* (per instance of the group).
+block* (per instance of the group), and their time is split into the part the step
+waits for (``exposed``, the plan's ``time_s``) and the part hidden behind backward
+compute (``overlapped``, ``hidden_s``), so a large gradient reduce-scatter that costs
+little is explained by the row itself.
 
 A hinted plan (semi-auto mode) has a ``given`` column: ``hint`` where a hint fixed
 the parameter's placement, ``search`` where the search chose it; the family
@@ -22,7 +25,7 @@ from rich.table import Table
 from .plan_types import Plan
 from .units import format_bytes
 
-__all__ = ["render_table", "group_name"]
+__all__ = ["render_table", "group_name", "describe_plan"]
 
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -35,6 +38,29 @@ def group_name(name: str) -> str:
 def _block_of(name: str) -> str | None:
     m = _INDEX.search(name)
     return name[: m.end()] if m else None
+
+
+#: What each family of ``autopar.planner.FAMILIES`` requires of a plan forced into it.
+_FAMILY_RULES = {
+    "data parallel": "parameters, gradients and optimizer state whole on every rank",
+    "sharded parameters": "parameters stored sharded and gathered before use",
+    "tensor parallel": "weight matrices stored and read sharded",
+}
+
+
+def describe_plan(label: str, forced: str | None = None) -> str:
+    """The ``plan:`` line: what the plan does (``Plan.family``) and, for a forced family, what that family
+    required, so a forced ``data parallel`` whose fastest plan splits nothing does not read as a wrong plan."""
+    does = "replicated (every rank runs the whole step; no computation is split)" if label == "replicated" else label
+    if forced is None:
+        return f"plan: {does}"
+    rule = _FAMILY_RULES.get(forced)
+    if label == "replicated":
+        return (
+            f"plan: {forced} family, forced" + (f" ({rule})" if rule else "") + "; its fastest plan splits no "
+            "computation: every rank runs the whole step (each split costs more than it saves here)"
+        )
+    return f"plan: {label} (forced family {forced}" + (f": {rule})" if rule else ")")
 
 
 def _ms(s: float | None) -> str:
@@ -58,7 +84,7 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
         f"profile {s['profile']}, {s['dtype']}, {s['optimizer']}, cap {format_bytes(s.get('mem_cap_bytes'))}, "
         f"solver {s['solver']} ({_optimality(plan.search)})"
     )
-    con.print(f"plan: {plan.family}")
+    con.print(describe_plan(plan.family))
     if plan.hints:
         h = plan.hints
         ops = sum(len(e["inputs"]) + len(e["outputs"]) for e in h.get("ops", {}).values())
@@ -108,19 +134,52 @@ def _params_table(plan: Plan) -> Table:
     return t
 
 
+def _collective_module(c: dict, param_of: dict[str, str]) -> str:
+    """The module a collective belongs to; a parameter's own collectives (its optimizer-step all-gather, its
+    summed gradient's reduction) are issued by the parameter node, which has no module: use the parameter's."""
+    if c["module"]:
+        return c["module"]
+    fqn = param_of.get(c["tensor"])
+    return fqn.rpartition(".")[0] if fqn else ""
+
+
+def _count(per_block: dict[str, int]) -> str:
+    """Collectives per block instance: one number when every instance has as many, else the exceptions."""
+    counts = sorted(per_block.values())
+    common = max(set(counts), key=counts.count)
+    odd = sorted((b, n) for b, n in per_block.items() if n != common)
+    if not odd:
+        return str(common)
+    if len(odd) <= 2:
+        return f"{common}; " + ", ".join(f"{n} in {b or '<top>'}" for b, n in odd)
+    return f"{counts[0]}-{counts[-1]}"
+
+
 def _collectives_table(plan: Plan) -> Table:
-    t = Table(title="collectives (per block instance for repeated modules)", title_justify="left")
-    for col in ("module", "kind", "axis", "phase", "per block", "bytes each", "time per block"):
+    t = Table(
+        title="collectives (count and time per instance of a repeated block `*`, else per step)",
+        title_justify="left",
+        caption="exposed: time a collective adds to the step; overlapped: the rest of its time, hidden behind "
+        "backward compute (parameter-gradient reductions run during the rest of backward)",
+        caption_justify="left",
+    )
+    for col in ("module", "kind", "axis", "phase", "count", "bytes each", "exposed", "overlapped"):
         t.add_column(col)
+    param_of = {f"p_{fqn.replace('.', '_')}": fqn for fqn in plan.params} | {fqn: fqn for fqn in plan.params}
     agg: dict[tuple, list] = defaultdict(list)
     for c in plan.collectives:
-        agg[(group_name(c["module"]) or "<top>", c["kind"], c["axis"], c["phase"])].append(c)
+        module = _collective_module(c, param_of)
+        agg[(group_name(module) or "<top>", c["kind"], c["axis"], c["phase"])].append((module, c))
     for (mod, kind, axis, phase), items in sorted(agg.items()):
-        blocks = {(_block_of(c["module"]) or "") for c in items}
-        per = len(items) / max(1, len(blocks))
-        sizes = sorted({c["bytes"] for c in items})
+        per_block: dict[str, int] = defaultdict(int)
+        for module, _ in items:
+            per_block[_block_of(module) or ""] += 1
+        blocks = len(per_block)
+        sizes = sorted({c["bytes"] for _, c in items})
         size = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}"
-        t.add_row(mod, kind, axis, phase, f"{per:g}", size, _ms(sum(c["time_s"] for c in items) / max(1, len(blocks))))
+        exposed = sum(c["time_s"] for _, c in items) / blocks
+        hidden = sum(c.get("hidden_s", 0.0) for _, c in items) / blocks
+        t.add_row(mod, kind, axis, phase, _count(per_block), size, _ms(exposed), _ms(hidden) if hidden > 0 else "-")
     return t
 
 

@@ -98,16 +98,13 @@ def test_bad_mesh_is_a_clear_error(capsys):
     assert "--mesh '0': every axis size must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["--mesh", "2x2", "--axis-names", "dp"], "has 1 names but shape (2, 2) has 2 axes"),
-        (["--mesh", "2", "--lr", "0"], "lr=0.0: expected a positive learning rate"),
-    ],
-)
-def test_bad_settings_are_clear_errors(argv, message, capsys):
-    assert main(["run", "gpt2-tiny", *argv]) == 2
-    assert message in capsys.readouterr().err
+def test_bad_settings_are_clear_errors(capsys):
+    assert main(["run", "gpt2-tiny", "--mesh", "2x2", "--axis-names", "dp"]) == 2
+    assert "--axis-names dp: expected 2 non-empty comma-separated names for --mesh 2x2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse refuses it before anything runs
+        main(["run", "gpt2-tiny", "--mesh", "2", "--lr", "0"])
+    assert e.value.code == 2
+    assert "argument --lr: '0': expected a finite number > 0" in capsys.readouterr().err
 
 
 def test_unknown_model_fails_before_spawning(capsys):
