@@ -353,7 +353,15 @@ def _cmd_plan(args) -> int:
             file=sys.stderr,
         )
         return 2
-    except (MemoryCapError, ValueError, TypeError) as e:
+    except MemoryCapError as e:  # the API's fix names mem_cap= and dtype=; here they are flags
+        bar.close()
+        print(
+            f"autopar: error: {e.problem}\n  Fix: raise --mem-cap to at least that, use more devices (--mesh), a "
+            "smaller --batch or --seq, or bf16 (--dtype bf16).",
+            file=sys.stderr,
+        )
+        return 2
+    except (ValueError, TypeError) as e:
         bar.close()
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2

@@ -207,6 +207,9 @@ def _flat(out) -> list[tuple[str, Any]]:
 
     The compiled module returns the model's own structure, so both sides flatten alike.
     """
+    from .call_spec import register_dataclasses
+
+    register_dataclasses(out)  # the plain model's dataclass outputs flatten as capture registers them
     leaves = pytree.tree_flatten_with_path(out)[0]
     return [(_output_name(path), v) for path, v in leaves if torch.is_tensor(v)]
 

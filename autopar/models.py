@@ -10,7 +10,9 @@
   the graph ends in the loss;
 * ``path/to/file.py:factory`` or ``package.module:factory``: ``factory()`` returns
   ``(model, example_inputs)`` (a tuple of positional inputs, or a dict of keyword
-  inputs) and receives ``batch=`` and ``seq=`` when its signature accepts them.
+  inputs) or ``(model, args, kwargs)`` (the model is called ``model(*args, **kwargs)``:
+  any call form, nested inputs included) and receives ``batch=`` and ``seq=`` when its
+  signature accepts them.
 
 ``batch`` and ``seq`` must be whole numbers >= 1; ``seq=None`` (the default) is
 ``default_seq(spec)``: 1024, or the model's position count when it has fewer
@@ -277,8 +279,19 @@ def load_model(
         result = factory(**kw)
     except Exception as e:
         raise ValueError(f"model factory {spec!r} raised {type(e).__name__}: {e}; fix the factory") from e
+    if isinstance(result, tuple) and len(result) == 3:  # (model, args, kwargs): any call form, nested inputs
+        model, args, kwargs = result
+        if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+            raise ValueError(
+                f"model factory {spec!r} returned (model, {type(args).__name__}, {type(kwargs).__name__}); expected "
+                "(model, args tuple, kwargs dict): the model is called as model(*args, **kwargs)"
+            )
+        return model, tuple(args), dict(kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise ValueError(f"model factory {spec!r} returned {type(result).__name__}; expected (model, example_inputs)")
+        raise ValueError(
+            f"model factory {spec!r} returned {type(result).__name__}; expected (model, example_inputs) or "
+            "(model, args, kwargs)"
+        )
     model, inputs = result
     if isinstance(inputs, dict):
         return model, (), inputs

@@ -56,7 +56,23 @@ FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 
 
 class MemoryCapError(ValueError):
-    """No plan fits the per-device memory cap; the message says the smallest reachable."""
+    """No plan fits the per-device memory cap; the message says the smallest reachable and the fix.
+
+    ``problem`` is the message without the fix and ``min_mem_bytes`` the smallest
+    per-device memory found, so a front end (the CLI) can word the fix in its own
+    terms (``--mem-cap``, ``--dtype``) instead of the API's (``mem_cap=``, ``dtype=``).
+    """
+
+    def __init__(self, problem: str, min_mem_bytes: int) -> None:
+        super().__init__(
+            f"{problem}\n  Fix: raise mem_cap= to at least that, use more devices, a smaller batch or sequence, "
+            'or bf16 (dtype="bf16").'
+        )
+        self.problem = problem
+        self.min_mem_bytes = min_mem_bytes
+
+    def __reduce__(self):  # pickles (to another rank) as it was built
+        return type(self), (self.problem, self.min_mem_bytes)
 
 
 @dataclass
@@ -516,7 +532,7 @@ def _no_plan_error(ctx: PlanningContext, family: str | None, allow_state_shardin
     return ValueError(
         f"no plan of {ctx.graph.model_name} on {ctx.mesh} exists within {what}: every such plan needs a "
         "move between placements autopar cannot make.\n"
-        "Fix: plan without family= (the search may mix families), or on another mesh."
+        "Fix: plan without family= (autopar run: --family auto; the search may mix families), or on another mesh."
     )
 
 
@@ -549,13 +565,7 @@ def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep
         )
     else:
         lines.append(f"  {reaches} {format_bytes(err.min_mem_bytes)}.")
-    lines.append(
-        "  Fix: raise --mem-cap to at least that, use more devices, a smaller batch or sequence, "
-        "or bf16 (--dtype bf16)."
-    )
-    e = MemoryCapError("\n".join(lines))
-    e.min_mem_bytes = int(err.min_mem_bytes)
-    return e
+    return MemoryCapError("\n".join(lines), int(err.min_mem_bytes))
 
 
 def objective_seconds(sol: Solution) -> float:

@@ -132,3 +132,30 @@ def test_parameter_failure_near_adam_eps_is_explained(grad, noted):
     assert not params.ok and params.max_abs == pytest.approx(1.183e-5, rel=1e-2)
     assert ("w[1] is the worst element outside tolerance" in params.note) is noted
     assert ("eps (1e-08)" in params.note) is noted
+
+
+def test_run_trains_a_factory_model_with_a_nested_batch_and_a_dataclass_output(tmp_path, capsys):
+    """A factory may return (model, args, kwargs): autopar run calls and compares through the same pytrees."""
+    f = tmp_path / "nested_model.py"
+    f.write_text(
+        "import dataclasses\n"
+        "import torch\n"
+        "@dataclasses.dataclass\n"
+        "class Out:\n"
+        "    loss: torch.Tensor\n"
+        "    parts: dict\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self, seq):\n"
+        "        super().__init__()\n"
+        "        self.up, self.down = torch.nn.Linear(seq, 32), torch.nn.Linear(32, seq)\n"
+        "    def forward(self, batch, *, scale: float = 1.0):\n"
+        "        h = self.down(torch.relu(self.up(batch['x']))) * scale\n"
+        "        return Out(((h - batch['y'][0]) ** 2).mean(), {'h': h, 'pair': (h.sum(-1),)})\n"
+        "def build(batch, seq):\n"
+        "    inputs = {'x': torch.randn(batch, seq), 'y': (torch.randn(batch, seq),)}\n"
+        "    return M(seq), (inputs,), {'scale': 0.5}\n"
+    )
+    code = main(["run", f"{f}:build", "--mesh", "2", "--steps", "2", "--check", "--batch", "4", "--seq", "8"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "check: PASS" in out, (out, err)
+    assert "output.parts['h'], output.parts['pair'][0] (step 0)" in out, out  # the outputs by their paths

@@ -87,6 +87,7 @@ def test_infeasible_cap_names_smallest_reachable_memory(gpt2_tp4):
         plan_from_context(gpt2_tp4, mem_cap="100MiB", compare_families=False)
     msg = str(err.value)
     assert "100.00 MiB" in msg and "smallest per-device memory any plan reaches" in msg and "Fix:" in msg
+    assert "raise mem_cap= to at least that" in msg and 'dtype="bf16"' in msg and "--" not in msg, msg  # API words
     smallest = err.value.min_mem_bytes
     assert smallest > 100 * 2**20
     # the reported minimum is reachable: planning at exactly that cap succeeds
