@@ -144,6 +144,13 @@ class LossOnly(Trunk):
         return _mse(self.run(x), target)
 
 
+class Features(Trunk):
+    """-> the features alone: the loss is computed outside the compiled module (``loss_of``)."""
+
+    def forward(self, x):
+        return self.run(x)
+
+
 def _t(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen)
 
@@ -191,6 +198,10 @@ def _loss_only(g):
     return LossOnly(), (_t(ROWS, WIDTH, gen=g), _t(ROWS, WIDTH, gen=g)), {}
 
 
+def _loss_outside(g):
+    return Features(), (_t(ROWS, WIDTH, gen=g),), {}
+
+
 #: form name -> factory(generator) -> (model, args, kwargs)
 FORMS: dict[str, Callable] = {
     "positional": _positional,
@@ -202,6 +213,7 @@ FORMS: dict[str, Callable] = {
     "none-arguments": _none_arguments,
     "nested": _nested,
     "loss-only": _loss_only,
+    "loss-outside": _loss_outside,
 }
 
 #: form name -> (args, kwargs) -> the same call written another way (must be accepted as the compiled one)
@@ -222,10 +234,16 @@ def build(form: str, seed: int = 0):
 
 
 def loss_of(out) -> torch.Tensor:
-    """The loss in any of the forms' outputs: the first leaf (every form puts it first).
+    """The loss in any of the forms' outputs: the first leaf (every form puts it first), or, where that is
+    not a scalar (``Features``), a loss computed from it here, outside the model: its distance to a fixed
+    target, ``((out - 0.1 * arange) ** 2).mean()``.
 
     The plain model's dataclass outputs are registered with pytree as autopar's
     capture registers them on the ranks, so both sides flatten alike.
     """
     register_dataclasses(out)
-    return torch.utils._pytree.tree_leaves(out)[0]
+    first = torch.utils._pytree.tree_leaves(out)[0]
+    if first.ndim == 0:
+        return first
+    target = 0.1 * torch.arange(first.numel(), dtype=first.dtype).reshape(first.shape)
+    return ((first - target) ** 2).mean()
