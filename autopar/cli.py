@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
     p.add_argument("--version", action="version", version=f"autopar {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{plan,run,models}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{plan,run,models,calibrate,fidelity}")
     pl = sub.add_parser("plan", help="plan a model and print the chosen strategies")
     pl.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--strict-hints", action="store_true", help="a hint pattern that matches nothing is an error")
     _add_run_parser(sub)
     sub.add_parser("models", help="list the built-in models")
+    from .measure.cli import add_parsers
+
+    add_parsers(sub, positive_int=_positive_int, mesh_shape=_mesh_shape)
     return p
 
 
@@ -404,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if args.command == "run":
                 return _cmd_run(args)
+            if args.command in ("calibrate", "fidelity"):
+                from .measure.cli import cmd_calibrate, cmd_fidelity
+
+                return cmd_calibrate(args) if args.command == "calibrate" else cmd_fidelity(args)
             return _cmd_plan(args)
         except BrokenPipeError:  # `autopar models | head`: the reader left; nothing more to say
             try:

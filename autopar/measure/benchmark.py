@@ -1,0 +1,145 @@
+"""The fidelity benchmark as data: which models, meshes and plan variants ``autopar fidelity`` measures.
+
+``load_benchmark(path=None)`` reads ``configs/benchmarks/fidelity.toml`` (or a file
+of the same schema) into a frozen ``Benchmark``; ``Variant.plan_options`` turns one
+plan variant into the keywords of ``autopar.plan_from_context``.  The file's
+header documents the schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from costmodel import config_dir
+from costmodel.toml_compat import tomllib
+
+__all__ = ["BenchModel", "Variant", "Benchmark", "load_benchmark", "mesh_axis_names"]
+
+_FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchModel:
+    """A built-in model (``autopar.models``) at one global batch and sequence, and its poor hint."""
+
+    name: str
+    batch: int
+    seq: int
+    poor_hint: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One way to plan: ``auto``, ``family:<name>``, ``no state sharding``, ``cap:<fraction>``, ``poor hint``."""
+
+    label: str
+
+    @property
+    def cap_fraction(self) -> float | None:
+        """The fraction of the auto plan's per-device memory this variant caps at (None: no cap)."""
+        return float(self.label.removeprefix("cap:")) if self.label.startswith("cap:") else None
+
+    def plan_options(self, model: BenchModel, auto_bytes: float) -> dict[str, Any]:
+        """Keywords of ``plan_from_context`` for this variant (``auto_bytes``: the auto plan's per-device bytes)."""
+        if self.label == "auto":
+            return {}
+        if self.label.startswith("family:"):
+            return {"family": self.label.removeprefix("family:")}
+        if self.label == "no state sharding":
+            return {"allow_state_sharding": False}
+        if self.cap_fraction is not None:
+            return {"mem_cap": int(self.cap_fraction * auto_bytes)}
+        if self.label == "poor hint":
+            return {"hints": dict(model.poor_hint)}
+        raise AssertionError(f"variant {self.label!r} passed validation but has no options")
+
+    def validate(self, where: str) -> None:
+        ok = (
+            self.label in ("auto", "no state sharding", "poor hint")
+            or (self.label.startswith("family:") and self.label.removeprefix("family:") in _FAMILIES)
+            or (self.label.startswith("cap:") and _fraction(self.label.removeprefix("cap:")))
+        )
+        if not ok:
+            raise ValueError(
+                f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(_FAMILIES)}>', "
+                "'no state sharding', 'cap:<fraction in (0, 1]>', 'poor hint'; fix the variants list"
+            )
+
+
+def _fraction(text: str) -> bool:
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return 0 < value <= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Benchmark:
+    """Models x meshes x variants, and how each plan is timed (see configs/benchmarks/fidelity.toml)."""
+
+    models: tuple[BenchModel, ...]
+    meshes: tuple[tuple[int, ...], ...]
+    variants: tuple[Variant, ...]
+    warmup_steps: int
+    rounds: int
+    steps_per_round: int
+    source: str
+
+    def only(self, models: list[str] | None = None, meshes: list[tuple[int, ...]] | None = None) -> Benchmark:
+        """The benchmark restricted to some of its models and meshes (a quick check of one case)."""
+        from dataclasses import replace
+
+        picked = tuple(m for m in self.models if not models or m.name in models)
+        unknown = sorted(set(models or ()) - {m.name for m in self.models})
+        if unknown:
+            raise ValueError(
+                f"--models {unknown}: not in the benchmark ({self.source}); its models are "
+                f"{[m.name for m in self.models]}"
+            )
+        return replace(self, models=picked, meshes=tuple(meshes) if meshes else self.meshes)
+
+
+def mesh_axis_names(shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The benchmark's axis names: ("tp",) for a 1-D mesh, ("dp", "tp") for 2-D, ("pp", "dp", "tp")..."""
+    names = ("dp", "tp") if len(shape) == 2 else ("tp",) if len(shape) == 1 else None
+    return names or tuple(f"axis{i}" for i in range(len(shape)))
+
+
+def load_benchmark(path: str | Path | None = None) -> Benchmark:
+    """The benchmark of ``path`` (default ``configs/benchmarks/fidelity.toml``); ValueError naming a bad key."""
+    file = Path(path) if path is not None else config_dir() / "benchmarks" / "fidelity.toml"
+    if not file.is_file():
+        raise ValueError(f"fidelity benchmark {file}: no such file; pass a TOML file of the schema of fidelity.toml")
+    try:
+        data = tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"fidelity benchmark {file}: not valid TOML ({e}); fix the file's syntax") from e
+    where = f"fidelity benchmark {file}"
+    try:
+        models = tuple(
+            BenchModel(str(m["name"]), int(m["batch"]), int(m["seq"]), dict(m.get("poor_hint", {})))
+            for m in data["models"]
+        )
+        meshes = tuple(tuple(int(s) for s in shape) for shape in data["meshes"])
+        variants = tuple(Variant(str(v)) for v in data["variants"])
+        bench = Benchmark(
+            models,
+            meshes,
+            variants,
+            int(data.get("warmup_steps", 2)),
+            int(data.get("rounds", 5)),
+            int(data.get("steps_per_round", 2)),
+            str(file),
+        )
+    except KeyError as e:
+        raise ValueError(f"{where}: missing key {e}; see the header of configs/benchmarks/fidelity.toml") from None
+    for v in variants:
+        v.validate(where)
+    if "auto" not in {v.label for v in variants}:
+        raise ValueError(f"{where}: the variants must include 'auto' (the plan every other is compared with)")
+    if any(m.batch < 1 or m.seq < 1 for m in models) or bench.rounds < 1 or bench.steps_per_round < 1:
+        raise ValueError(f"{where}: batch, seq, rounds and steps_per_round must be >= 1")
+    return bench

@@ -1,0 +1,464 @@
+"""``autopar calibrate``: measure this machine into a device profile the cost model reads.
+
+    autopar calibrate -o mine.toml                 # 4 local CPU ranks on gloo (what `autopar run` spawns)
+    torchrun --nproc-per-node 8 -m autopar.cli calibrate -o node.toml    # GPUs: nccl, one per rank
+    autopar plan MODEL --profile mine.toml ...     # plan with it
+
+Every rank measures at the same time, as in a training job (on a CPU box with more
+ranks than cores the contention is part of every number, as it is in the job):
+
+* **matmul rates** per dtype (float32, bfloat16, float16) on GEMMs shaped like
+  a transformer layer's (tokens x d x 4d, tokens x 4d x d, their weight-gradient
+  transposes), summarized by the median (``peak_flops``); each shape's ratio to it
+  is printed as a residual;
+* **memory bandwidth** of a large copy and a large add (read + write bytes / s);
+* **per-op overhead of autopar's runtime**: a small model of many tiny ops through
+  ``autopar.compile`` under an all-replicated plan (no collective), forward per op
+  and backward per op (``forward_op_overhead_s``, ``backward_op_overhead_s``);
+* **collectives**, every kind the runtime issues (all_reduce, all_gather,
+  reduce_scatter as the runtime runs it on the backend, all_to_all), for each
+  group size (2, 4, ... up to the world; the world's ranks split into groups of
+  consecutive ranks that run at once, as a mesh axis does), over message sizes
+  from 16 KiB to 16 MiB: each the slowest rank's median over ``trials``.  Each
+  (kind, group size) is fitted to the cost model's formula
+  ``t = latency + factor(n) * nbytes / bandwidth`` (``measure.fit``), printed with
+  its residuals, and written as the link's ``collectives`` table
+  (``costmodel.comm`` uses it in place of the ring estimate).
+
+What one machine cannot measure (an inter-node link, the device memory of a GPU
+model you do not have) comes from ``base``: the profile the measured one starts
+from (default ``cpu`` on gloo, ``h100``/``a100`` on CUDA by device name).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fit import LineFit, RateFit, fit_latency_bandwidth, fit_rate
+
+__all__ = ["Calibration", "calibrate", "measure_rank", "COLLECTIVE_KINDS", "SIZES_BYTES"]
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+#: message sizes (the cost model's nbytes of each kind, costmodel/comm.py)
+SIZES_BYTES = (16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (m, k, n) of a transformer layer's GEMMs at d = 256 and 512 on 512 and 2048 tokens: x @ W (up and down
+# projections) and the weight gradient x^T @ dy
+_GEMMS = tuple(
+    shape
+    for tokens, d in ((512, 256), (2048, 256), (512, 512), (2048, 512))
+    for shape in ((tokens, d, 4 * d), (tokens, 4 * d, d), (d, tokens, 4 * d))
+)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` measured, the fits, and the profile they make (``profile_dict``)."""
+
+    machine: str
+    backend: str
+    ranks: int
+    date: str
+    matmul: dict[str, RateFit]
+    bandwidth: RateFit
+    forward_op_s: float
+    backward_op_s: float
+    ops: int
+    collectives: dict[str, dict[int, LineFit]]
+    base: dict[str, Any]
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def source(self) -> str:
+        return (
+            f"measured by autopar calibrate on {self.machine}, {self.date}, {self.ranks} {self.backend} ranks "
+            f"(torch {torch.__version__})"
+        )
+
+    def profile_dict(self, name: str) -> dict[str, Any]:
+        """The device profile (TOML table) of this calibration: ``base`` with every measured key replaced."""
+        prof = {k: v for k, v in self.base.items()}
+        prof["name"] = name
+        prof["source"] = self.source
+        prof["peak_flops"] = {k: fit.rate for k, fit in self.matmul.items()}
+        prof["mem_bandwidth_bytes_per_s"] = self.bandwidth.rate
+        prof["matmul_efficiency"] = 1.0  # the rates are achieved ones
+        prof["memory_efficiency"] = 1.0
+        prof["forward_op_overhead_s"] = self.forward_op_s
+        prof["backward_op_overhead_s"] = self.backward_op_s
+        prof["kernel_overhead_s"] = (self.forward_op_s + self.backward_op_s) / 2
+        if self.collectives:
+            link = dict(prof["intra_node"])
+            link["name"] = f"{self.backend}-measured"
+            link["source"] = self.source
+            link["collectives"] = {
+                kind: {
+                    "group_sizes": sorted(per_size),
+                    "latency_s": [per_size[n].latency_s for n in sorted(per_size)],
+                    "bandwidth_bytes_per_s": [per_size[n].bandwidth_bytes_per_s for n in sorted(per_size)],
+                }
+                for kind, per_size in self.collectives.items()
+            }
+            largest = max(next(iter(self.collectives.values())))
+            ring = self.collectives["all_gather"][largest]
+            link["latency_s"] = ring.latency_s / max(largest - 1, 1)  # the ring estimate's per-step alpha
+            link["bandwidth_bytes_per_s"] = ring.bandwidth_bytes_per_s
+            prof["intra_node"] = link
+            if self.ranks <= prof.get("devices_per_node", self.ranks):
+                prof["devices_per_node"] = max(prof.get("devices_per_node", 1), self.ranks)
+        return prof
+
+
+def calibrate(
+    *, ranks: int = 4, base: str | None = None, trials: int = 3, timeout_s: float = 600.0, quick: bool = False
+) -> Calibration:
+    """Measure this machine on ``ranks`` local CPU ranks (gloo), or as the ranks of a torchrun job.
+
+    Under torchrun (``RANK``/``WORLD_SIZE`` set) every rank calls this and rank 0
+    returns the calibration (the others None); CUDA ranks use nccl, one GPU each.
+    ``quick`` measures three GEMM shapes and two message sizes only (a smoke check,
+    not a profile to plan with).
+    """
+    from ..runtime.spawn import spawn_ranks
+
+    if ranks < 1:
+        raise ValueError(f"--ranks {ranks}: expected at least 1 rank")
+    t0 = time.perf_counter()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from ..runtime import init_distributed
+
+        init_distributed()
+        raw = measure_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), trials, quick)
+        if raw is None:
+            return None
+    else:
+        results, _ = spawn_ranks(
+            measure_rank, ranks, trials, quick, timeout_s=timeout_s, collective_timeout_s=timeout_s
+        )
+        raw = results[0]
+    return _calibration(raw, base, time.perf_counter() - t0)
+
+
+def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibration:
+    from costmodel.profiles import config_dir
+    from costmodel.toml_compat import tomllib
+
+    backend, device = raw["backend"], raw["device"]
+    base_name = base or ("cpu" if device == "cpu" else _gpu_base(raw["device_name"]))
+    path = base_name if base_name.endswith(".toml") else config_dir() / "devices" / f"{base_name}.toml"
+    with open(path, "rb") as f:
+        base_dict = tomllib.load(f)
+    if device != "cpu":
+        base_dict["memory_bytes"] = raw["device_memory_bytes"]
+    if backend == "gloo":
+        base_dict["reduce_scatter"] = "all_reduce"
+    collectives = {
+        kind: {n: fit_latency_bandwidth(points) for n, points in per_size.items()}
+        for kind, per_size in raw["collectives"].items()
+    }
+    return Calibration(
+        machine=raw["machine"],
+        backend=backend,
+        ranks=raw["ranks"],
+        date=datetime.date.today().isoformat(),
+        matmul={k: fit_rate(v) for k, v in raw["matmul"].items()},
+        bandwidth=fit_rate(raw["bandwidth"]),
+        forward_op_s=raw["forward_op_s"],
+        backward_op_s=raw["backward_op_s"],
+        ops=raw["ops"],
+        collectives=collectives,
+        base=base_dict,
+        wall_s=wall_s,
+    )
+
+
+def _gpu_base(device_name: str) -> str:
+    name = device_name.lower()
+    return "h100" if "h100" in name or "h200" in name else "a100"
+
+
+# ---- on every rank --------------------------------------------------------------------
+
+
+def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dict[str, Any] | None:
+    """Every measurement of the module docstring on this rank; rank 0 returns them (slowest rank's times)."""
+    import torch.distributed as dist
+
+    from ..progress import TerminalProgress
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    device = _device()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as autopar run's ranks: they share the machine's cores
+    bar = TerminalProgress(delay_s=0.0) if rank == 0 else None
+    steps = len(_DTYPES) + 2 + len(COLLECTIVE_KINDS)
+    done = 0
+
+    def tick(stage: str) -> None:
+        nonlocal done
+        if bar is not None:
+            bar(f"calibrate: {stage}", done, steps)
+        done += 1
+
+    out: dict[str, Any] = {"ranks": world, "backend": dist.get_backend(), "device": device.type}
+    out["machine"] = _machine(device)
+    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        out["device_memory_bytes"] = int(torch.cuda.get_device_properties(device).total_memory)
+    out["matmul"] = {}
+    for dtype in _DTYPES:
+        tick(f"matmul {str(dtype).removeprefix('torch.')}")
+        # float16 has no fast CPU path (about 1 GFLOP/s): its three smallest shapes say enough there
+        slow = quick or (dtype == torch.float16 and device.type == "cpu")
+        shapes = _GEMMS[:3] if slow else _GEMMS
+        out["matmul"][str(dtype).removeprefix("torch.")] = _gemm_rates(dtype, device, trials, shapes)
+    tick("memory bandwidth")
+    out["bandwidth"] = _bandwidth(device, trials)
+    tick("runtime overhead per op")
+    out.update(_op_overhead(world, device, trials))
+    out["collectives"] = {}
+    sizes = [n for n in (2, 4, 8, 16, 32, 64) if n < world and world % n == 0] + ([world] if world > 1 else [])
+    groups = {n: _groups_of(n, world, rank) for n in sizes}
+    for kind in COLLECTIVE_KINDS:
+        tick(f"{kind} on groups of {', '.join(map(str, sizes))}")
+        message_sizes = (SIZES_BYTES[0], SIZES_BYTES[2]) if quick else SIZES_BYTES
+        out["collectives"][kind] = {
+            n: _collective_points(kind, groups[n], n, device, trials, message_sizes) for n in sizes
+        }
+    if bar is not None:
+        bar.close()
+    return out if rank == 0 else None
+
+
+def _device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({torch.cuda.device_count()} per node)"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} logical CPUs"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_median(fn, device: torch.device, trials: int, *, budget_s: float = 0.15, group=None) -> float:
+    """Seconds per call of ``fn`` on the slowest rank: the median of ``trials`` timed loops between barriers.
+
+    The loop length is chosen so one loop takes about ``budget_s`` (at least one call).
+    """
+    import torch.distributed as dist
+
+    fn()  # warm up: allocations, communicators, caches
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs the same number of calls
+    reps = max(1, min(200, int(budget_s / max(float(once), 1e-7))))
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return statistics.median(times)
+
+
+def _gemm_rates(dtype: torch.dtype, device: torch.device, trials: int, shapes) -> list[tuple[str, float]]:
+    rates = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        seconds = _slowest_median(lambda a=a, b=b: a @ b, device, trials, budget_s=0.05)
+        rates.append((f"{m}x{k}x{n}", 2 * m * k * n / seconds))
+    return rates
+
+
+def _bandwidth(device: torch.device, trials: int) -> list[tuple[str, float]]:
+    numel = 8 << 20  # 32 MiB per float32 tensor: past the caches
+    src, other, dst = (torch.randn(numel, device=device) for _ in range(3))
+    copy_s = _slowest_median(lambda: dst.copy_(src), device, trials, budget_s=0.1)
+    add_s = _slowest_median(lambda: torch.add(src, other, out=dst), device, trials, budget_s=0.1)
+    return [("copy", 2 * src.nbytes / copy_s), ("add", 3 * src.nbytes / add_s)]
+
+
+class _ManyOps(nn.Module):
+    """Many ops too small for their flops or bytes to matter: its time is per-op overhead."""
+
+    def __init__(self, width: int = 16, depth: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.nn.functional.gelu(block(x))
+        return x.sum()
+
+
+def _op_overhead(world: int, device: torch.device, trials: int) -> dict[str, float]:
+    """Forward and backward seconds per op of autopar's runtime on a plan without collectives."""
+    import autopar
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, device=device)
+    mesh = autopar.Mesh((world,), axis_names=("x",))
+    model = _ManyOps().to(device)
+    sharded = autopar.compile(
+        model, mesh, example_inputs=(x,), hints={"*": ["R"]}, input_placements={"x": ["R"]}, profile="cpu"
+    )
+    ops = sum(1 for n in sharded.plan.nodes)
+    forward_s = _slowest_median(lambda: sharded(x), device, trials, budget_s=0.1)
+
+    def step():
+        sharded(x).backward()
+
+    step_s = _slowest_median(step, device, trials, budget_s=0.1)
+    return {"ops": ops, "forward_op_s": forward_s / ops, "backward_op_s": max(step_s - forward_s, 0.0) / ops}
+
+
+def _groups_of(n: int, world: int, rank: int):
+    """This rank's group among the world split into groups of ``n`` consecutive ranks (every rank creates all)."""
+    import torch.distributed as dist
+
+    mine = None
+    for start in range(0, world, n):
+        group = dist.new_group(list(range(start, start + n)))
+        if start <= rank < start + n:
+            mine = group
+    return mine
+
+
+def _collective_points(
+    kind: str, group, n: int, device: torch.device, trials: int, message_sizes
+) -> list[tuple[float, float]]:
+    """(factor(n) * nbytes, seconds) per message size, for the formula ``t = latency + x / bandwidth``."""
+    import torch.distributed as dist
+
+    from costmodel.comm import bandwidth_factor
+
+    points = []
+    me = dist.get_rank(group)
+    emulated_rs = dist.get_backend(group) != "nccl"  # the runtime all-reduces and slices (MeshGroups)
+    for nbytes in message_sizes:
+        numel = nbytes // 4
+        full = torch.randn(numel, device=device)
+        piece = torch.randn(numel // n, device=device)
+        out_piece = torch.empty(numel // n, device=device)
+        gathered = torch.empty(numel, device=device)
+        if kind == "all_reduce":
+
+            def fn(full=full):
+                dist.all_reduce(full, group=group)
+
+        elif kind == "all_gather":
+
+            def fn(gathered=gathered, piece=piece):
+                dist.all_gather_into_tensor(gathered, piece, group=group)
+
+        elif kind == "reduce_scatter" and emulated_rs:
+
+            def fn(full=full, numel=numel):
+                buf = full.clone()
+                dist.all_reduce(buf, group=group)
+                return buf[me * (numel // n) : (me + 1) * (numel // n)].clone()
+
+        elif kind == "reduce_scatter":
+
+            def fn(out_piece=out_piece, full=full):
+                dist.reduce_scatter_tensor(out_piece, full, group=group)
+
+        else:
+
+            def fn(gathered=gathered, full=full):
+                dist.all_to_all_single(gathered, full, group=group)
+
+        seconds = _slowest_median(fn, device, trials, budget_s=0.1)
+        points.append((bandwidth_factor(kind, n, emulated_rs) * nbytes, seconds))
+    return points
+
+
+# ---- printing ---------------------------------------------------------------------------------
+
+
+def render_calibration(cal: Calibration) -> str:
+    """The measurements, the fits and their residuals, as text."""
+    lines = [
+        f"autopar calibrate: {cal.machine}; {cal.ranks} {cal.backend} ranks; torch {torch.__version__}; "
+        f"{cal.date}; {cal.wall_s:.0f} s",
+        "",
+        "matmul rate per dtype (median over transformer-shaped GEMMs; residual = shape / median - 1):",
+    ]
+    for dtype, fit in cal.matmul.items():
+        worst = max(fit.residuals, key=abs)
+        lines.append(
+            f"  {dtype:<9} {fit.rate / 1e9:9.1f} GFLOP/s   residuals {min(fit.residuals):+.0%} .. "
+            f"{max(fit.residuals):+.0%} (worst {worst:+.0%})"
+        )
+    lines.append(
+        f"memory bandwidth: {cal.bandwidth.rate / 1e9:.2f} GB/s (copy {cal.bandwidth.samples[0][1] / 1e9:.2f}, "
+        f"add {cal.bandwidth.samples[1][1] / 1e9:.2f})"
+    )
+    lines.append(
+        f"runtime overhead per op ({cal.ops} ops, no collective): forward {cal.forward_op_s * 1e6:.1f} us, "
+        f"backward {cal.backward_op_s * 1e6:.1f} us"
+    )
+    if cal.collectives:
+        lines += ["", "collectives: t = latency + factor * nbytes / bandwidth per group size (slowest rank):"]
+        lines.append(f"  {'kind':<15}{'group':>6}{'latency':>12}{'bandwidth':>14}   residual per size (16K .. 16M)")
+        for kind, per_size in cal.collectives.items():
+            for n, fit in sorted(per_size.items()):
+                res = " ".join(f"{r:+.0%}" for r in fit.residuals)
+                lines.append(
+                    f"  {kind:<15}{n:>6}{fit.latency_s * 1e6:>10.0f}us{fit.bandwidth_bytes_per_s / 1e9:>10.3f}GB/s"
+                    f"   {res}"
+                )
+    else:
+        lines.append("collectives: one rank, nothing to measure (links come from the base profile)")
+    return "\n".join(lines) + "\n"
+
+
+def write_profile(cal: Calibration, path: str, name: str | None = None) -> None:
+    """Write the calibrated profile as TOML (``costmodel.load_profile`` and ``--profile`` read it)."""
+    import tomli_w
+
+    name = name or os.path.splitext(os.path.basename(path))[0]
+    header = (
+        f"# Device profile measured by `autopar calibrate` ({cal.source}).\n"
+        "# Rates are achieved ones (efficiencies 1.0); keys not measured come from the base profile.\n"
+    )
+    text = header + tomli_w.dumps(cal.profile_dict(name))
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    with open(path, "w") as f:
+        f.write(text)

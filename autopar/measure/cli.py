@@ -1,0 +1,102 @@
+"""The ``autopar calibrate`` and ``autopar fidelity`` subcommands (``autopar.cli`` adds them).
+
+    autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3]
+    autopar fidelity [--profile cpu|FILE.toml] [--ranks 4] [--json FILE] [--models a,b] [--mesh 2x2] [--rounds 5]
+
+``calibrate`` prints the measurements, the fits and their residuals and writes the
+profile (``-o``); ``fidelity`` prints predicted vs measured per plan and the summary
+and writes the figures as JSON (``--json``).  Exit code 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+__all__ = ["add_parsers", "cmd_calibrate", "cmd_fidelity"]
+
+
+def add_parsers(sub, *, positive_int, mesh_shape) -> None:
+    """The two subparsers, on ``sub`` (argparse subparsers) with the main CLI's argument types."""
+    c = sub.add_parser("calibrate", help="measure this machine into a device profile (--profile FILE.toml)")
+    c.add_argument("-o", "--output", default=None, metavar="FILE", help="write the profile TOML here ('-': stdout)")
+    c.add_argument("--ranks", type=positive_int, default=4, help="local CPU ranks to measure with (default 4)")
+    c.add_argument(
+        "--base",
+        default=None,
+        metavar="PROFILE",
+        help="profile whose unmeasured keys (inter-node link, ...) the result keeps (default cpu; h100/a100 on GPUs)",
+    )
+    c.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
+    c.add_argument("--trials", type=positive_int, default=3, help="repeats per measurement; the median is kept")
+    c.add_argument("--timeout", type=float, default=600.0, help="stop the ranks after this many seconds")
+    f = sub.add_parser("fidelity", help="predicted vs measured step time and memory of a fixed benchmark of plans")
+    f.add_argument("--profile", default="cpu", metavar="PROFILE", help="profile the plans are made with (default cpu)")
+    f.add_argument("--ranks", type=positive_int, default=4, help="local CPU ranks (default 4)")
+    f.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON to FILE")
+    f.add_argument("--benchmark", default=None, metavar="FILE", help="benchmark TOML (default the fixed one)")
+    f.add_argument("--models", default=None, help="comma-separated subset of the benchmark's models")
+    f.add_argument("--mesh", type=mesh_shape, default=None, help="only this mesh of the benchmark, e.g. 2x2")
+    f.add_argument("--rounds", type=positive_int, default=None, help="timed rounds (default: the benchmark's)")
+    f.add_argument("--timeout", type=float, default=3600.0, help="stop the ranks after this many seconds")
+
+
+def _writable(path: str | None, flag: str) -> None:
+    if path is None or path == "-":
+        return
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path!r}: folder '{folder}' does not exist; create it or pass another path")
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import calibrate, render_calibration, write_profile
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        _writable(args.output, "-o")
+        if args.base is not None:
+            from costmodel import load_profile
+
+            load_profile(args.base)
+        cal = calibrate(ranks=args.ranks, base=args.base, trials=args.trials, timeout_s=args.timeout)
+    except ValueError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    if cal is None:  # a torchrun rank other than 0
+        return 0
+    sys.stdout.write(render_calibration(cal))
+    if args.output:
+        write_profile(cal, args.output, name=args.name)
+        if args.output != "-":
+            print(f"wrote {args.output}: autopar plan MODEL --profile {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_fidelity(args) -> int:
+    from .benchmark import load_benchmark
+    from .fidelity import run_fidelity, summarize
+    from .fidelity_report import render_fidelity
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        _writable(args.json, "--json")
+        bench = load_benchmark(args.benchmark)
+        models = [m.strip() for m in args.models.split(",")] if args.models else None
+        bench = bench.only(models, [args.mesh] if args.mesh else None)
+        if args.rounds is not None:
+            bench = replace(bench, rounds=args.rounds)
+        run = run_fidelity(profile=args.profile, ranks=args.ranks, benchmark=bench, timeout_s=args.timeout)
+    except ValueError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+    if run is None:  # a torchrun rank other than 0
+        return 0
+    sys.stdout.write(render_fidelity(run))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(summarize(run), fh, indent=1, sort_keys=True)
+    return 0

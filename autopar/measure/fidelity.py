@@ -1,0 +1,362 @@
+"""``autopar fidelity``: plans' predicted step time and memory against what the ranks measure.
+
+    autopar calibrate -o p.toml && autopar fidelity --profile p.toml --ranks 4 --json f.json
+
+The benchmark (``measure.benchmark``: models x meshes x plan variants) runs on
+``ranks`` local CPU processes (gloo), or the ranks of a torchrun job.  Per model
+and mesh, rank 0 prepares the model once and plans every variant under the given
+profile; identical plans are measured once.  Every rank then compiles each plan
+(``autopar.compile(plan=...)``) on the model with real, seeded weights and the same
+global batch, warms each up, and times them in interleaved rounds: each round runs
+every plan once, in an order that rotates by one per round, for
+``steps_per_round`` training steps (forward, backward, ``AdamW.step()``,
+``zero_grad()``) between two barriers, so the slowest rank sets the time and
+background load falls on every plan alike.  A plan's time is the median over the
+rounds and its spread (max - min) / median.  Then each plan runs one step under
+``measure.memory.step_peak_bytes`` on every rank: the peak is what the allocator
+(CUDA) or PyTorch's profiler (CPU) saw, never a cost-model formula.
+
+The benchmark trains each model's own loss through a wrapper that returns the
+loss alone (as a training loop that reads only the loss would compile it), so no
+plan pays for gathering logits its prediction does not contain.
+
+``summarize`` turns the results into the figures the issue asks for:
+Spearman's rank correlation of predicted vs measured time per model x mesh,
+per model and over all plans; the median and worst ``|predicted/measured - 1|``;
+the worst memory error; and per model x mesh the measured time of the auto plan
+over that of the fastest plan.  ``measure.fidelity_report`` prints and writes them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import stats
+from .benchmark import Benchmark, BenchModel, Variant, load_benchmark, mesh_axis_names
+
+__all__ = ["PlanResult", "CaseResult", "FidelityRun", "run_fidelity", "summarize"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """One distinct plan of a case: what the cost model said and what the ranks measured.
+
+    ``variants`` are the labels that planned to this same plan; ``family`` its
+    classification.  ``measured_s`` is the median step over the rounds
+    (``round_s``), ``peak_bytes`` the largest rank's peak, ``held_bytes`` that
+    rank's bytes held between steps.
+    """
+
+    variants: tuple[str, ...]
+    family: str
+    predicted_s: float
+    predicted_compute_s: float
+    predicted_comm_s: float
+    predicted_bytes: int
+    round_s: tuple[float, ...]
+    peak_bytes: int
+    held_bytes: int
+
+    @property
+    def measured_s(self) -> float:
+        return stats.median(self.round_s)
+
+    @property
+    def spread(self) -> float:
+        return stats.spread(self.round_s)
+
+    @property
+    def time_error(self) -> float:
+        return stats.relative_error(self.predicted_s, self.measured_s)
+
+    @property
+    def memory_error(self) -> float:
+        return stats.relative_error(self.predicted_bytes, self.peak_bytes)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One model on one mesh: its distinct plans, and the variants that had no plan (with the reason)."""
+
+    model: str
+    mesh: tuple[int, ...]
+    plans: tuple[PlanResult, ...]
+    infeasible: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} {'x'.join(map(str, self.mesh))}"
+
+    def plan_of(self, variant: str) -> PlanResult | None:
+        return next((p for p in self.plans if variant in p.variants), None)
+
+
+@dataclass(frozen=True)
+class FidelityRun:
+    """Everything one ``autopar fidelity`` run measured, and under what."""
+
+    cases: tuple[CaseResult, ...]
+    profile: str
+    ranks: int
+    benchmark: str
+    wall_s: float
+
+
+def run_fidelity(
+    *, profile: str, ranks: int, benchmark: Benchmark | None = None, timeout_s: float = 3600.0
+) -> FidelityRun:
+    """Measure ``benchmark`` (default: the fixed one) on ``ranks`` local gloo ranks, planned under ``profile``.
+
+    Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is one rank and the
+    job's world size must equal ``ranks``; rank 0 returns the run, the others None.
+    """
+    from ..runtime.spawn import spawn_ranks
+
+    bench = benchmark or load_benchmark()
+    meshes = [m for m in bench.meshes if math.prod(m) == ranks]
+    if not meshes:
+        raise ValueError(
+            f"--ranks {ranks}: no mesh of the benchmark ({[list(m) for m in bench.meshes]}) has {ranks} devices; "
+            "pass --ranks equal to a mesh size"
+        )
+    from costmodel import load_profile
+
+    load_profile(profile)  # an unknown profile fails here, before any rank starts
+    t0 = time.perf_counter()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from ..runtime import init_distributed
+
+        init_distributed()
+        cases = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), bench, profile)
+        if cases is None:
+            return None
+    else:
+        results, _ = spawn_ranks(_rank_main, ranks, bench, profile, timeout_s=timeout_s, collective_timeout_s=timeout_s)
+        cases = results[0]
+    return FidelityRun(tuple(cases), profile, ranks, bench.source, time.perf_counter() - t0)
+
+
+class _LossOnly(nn.Module):
+    """The model's own loss and nothing else: no logits to gather that the plan does not price."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def _build(model: BenchModel, device: str) -> tuple[nn.Module, tuple]:
+    from ..models import load_model
+
+    torch.manual_seed(0)
+    hf, (ids,), kwargs = load_model(model.name, batch=model.batch, seq=model.seq, device=device, no_dropout=True)
+    return _LossOnly(hf).train(), (ids, kwargs["labels"])
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"autopar fidelity: {text}", file=sys.stderr, flush=True)
+
+
+def _rank_main(rank: int, world: int, bench: Benchmark, profile: str) -> list[CaseResult] | None:
+    """One rank's whole benchmark (every case whose mesh has ``world`` devices); rank 0 returns the results."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.set_num_threads(1)
+    cases = [(m, mesh) for m in bench.models for mesh in bench.meshes if math.prod(mesh) == world]
+    out = []
+    for k, (model, mesh) in enumerate(cases, 1):
+        t0 = time.perf_counter()
+        where = f"[{k}/{len(cases)}] {model.name} on {'x'.join(map(str, mesh))}"
+        _say(rank, f"{where}: planning {len(bench.variants)} variants")
+        plans, infeasible = _plans_from_rank0(rank, model, mesh, bench.variants, profile)
+        _say(rank, f"[{k}/{len(cases)}] {len(plans)} distinct plans; compiling and timing")
+        result = _measure_case(rank, model, mesh, plans, bench)
+        out.append(CaseResult(model.name, mesh, result, infeasible))
+        _say(rank, f"[{k}/{len(cases)}] done in {time.perf_counter() - t0:.0f} s")
+        gc.collect()
+    return out if rank == 0 else None
+
+
+def _plans_from_rank0(rank, model: BenchModel, mesh, variants: tuple[Variant, ...], profile: str):
+    """([(variant labels, plan JSON)] of the distinct plans, {variant: why no plan}), the same on every rank."""
+    import torch.distributed as dist
+
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = _plan_variants(model, mesh, variants, profile)
+        except Exception as e:  # tell the other ranks instead of leaving them waiting
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise RuntimeError(f"planning {model.name} on {mesh} failed on rank 0: {box[0]}") from box[0]
+    return box[0]
+
+
+def _plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profile: str):
+    import autopar
+    from autopar.planner import MemoryCapError, plan_from_context, prepare
+
+    net, (ids, labels) = _build(model, "cpu")  # as the ranks run it: the traced graph depends on the device
+    amesh = autopar.Mesh(mesh, axis_names=mesh_axis_names(mesh))
+    ctx = prepare(net, amesh, example_inputs=(ids, labels), profile=profile, dtype="fp32", optimizer="adamw")
+    auto = plan_from_context(ctx, compare_families=False)
+    auto_bytes = auto.memory["per_device_bytes"]
+    distinct: dict[str, tuple[list[str], str]] = {}
+    infeasible: dict[str, str] = {}
+    for variant in variants:
+        try:
+            plan = (
+                auto
+                if variant.label == "auto"
+                else plan_from_context(ctx, compare_families=False, **variant.plan_options(model, auto_bytes))
+            )
+        except (MemoryCapError, ValueError) as e:
+            infeasible[variant.label] = str(e).splitlines()[0]
+            continue
+        key = _plan_key(plan)
+        distinct.setdefault(key, ([], plan.to_json()))[0].append(variant.label)
+    return [(tuple(labels), text) for labels, text in distinct.values()], infeasible
+
+
+def _plan_key(plan) -> str:
+    """What makes two plans run alike: placements of every parameter, input and node (not settings or hints)."""
+    return json.dumps([plan.params, plan.inputs, plan.nodes], sort_keys=True)
+
+
+def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -> tuple[PlanResult, ...]:
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.plan_types import Plan
+
+    from .memory import step_peak_bytes
+
+    net, inputs = _build(model, "cpu")
+    amesh = autopar.Mesh(mesh, axis_names=mesh_axis_names(mesh))
+    runs = []
+    for _, text in plans:
+        plan = Plan.from_json(text)
+        sharded = autopar.compile(net, amesh, example_inputs=inputs, plan=plan)
+        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+        runs.append((plan, sharded, opt))
+
+    def step(i: int) -> None:
+        _, sharded, opt = runs[i]
+        sharded(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(len(runs)):
+        for _ in range(bench.warmup_steps):
+            step(i)
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(bench.rounds):
+        for j in range(len(runs)):
+            i = (j + r) % len(runs)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(bench.steps_per_round):
+                step(i)
+            dist.barrier()
+            times[i].append((time.perf_counter() - t0) / bench.steps_per_round)
+    peaks = []
+    for i, (_, sharded, opt) in enumerate(runs):
+        held = [*sharded.parameters(), *(p.grad for p in sharded.parameters()), *sharded.buffers()]
+        held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        peak = step_peak_bytes(lambda i=i: step(i), held, torch.device("cpu"))
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (peak.peak_bytes, peak.held_bytes))
+        peaks.append(max(every))
+    out = []
+    for (labels, _), (plan, _, _), t, (peak, held) in zip(plans, runs, times, peaks):
+        out.append(
+            PlanResult(
+                tuple(labels),
+                plan.family,
+                float(plan.cost["total_s"]),
+                float(plan.cost["compute_s"]),
+                float(plan.cost["comm_s"]),
+                int(plan.memory["per_device_bytes"]),
+                tuple(t),
+                int(peak),
+                int(held),
+            )
+        )
+    return tuple(out)
+
+
+def summarize(run: FidelityRun) -> dict[str, Any]:
+    """The run's figures (the JSON ``autopar fidelity --json`` writes; see the module docstring)."""
+    every = [p for c in run.cases for p in c.plans]
+    cases: dict[str, Any] = {}
+    for c in run.cases:
+        auto = c.plan_of("auto")
+        fastest = min(p.measured_s for p in c.plans)
+        cases[c.key] = {
+            "spearman": _spearman(c.plans),
+            "auto_over_fastest": auto.measured_s / fastest if auto is not None else None,
+            "auto_is_fastest_within_5pct": auto is not None and auto.measured_s <= 1.05 * fastest,
+            "median_abs_error": stats.median([abs(p.time_error) for p in c.plans]),
+            "plans": [_plan_json(p) for p in c.plans],
+            "infeasible": dict(c.infeasible),
+        }
+    models = {}
+    for name in dict.fromkeys(c.model for c in run.cases):
+        mine = [p for c in run.cases if c.model == name for p in c.plans]
+        models[name] = {"spearman": _spearman(mine), "plans": len(mine)}
+    errors = [abs(p.time_error) for p in every]
+    spreads = [p.spread for p in every]
+    return {
+        "spearman": _spearman(every),
+        "median_abs_error": stats.median(errors),
+        "worst_abs_error": max(errors),
+        "memory_max_error": max(abs(p.memory_error) for p in every),
+        "memory_median_abs_error": stats.median([abs(p.memory_error) for p in every]),
+        "median_spread": stats.median(spreads),
+        "worst_spread": max(spreads),
+        "models": models,
+        "cases": cases,
+        "profile": run.profile,
+        "ranks": run.ranks,
+        "benchmark": run.benchmark,
+        "wall_s": run.wall_s,
+    }
+
+
+def _spearman(plans) -> float | None:
+    value = stats.spearman([p.predicted_s for p in plans], [p.measured_s for p in plans])
+    return None if math.isnan(value) else value
+
+
+def _plan_json(p: PlanResult) -> dict[str, Any]:
+    return {
+        "variants": list(p.variants),
+        "family": p.family,
+        "predicted_s": p.predicted_s,
+        "predicted_compute_s": p.predicted_compute_s,
+        "predicted_comm_s": p.predicted_comm_s,
+        "measured_s": p.measured_s,
+        "round_s": list(p.round_s),
+        "spread": p.spread,
+        "time_error": p.time_error,
+        "predicted_bytes": p.predicted_bytes,
+        "peak_bytes": p.peak_bytes,
+        "held_bytes": p.held_bytes,
+        "memory_error": p.memory_error,
+    }

@@ -1,0 +1,144 @@
+"""The measuring tools behind ``autopar calibrate`` and ``autopar fidelity`` (autopar/measure/).
+
+The statistics and fits are checked against values worked out by hand; the
+memory peak against tensors of known size; a calibrated profile round-trips
+through TOML into the cost model; and both commands run end to end on 2 gloo
+ranks in their quick forms (the figures of a real run are in the issue notes,
+not asserted here: the tests do not time anything).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from autopar.measure import stats
+from autopar.measure.fit import fit_latency_bandwidth, fit_rate
+from autopar.measure.memory import held_bytes, step_peak_bytes
+
+
+def test_spearman_matches_hand_computed_values():
+    assert stats.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert stats.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    # ranks (1, 2, 3, 4) vs (1, 3, 2, 4): 1 - 6 * 2 / (4 * 15) = 0.8
+    assert stats.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    # ties share their mean rank: x ranks (1.5, 1.5, 3), y (1, 2, 3) -> Pearson of those = sqrt(3)/2
+    assert stats.spearman([5, 5, 7], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)
+    assert math.isnan(stats.spearman([1], [2])) and math.isnan(stats.spearman([1, 1], [2, 3]))
+    assert stats.ranks([3.0, 1.0, 3.0]) == [2.5, 1.0, 2.5]
+
+
+def test_spread_and_relative_error():
+    assert stats.spread([1.0, 1.1, 0.9]) == pytest.approx(0.2)
+    assert stats.relative_error(1.2, 1.0) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="measured"):
+        stats.relative_error(1.0, 0.0)
+
+
+def test_latency_bandwidth_fit_recovers_the_line_and_reports_residuals():
+    latency, bandwidth = 50e-6, 2e9
+    points = [(x, latency + x / bandwidth) for x in (1e4, 1e5, 1e6, 1e7)]
+    fit = fit_latency_bandwidth(points)
+    assert fit.latency_s == pytest.approx(latency, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
+    assert fit.worst_residual < 1e-9
+    noisy = [(x, t * (1.1 if i == 0 else 1.0)) for i, (x, t) in enumerate(points)]
+    assert fit_latency_bandwidth(noisy).residuals[0] > 0.02  # the outlier shows in its residual
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_latency_bandwidth(points[:1])
+    rate = fit_rate([("a", 1.0), ("b", 2.0), ("c", 4.0)])
+    assert rate.rate == 2.0 and rate.residuals == (-0.5, 0.0, 1.0)
+
+
+def test_peak_memory_of_a_step_counts_what_it_allocates_on_top_of_what_is_held():
+    held = [torch.zeros(1 << 18)]  # 1 MiB held across steps
+
+    def step():
+        a = torch.ones(1 << 20)  # 4 MiB
+        b = torch.ones(1 << 19)  # 2 MiB, while a lives: 6 MiB at the peak
+        del a, b
+        c = torch.ones(1 << 18)  # 1 MiB after both are freed
+        return c.sum()
+
+    peak = step_peak_bytes(step, held, torch.device("cpu"))
+    assert peak.held_bytes == 1 << 20
+    assert (1 << 20) + 6 * (1 << 20) <= peak.peak_bytes <= (1 << 20) + 6 * (1 << 20) + (64 << 10)
+    # a view and its base are one storage
+    base = torch.zeros(1000)
+    assert held_bytes([base, base[10:], None]) == 4000
+
+
+def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
+    """A quick calibration on 2 gloo ranks: every key measured, the TOML loads, comm.py uses the fits."""
+    from autopar.measure.calibrate import calibrate, render_calibration, write_profile
+    from costmodel import collective_time_s, load_profile
+
+    cal = calibrate(ranks=2, trials=1, quick=True)
+    assert set(cal.matmul) == {"float32", "bfloat16", "float16"} and all(f.rate > 0 for f in cal.matmul.values())
+    assert cal.bandwidth.rate > 0 and cal.forward_op_s > 0 and cal.backward_op_s > 0
+    assert set(cal.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    text = render_calibration(cal)
+    assert "residual" in text and "all_reduce" in text
+    path = tmp_path / "mine.toml"
+    write_profile(cal, str(path))
+    prof = load_profile(str(path))
+    assert prof.name == "mine" and prof.peak_flops["float32"] == pytest.approx(cal.matmul["float32"].rate)
+    assert prof.op_overhead_s(backward=True) == pytest.approx(cal.backward_op_s)
+    fit = cal.collectives["all_reduce"][2]
+    nbytes = 1 << 20
+    factor = 2 * (2 - 1) / 2
+    want = fit.latency_s + factor * nbytes / fit.bandwidth_bytes_per_s
+    assert collective_time_s("all_reduce", nbytes, 2, prof.intra_node) == pytest.approx(want, rel=1e-9)
+    # a group size beyond the measured ones scales the nearest fit as the ring does
+    assert collective_time_s("all_reduce", nbytes, 4, prof.intra_node) > collective_time_s(
+        "all_reduce", nbytes, 2, prof.intra_node
+    )
+
+
+def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
+    """``autopar fidelity`` end to end on 2 ranks: a tiny benchmark, every figure present and consistent."""
+    from autopar.cli import main
+
+    bench = tmp_path / "bench.toml"
+    bench.write_text(
+        "meshes = [[2]]\n"
+        'variants = ["auto", "family:tensor parallel", "cap:0.01", "poor hint"]\n'
+        "warmup_steps = 1\nrounds = 2\nsteps_per_round = 1\n"
+        '[[models]]\nname = "gpt2-tiny"\nbatch = 4\nseq = 16\n'
+        'poor_hint = { "model.transformer.h.*.mlp.c_fc.weight" = { tp = "S(0)" } }\n'
+    )
+    out_json = tmp_path / "f.json"
+    assert main(["fidelity", "--benchmark", str(bench), "--ranks", "2", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted vs measured" in text and "spearman over all plans" in text
+    figures = json.loads(out_json.read_text())
+    for key in ("spearman", "median_abs_error", "memory_max_error", "cases"):
+        assert key in figures, key
+    case = figures["cases"]["gpt2-tiny 2"]
+    assert "cap:0.01" in case["infeasible"]  # no plan fits 1% of the auto plan's memory
+    labels = [v for p in case["plans"] for v in p["variants"]]
+    assert sorted(labels) == ["auto", "family:tensor parallel", "poor hint"]
+    fastest = min(p["measured_s"] for p in case["plans"])
+    auto = next(p for p in case["plans"] if "auto" in p["variants"])
+    assert case["auto_over_fastest"] == pytest.approx(auto["measured_s"] / fastest)
+    for p in case["plans"]:
+        assert len(p["round_s"]) == 2 and p["measured_s"] > 0 and p["peak_bytes"] >= p["held_bytes"] > 0
+        assert p["time_error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
+
+
+def test_fidelity_refuses_bad_settings_before_any_rank_starts(tmp_path, capsys):
+    from autopar.cli import main
+
+    assert main(["fidelity", "--ranks", "3"]) == 2
+    assert "no mesh of the benchmark" in capsys.readouterr().err
+    assert main(["fidelity", "--models", "nope"]) == 2
+    assert "--models ['nope']: not in the benchmark" in capsys.readouterr().err
+    bad = tmp_path / "b.toml"
+    bad.write_text('meshes = [[2]]\nvariants = ["auto", "cap:2"]\n[[models]]\nname = "gpt2-tiny"\nbatch = 2\nseq = 8\n')
+    assert main(["fidelity", "--benchmark", str(bad), "--ranks", "2"]) == 2
+    assert "variant 'cap:2' is not one of" in capsys.readouterr().err
+    assert main(["calibrate", "--base", "no-such-profile"]) == 2
+    assert "unknown device profile 'no-such-profile'" in capsys.readouterr().err
