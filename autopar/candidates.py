@@ -203,10 +203,18 @@ def _source_strategies(node: OpNode, wanted: set, mesh_shape: tuple[int, ...]) -
 
 def _with_accumulation(options: list[SourceStrategy], mesh_shape: tuple[int, ...]) -> list[SourceStrategy]:
     """``options`` and, for each, the variants summing the uses' gradients as ``P(sum)`` on a
-    non-empty subset of the axes (of more than one rank) before one reduction to the state."""
-    axes = [a for a, size in enumerate(mesh_shape) if size > 1]
-    flag_sets = list(partial_grad_flags(axes, len(mesh_shape)))
-    return options + [replace(s, partial_grad=flags) for s in options for flags in flag_sets]
+    non-empty subset of the axes (of more than one rank) before one reduction to the state.
+
+    Only axes where the parameter is stored replicated qualify: the summed ``P(sum)``
+    gradient is then the shape of the stored piece, which the one reduction turns into
+    the state.  A parameter stored sharded on an axis (FSDP) is gathered per use, and
+    each use's gradient must be reduced back to the stored piece on that edge.
+    """
+    out = list(options)
+    for s in options:
+        axes = [a for a, size in enumerate(mesh_shape) if size > 1 and isinstance(s.placement[a], Replicate)]
+        out += [replace(s, partial_grad=flags) for flags in partial_grad_flags(axes, len(mesh_shape))]
+    return out
 
 
 def _state_options(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]):
