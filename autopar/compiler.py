@@ -515,6 +515,7 @@ def compile(
                 allow_state_sharding=allow_state_sharding,
                 dtype=dtype,
                 optimizer=optimizer,
+                grad_bucket_bytes=grad_bucket_bytes,
                 hint_options={
                     "hints": hints,
                     "input_placements": input_placements,
@@ -581,6 +582,7 @@ def _plan_on_rank0(
     hint_options=None,
     dtype="fp32",
     optimizer="adamw",
+    grad_bucket_bytes=DEFAULT_BUCKET_BYTES,
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
@@ -601,6 +603,7 @@ def _plan_on_rank0(
                 profile=profile or _default_profile(groups),
                 dtype=dtype,
                 optimizer=optimizer,
+                grad_bucket_bytes=grad_bucket_bytes,
                 **(hint_options or {}),
             )
             graph = ctx.graph

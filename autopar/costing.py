@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ from .candidates import CandidateGraph, SourceStrategy
 from .capture import OpNode
 from .fuse import fused_keeps, prices_as_fused
 from .placement import Placement
+from .runtime.buckets import DEFAULT_BUCKET_BYTES
 from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
 from .spec import TensorMeta, local_meta
 from .strategies.views import localize_size_args
@@ -64,11 +66,16 @@ _DROPOUT = {aten.dropout.default, aten.native_dropout.default}
 
 @dataclass(frozen=True)
 class TrainingSettings:
-    """What a step is made of: the device, the precision and the optimizer."""
+    """What a step is made of: the device, the precision and the optimizer.
+
+    ``grad_bucket_bytes``: the runtime's data-parallel gradient bucket size
+    (``runtime/buckets.py``; None: no buckets, each gradient all-reduced alone).
+    """
 
     profile: DeviceProfile
     precision: TrainingPrecision
     optimizer: OptimizerSpec
+    grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
 
 
 class Coster:
@@ -166,6 +173,28 @@ class Coster:
         t = collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
         return t + self.settings.profile.op_overhead_s() if t > 0 else 0.0
 
+    def grad_move_steps(self, producer: OpNode, meta: TensorMeta, src, dst) -> list[tuple[Any, float]]:
+        """(step, whole seconds) of each collective moving ``producer``'s gradient from ``src`` to ``dst``.
+
+        A parameter's gradient whose move is one all-reduce on one axis is what the
+        runtime's gradient buckets reduce (``runtime/buckets.py``): it then costs its
+        bytes' share of a full bucket's all-reduce (the latency paid once per bucket,
+        not once per parameter).  Any other move costs its collectives one by one.
+        The exposed part is ``grad_exposed`` of this.
+        """
+        from .runtime.redistribute import nesting_steps
+
+        # the runtime's step list (local steps included) and whether it runs on the nested layout
+        all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
+        if conflict is not None:
+            return [(None, math.inf)]  # the runtime cannot run this move on the nested layout: forbidden
+        steps = [t for t in all_steps if t.kind is not None]
+        bucket = self.settings.grad_bucket_bytes
+        if producer.kind == "param" and bucket and len(steps) == 1 and steps[0].kind == "all_reduce":
+            (t,) = steps
+            return [(t, self.comm_time_s(t.kind, bucket, t.axis) * t.bytes / bucket)]
+        return [(t, self.comm_time_s(t.kind, t.bytes, t.axis)) for t in steps]
+
     def transition_time_s(self, meta: TensorMeta, src, dst) -> float:
         key = (meta, src, dst)
         hit = self._trans_cache.get(key)
@@ -203,23 +232,26 @@ class Coster:
             t += sum(self.comm_time_s(c.kind, c.bytes, axis) for c in comms)
         return t
 
-    def _param_time_s(self, node: OpNode, s: SourceStrategy) -> float:
-        st = self.param_state_bytes(node, s)
-        prof = self.settings.profile
-        t = 2 * st.total / (prof.mem_bandwidth_bytes_per_s * prof.memory_efficiency)
-        t += sum(self.comm_time_s(kind, nbytes, axis) for axis, kind, nbytes in self.step_collectives(node, s))
-        return t + sum(
-            self.comm_time_s(kind, nbytes, axis) for axis, kind, nbytes in self.accumulated_collectives(node, s)
-        ) * self.grad_exposed(node)
+    def optimizer_step_s(self, node: OpNode, s: SourceStrategy) -> float:
+        """The optimizer's update of this parameter's state shard, as torch.optim runs it: ``passes`` tensors
+        of the shard's size read and written (memory-bound), plus one per-op overhead for each of its
+        ``ops_per_param`` kernels unless the profile's optimizer steps many parameters per kernel (foreach)."""
+        opt, prof = self.settings.optimizer, self.settings.profile
+        shard_bytes = self.param_state_bytes(node, s).grads  # one tensor the size of the state shard
+        t = opt.passes * shard_bytes / (prof.mem_bandwidth_bytes_per_s * prof.memory_efficiency)
+        return t + (0.0 if prof.optimizer_foreach else opt.ops_per_param * prof.op_overhead_s())
 
-    def accumulated_collectives(self, node: OpNode, s: SourceStrategy) -> list[tuple[int, str, int]]:
-        """(axis, kind, bytes) of the one reduction of a parameter's summed partial gradients
-        (``SourceStrategy.accumulated_grad``), issued in backward once every use has added its part."""
+    def _param_time_s(self, node: OpNode, s: SourceStrategy) -> float:
+        t = self.optimizer_step_s(node, s)
+        t += sum(self.comm_time_s(kind, nbytes, axis) for axis, kind, nbytes in self.step_collectives(node, s))
+        return t + sum(whole for _, whole in self.accumulated_steps(node, s)) * self.grad_exposed(node)
+
+    def accumulated_steps(self, node: OpNode, s: SourceStrategy) -> list[tuple[Any, float]]:
+        """(step, whole seconds) of the one reduction of a parameter's summed partial gradients."""
         moves = s.accumulated_grad if isinstance(s, SourceStrategy) else None
         if moves is None:
             return []
-        meta = self.compute_meta(node.outputs[0])
-        return [(t.axis, t.kind, t.bytes) for t in transitions(meta, moves[0], moves[1], self.mesh_shape)]
+        return self.grad_move_steps(node, node.outputs[0], moves[0], moves[1])
 
     def step_collectives(self, node: OpNode, s: SourceStrategy) -> list[tuple[int, str, int]]:
         """(axis, kind, bytes) the optimizer step issues: all-gather of the updated param (ZeRO-1/2)."""
@@ -350,6 +382,7 @@ class Coster:
         grad = u.requires_grad and v.requires_grad and meta.is_float
         regather = u.kind == "param" and pos in self.saved_inputs(v)  # a kept gathered parameter: gathered again
         exposed = self.grad_exposed(u)
+        param = u.kind == "param"  # its gradient may go into a bucket (grad_move_steps)
         # a cell depends on u's strategy only through (output placement, its gradient's) and on v's
         # only through (input placement, the gradient it returns): price each distinct pair once
         row_of, rows = _distinct([(s.outputs[out_idx], s.output_grad(out_idx)) for s in su])
@@ -374,9 +407,10 @@ class Coster:
                     if t and regather:
                         t += t  # FSDP: the op keeps a handle, backward gathers it again
                 if grad and gid != tid:
-                    back = moves.get((mid, gid, tid))
+                    back = moves.get((mid, gid, tid, param))
                     if back is None:
-                        back = moves[mid, gid, tid] = self.transition_time_s(meta, g, grad_target)
+                        whole = sum(w for _, w in self.grad_move_steps(u, meta, g, grad_target))
+                        back = moves[mid, gid, tid, param] = whole
                     t += back * exposed
                 t_row.append(t)
                 m_row.append(self.edge_saved_bytes(u, out_idx, v, pos, src, dst, gid != tid) if keeps else 0)

@@ -49,9 +49,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     compute_s = comm_s = 0.0
     mem = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
 
-    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0):
+    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None):
         nonlocal comm_s
-        whole = coster.comm_time_s(kind, nbytes, axis)
+        whole = coster.comm_time_s(kind, nbytes, axis) if whole is None else whole
         t = whole * exposed
         comm_s += t
         collectives.append(
@@ -81,10 +81,10 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             compute_s += node_s - sum(coster.comm_time_s(k, b, a) for a, k, b in step)
             for axis, kind, nbytes in step:
                 add(kind, axis, "optimizer", nbytes, n, n.fqn)
-            acc = coster.accumulated_collectives(n, s)
-            compute_s -= sum(coster.comm_time_s(k, b, a) for a, k, b in acc) * coster.grad_exposed(n)
-            for axis, kind, nbytes in acc:  # the summed partial gradients of all uses, reduced once
-                add(kind, axis, "backward", nbytes, n, n.name, exposed=coster.grad_exposed(n))
+            acc = coster.accumulated_steps(n, s)
+            compute_s -= sum(whole for _, whole in acc) * coster.grad_exposed(n)
+            for t, whole in acc:  # the summed partial gradients of all uses, reduced once
+                add(t.kind, t.axis, "backward", t.bytes, n, n.name, t.reduce_op, coster.grad_exposed(n), whole)
             continue
         mem["activations"] += int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
         if n.kind != "op":
@@ -108,9 +108,10 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             g, target = s.input_grad(pos), su.output_grad(o)
             mem["activations"] += coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
-                if g != target:
-                    for t in transitions(meta, g, target, mesh_shape):
-                        add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op, coster.grad_exposed(un))
+                if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
+                    for t, whole in coster.grad_move_steps(un, un.outputs[o], g, target):
+                        exposed = coster.grad_exposed(un)
+                        add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op, exposed, whole)
     for u, o in ctx.tables.sinks:
         un = graph.nodes[u]
         full = tuple(Replicate() for _ in mesh_shape)

@@ -43,6 +43,7 @@ from .plan_builder import assemble_plan
 from .plan_types import Plan
 from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem
 from .repeat import Blocks, find_blocks
+from .runtime.buckets import DEFAULT_BUCKET_BYTES
 from .search import InfeasibleError, Solution, solve_cpsat, solve_dp
 from .search.chain import ChainError, solve_chain
 from .specialize import BatchTemplate, capture_template, specialize, static_template
@@ -116,8 +117,13 @@ def prepare(
     output_placements=None,
     strict: bool = False,
     reuse_batch: bool = False,
+    grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> PlanningContext:
     """Capture the model and price every candidate (the part of planning independent of the cap).
+
+    ``grad_bucket_bytes``: the gradient bucket size the runtime will use
+    (``compile(grad_bucket_bytes=)``; None: none), which prices data-parallel
+    gradient all-reduces as it runs them (``Coster.grad_move_steps``).
 
     The hints (``autopar.hints``) are checked here and kept in the context; a hinted
     placement no candidate has (a parameter stored in a layout no consumer reads)
@@ -131,7 +137,7 @@ def prepare(
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))")
-    settings = {"profile": profile, "dtype": dtype, "optimizer": optimizer}
+    settings = {"profile": profile, "dtype": dtype, "optimizer": optimizer, "grad_bucket_bytes": grad_bucket_bytes}
     hint_args = {
         "hints": hints,
         "input_placements": input_placements,
@@ -186,7 +192,10 @@ def _price(graph: OpGraph, mesh: Mesh, settings: dict, hint_args: dict, timings:
     """Candidates, hints, cost tables and blocks of a captured graph."""
     t1 = time.perf_counter()
     training = TrainingSettings(
-        load_profile(settings["profile"]), precision(settings["dtype"]), optimizer_spec(settings["optimizer"])
+        load_profile(settings["profile"]),
+        precision(settings["dtype"]),
+        optimizer_spec(settings["optimizer"]),
+        settings.get("grad_bucket_bytes", DEFAULT_BUCKET_BYTES),
     )
     cand = build_candidates(graph, mesh.shape)
     resolved = resolve_hints(

@@ -16,11 +16,12 @@ steps per phase.  ``OpComm.bytes`` in ``autopar.strategies.base`` uses the same
 ``nbytes`` definitions.
 
 Measured collectives: where the link carries a fit of ``kind`` (``LinkProfile.collectives``,
-written by ``autopar calibrate``), the collective costs ``latency + factor * nbytes / bandwidth``
-with that fit's latency and bandwidth, ``factor`` the ring bandwidth factor above
-(``bandwidth_factor``).  A group size between two measured ones interpolates both
-linearly; outside the measured range the nearest fit is scaled as the ring scales
-(latency by the step count, the factor by ``(n-1)/n``).
+written by ``autopar calibrate``), the collective costs what the measurements say
+(``CollectiveFit.time_s``: piecewise ``latency + factor * nbytes / bandwidth`` between
+the measured sizes, ``factor`` the ring bandwidth factor above, ``bandwidth_factor``).
+A group size between two measured ones interpolates the two times linearly; outside
+the measured range the nearest line fit is scaled as the ring scales (latency by
+the step count, the factor by ``(n-1)/n``).
 
 Emulated reduce-scatter: on a link whose backend has none
 (``LinkProfile.reduce_scatter == "all_reduce"``, e.g. the ``cpu`` profile: gloo,
@@ -59,18 +60,19 @@ def bandwidth_factor(kind: str, group_size: int, emulated_reduce_scatter: bool =
 
 def _fitted_time_s(fits: tuple, kind: str, nbytes: float, n: int, emulated: bool) -> float:
     """Seconds from the measured fits of one kind (sorted by group size; see the module docstring)."""
-    factor = bandwidth_factor(kind, n, emulated)
     below = [f for f in fits if f.group_size <= n]
     above = [f for f in fits if f.group_size >= n]
     if below and above:
         lo, hi = below[-1], above[0]
-        w = 0.0 if hi.group_size == lo.group_size else (n - lo.group_size) / (hi.group_size - lo.group_size)
-        latency = (1 - w) * lo.latency_s + w * hi.latency_s
-        inv_bw = (1 - w) / lo.bandwidth_bytes_per_s + w / hi.bandwidth_bytes_per_s
-        return latency + factor * nbytes * inv_bw
-    near = below[-1] if below else above[0]
+        t_lo = lo.time_s(nbytes, bandwidth_factor(kind, lo.group_size, emulated))
+        if hi.group_size == lo.group_size:
+            return t_lo
+        t_hi = hi.time_s(nbytes, bandwidth_factor(kind, hi.group_size, emulated))
+        w = (n - lo.group_size) / (hi.group_size - lo.group_size)
+        return (1 - w) * t_lo + w * t_hi
+    near = below[-1] if below else above[0]  # outside the measured sizes: the ring's scaling of the line fit
     latency = near.latency_s * (n - 1) / (near.group_size - 1)
-    return latency + factor * nbytes / near.bandwidth_bytes_per_s
+    return latency + bandwidth_factor(kind, n, emulated) * nbytes / near.bandwidth_bytes_per_s
 
 
 def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfile) -> float:

@@ -36,14 +36,16 @@ def op_time_s(
     """Roofline seconds of one op: math or memory bound, plus the per-op overhead (``op_overhead_s``:
     ``kernel_overhead_s``, or the measured forward or ``backward`` overhead of a calibrated profile).
 
-    Returns 0.0 when both ``flops`` and ``bytes_moved`` are 0 (a view: no kernel
-    runs).  Raises ``ValueError`` for negative or non-finite counts.
+    An op with no flops and no bytes (a view) launches no kernel, but a runtime
+    that dispatches ops one by one on the host still pays for calling it:
+    ``view_op_overhead_s`` (measured on CPU; 0 where the host runs ahead of the
+    device, as on GPUs).  Raises ``ValueError`` for negative or non-finite counts.
     """
     for label, value in (("flops", flops), ("bytes_moved", bytes_moved)):
         if not (value >= 0 and math.isfinite(value)):
             raise ValueError(f"op_time_s: {label} must be a finite number >= 0, got {value!r}")
     if flops == 0 and bytes_moved == 0:
-        return 0.0
+        return profile.view_op_overhead_s
     efficiency = profile.matmul_efficiency if matmul else 1.0
     math_s = flops / (profile.peak_flops_for(dtype) * efficiency)
     memory_s = bytes_moved / (profile.mem_bandwidth_bytes_per_s * profile.memory_efficiency)

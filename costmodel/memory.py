@@ -51,11 +51,19 @@ class TrainingPrecision:
 
 @dataclass(frozen=True, slots=True)
 class OptimizerSpec:
-    """An optimizer's state: ``states_per_param`` tensors of ``state_dtype`` per parameter."""
+    """An optimizer's state and step: ``states_per_param`` tensors of ``state_dtype`` per parameter.
+
+    The step, as ``torch.optim``'s per-tensor implementation runs it (the default on
+    CPU tensors), is ``ops_per_param`` elementwise kernels per parameter that
+    together read and write ``passes`` tensors the size of the parameter's state
+    shard (``costing`` prices it as memory traffic plus one per-op overhead each).
+    """
 
     name: str
     states_per_param: int
     state_dtype: torch.dtype
+    passes: int = 0
+    ops_per_param: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +96,17 @@ PRECISIONS: dict[str, TrainingPrecision] = {
 
 # Adam(W) keeps exp_avg and exp_avg_sq (Kingma & Ba 2015; torch.optim.AdamW);
 # SGD with momentum keeps momentum_buffer (torch.optim.SGD); both in float32.
+# Steps, counted from torch.optim's per-tensor paths (torch/optim/adam.py _single_tensor_adam,
+# torch/optim/sgd.py _single_tensor_sgd), tensor passes as (reads + writes):
+#   AdamW: p.mul_(1 - lr*wd) 2, m.lerp_(g) 3, v.mul_(b2) 2, v.addcmul_(g, g) 3, v.sqrt() 2,
+#          / bias_correction 2, .add_(eps) 2, p.addcdiv_(m, denom) 4: 8 kernels, 20 passes;
+#   Adam (no weight decay): the same without p.mul_: 7 kernels, 18 passes;
+#   SGD: p.add_(g) 3: 1 kernel; with momentum buf.mul_(m) 2, buf.add_(g) 3, p.add_(buf) 3: 3 kernels, 8 passes.
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", 2, torch.float32),
-    "adam": OptimizerSpec("adam", 2, torch.float32),
-    "sgd": OptimizerSpec("sgd", 0, torch.float32),
-    "sgd_momentum": OptimizerSpec("sgd_momentum", 1, torch.float32),
+    "adamw": OptimizerSpec("adamw", 2, torch.float32, passes=20, ops_per_param=8),
+    "adam": OptimizerSpec("adam", 2, torch.float32, passes=18, ops_per_param=7),
+    "sgd": OptimizerSpec("sgd", 0, torch.float32, passes=3, ops_per_param=1),
+    "sgd_momentum": OptimizerSpec("sgd_momentum", 1, torch.float32, passes=8, ops_per_param=3),
     "none": OptimizerSpec("none", 0, torch.float32),
 }
 

@@ -55,18 +55,43 @@ _CONFIG_PACKAGE = "autopar.configs"
 
 @dataclass(frozen=True, slots=True)
 class CollectiveFit:
-    """A measured collective on one link: ``t = latency_s + factor(n) * nbytes / bandwidth_bytes_per_s``.
+    """A measured collective on one link among ``group_size`` ranks.
 
-    ``factor(n)`` is the ring bandwidth factor of ``kind`` (``costmodel.comm``), so
-    ``bandwidth_bytes_per_s`` reads as the bus bandwidth the collective achieved
-    among ``group_size`` ranks, and ``latency_s`` is its whole fixed cost per call
-    (not per ring step).  ``autopar calibrate`` fits them (``autopar.measure.fit``).
+    ``latency_s`` and ``bandwidth_bytes_per_s`` are the straight line
+    ``t = latency_s + factor(n) * nbytes / bandwidth_bytes_per_s`` fitted to the
+    measurements (``factor(n)`` the ring bandwidth factor of ``kind``, so the
+    bandwidth reads as the bus bandwidth achieved; the latency is the whole fixed
+    cost per call).  ``points`` are the measurements themselves, (nbytes, seconds)
+    by size: where present, ``time_s`` follows them piece by piece (one latency and
+    bandwidth per segment between measured sizes; a larger message never costs
+    less), since one line rarely fits both small messages and those past the
+    caches.  ``autopar calibrate`` measures both (``autopar.measure``).
     """
 
     kind: str
     group_size: int
     latency_s: float
     bandwidth_bytes_per_s: float
+    points: tuple[tuple[float, float], ...] = ()
+
+    def time_s(self, nbytes: float, factor: float) -> float:
+        """Seconds for ``nbytes`` (the cost model's nbytes of ``kind``); ``factor`` the line's bandwidth factor.
+
+        With points: at or below the smallest measured size, its time (latency-bound);
+        between two sizes, the segment between them; past the largest, its last
+        segment extended.  Times are taken as a running maximum over sizes.
+        """
+        if len(self.points) < 2:
+            return self.latency_s + factor * nbytes / self.bandwidth_bytes_per_s
+        xs = [x for x, _ in self.points]
+        ts: list[float] = []
+        for _, t in self.points:
+            ts.append(max(t, ts[-1]) if ts else t)
+        if nbytes <= xs[0]:
+            return ts[0]
+        i = next((k for k in range(1, len(xs)) if nbytes <= xs[k]), len(xs) - 1)
+        slope = (ts[i] - ts[i - 1]) / (xs[i] - xs[i - 1])
+        return ts[i - 1] + (nbytes - xs[i - 1]) * slope
 
     def __post_init__(self) -> None:
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
@@ -139,6 +164,13 @@ class DeviceProfile:
     ``forward_op_overhead_s`` / ``backward_op_overhead_s``, when a calibration
     measured them apart (a Python runtime's backward costs more per op than its
     forward), replace it for an op's forward and backward (``op_overhead_s``).
+    ``view_op_overhead_s`` is what calling an op that launches no kernel (a view)
+    costs: the host's dispatch, on the critical path where the host runs the ops
+    one by one (CPU), hidden where it runs ahead of the device (GPU: 0).
+    ``optimizer_foreach``: the optimizer's step launches its kernels for many
+    parameters at once (torch.optim's foreach path, its default for CUDA tensors),
+    so no per-parameter kernel overhead is charged; False (CPU tensors) charges
+    ``OptimizerSpec.ops_per_param`` overheads per parameter.
     ``grad_reduce_overlap`` is the fraction of the time of collectives that reduce
     *parameter gradients* in backward that is hidden behind backward compute (DDP
     and FSDP bucket them and overlap them with the rest of backward); collectives on
@@ -170,6 +202,8 @@ class DeviceProfile:
     attention_saves: str = "traced"
     forward_op_overhead_s: float | None = None
     backward_op_overhead_s: float | None = None
+    view_op_overhead_s: float = 0.0
+    optimizer_foreach: bool = False
 
     def op_overhead_s(self, *, backward: bool = False) -> float:
         """Fixed seconds per op call: the measured forward/backward overhead, else ``kernel_overhead_s``."""
@@ -193,7 +227,7 @@ class DeviceProfile:
             raise ValueError(
                 f"device profile {self.name!r}: devices_per_node must be an int >= 1, got {self.devices_per_node!r}"
             )
-        for key in ("kernel_overhead_s", "forward_op_overhead_s", "backward_op_overhead_s"):
+        for key in ("kernel_overhead_s", "forward_op_overhead_s", "backward_op_overhead_s", "view_op_overhead_s"):
             value = getattr(self, key)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"device profile {self.name!r}: {key} must be >= 0 seconds, got {value!r}")
@@ -360,7 +394,12 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     mask_bytes = data.pop("dropout_mask_bytes", 1)
     attention = data.pop("attention_saves", "traced")  # optional: older files lack it
     reduce_scatter = data.pop("reduce_scatter", "native")  # optional: how the backend runs it (LinkProfile)
-    overheads = {k: data.pop(k) for k in ("forward_op_overhead_s", "backward_op_overhead_s") if k in data}
+    overheads = {
+        k: data.pop(k) for k in ("forward_op_overhead_s", "backward_op_overhead_s", "view_op_overhead_s") if k in data
+    }
+    foreach = data.pop("optimizer_foreach", False)
+    if not isinstance(foreach, bool):
+        raise ValueError(f"{where}: optimizer_foreach must be true or false, got {foreach!r}")
     for key, value in overheads.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: {key} must be a number of seconds, got {value!r}")
@@ -387,6 +426,7 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         dropout_mask_bytes=mask_bytes,
         attention_saves=attention,
         **{k: float(v) for k, v in overheads.items()},
+        optimizer_foreach=foreach,
     )
 
 
@@ -398,13 +438,23 @@ def _collective_fits(table: dict, where: str) -> tuple[CollectiveFit, ...]:
     for kind, entry in table.items():
         if kind not in COLLECTIVES:
             raise ValueError(f"{where}: unknown collective {kind!r}; expected one of {COLLECTIVES}")
-        cols = _take(
-            entry, {"group_sizes": list, "latency_s": list, "bandwidth_bytes_per_s": list}, f"{where}.{kind}"
-        )
+        entry = dict(entry)
+        sizes = entry.pop("sizes_bytes", None)
+        seconds = entry.pop("seconds", None)
+        cols = _take(entry, {"group_sizes": list, "latency_s": list, "bandwidth_bytes_per_s": list}, f"{where}.{kind}")
         if len({len(v) for v in cols.values()}) != 1:
             raise ValueError(f"{where}.{kind}: group_sizes, latency_s and bandwidth_bytes_per_s differ in length")
-        for n, lat, bw in zip(cols["group_sizes"], cols["latency_s"], cols["bandwidth_bytes_per_s"]):
+        if (sizes is None) != (seconds is None):
+            raise ValueError(f"{where}.{kind}: sizes_bytes and seconds come together (the measured points)")
+        if seconds is not None and (
+            len(seconds) != len(cols["group_sizes"]) or any(len(row) != len(sizes) for row in seconds)
+        ):
+            raise ValueError(
+                f"{where}.{kind}: seconds must hold one row per group size, each with one time per size in sizes_bytes"
+            )
+        for k, (n, lat, bw) in enumerate(zip(cols["group_sizes"], cols["latency_s"], cols["bandwidth_bytes_per_s"])):
             if isinstance(n, bool) or not isinstance(n, int) or n < 2:
                 raise ValueError(f"{where}.{kind}: group sizes must be ints >= 2, got {n!r}")
-            out.append(CollectiveFit(kind, n, float(lat), float(bw)))
+            points = tuple(zip(map(float, sizes), map(float, seconds[k]))) if sizes is not None else ()
+            out.append(CollectiveFit(kind, n, float(lat), float(bw), points))
     return tuple(out)

@@ -57,11 +57,12 @@ def test_gpt2_megatron_plan_found_without_being_told(gpt2_tp4):
         bwd = sorted(c["kind"] for c in acts if c["phase"] == "backward")
         assert fwd in (["all_reduce"] * 2, ["all_gather"] * 2 + ["reduce_scatter"] * 2), fwd
         assert bwd in (["all_reduce"] * 2, ["all_gather"] * 2 + ["reduce_scatter"] * 2), bwd
-    # no weight is all-gathered (only activations are)
+    # no block weight is all-gathered (only activations are).  The position embedding may be: the 20-pass
+    # AdamW update of a quarter of it saves more than gathering it costs (costmodel.memory.OPTIMIZERS)
     assert not [
         c
         for c in plan.collectives
-        if c["kind"] == "all_gather" and c["tensor"].startswith("p_") and c["phase"] != "optimizer"
+        if c["kind"] == "all_gather" and c["tensor"].startswith("p_transformer_h_") and c["phase"] != "optimizer"
     ]
     # vocab-parallel embedding + loss: the logits are never gathered
     assert plan.params["transformer.wte.weight"]["placements"] == ["S(0)"]
@@ -150,32 +151,38 @@ def _block_weights(plan):
 def test_gpt2_dp8_no_cap_is_data_parallel_in_every_block(gpt2_dp8):
     """Issue 2, done-when 2 (first half).
 
-    Every parameter is stored whole; every block weight keeps its gradient and state
-    whole (all-reduced).  The tied embedding (wte = lm_head, 147 MiB) may keep its
-    optimizer state sharded (ZeRO-1/2): same ring traffic as the all-reduce (reduce-
-    scatter + all-gather), and each rank's AdamW update touches 1/8 of it; the search
-    takes that only when the model prices it faster than plain data parallel, which
-    the table's family rows show.
+    Every block weight is stored whole (read whole by its data-parallel matmul).
+    Gradients and optimizer state may be sharded (ZeRO-1/2; the embeddings, wte =
+    lm_head 147 MiB and wpe, may even be stored sharded, FSDP): each rank's 20-pass
+    AdamW update (costmodel.memory.OPTIMIZERS) then touches 1/8 of them, for a
+    reduce-scatter and an all-gather (the all-reduce's ring traffic) or a gather; the
+    search takes that only when the model prices it faster than plain data parallel,
+    which the table's family rows show.
     """
     plan = plan_from_context(gpt2_dp8)
     assert "data parallel" in plan.family and "tensor parallel" not in plan.family
-    for fqn, p in plan.params.items():
-        assert p["placements"] == ["R"], fqn
+    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
     for fqn, p in _block_weights(plan).items():
-        assert p["state_placements"] == ["R"], fqn
+        assert p["placements"] == ["R"], fqn
+    stored_sharded = [k for k, p in plan.params.items() if p["placements"] != ["R"]]
+    assert set(stored_sharded) <= embeddings, stored_sharded
     state_sharded = [k for k, p in plan.params.items() if p["state_placements"] != ["R"]]
-    assert set(state_sharded) <= {"transformer.wte.weight"}
-    if state_sharded:
+    if stored_sharded or state_sharded:
         dp = next(a for a in plan.alternatives if a["family"] == "data parallel")
         assert plan.cost["total_s"] < dp["total_s"]
     # the tied embedding's two uses add their gradients before one reduction
     wte = [c for c in plan.collectives if c["tensor"] == "p_transformer_wte_weight" and c["phase"] == "backward"]
     assert len(wte) == 1 and wte[0]["kind"] in ("all_reduce", "reduce_scatter")
-    # every block weight's gradient is all-reduced on dp in backward, nothing else moves it
+    # every block weight's gradient is reduced on dp in backward once (all-reduced, or reduce-scattered to its
+    # ZeRO state and the updated shard all-gathered after the step), nothing else moves it
     block_weight_nodes = {"p_" + k.replace(".", "_") for k in _block_weights(plan)}
     grads = [c for c in plan.collectives if c["tensor"] in block_weight_nodes]
-    assert {(c["kind"], c["phase"], c["axis"]) for c in grads} == {("all_reduce", "backward", "dp")}
-    assert len(grads) == len(block_weight_nodes)
+    assert {(c["kind"], c["phase"], c["axis"]) for c in grads} <= {
+        ("all_reduce", "backward", "dp"),
+        ("reduce_scatter", "backward", "dp"),
+        ("all_gather", "optimizer", "dp"),
+    }
+    assert len([c for c in grads if c["phase"] == "backward"]) == len(block_weight_nodes)
     # the batch is split: activations inside the blocks are never communicated
     assert not [
         c
@@ -232,7 +239,7 @@ def _edge_matrices_reference(coster, u, out_idx, v, pos):
             fwd = coster.transition_time_s(meta, src, dst) if src != dst else 0.0
             t = fwd + (fwd if fwd and regather else 0.0)
             if grad and g != grad_target:
-                t += coster.transition_time_s(meta, g, grad_target) * coster.grad_exposed(u)
+                t += sum(w for _, w in coster.grad_move_steps(u, meta, g, grad_target)) * coster.grad_exposed(u)
             time[a, b] = t
             mem[a, b] = coster.edge_saved_bytes(u, out_idx, v, pos, src, dst, g != grad_target)
     return time, mem

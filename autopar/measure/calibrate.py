@@ -74,9 +74,12 @@ class Calibration:
     bandwidth: RateFit
     forward_op_s: float
     backward_op_s: float
+    view_op_s: float
     ops: int
     collectives: dict[str, dict[int, LineFit]]
+    collective_points: dict[str, dict[int, list[tuple[int, float]]]]
     base: dict[str, Any]
+    overlap: dict[str, float] | None = None
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -99,6 +102,10 @@ class Calibration:
         prof["forward_op_overhead_s"] = self.forward_op_s
         prof["backward_op_overhead_s"] = self.backward_op_s
         prof["kernel_overhead_s"] = (self.forward_op_s + self.backward_op_s) / 2
+        prof["view_op_overhead_s"] = self.view_op_s
+        prof["optimizer_foreach"] = self.backend == "nccl"  # torch.optim's default: foreach for CUDA tensors
+        if self.overlap is not None:  # the measured hidden fraction, kept in the profile's range [0, 1)
+            prof["grad_reduce_overlap"] = min(max(self.overlap["hidden"], 0.0), 0.95)
         if self.collectives:
             link = dict(prof["intra_node"])
             link["name"] = f"{self.backend}-measured"
@@ -108,6 +115,8 @@ class Calibration:
                     "group_sizes": sorted(per_size),
                     "latency_s": [per_size[n].latency_s for n in sorted(per_size)],
                     "bandwidth_bytes_per_s": [per_size[n].bandwidth_bytes_per_s for n in sorted(per_size)],
+                    "sizes_bytes": [x for x, _ in self.collective_points[kind][min(per_size)]],
+                    "seconds": [[t for _, t in self.collective_points[kind][n]] for n in sorted(per_size)],
                 }
                 for kind, per_size in self.collectives.items()
             }
@@ -164,8 +173,14 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
         base_dict["memory_bytes"] = raw["device_memory_bytes"]
     if backend == "gloo":
         base_dict["reduce_scatter"] = "all_reduce"
+    from costmodel.comm import bandwidth_factor
+
+    emulated = backend != "nccl"  # the runtime all-reduces and slices for a reduce-scatter (MeshGroups)
     collectives = {
-        kind: {n: fit_latency_bandwidth(points) for n, points in per_size.items()}
+        kind: {
+            n: fit_latency_bandwidth([(bandwidth_factor(kind, n, emulated) * x, t) for x, t in points])
+            for n, points in per_size.items()
+        }
         for kind, per_size in raw["collectives"].items()
     }
     return Calibration(
@@ -177,9 +192,12 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
         bandwidth=fit_rate(raw["bandwidth"]),
         forward_op_s=raw["forward_op_s"],
         backward_op_s=raw["backward_op_s"],
+        view_op_s=raw["view_op_s"] if device == "cpu" else 0.0,  # a GPU's host runs ahead of its views
         ops=raw["ops"],
         collectives=collectives,
+        collective_points=raw["collectives"],
         base=base_dict,
+        overlap=raw.get("overlap"),
         wall_s=wall_s,
     )
 
@@ -203,7 +221,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
     if device.type == "cpu":
         torch.set_num_threads(1)  # as autopar run's ranks: they share the machine's cores
     bar = TerminalProgress(delay_s=0.0) if rank == 0 else None
-    steps = len(_DTYPES) + 2 + len(COLLECTIVE_KINDS)
+    steps = len(_DTYPES) + 3 + len(COLLECTIVE_KINDS)
     done = 0
 
     def tick(stage: str) -> None:
@@ -228,14 +246,17 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
     out["bandwidth"] = _bandwidth(device, trials)
     tick("runtime overhead per op")
     out.update(_op_overhead(world, device, trials))
+    if world > 1:
+        tick("overlap of a gradient all-reduce with compute")
+        out["overlap"] = _overlap(device, trials)
     out["collectives"] = {}
     sizes = [n for n in (2, 4, 8, 16, 32, 64) if n < world and world % n == 0] + ([world] if world > 1 else [])
-    groups = {n: _groups_of(n, world, rank) for n in sizes}
+    groups = {n: _axis_groups(n, world, device) for n in sizes}
     for kind in COLLECTIVE_KINDS:
         tick(f"{kind} on groups of {', '.join(map(str, sizes))}")
         message_sizes = (SIZES_BYTES[0], SIZES_BYTES[2]) if quick else SIZES_BYTES
         out["collectives"][kind] = {
-            n: _collective_points(kind, groups[n], n, device, trials, message_sizes) for n in sizes
+            n: _collective_points(kind, *groups[n], n, device, trials, message_sizes) for n in sizes
         }
     if bar is not None:
         bar.close()
@@ -338,72 +359,118 @@ def _op_overhead(world: int, device: torch.device, trials: int) -> dict[str, flo
     )
     ops = sum(1 for n in sharded.plan.nodes)
     forward_s = _slowest_median(lambda: sharded(x), device, trials, budget_s=0.1)
+    views = torch.randn(8, 16, 4, device=device)
+
+    def view_chain():  # 8 ops that launch no kernel, as a lowered graph calls them
+        y = torch.ops.aten.view.default(views, [8, 64])
+        y = torch.ops.aten.transpose.int(y, 0, 1)
+        y = torch.ops.aten.unsqueeze.default(y, 0)
+        y = torch.ops.aten.squeeze.dim(y, 0)
+        y = torch.ops.aten.t.default(y)
+        y = torch.ops.aten.view.default(y, [8, 16, 4])
+        y = torch.ops.aten.permute.default(y, [2, 0, 1])
+        return torch.ops.aten.expand.default(y, [4, 8, 16])
+
+    view_s = _slowest_median(view_chain, device, trials, budget_s=0.05) / 8
 
     def step():
         sharded(x).backward()
 
     step_s = _slowest_median(step, device, trials, budget_s=0.1)
-    return {"ops": ops, "forward_op_s": forward_s / ops, "backward_op_s": max(step_s - forward_s, 0.0) / ops}
+    return {
+        "ops": ops,
+        "forward_op_s": forward_s / ops,
+        "backward_op_s": max(step_s - forward_s, 0.0) / ops,
+        "view_op_s": view_s,
+    }
 
 
-def _groups_of(n: int, world: int, rank: int):
-    """This rank's group among the world split into groups of ``n`` consecutive ranks (every rank creates all)."""
+def _overlap(device: torch.device, trials: int) -> dict[str, float]:
+    """How much of an asynchronous all-reduce hides behind compute on this machine (``grad_reduce_overlap``).
+
+    Every rank times matmuls alone (``t_c``), a 16 MiB all-reduce of the whole world
+    alone (``t_r``), and the all-reduce started asynchronously before the same
+    matmuls and waited for after them (``t_both``), as the runtime's gradient buckets
+    run during backward.  The hidden fraction is ``(t_c + t_r - t_both) / t_r``: near
+    1 where the collective has its own engine (NCCL on GPUs), near 0 or below where
+    it competes with compute for the same cores (gloo with more ranks than cores).
+    """
     import torch.distributed as dist
 
-    mine = None
-    for start in range(0, world, n):
-        group = dist.new_group(list(range(start, start + n)))
-        if start <= rank < start + n:
-            mine = group
-    return mine
+    a = torch.randn(256, 1024, device=device)
+    b = torch.randn(1024, 1024, device=device)
+    buf = torch.randn(4 << 20, device=device)
+
+    def compute():
+        for _ in range(8):
+            a @ b
+
+    def reduce():
+        dist.all_reduce(buf, async_op=True).wait()
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    repeats = max(trials, 5)  # the difference of three timings: more repeats than the rest
+    t_c = _slowest_median(compute, device, repeats, budget_s=0.2)
+    t_r = _slowest_median(reduce, device, repeats, budget_s=0.2)
+    t_both = _slowest_median(both, device, repeats, budget_s=0.2)
+    return {"compute_s": t_c, "reduce_s": t_r, "both_s": t_both, "hidden": (t_c + t_r - t_both) / t_r}
 
 
-def _collective_points(
-    kind: str, group, n: int, device: torch.device, trials: int, message_sizes
-) -> list[tuple[float, float]]:
-    """(factor(n) * nbytes, seconds) per message size, for the formula ``t = latency + x / bandwidth``."""
-    import torch.distributed as dist
+def _axis_groups(n: int, world: int, device: torch.device):
+    """(MeshGroups, axis) whose axis groups are ``n`` consecutive ranks, all running at once (as a mesh axis)."""
+    from ..mesh import Mesh
+    from ..runtime.groups import MeshGroups
 
-    from costmodel.comm import bandwidth_factor
+    mesh = Mesh((n,)) if n == world else Mesh((world // n, n))
+    groups = MeshGroups(mesh)
+    if groups.device != device:
+        raise AssertionError(f"calibrate: MeshGroups chose {groups.device}, the measurements run on {device}")
+    return groups, mesh.ndim - 1
 
+
+#: kind -> (source placement on the measured axis, destination): the transitions the runtime runs for it
+_TRANSITIONS = {
+    "all_reduce": ("P", "R"),
+    "all_gather": ("S0", "R"),
+    "reduce_scatter": ("P", "S0"),
+    "all_to_all": ("S0", "S1"),
+}
+
+
+def _collective_points(kind: str, groups, axis: int, n: int, device: torch.device, trials: int, message_sizes):
+    """(nbytes, seconds) per message size.
+
+    Each collective runs through the runtime's own path (``runtime.redistribute_local``:
+    the padding, copies and emulations it does), on float32 tensors of ``nbytes``
+    as ``costmodel.comm`` defines them (the buffer each rank holds for an all-reduce
+    and an all-to-all, the gathered output of an all-gather, the full input of a
+    reduce-scatter).
+    """
+    from ..placement import Partial, Replicate, Shard
+    from ..runtime.redistribute import redistribute_local
+    from ..spec import TensorMeta, local_shape
+
+    make = {"P": Partial("sum"), "R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
+    src_p, dst_p = (make[k] for k in _TRANSITIONS[kind])
+    ndim = len(groups.mesh.shape)
+    src = tuple(src_p if a == axis else Replicate() for a in range(ndim))
+    dst = tuple(dst_p if a == axis else Replicate() for a in range(ndim))
     points = []
-    me = dist.get_rank(group)
-    emulated_rs = dist.get_backend(group) != "nccl"  # the runtime all-reduces and slices (MeshGroups)
     for nbytes in message_sizes:
-        numel = nbytes // 4
-        full = torch.randn(numel, device=device)
-        piece = torch.randn(numel // n, device=device)
-        out_piece = torch.empty(numel // n, device=device)
-        gathered = torch.empty(numel, device=device)
-        if kind == "all_reduce":
-
-            def fn(full=full):
-                dist.all_reduce(full, group=group)
-
-        elif kind == "all_gather":
-
-            def fn(gathered=gathered, piece=piece):
-                dist.all_gather_into_tensor(gathered, piece, group=group)
-
-        elif kind == "reduce_scatter" and emulated_rs:
-
-            def fn(full=full, numel=numel):
-                buf = full.clone()
-                dist.all_reduce(buf, group=group)
-                return buf[me * (numel // n) : (me + 1) * (numel // n)].clone()
-
-        elif kind == "reduce_scatter":
-
-            def fn(out_piece=out_piece, full=full):
-                dist.reduce_scatter_tensor(out_piece, full, group=group)
-
-        else:
-
-            def fn(gathered=gathered, full=full):
-                dist.all_to_all_single(gathered, full, group=group)
-
-        seconds = _slowest_median(fn, device, trials, budget_s=0.1)
-        points.append((bandwidth_factor(kind, n, emulated_rs) * nbytes, seconds))
+        cols = 256
+        rows = max(n, nbytes // 4 // cols) // n * n
+        if kind == "all_to_all":  # each rank's buffer is nbytes: the global tensor is n times that
+            rows *= n
+        meta = TensorMeta((rows, cols), torch.float32)
+        x = torch.randn(local_shape(meta.shape, src, groups.mesh.shape, groups.coordinate), device=device)
+        seconds = _slowest_median(
+            lambda x=x, meta=meta: redistribute_local(x, meta, src, dst, groups), device, trials, budget_s=0.15
+        )
+        points.append((rows * cols * 4 // (n if kind == "all_to_all" else 1), seconds))
     return points
 
 
@@ -430,18 +497,32 @@ def render_calibration(cal: Calibration) -> str:
     )
     lines.append(
         f"runtime overhead per op ({cal.ops} ops, no collective): forward {cal.forward_op_s * 1e6:.1f} us, "
-        f"backward {cal.backward_op_s * 1e6:.1f} us"
+        f"backward {cal.backward_op_s * 1e6:.1f} us; a view (no kernel) {cal.view_op_s * 1e6:.1f} us"
     )
+    if cal.overlap is not None:
+        o = cal.overlap
+        lines.append(
+            f"overlap: a 16 MiB all-reduce {o['reduce_s'] * 1e3:.1f} ms, matmuls {o['compute_s'] * 1e3:.1f} ms, "
+            f"both at once {o['both_s'] * 1e3:.1f} ms: {o['hidden']:+.0%} of the all-reduce hidden "
+            f"(grad_reduce_overlap {min(max(o['hidden'], 0.0), 0.95):.2f})"
+        )
     if cal.collectives:
         lines += ["", "collectives: t = latency + factor * nbytes / bandwidth per group size (slowest rank):"]
-        lines.append(f"  {'kind':<15}{'group':>6}{'latency':>12}{'bandwidth':>14}   residual per size (16K .. 16M)")
+        lines.append(
+            f"  {'kind':<15}{'group':>6}{'latency':>12}{'bandwidth':>14}   measured ms (residual of the line) per size"
+        )
         for kind, per_size in cal.collectives.items():
             for n, fit in sorted(per_size.items()):
-                res = " ".join(f"{r:+.0%}" for r in fit.residuals)
+                cells = " ".join(
+                    f"{t * 1e3:.2f} ({r:+.0%})" for (_, t), r in zip(cal.collective_points[kind][n], fit.residuals)
+                )
                 lines.append(
                     f"  {kind:<15}{n:>6}{fit.latency_s * 1e6:>10.0f}us{fit.bandwidth_bytes_per_s / 1e9:>10.3f}GB/s"
-                    f"   {res}"
+                    f"   {cells}"
                 )
+        lines.append(
+            "  (the profile keeps the measured points: the cost model follows them between sizes, the line beyond)"
+        )
     else:
         lines.append("collectives: one rank, nothing to measure (links come from the base profile)")
     return "\n".join(lines) + "\n"
