@@ -321,11 +321,16 @@ def _regather_saved(gathered: tuple, counter, record: SavedBytes | None = None, 
     if not gathered and record is None:
         yield
         return
+    # autograd keeps the pack hook alive with every tensor it saved (until backward): it must not hold the
+    # gathered tensors themselves, or every gathered parameter lives until backward; their storages' addresses
+    # identify them while the op runs
+    by_storage = {full.untyped_storage().data_ptr(): recipe for full, recipe in gathered}
+    del gathered
 
     def pack(t: torch.Tensor):
-        for full, recipe in gathered:
-            if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                return ("regather", recipe, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad)
+        recipe = by_storage.get(t.untyped_storage().data_ptr())
+        if recipe is not None:
+            return ("regather", recipe, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad)
         if record is not None:
             record.add(t, op)
         return t
