@@ -205,15 +205,21 @@ def _with_accumulation(options: list[SourceStrategy], mesh_shape: tuple[int, ...
     """``options`` and, for each, the variants summing the uses' gradients as ``P(sum)`` on a
     non-empty subset of the axes (of more than one rank) before one reduction to the state.
 
-    Only axes where the parameter is stored replicated qualify: the summed ``P(sum)``
-    gradient is then the shape of the stored piece, which the one reduction turns into
-    the state.  A parameter stored sharded on an axis (FSDP) is gathered per use, and
-    each use's gradient must be reduced back to the stored piece on that edge.
+    The summed gradient is the gradient of the stored piece, so it must have its
+    shape: only axes where the parameter is stored replicated qualify (a parameter
+    stored sharded on an axis, FSDP, is gathered per use, and each use's gradient is
+    reduced back to the stored piece on that edge), and every axis where the state
+    is sharded beyond the parameter (ZeRO) must be among them (the sum is ``P(sum)``
+    there; on an axis left out it would take the state's shard, smaller than the
+    piece it is the gradient of).
     """
     out = list(options)
     for s in options:
         axes = [a for a, size in enumerate(mesh_shape) if size > 1 and isinstance(s.placement[a], Replicate)]
-        out += [replace(s, partial_grad=flags) for flags in partial_grad_flags(axes, len(mesh_shape))]
+        zero = {a for a, (p, st) in enumerate(zip(s.placement, s.state)) if p != st}
+        for flags in partial_grad_flags(axes, len(mesh_shape)):
+            if all(flags[a] for a in zero):
+                out.append(replace(s, partial_grad=flags))
     return out
 
 

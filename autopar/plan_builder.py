@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .peak import peak_memory
 from .placement import Replicate, Shard, format_placements
 from .plan_types import Plan
 from .problem_builder import PS_PER_S
@@ -117,10 +118,10 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
         full = tuple(Replicate() for _ in mesh_shape)
         for t in transitions(coster.compute_meta(un.outputs[o]), strat[u].outputs[o], full, mesh_shape):
             add(t.kind, t.axis, "forward", t.bytes, un, un.name, t.reduce_op)
-    per_device = sum(mem.values())
+    search_bytes = sum(mem.values())  # the additive bound the search kept under the cap
     return {
         "cost": {"compute_s": compute_s, "comm_s": comm_s, "total_s": compute_s + comm_s},
-        "memory": dict(mem, per_device_bytes=per_device),
+        "memory": dict(mem, search_bytes=search_bytes, **peak_memory(ctx, strat, mem)),
         "collectives": collectives,
         "strategies": strat,
     }

@@ -39,7 +39,7 @@ from .costing import Coster, TrainingSettings
 from .hints import ResolvedHints, resolve_hints
 from .mesh import Mesh
 from .placement import Replicate, Shard
-from .plan_builder import assemble_plan
+from .plan_builder import assemble_plan, breakdown
 from .plan_types import Plan
 from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem
 from .repeat import Blocks, find_blocks
@@ -54,6 +54,10 @@ __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context",
 log = logging.getLogger(__name__)
 
 FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
+
+
+#: how often the search is run again with a tighter bound when the chosen plan's peak exceeds the cap
+_PEAK_TRIES = 8
 
 
 class MemoryCapError(ValueError):
@@ -347,16 +351,49 @@ def plan_from_context(
 
     _check_family_keeps_hints(ctx, family, hinted, allow_node)
     restricted = bool(hinted) or not allow_state_sharding or fam_node is not None  # else allow_node is always True
-    problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node if restricted else None, allow_edge=allow_edge)
-    try:
-        sol = _solve(problem, solver, ctx.blocks, progress)
-    except InfeasibleError as e:
-        if e.min_mem_bytes is None and hinted:
-            raise _contradiction_error(ctx, resolved) from None
-        if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
-            raise _no_plan_error(ctx, family, allow_state_sharding) from None
-        raise _cap_error(ctx, cap, e, keep) from None
-    choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice)
+
+    def search(bound: int | None):
+        """(solution, choice) under ``bound``; (None, the InfeasibleError, keep) when nothing fits."""
+        problem, keep = to_problem(
+            ctx.tables, bound, allow_node=allow_node if restricted else None, allow_edge=allow_edge
+        )
+        try:
+            sol = _solve(problem, solver, ctx.blocks, progress)
+        except InfeasibleError as e:
+            if e.min_mem_bytes is None and hinted:
+                raise _contradiction_error(ctx, resolved) from None
+            if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
+                raise _no_plan_error(ctx, family, allow_state_sharding) from None
+            return None, e, keep
+        return sol, [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice), keep
+
+    def peak_of(choice: list[int]) -> int:
+        return breakdown(ctx, choice)["memory"]["per_device_bytes"]
+
+    # the search bounds the additive memory (everything held at once); the step's peak (autopar.peak) is
+    # checked against the cap, and where it is above, the bound is tightened by the excess (doubled each
+    # time) and searched again; tightened past every plan, the least-memory plan is taken if its peak fits
+    bound = cap
+    for attempt in range(_PEAK_TRIES + 1):
+        sol, choice, keep = search(bound if attempt < _PEAK_TRIES else 0)
+        if sol is None:
+            err = choice
+            least = err.min_mem_solution
+            if attempt == 0 or least is None:
+                raise _cap_error(ctx, cap, err, keep) from None
+            sol, choice = (
+                least,
+                [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice),
+            )
+            if peak_of(choice) > cap:
+                raise _cap_error(ctx, cap, err, keep) from None
+            break
+        if cap is None:
+            break
+        peak = peak_of(choice)
+        if peak <= cap:
+            break
+        bound -= (peak - cap) << attempt
     search_s = time.perf_counter() - t0
     alternatives = _family_alternatives(ctx, cap, solver) if compare_families else []
     timings = dict(ctx.timings, search_s=search_s)
@@ -521,8 +558,6 @@ def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> 
 
 
 def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
-    from .plan_builder import breakdown
-
     b = breakdown(ctx, choice)
     return {
         "total_s": b["cost"]["total_s"],
@@ -546,8 +581,6 @@ def _no_plan_error(ctx: PlanningContext, family: str | None, allow_state_shardin
 
 
 def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep) -> MemoryCapError:
-    from .plan_builder import breakdown
-
     sol = err.min_mem_solution
     approximate = getattr(err, "approximate", False)
     if approximate:  # too wide to search exactly: the least memory found, not proven the least
@@ -562,19 +595,21 @@ def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep
             f"no plan of {ctx.graph.model_name} on {ctx.mesh} fits the memory cap of {format_bytes(cap)} per device."
         ]
         reaches = "the smallest per-device memory any plan reaches is"
+    smallest = err.min_mem_bytes
     if sol is not None:
         choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
         mem = breakdown(ctx, choice)["memory"]
+        smallest = max(smallest, mem["per_device_bytes"])  # that plan's step peaks there (autopar.peak)
         parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
         top = max(parts, key=parts.get)
         lines.append(
-            f"  {reaches} {format_bytes(err.min_mem_bytes)}: "
+            f"  {reaches} {format_bytes(smallest)}: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
             + f" ({top} dominate)."
         )
     else:
-        lines.append(f"  {reaches} {format_bytes(err.min_mem_bytes)}.")
-    return MemoryCapError("\n".join(lines), int(err.min_mem_bytes))
+        lines.append(f"  {reaches} {format_bytes(smallest)}.")
+    return MemoryCapError("\n".join(lines), int(smallest))
 
 
 def objective_seconds(sol: Solution) -> float:

@@ -64,6 +64,7 @@ class OptimizerSpec:
     state_dtype: torch.dtype
     passes: int = 0
     ops_per_param: int = 0
+    temporaries: int = 0  # state-shard-sized temporaries alive at once during the step (autopar.peak)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +104,9 @@ PRECISIONS: dict[str, TrainingPrecision] = {
 #   Adam (no weight decay): the same without p.mul_: 7 kernels, 18 passes;
 #   SGD: p.add_(g) 3: 1 kernel; with momentum buf.mul_(m) 2, buf.add_(g) 3, p.add_(buf) 3: 3 kernels, 8 passes.
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", 2, torch.float32, passes=20, ops_per_param=8),
-    "adam": OptimizerSpec("adam", 2, torch.float32, passes=18, ops_per_param=7),
+    # (the temporaries: sqrt(v) and its quotient by the bias correction, alive together for a moment)
+    "adamw": OptimizerSpec("adamw", 2, torch.float32, passes=20, ops_per_param=8, temporaries=2),
+    "adam": OptimizerSpec("adam", 2, torch.float32, passes=18, ops_per_param=7, temporaries=2),
     "sgd": OptimizerSpec("sgd", 0, torch.float32, passes=3, ops_per_param=1),
     "sgd_momentum": OptimizerSpec("sgd_momentum", 1, torch.float32, passes=8, ops_per_param=3),
     "none": OptimizerSpec("none", 0, torch.float32),

@@ -116,7 +116,8 @@ def test_uses_sum_their_partial_gradients_only_where_the_parameter_is_stored_who
     """A parameter stored sharded on an axis (FSDP) is gathered per use, so each use's gradient is reduced back
     to the stored piece on its own edge: summing the uses' full-size P(sum) gradients first cannot meet the
     sharded piece (the forced sharded-parameter plan of a tied GPT-2 on 4 ranks failed in backward with
-    [4096, 256] against the piece [1024, 256])."""
+    [4096, 256] against the piece [1024, 256]).  Nor can a sum left sharded on a ZeRO axis it does not cover
+    (a replicated GPT-2 on 2x2 with wte's state sharded on one axis: [2048, 256] against [4096, 256])."""
     from autopar.candidates import build_candidates
     from autopar.capture import capture
     from autopar.models import load_model
@@ -130,5 +131,7 @@ def test_uses_sum_their_partial_gradients_only_where_the_parameter_is_stored_who
             for s in cand.strategies[node.index]:
                 for axis, flag in enumerate(s.partial_grad):
                     assert not flag or isinstance(s.placement[axis], Replicate), (mesh_shape, node.fqn, s)
+                    # the sum is the stored piece's gradient: a ZeRO axis (state sharded beyond it) is summed too
+                    assert not any(s.partial_grad) or s.state[axis] == s.placement[axis] or flag, (node.fqn, s)
                     summed += flag
         assert summed > 0, mesh_shape  # the summing variants still exist where the parameter is stored whole

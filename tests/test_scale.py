@@ -202,7 +202,8 @@ def test_breakdown_reads_the_search_tables(gpt2_tiny_4_ctx, gpt2_tiny_4) -> None
     for cap in (None, int(low + 0.05 * (fastest.mem_bytes - low))):
         sol = solve_chain(problem.with_cap(cap), blocks)
         b = breakdown(ctx, list(sol.choice))
-        assert b["memory"]["per_device_bytes"] == sol.mem_bytes
+        assert b["memory"]["search_bytes"] == sol.mem_bytes  # the additive bound the search kept
+        assert b["memory"]["per_device_bytes"] >= b["memory"]["params"] + b["memory"]["optimizer"]  # the peak
         terms = problem.n_nodes + len(problem.edges)
         assert abs(b["cost"]["total_s"] * 1e12 - sol.time) <= 0.5 * terms
         assert b["cost"]["comm_s"] >= 0 and b["cost"]["compute_s"] > 0
