@@ -38,11 +38,15 @@ class Variant:
 
     @property
     def cap_fraction(self) -> float | None:
-        """The fraction of the auto plan's per-device memory this variant caps at (None: no cap)."""
+        """Where this variant's cap lies between the least memory any plan needs (0) and the auto plan's (1)."""
         return float(self.label.removeprefix("cap:")) if self.label.startswith("cap:") else None
 
-    def plan_options(self, model: BenchModel, auto_bytes: float) -> dict[str, Any]:
-        """Keywords of ``plan_from_context`` for this variant (``auto_bytes``: the auto plan's per-device bytes)."""
+    def plan_options(self, model: BenchModel, auto_bytes: float, least_bytes: float = 0.0) -> dict[str, Any]:
+        """Keywords of ``plan_from_context`` for this variant.
+
+        ``auto_bytes``: the auto plan's per-device peak; ``least_bytes``: the least any
+        plan reaches (a cap between the two always has a plan, and binds).
+        """
         if self.label == "auto":
             return {}
         if self.label.startswith("family:"):
@@ -50,7 +54,7 @@ class Variant:
         if self.label == "no state sharding":
             return {"allow_state_sharding": False}
         if self.cap_fraction is not None:
-            return {"mem_cap": int(self.cap_fraction * auto_bytes)}
+            return {"mem_cap": int(least_bytes + self.cap_fraction * (auto_bytes - least_bytes))}
         if self.label == "poor hint":
             return {"hints": dict(model.poor_hint)}
         raise AssertionError(f"variant {self.label!r} passed validation but has no options")
@@ -64,7 +68,7 @@ class Variant:
         if not ok:
             raise ValueError(
                 f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(_FAMILIES)}>', "
-                "'no state sharding', 'cap:<fraction in (0, 1]>', 'poor hint'; fix the variants list"
+                "'no state sharding', 'cap:<fraction in [0, 1]>', 'poor hint'; fix the variants list"
             )
 
 
@@ -73,7 +77,7 @@ def _fraction(text: str) -> bool:
         value = float(text)
     except ValueError:
         return False
-    return 0 < value <= 1
+    return 0 <= value <= 1
 
 
 @dataclass(frozen=True, slots=True)

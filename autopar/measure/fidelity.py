@@ -217,6 +217,11 @@ def _plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profi
     ctx = prepare(net, amesh, example_inputs=(ids, labels), profile=profile, dtype="fp32", optimizer="adamw")
     auto = plan_from_context(ctx, compare_families=False)
     auto_bytes = auto.memory["per_device_bytes"]
+    try:  # the least memory any plan reaches: caps are placed between it and the auto plan's
+        plan_from_context(ctx, compare_families=False, mem_cap=1)
+        least_bytes = 0
+    except MemoryCapError as e:
+        least_bytes = e.min_mem_bytes
     distinct: dict[str, tuple[list[str], str]] = {}
     infeasible: dict[str, str] = {}
     for variant in variants:
@@ -224,7 +229,9 @@ def _plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profi
             plan = (
                 auto
                 if variant.label == "auto"
-                else plan_from_context(ctx, compare_families=False, **variant.plan_options(model, auto_bytes))
+                else plan_from_context(
+                    ctx, compare_families=False, **variant.plan_options(model, auto_bytes, least_bytes)
+                )
             )
         except (MemoryCapError, ValueError) as e:
             infeasible[variant.label] = str(e).splitlines()[0]
