@@ -154,8 +154,14 @@ def _plain_shard_options(meta: TensorMeta, axis_size: int) -> list[Placement]:
     return [Shard(d) for d, size in enumerate(meta.shape) if size >= axis_size]
 
 
-def _zero_dim(meta: TensorMeta, axis_size: int, placement: tuple[Placement, ...]) -> int | None:
-    """The dim a ZeRO-style state shard uses on a replicated axis: the largest dim not sharded yet."""
+def _zero_dim(meta: TensorMeta, axis_size: int, placement: tuple[Placement, ...], axis: int) -> int | None:
+    """The dim a ZeRO-style state shard uses on replicated mesh ``axis``: the largest dim not sharded yet.
+
+    Failing that, a dim the placement already shards plainly, but only on axes before
+    ``axis``: the state shard then splits each piece further, so this rank's state is a
+    range of its piece (what the runtime's ZeRO needs to alias the optimizer's shard into
+    the parameter); split on an earlier axis it would not be.
+    """
     used = {p.dim for p in placement if isinstance(p, Shard)}
     dims = sorted(
         (d for d, s in enumerate(meta.shape) if s >= axis_size and d not in used), key=lambda d: -meta.shape[d]
@@ -164,7 +170,11 @@ def _zero_dim(meta: TensorMeta, axis_size: int, placement: tuple[Placement, ...]
         dims = [
             d
             for d, s in enumerate(meta.shape)
-            if s >= axis_size and all(not (isinstance(p, Shard) and p.blocks > 1 and p.dim == d) for p in placement)
+            if s >= axis_size
+            and all(
+                not (isinstance(p, Shard) and p.dim == d and (p.blocks > 1 or a > axis))
+                for a, p in enumerate(placement)
+            )
         ]
     return dims[0] if dims else None
 
@@ -186,7 +196,8 @@ def _source_strategies(node: OpNode, wanted: set, mesh_shape: tuple[int, ...]) -
         for base in list(placements):
             for axis, size in enumerate(mesh_shape):
                 if size > 1 and isinstance(base[axis], Replicate):
-                    d = _zero_dim(meta, size, base)
+                    # storage: a gather from any nesting the runtime can run (unrunnable moves price as inf)
+                    d = _zero_dim(meta, size, base, len(mesh_shape))
                     if d is not None:
                         cand = base[:axis] + (Shard(d),) + base[axis + 1 :]
                         if _fits(meta, cand, mesh_shape):
@@ -226,10 +237,10 @@ def _with_accumulation(options: list[SourceStrategy], mesh_shape: tuple[int, ...
 def _state_options(meta: TensorMeta, pl: tuple[Placement, ...], mesh_shape: tuple[int, ...]):
     """State placements: the parameter's own, or additionally sharded on replicated axes."""
     per_axis = []
-    for p, size in zip(pl, mesh_shape):
+    for axis, (p, size) in enumerate(zip(pl, mesh_shape)):
         opts = [p]
         if isinstance(p, Replicate) and size > 1:
-            d = _zero_dim(meta, size, pl)
+            d = _zero_dim(meta, size, pl, axis)
             if d is not None:
                 opts.append(Shard(d))
         per_axis.append(opts)

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-compare", action="store_true", help="skip the per-family comparison solves")
     pl.add_argument("--timings", action="store_true", help="print timings as JSON, last line on stderr")
     pl.add_argument(
+        "--explain",
+        action="store_true",
+        help="after the table, which cost terms decided the plan against each family's best",
+    )
+    pl.add_argument(
         "--hint",
         action="append",
         default=[],
@@ -373,6 +378,10 @@ def _cmd_plan(args) -> int:
         sys.stdout.write(result.to_json())
     else:
         sys.stdout.write(render_table(result))
+        if args.explain:
+            from .explain import render_explanation
+
+            sys.stdout.write(render_explanation(result))
     if args.output:
         try:
             result.to_json(args.output)

@@ -120,11 +120,27 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             add(t.kind, t.axis, "forward", t.bytes, un, un.name, t.reduce_op)
     search_bytes = sum(mem.values())  # the additive bound the search kept under the cap
     return {
-        "cost": {"compute_s": compute_s, "comm_s": comm_s, "total_s": compute_s + comm_s},
+        "cost": {
+            "compute_s": compute_s,
+            "comm_s": comm_s,
+            "total_s": compute_s + comm_s,
+            "terms": _terms(coster, graph, strat, compute_s, collectives),
+        },
         "memory": dict(mem, search_bytes=search_bytes, **peak_memory(ctx, strat, mem)),
         "collectives": collectives,
         "strategies": strat,
     }
+
+
+def _terms(coster, graph, strat, compute_s: float, collectives: list[dict]) -> dict[str, float]:
+    """The step time by what it is spent on: ops (forward and backward), the optimizer step, and each
+    collective kind per phase at its exposed time (what ``autopar plan --explain`` compares)."""
+    optimizer_s = sum(coster.optimizer_step_s(n, strat[n.index]) for n in graph.params())
+    terms = {"ops (forward + backward)": compute_s - optimizer_s, "optimizer step": optimizer_s}
+    for c in collectives:
+        key = f"{c['kind']} ({c['phase']})"
+        terms[key] = terms.get(key, 0.0) + c["time_s"]
+    return terms
 
 
 def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alternatives: list[dict[str, Any]]) -> Plan:

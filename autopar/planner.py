@@ -564,6 +564,7 @@ def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
         "compute_s": b["cost"]["compute_s"],
         "comm_s": b["cost"]["comm_s"],
         "per_device_bytes": b["memory"]["per_device_bytes"],
+        "terms": b["cost"]["terms"],
     }
 
 

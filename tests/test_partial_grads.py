@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 from dist_utils import PARTITIONING_PROFILE
 
 import autopar
@@ -135,3 +136,16 @@ def test_uses_sum_their_partial_gradients_only_where_the_parameter_is_stored_who
                     assert not any(s.partial_grad) or s.state[axis] == s.placement[axis] or flag, (node.fqn, s)
                     summed += flag
         assert summed > 0, mesh_shape  # the summing variants still exist where the parameter is stored whole
+
+
+def test_a_zero_state_shard_is_always_a_range_of_the_parameter_piece():
+    """The runtime's ZeRO aliases the optimizer's shard into the parameter, so the state piece must be a range of
+    the placement's piece: a 1-D weight stored (R, S(0)) may not keep its state (S(0), S(0)) (the outer axis would
+    split dim 0 first; GPT-NeoX's layer norms on 2x2 were refused at compile), while (S(0), R) -> (S(0), S(0)) may."""
+    from autopar.candidates import _state_options
+    from autopar.spec import TensorMeta
+
+    meta = TensorMeta((256,), torch.float32)
+    assert (S0, S0) not in list(_state_options(meta, (R, S0), (2, 2)))
+    assert (S0, S0) in list(_state_options(meta, (S0, R), (2, 2)))
+    assert (S0, R) in list(_state_options(meta, (R, R), (2, 2)))

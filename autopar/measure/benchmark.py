@@ -28,6 +28,7 @@ class BenchModel:
     batch: int
     seq: int
     poor_hint: dict[str, Any]
+    overrides: dict[str, Any] | None = None  # config keyword arguments (a tiny architecture at benchmark size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,13 @@ def load_benchmark(path: str | Path | None = None) -> Benchmark:
     where = f"fidelity benchmark {file}"
     try:
         models = tuple(
-            BenchModel(str(m["name"]), int(m["batch"]), int(m["seq"]), dict(m.get("poor_hint", {})))
+            BenchModel(
+                str(m["name"]),
+                int(m["batch"]),
+                int(m["seq"]),
+                dict(m.get("poor_hint", {})),
+                dict(m["overrides"]) if "overrides" in m else None,
+            )
             for m in data["models"]
         )
         meshes = tuple(tuple(int(s) for s in shape) for shape in data["meshes"])

@@ -164,7 +164,9 @@ def _build(model: BenchModel, device: str) -> tuple[nn.Module, tuple]:
     from ..models import load_model
 
     torch.manual_seed(0)
-    hf, (ids,), kwargs = load_model(model.name, batch=model.batch, seq=model.seq, device=device, no_dropout=True)
+    hf, (ids,), kwargs = load_model(
+        model.name, batch=model.batch, seq=model.seq, device=device, no_dropout=True, overrides=model.overrides
+    )
     return _LossOnly(hf).train(), (ids, kwargs["labels"])
 
 
