@@ -140,23 +140,14 @@ def calibrate(
     ``quick`` measures three GEMM shapes and two message sizes only (a smoke check,
     not a profile to plan with).
     """
-    from ..runtime.spawn import spawn_ranks
+    from .ranks import on_ranks
 
     if ranks < 1:
         raise ValueError(f"--ranks {ranks}: expected at least 1 rank")
     t0 = time.perf_counter()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from ..runtime import init_distributed
-
-        init_distributed()
-        raw = measure_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), trials, quick)
-        if raw is None:
-            return None
-    else:
-        results, _ = spawn_ranks(
-            measure_rank, ranks, trials, quick, timeout_s=timeout_s, collective_timeout_s=timeout_s
-        )
-        raw = results[0]
+    raw = on_ranks(measure_rank, ranks, trials, quick, timeout_s=timeout_s)
+    if raw is None:  # a torchrun rank other than 0
+        return None
     return _calibration(raw, base, time.perf_counter() - t0)
 
 
@@ -556,7 +547,7 @@ def write_profile(cal: Calibration, path: str, name: str | None = None) -> None:
 
     name = name or os.path.splitext(os.path.basename(path))[0]
     header = (
-        f"# Device profile measured by `autopar calibrate` ({cal.source}).\n"
+        f"# Device profile {name!r}, {cal.source}: `autopar calibrate` prints how each number was measured.\n"
         "# Rates are achieved ones (efficiencies 1.0); keys not measured come from the base profile.\n"
     )
     text = header + tomli_w.dumps(cal.profile_dict(name))

@@ -15,6 +15,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 __all__ = ["add_parsers", "cmd_calibrate", "cmd_fidelity"]
 
@@ -52,22 +53,30 @@ def _writable(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path!r}: folder '{folder}' does not exist; create it or pass another path")
 
 
+def _run(measure) -> tuple[Any, int | None]:
+    """(``measure()``, None), or (None, exit code 2) after printing a bad-input error."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        return measure(), None
+    except ValueError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return None, 2
+
+
 def cmd_calibrate(args) -> int:
     from .calibrate import calibrate, render_calibration, write_profile
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
+    def measure():
         _writable(args.output, "-o")
         if args.base is not None:
             from costmodel import load_profile
 
             load_profile(args.base)
-        cal = calibrate(ranks=args.ranks, base=args.base, trials=args.trials, timeout_s=args.timeout)
-    except ValueError as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
-        return 2
-    if cal is None:  # a torchrun rank other than 0
-        return 0
+        return calibrate(ranks=args.ranks, base=args.base, trials=args.trials, timeout_s=args.timeout)
+
+    cal, code = _run(measure)
+    if cal is None:  # bad input, or a torchrun rank other than 0
+        return code or 0
     sys.stdout.write(render_calibration(cal))
     if args.output:
         write_profile(cal, args.output, name=args.name)
@@ -81,20 +90,18 @@ def cmd_fidelity(args) -> int:
     from .fidelity import run_fidelity, summarize
     from .fidelity_report import render_fidelity
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
+    def measure():
         _writable(args.json, "--json")
         bench = load_benchmark(args.benchmark)
         models = [m.strip() for m in args.models.split(",")] if args.models else None
         bench = bench.only(models, [args.mesh] if args.mesh else None)
         if args.rounds is not None:
             bench = replace(bench, rounds=args.rounds)
-        run = run_fidelity(profile=args.profile, ranks=args.ranks, benchmark=bench, timeout_s=args.timeout)
-    except ValueError as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
-        return 2
-    if run is None:  # a torchrun rank other than 0
-        return 0
+        return run_fidelity(profile=args.profile, ranks=args.ranks, benchmark=bench, timeout_s=args.timeout)
+
+    run, code = _run(measure)
+    if run is None:  # bad input, or a torchrun rank other than 0
+        return code or 0
     sys.stdout.write(render_fidelity(run))
     if args.json:
         with open(args.json, "w") as fh:

@@ -123,7 +123,7 @@ def run_fidelity(
     Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is one rank and the
     job's world size must equal ``ranks``; rank 0 returns the run, the others None.
     """
-    from ..runtime.spawn import spawn_ranks
+    from .ranks import on_ranks
 
     bench = benchmark or load_benchmark()
     meshes = [m for m in bench.meshes if math.prod(m) == ranks]
@@ -136,16 +136,9 @@ def run_fidelity(
 
     load_profile(profile)  # an unknown profile fails here, before any rank starts
     t0 = time.perf_counter()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from ..runtime import init_distributed
-
-        init_distributed()
-        cases = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), bench, profile)
-        if cases is None:
-            return None
-    else:
-        results, _ = spawn_ranks(_rank_main, ranks, bench, profile, timeout_s=timeout_s, collective_timeout_s=timeout_s)
-        cases = results[0]
+    cases = on_ranks(_rank_main, ranks, bench, profile, timeout_s=timeout_s)
+    if cases is None:  # a torchrun rank other than 0
+        return None
     return FidelityRun(tuple(cases), profile, ranks, bench.source, time.perf_counter() - t0)
 
 
