@@ -1,23 +1,28 @@
-"""The peak memory of one training step on one device, phase by phase.
+"""The peak memory of one training step on one device, followed through backward.
 
 The search bounds memory by a sum of node and edge terms (parameters, gradients,
 optimizer state and saved activations all at once).  A step never holds all of
-them at once: gradients are born during backward as the activations they need
-die, and the optimizer's temporaries come after both.  What the ranks really
-reach (``autopar fidelity`` measures it) is the larger of two moments::
+them at once: during backward each op's saved activations die as its gradients
+are computed, while parameter gradients are born and stay; the optimizer's
+temporaries come after both.  ``peak_memory`` walks backward in reverse
+topological order (the order autograd runs it) and takes the larger of::
 
-    backward start  = params + optimizer state + activations + T_backward
-    optimizer step  = params + optimizer state + gradients   + T_optimizer
+    during backward, at op v = params + optimizer state
+                               + activations kept for the backward of v and of every op before v
+                               + gradients of the parameters whose last reader comes after v
+                               + T(v)
+    optimizer step           = params + optimizer state + gradients + T_optimizer
 
-``T_backward`` is the working set of the op whose backward needs most at once:
-the gradient of its outputs and of its float inputs on this rank's pieces, and,
-for a parameter it reads gathered (FSDP), the gathered copy its backward gathers
-again (the unreduced full-size gradient is that input gradient).  ``T_optimizer``
-is the optimizer's temporaries on the largest state shard
-(``OptimizerSpec.temporaries``: AdamW's ``sqrt(v)`` and its quotient).  The
-planner keeps the search's additive bound and checks this peak against the cap
-afterwards (``planner``: the cap is tightened and the search run again when the
-peak exceeds it).
+``T(v)``, op v's backward working set, is the gradient of its outputs and of its
+float inputs on this rank's pieces; for a parameter it reads gathered (FSDP), the
+gathered copy its backward gathers again (the unreduced full-size gradient is that
+input gradient); and the buffers of the largest gradient move out of it (the
+runtime's redistribution copies: ``_MOVE_BUFFERS``).  A parameter's gradient (its state shard) is counted from the
+backward of its last reader in forward order.  ``T_optimizer`` is the optimizer's
+temporaries on the largest state shard (``OptimizerSpec.temporaries``: AdamW's
+``sqrt(v)`` and its quotient).  The planner keeps the search's additive bound and
+checks this peak against the cap afterwards (``planner``: the cap is tightened and
+the search run again when the peak exceeds it).
 """
 
 from __future__ import annotations
@@ -25,42 +30,61 @@ from __future__ import annotations
 from typing import Any
 
 from .candidates import SourceStrategy
+from .transitions import transitions
 
 __all__ = ["peak_memory"]
 
 
-def peak_memory(ctx, strat: list, mem: dict[str, int]) -> dict[str, Any]:
+def peak_memory(ctx, strat: list, mem: dict[str, int], freed_at: dict[int, int]) -> dict[str, Any]:
     """``{"per_device_bytes", "transient_bytes", "peak_phase"}`` of the plan whose strategies are ``strat``.
 
-    ``mem`` holds the plan's ``params``, ``grads``, ``optimizer`` and ``activations`` bytes.
+    ``mem`` holds the plan's ``params``, ``grads``, ``optimizer`` and ``activations``
+    bytes; ``freed_at`` maps a node to the activation bytes its backward frees (its
+    own saved tensors and those kept on its input edges).
     """
-    t_backward = _backward_transient(ctx, strat)
+    coster, graph = ctx.coster, ctx.graph
+    static = mem["params"] + mem["optimizer"]
+    grad_of = {n.index: coster.param_state_bytes(n, strat[n.index]).grads for n in graph.params()}
+    alive, grads, worst, worst_t = mem["activations"], 0, 0, 0
+    for v in reversed(graph.nodes):
+        if v.kind != "op" or not v.requires_grad:
+            continue
+        for u, _ in v.inputs:  # the last reader of a parameter in forward starts its gradient
+            grads += grad_of.pop(u, 0)
+        t = _working_set(coster, graph, strat, v)
+        if static + alive + grads + t > worst:
+            worst, worst_t = static + alive + grads + t, t
+        alive -= freed_at.get(v.index, 0)
     t_optimizer = _optimizer_transient(ctx, strat)
-    backward = mem["params"] + mem["optimizer"] + mem["activations"] + t_backward
-    step = mem["params"] + mem["optimizer"] + mem["grads"] + t_optimizer
-    if backward >= step:
-        return {"per_device_bytes": backward, "transient_bytes": t_backward, "peak_phase": "backward"}
+    step = static + mem["grads"] + t_optimizer
+    if worst >= step:
+        return {"per_device_bytes": worst, "transient_bytes": worst_t, "peak_phase": "backward"}
     return {"per_device_bytes": step, "transient_bytes": t_optimizer, "peak_phase": "optimizer step"}
 
 
-def _backward_transient(ctx, strat: list) -> int:
-    coster, graph = ctx.coster, ctx.graph
-    worst = 0
-    for v in graph.nodes:
-        if v.kind != "op" or not v.requires_grad:
+#: buffers a gradient move holds besides its input, per collective step, in units of the step's bytes
+#: (runtime/redistribute.py: an all-reduce works on a copy; an all-gather fills a list of padded pieces, then
+#: concatenates them; an all-to-all selects chunks, stacks them into a send buffer and receives into another)
+_MOVE_BUFFERS = {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 2, "all_to_all": 3}
+
+
+def _working_set(coster, graph, strat: list, v) -> int:
+    s = strat[v.index]
+    need = sum(coster.local_bytes(meta, s.outputs[o]) for o, meta in enumerate(v.outputs) if meta.is_float)
+    moving = 0  # the largest gradient move out of v's backward: its buffers, one move at a time
+    for pos, (u, o) in enumerate(v.inputs):
+        producer = graph.nodes[u]
+        meta = producer.outputs[o]
+        if not (producer.requires_grad and meta.is_float):
             continue
-        s = strat[v.index]
-        need = sum(coster.local_bytes(meta, s.outputs[o]) for o, meta in enumerate(v.outputs) if meta.is_float)
-        for pos, (u, o) in enumerate(v.inputs):
-            producer = graph.nodes[u]
-            meta = producer.outputs[o]
-            if not (producer.requires_grad and meta.is_float):
-                continue
-            need += coster.local_bytes(meta, s.inputs[pos])  # its gradient, in the placement v read it
-            if producer.kind == "param" and strat[u].placement != s.inputs[pos] and pos in coster.saved_inputs(v):
-                need += coster.local_bytes(meta, s.inputs[pos])  # FSDP: gathered again for this backward
-        worst = max(worst, need)
-    return worst
+        need += coster.local_bytes(meta, s.inputs[pos])  # its gradient, in the placement v read it
+        if producer.kind == "param" and strat[u].placement != s.inputs[pos] and pos in coster.saved_inputs(v):
+            need += coster.local_bytes(meta, s.inputs[pos])  # FSDP: gathered again for this backward
+        target = strat[u].output_grad(o)
+        if s.input_grad(pos) != target:
+            steps = transitions(coster.compute_meta(meta), s.input_grad(pos), target, coster.mesh_shape)
+            moving = max([moving] + [t.bytes * _MOVE_BUFFERS.get(t.kind, 0) for t in steps if t.kind])
+    return need + moving
 
 
 def _optimizer_transient(ctx, strat: list) -> int:
@@ -73,5 +97,4 @@ def _optimizer_transient(ctx, strat: list) -> int:
         for n in ctx.graph.params()
         if isinstance(strat[n.index], SourceStrategy)
     ]
-    largest = max(shards, default=0)
-    return temporaries * largest
+    return temporaries * max(shards, default=0)

@@ -49,6 +49,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     collectives: list[dict[str, Any]] = []
     compute_s = comm_s = 0.0
     mem = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
+    freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.peak)
 
     def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None):
         nonlocal comm_s
@@ -87,7 +88,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             for t, whole in acc:  # the summed partial gradients of all uses, reduced once
                 add(t.kind, t.axis, "backward", t.bytes, n, n.name, t.reduce_op, coster.grad_exposed(n), whole)
             continue
-        mem["activations"] += int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
+        node_act = int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
+        mem["activations"] += node_act
+        freed_at[n.index] = freed_at.get(n.index, 0) + node_act
         if n.kind != "op":
             continue
         op_comm = 0.0
@@ -107,7 +110,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 if un.kind == "param" and pos in saves:  # FSDP: the op kept a handle; gathered again
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
             g, target = s.input_grad(pos), su.output_grad(o)
-            mem["activations"] += coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
+            edge_act = coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
+            mem["activations"] += edge_act
+            freed_at[n.index] = freed_at.get(n.index, 0) + edge_act  # kept for n's backward
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
                 if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
                     for t, whole in coster.grad_move_steps(un, un.outputs[o], g, target):
@@ -126,7 +131,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             "total_s": compute_s + comm_s,
             "terms": _terms(coster, graph, strat, compute_s, collectives),
         },
-        "memory": dict(mem, search_bytes=search_bytes, **peak_memory(ctx, strat, mem)),
+        "memory": dict(mem, search_bytes=search_bytes, **peak_memory(ctx, strat, mem, freed_at)),
         "collectives": collectives,
         "strategies": strat,
     }

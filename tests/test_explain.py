@@ -30,13 +30,15 @@ def test_cost_terms_add_up_to_the_step_and_name_each_collective(tiny_plan):
             assert sum(a["terms"].values()) == pytest.approx(a["total_s"], rel=1e-9)
 
 
-def test_the_peak_is_the_larger_phase(tiny_plan):
+def test_the_peak_follows_backward(tiny_plan):
+    """Never above everything at once plus the largest working set, never below the optimizer step's."""
     m = tiny_plan.memory
-    backward = m["params"] + m["optimizer"] + m["activations"]
-    step = m["params"] + m["optimizer"] + m["grads"]
-    base = backward if m["peak_phase"] == "backward" else step
-    assert m["per_device_bytes"] == base + m["transient_bytes"] and m["transient_bytes"] > 0
     assert m["search_bytes"] == m["params"] + m["grads"] + m["optimizer"] + m["activations"]
+    step = m["params"] + m["optimizer"] + m["grads"]
+    assert step <= m["per_device_bytes"] <= m["search_bytes"] + m["transient_bytes"]
+    assert m["transient_bytes"] > 0 and m["peak_phase"] in ("backward", "optimizer step")
+    if m["peak_phase"] == "optimizer step":
+        assert m["per_device_bytes"] == step + m["transient_bytes"]
 
 
 def test_deciding_terms_are_the_largest_differences():
