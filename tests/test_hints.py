@@ -188,9 +188,19 @@ def test_tied_alias_resolves_to_the_canonical_parameter(tiny_ctx):
 
 
 def test_region_hint_keeps_the_region_replicated(tiny_ctx):
-    cap = 3_000_000  # the all-replicated plan needs 5.8 MB; with h.0 replicated 2.8 MB is reachable
-    auto = _plan(tiny_ctx, mem_cap=cap)
-    assert any(p["placements"] != ["R", "R"] for k, p in auto.params.items() if k.startswith("transformer.h.0."))
+    from autopar.planner import MemoryCapError
+
+    hint = {"transformer.h.0": "replicate"}
+    with pytest.raises(MemoryCapError) as least:  # the least memory reachable with h.0 kept replicated
+        _plan(tiny_ctx, mem_cap=1, hints=hint)
+    # under a cap where the free search shards h.0 and the hinted plan cannot fit, the hint is kept: an error,
+    # never a plan that drops it
+    tight = int(least.value.min_mem_bytes * 0.9)
+    free = _plan(tiny_ctx, mem_cap=tight)
+    assert any(p["placements"] != ["R", "R"] for k, p in free.params.items() if k.startswith("transformer.h.0."))
+    with pytest.raises(MemoryCapError):
+        _plan(tiny_ctx, mem_cap=tight, hints=hint)
+    cap = int(least.value.min_mem_bytes * 1.05)
     plan = _plan(tiny_ctx, mem_cap=cap, hints={"transformer.h.0": "replicate"})
     assert plan.memory["per_device_bytes"] <= cap
     for fqn, p in plan.params.items():

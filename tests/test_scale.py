@@ -232,7 +232,8 @@ def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None
     assert mems[-1] > cap and error.min_mem_bytes > cap
     assert "smallest per-device memory any plan reaches" in str(error)
     at_least = plan_from_context(ctx, mem_cap=error.min_mem_bytes, compare_families=False)
-    assert at_least.memory["per_device_bytes"] == error.min_mem_bytes
+    assert at_least.memory["per_device_bytes"] <= error.min_mem_bytes  # reachable (the peak of the least-memory
+    # plan of the search's additive bound; another plan may peak lower: autopar.peak)
 
 
 @pytest.mark.parametrize("k", [1, 3, 7, 48])
