@@ -50,19 +50,19 @@ def __getattr__(name: str):
 
         return getattr(planner, name)
     if name == "Plan":
-        from .plan_types import Plan
+        from autopar.planner import Plan
 
         return Plan
     if name in ("compile", "ShardedModule"):
-        from . import compiler
+        from . import compiled
 
-        return getattr(compiler, name)
+        return getattr(compiled, name)
     if name == "Layout":
-        from .hints import Layout
+        from autopar.planner import Layout
 
         return Layout
     if name == "CaptureError":
-        from .capture import CaptureError
+        from autopar.capture import CaptureError
 
         return CaptureError
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -10,7 +10,7 @@
 ``run`` trains on local CPU ranks it spawns (or, under torchrun, as this rank) and,
 with ``--check``, compares with one device (autopar/launch.py); exit code 1 on FAIL.
 
-``--hint`` (repeatable) gives one semi-auto hint (``autopar.hints``): placements
+``--hint`` (repeatable) gives one semi-auto hint (``autopar.planner.hints``): placements
 split on top-level commas (``'*.mlp.c_fc.weight=R,S(1)'``), ``replicate`` for a
 module region, or a MindSpore tuple (``'encoder.layer.0.intermediate.dense=((2,1),(1,4))'``).
 ``--hints`` reads a JSON or TOML table of ``pattern = value`` (lists of placements,
@@ -42,9 +42,9 @@ import time
 import warnings
 from pathlib import Path
 
-from costmodel.toml_compat import tomllib
+from autopar import __version__
+from costmodel import tomllib
 
-from . import __version__
 from .mesh import Mesh
 from .units import parse_bytes
 
@@ -69,7 +69,7 @@ def _bytes_arg(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from costmodel.memory import OPTIMIZERS
+    from costmodel import OPTIMIZERS
 
     p = argparse.ArgumentParser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
     p.add_argument("--version", action="version", version=f"autopar {__version__}")
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--strict-hints", action="store_true", help="a hint pattern that matches nothing is an error")
     _add_run_parser(sub)
     sub.add_parser("models", help="list the built-in models")
-    from .measure.cli import add_parsers
+    from autopar.measure import add_parsers
 
     add_parsers(sub, positive_int=_positive_int, mesh_shape=_mesh_shape)
     return p
@@ -274,7 +274,7 @@ def _mesh(shape: tuple[int, ...], axis_names: str | None, default: tuple[str, ..
 
 def _check_seq(model: str, seq: int | None) -> int:
     """``--seq``, or the model's default, checked against a built-in model's positions before it is built."""
-    from .models import default_seq, max_positions
+    from autopar.launch import default_seq, max_positions
 
     if seq is None:
         return default_seq(model)
@@ -285,7 +285,7 @@ def _check_seq(model: str, seq: int | None) -> int:
 
 
 def _cmd_run(args) -> int:
-    from .launch import LaunchError, RunConfig, render_report, run
+    from autopar.launch import LaunchError, RunConfig, render_report, run
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # config warnings, once per rank, bury the report
     try:
@@ -313,14 +313,11 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    from autopar.launch import load_model
+    from autopar.planner import MemoryCapError, UnmatchedHintError, check_writable, plan, render_table
     from costmodel import load_profile
 
-    from .hints import UnmatchedHintError
-    from .models import load_model
-    from .plan_types import check_writable
-    from .planner import MemoryCapError, plan
     from .progress import TerminalProgress
-    from .report import render_table
 
     t0 = time.perf_counter()
     try:  # everything that can be checked without the model, before it is built and planned
@@ -379,7 +376,7 @@ def _cmd_plan(args) -> int:
     else:
         sys.stdout.write(render_table(result))
         if args.explain:
-            from .explain import render_explanation
+            from autopar.planner import render_explanation
 
             sys.stdout.write(render_explanation(result))
     if args.output:
@@ -409,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             if args.command == "models":
-                from .models import builtin_models, model_config
+                from autopar.launch import builtin_models, model_config
 
                 for name in builtin_models():
                     print(f"{name:18s} {model_config(name).get('description', '')}")
@@ -417,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "run":
                 return _cmd_run(args)
             if args.command in ("calibrate", "fidelity"):
-                from .measure.cli import cmd_calibrate, cmd_fidelity
+                from autopar.measure import cmd_calibrate, cmd_fidelity
 
                 return cmd_calibrate(args) if args.command == "calibrate" else cmd_fidelity(args)
             return _cmd_plan(args)

@@ -46,7 +46,7 @@ def shard(x: torch.Tensor, placements: Sequence[str | Placement] | str) -> torch
 
     A ``Layout`` result (``autopar.Layout``) is accepted too.  Returns a tensor
     equal to ``x``.  The placements are checked against the mesh and the tensor's
-    shape when the model is planned (``autopar.hints``).
+    shape when the model is planned (``autopar.planner.hints``).
     """
     to_placements = getattr(placements, "placements", None)
     parsed = to_placements() if callable(to_placements) else parse_placements(placements)

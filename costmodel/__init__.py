@@ -12,10 +12,11 @@ Pure functions of data: no process group, no device, no real tensors.
 
 from __future__ import annotations
 
-from .comm import COLLECTIVES, collective_time_on_axis_s, collective_time_s
+from .comm import COLLECTIVES, bandwidth_factor, collective_time_on_axis_s, collective_time_s
 from .compute import call_time_s, op_time_s
 from .flops import backward_bytes_moved, backward_flops, bytes_moved, compute_dtype, forward_flops, is_matmul_like
 from .memory import (
+    OPTIMIZERS,
     ModelStateBytes,
     OptimizerSpec,
     TrainingPrecision,
@@ -24,7 +25,16 @@ from .memory import (
     optimizer_spec,
     precision,
 )
-from .profiles import CollectiveFit, DeviceProfile, LinkProfile, available_profiles, config_dir, load_profile
+from .profiles import (
+    ATTENTION_SAVES,
+    CollectiveFit,
+    DeviceProfile,
+    LinkProfile,
+    available_profiles,
+    config_dir,
+    load_profile,
+)
+from .toml_compat import tomllib
 
 __all__ = [
     "CollectiveFit",
@@ -51,4 +61,8 @@ __all__ = [
     "optimizer_spec",
     "model_state_bytes",
     "activation_bytes",
+    "ATTENTION_SAVES",
+    "OPTIMIZERS",
+    "bandwidth_factor",
+    "tomllib",
 ]

@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import math
 
-from .profiles import DeviceProfile, LinkProfile
+from .profiles import COLLECTIVES, DeviceProfile, LinkProfile
 
 __all__ = ["COLLECTIVES", "bandwidth_factor", "collective_time_s", "collective_time_on_axis_s"]
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 # kind -> (bandwidth factor numerator in units of (n-1)/n, latency steps in units of (n-1))
 _RING_FACTORS = {

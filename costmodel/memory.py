@@ -64,7 +64,7 @@ class OptimizerSpec:
     state_dtype: torch.dtype
     passes: int = 0
     ops_per_param: int = 0
-    temporaries: int = 0  # state-shard-sized temporaries alive at once during the step (autopar.peak)
+    temporaries: int = 0  # state-shard-sized temporaries alive at once during the step (autopar.cost.peak)
 
 
 @dataclass(frozen=True, slots=True)

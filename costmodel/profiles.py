@@ -39,6 +39,9 @@ __all__ = [
     "load_profile",
 ]
 
+#: The collective kinds a profile may measure and the cost model prices (``comm``).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
 log = logging.getLogger(__name__)
 
 #: The dtype keys every profile's ``peak_flops`` table must have (dense, no sparsity).
@@ -182,7 +185,7 @@ class DeviceProfile:
     the output and a float32 logsumexp per query row) or ``"traced"`` (what PyTorch
     runs on CPU tensors, derived by running the op: the fused CPU kernel without
     dropout, the math path, which keeps the attention matrix, with it; see
-    ``autopar.saved``).  ``memory_bytes`` is the device memory the datasheet
+    ``autopar.cost.saved``).  ``memory_bytes`` is the device memory the datasheet
     states; the planner decides the headroom.
     """
 
@@ -283,7 +286,7 @@ def config_dir() -> Path:
     """The configs directory: ``$AUTOPAR_CONFIG_DIR`` if set, else the installed package ``autopar.configs``.
 
     It holds ``devices/<name>.toml`` (``load_profile``) and ``models/<name>.toml``
-    (``autopar.models``).  The package is the repository's top-level ``configs/``
+    (``autopar.launch.models``).  The package is the repository's top-level ``configs/``
     folder, which pyproject.toml installs under that name: an editable install
     (``pip install -e .``) resolves to the checkout's folder, a wheel or
     ``pip install .`` to the copy in site-packages.  It is found with
@@ -432,8 +435,6 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
 
 def _collective_fits(table: dict, where: str) -> tuple[CollectiveFit, ...]:
     """``{kind: {group_sizes, latency_s, bandwidth_bytes_per_s}}`` (arrays of one length) as CollectiveFits."""
-    from .comm import COLLECTIVES
-
     out = []
     for kind, entry in table.items():
         if kind not in COLLECTIVES:

@@ -44,10 +44,10 @@ from collections import Counter
 import torch
 import transformers
 
+from autopar.cost.saved import _CACHE as saved_calls
 from autopar.mesh import Mesh
-from autopar.planner import MemoryCapError, _solve, plan_from_context, prepare
-from autopar.problem_builder import PS_PER_S, to_problem
-from autopar.saved import _CACHE as saved_calls
+from autopar.planner.pipeline import MemoryCapError, _solve, plan_from_context, prepare
+from autopar.planner.problem import PS_PER_S, to_problem
 from autopar.search import InfeasibleError, solve_cpsat
 from autopar.units import format_bytes, parse_bytes
 

@@ -280,7 +280,7 @@ def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases)
 @contextlib.contextmanager
 def _unfused_loss(on: bool):
     """While ``on``: lowering runs the decomposed cross-entropy as planned, never fused (``autopar/fuse.py``)."""
-    from autopar import executor
+    from autopar.lower import rewrite as executor
 
     fusable = executor.fusable_groups
     if on:

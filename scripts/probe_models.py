@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _archs() -> list[str]:
-    from autopar.models import tiny_hf_archs
+    from autopar.launch.models import tiny_hf_archs
 
     return list(tiny_hf_archs())
 
@@ -56,7 +56,7 @@ class Size:
 
 def build(name: str, size: Size = Size(), *, device: str = "cpu"):
     """(model, args, kwargs) of the tiny random-weight ``name`` (configs/models/tiny_hf.toml), dropout off."""
-    from autopar.models import TINY_SUFFIX, load_model
+    from autopar.launch.models import TINY_SUFFIX, load_model
 
     model, args, kwargs = load_model(
         name + TINY_SUFFIX,
@@ -82,7 +82,7 @@ def parse_overrides(text: str) -> tuple[tuple[str, Any], ...]:
 
 def probe(name: str, mesh_shape: tuple[int, ...], profile: str, size: Size = Size()) -> dict:
     import autopar
-    from autopar.planner import MemoryCapError, plan_from_context, prepare
+    from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
 
     model, args, kwargs = build(name, size, device="meta")
     mesh = autopar.Mesh(mesh_shape)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from autopar.call_spec import register_dataclasses
+from autopar.capture.call_spec import register_dataclasses
 
 WIDTH, HIDDEN, ROWS = 16, 64, 4
 

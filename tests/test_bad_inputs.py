@@ -19,10 +19,10 @@ import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
 
 import autopar
-from autopar import launch
 from autopar.cli import build_parser, main
-from autopar.models import default_seq, load_model
-from autopar.report import _collective_module, _count, describe_plan, render_table
+from autopar.launch import runner as launch
+from autopar.launch.models import default_seq, load_model
+from autopar.planner.report import _collective_module, _count, describe_plan, render_table
 
 # ---- fixtures -------------------------------------------------------------------------------
 
@@ -53,7 +53,8 @@ def no_model_built(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was built before the bad input was reported")
 
-    monkeypatch.setattr("autopar.models.load_model", refuse)
+    monkeypatch.setattr("autopar.launch.load_model", refuse)  # where the CLI looks it up
+    monkeypatch.setattr("autopar.launch.models.load_model", refuse)
 
 
 def _cli_error(capsys, *argv: str) -> str:
@@ -68,7 +69,7 @@ def _cli_error(capsys, *argv: str) -> str:
 
 def test_default_seq_fits_every_builtin_model():
     """`autopar plan gpt2-tiny` used --seq 1024 against 128 positions; the default is now capped by the model."""
-    from autopar.models import builtin_models, max_positions
+    from autopar.launch.models import builtin_models, max_positions
 
     assert default_seq("gpt2-tiny") == 128 and default_seq("llama-tiny") == 256 and default_seq("gpt2") == 1024
     for name in builtin_models():

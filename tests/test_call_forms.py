@@ -22,8 +22,8 @@ from dist_utils import PARTITIONING_PROFILE, run_ranks
 from torch.utils import _pytree as pytree
 from transformers.utils import ModelOutput
 
-from autopar.call_spec import InputMismatchError
-from autopar.capture import capture
+from autopar.capture.call_spec import InputMismatchError
+from autopar.capture.export import capture
 
 STEPS = 3
 RTOL, ATOL = 1e-4, 1e-5
@@ -198,7 +198,7 @@ class BatchWrapper(torch.nn.Module):
 
 def _hf(name: str, wrap: str):
     """(model, args, kwargs) of built-in ``name`` (dropout off) called as ``wrap``: args | kwargs | batch."""
-    from autopar.models import load_model
+    from autopar.launch.models import load_model
 
     model, (ids,), kwargs = load_model(name, batch=4, seq=16, device="cpu", no_dropout=True)
     labels = kwargs["labels"]
@@ -319,7 +319,7 @@ def test_a_call_missing_or_adding_arguments_or_changing_constants_names_them():
 def test_canonical_form_drops_defaults_and_keeps_positionals_before_var_args():
     import inspect
 
-    from autopar.call_spec import bind_call
+    from autopar.capture.call_spec import bind_call
 
     def f(a, b=1, /, c=2.0, *rest, d=None, e="x", **kw):
         pass

@@ -76,7 +76,7 @@ _SIZED = ("view.default", "_unsafe_view.default", "reshape.default", "expand.def
 
 def _local_graph_facts(sharded, args, kwargs) -> dict:
     """What ``sharded.local_graph`` calls, its moves that move nothing, and its size arguments vs traced shapes."""
-    from autopar.executor import MoveStep, OpStep
+    from autopar.lower.rewrite import MoveStep, OpStep
     from autopar.runtime.deferred import DeferredLossStep
 
     sharded.trace = {}
@@ -135,7 +135,7 @@ def _local_mode(rank, mesh, args, kwargs) -> dict:
 
 
 def _lazy_rank_fn(rank, world):
-    from autopar.compiler import NotCompiledError
+    from autopar.compiled.build import NotCompiledError
 
     mesh = autopar.Mesh((world,), axis_names=("dp",))
     out = {}
@@ -178,7 +178,7 @@ def _lazy_rank_fn(rank, world):
     )
     out["local_mode"] = _local_mode(rank, mesh, args, kwargs)
     # a plan made on the meta device, where Llama's graph has other ops than on the CPU, is refused up front
-    from autopar.models import load_model
+    from autopar.launch.models import load_model
 
     meta_model, margs, mkwargs = load_model("llama-tiny", batch=4, seq=16, device="meta")
     meta_plan = autopar.plan(meta_model, mesh, example_inputs=margs, example_kwargs=mkwargs, compare_families=False)

@@ -511,11 +511,11 @@ def test_activation_bytes():
     assert cm.activation_bytes(1024, torch.float32) == 4096
 
 
-# ---------------------------------------------------------------- saved for backward (autopar.saved)
+# ---------------------------------------------------------------- saved for backward (autopar.cost.saved)
 
 
 def test_saved_for_backward_sorts_inputs_outputs_and_own_tensors():
-    from autopar.saved import saved_for_backward
+    from autopar.cost.saved import saved_for_backward
 
     x, w, b = meta(4, 16, 64), meta(64), meta(64)
     ln = saved_for_backward(make_call(aten.layer_norm.default, x, [64], w, b), (True, True, True))
@@ -536,7 +536,7 @@ def test_saved_for_backward_sorts_inputs_outputs_and_own_tensors():
 
 def test_attention_saves_by_device_form():
     """CPU math path with dropout keeps the attention matrix; CUDA's fused kernels keep a logsumexp row."""
-    from autopar.saved import saved_for_backward
+    from autopar.cost.saved import saved_for_backward
 
     q = meta(2, 4, 32, 16)
     call = make_call(aten.scaled_dot_product_attention.default, q, q, q, dropout_p=0.1, is_causal=True)

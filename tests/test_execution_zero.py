@@ -30,7 +30,7 @@ CASES = [((4,), ("dp",), 1.0, "mem_cap"), ((2, 2), ("dp", "tp"), 0.75, "plan")]
 
 def _zero_plan(mesh_shape, axis_names, factor):
     """(cap bytes, plan) of the auto search with state sharding, as compile's rank 0 makes it."""
-    from autopar.planner import plan_from_context, prepare
+    from autopar.planner.pipeline import plan_from_context, prepare
 
     model, args, kwargs = _model("gpt2-tiny")
     mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)
@@ -178,7 +178,7 @@ def test_state_shard_is_a_view_of_the_parameter_piece(shape, placement, state, c
 def _bucket_rank_fn(rank, world, batch):
     import torch.distributed as dist
 
-    from autopar.models import load_model
+    from autopar.launch.models import load_model
     from autopar.runtime import CollectiveCounter
 
     calls = []

@@ -6,8 +6,8 @@ import pytest
 
 import autopar
 from autopar.cli import main
-from autopar.explain import deciding_terms, render_explanation
-from autopar.models import load_model
+from autopar.launch.models import load_model
+from autopar.planner.explain import deciding_terms, render_explanation
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ def _model(name: str, plan: str):
 
 def _loss_facts(sharded) -> dict:
     """Whether the lowered program fuses the loss, and how the plan places the gathered logits (classes split?)."""
-    from autopar.decompose import DECOMPOSED
+    from autopar.capture.decompose import DECOMPOSED
 
     gather = [
         n.name for n in sharded._graph.gm.graph.nodes if getattr(n.meta.get(DECOMPOSED), "role", "") == "target_logit"

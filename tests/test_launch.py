@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from autopar import launch
 from autopar.cli import main
+from autopar.launch import runner as launch
 from autopar.units import parse_bytes
 
 _NUMBER = r"\d\.\d{2}e[-+]\d{2}"
@@ -84,7 +84,7 @@ def test_verdict_follows_isclose(scale, passed):
 
 
 def test_fail_exits_1_and_names_the_worst_tensor(monkeypatch, capsys):
-    monkeypatch.setattr(launch, "run", lambda config: _report(1e-3))
+    monkeypatch.setattr("autopar.launch.run", lambda config: _report(1e-3))  # where the CLI looks it up
     assert main(["run", "gpt2-tiny", "--mesh", "2", "--check"]) == 1
     out = capsys.readouterr().out
     assert "check: FAIL (largest deviation 1.00e-03, parameters after step 1)" in out

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import costmodel as cm
-from autopar.models import builtin_models
+from autopar.launch.models import builtin_models
 
 REPO = Path(__file__).resolve().parent.parent
 #: what a checkout may hold besides its sources; none of it belongs in a wheel build

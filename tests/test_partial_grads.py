@@ -13,9 +13,9 @@ import torch
 from dist_utils import PARTITIONING_PROFILE
 
 import autopar
-from autopar.candidates import SourceStrategy
 from autopar.placement import Partial, Replicate, Shard
 from autopar.strategies.base import OpStrategy, with_partial_grads
+from autopar.strategies.candidates import SourceStrategy
 
 R, P, S0 = Replicate(), Partial("sum"), Shard(0)
 
@@ -119,9 +119,9 @@ def test_uses_sum_their_partial_gradients_only_where_the_parameter_is_stored_who
     sharded piece (the forced sharded-parameter plan of a tied GPT-2 on 4 ranks failed in backward with
     [4096, 256] against the piece [1024, 256]).  Nor can a sum left sharded on a ZeRO axis it does not cover
     (a replicated GPT-2 on 2x2 with wte's state sharded on one axis: [2048, 256] against [4096, 256])."""
-    from autopar.candidates import build_candidates
-    from autopar.capture import capture
-    from autopar.models import load_model
+    from autopar.capture.export import capture
+    from autopar.launch.models import load_model
+    from autopar.strategies.candidates import build_candidates
 
     model, args, kwargs = load_model("gpt2-tiny", batch=4, seq=16)
     graph = capture(model, args, kwargs)
@@ -142,8 +142,8 @@ def test_a_zero_state_shard_is_always_a_range_of_the_parameter_piece():
     """The runtime's ZeRO aliases the optimizer's shard into the parameter, so the state piece must be a range of
     the placement's piece: a 1-D weight stored (R, S(0)) may not keep its state (S(0), S(0)) (the outer axis would
     split dim 0 first; GPT-NeoX's layer norms on 2x2 were refused at compile), while (S(0), R) -> (S(0), S(0)) may."""
-    from autopar.candidates import _state_options
     from autopar.spec import TensorMeta
+    from autopar.strategies.candidates import _state_options
 
     meta = TensorMeta((256,), torch.float32)
     assert (S0, S0) not in list(_state_options(meta, (R, S0), (2, 2)))

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 import autopar
-from autopar.planner import MemoryCapError, plan_from_context, prepare
-from autopar.report import render_table
+from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
+from autopar.planner.report import render_table
 
 GiB = 2**30
 
 
 @pytest.fixture(scope="module")
 def gpt2_tp4():
-    from autopar.models import load_model
+    from autopar.launch.models import load_model
 
     model, args, kwargs = load_model("gpt2", batch=1, seq=1024)
     mesh = autopar.Mesh((4,), axis_names=("tp",))
@@ -135,7 +135,7 @@ def test_plan_json_is_deterministic_and_round_trips(tiny_model):
 
 @pytest.fixture(scope="module")
 def gpt2_dp8():
-    from autopar.models import load_model
+    from autopar.launch.models import load_model
 
     model, args, kwargs = load_model("gpt2", batch=64, seq=1024)
     mesh = autopar.Mesh((8,), axis_names=("dp",))
@@ -265,7 +265,7 @@ def test_edge_matrices_equal_the_pair_by_pair_reference(tiny_model, mesh_shape):
 
 def test_a_family_with_no_plan_at_all_is_a_clear_error(monkeypatch):
     """No plan within a family at any memory: an error naming the family (not a cap error), "no plan" rows."""
-    from autopar import planner
+    from autopar.planner import pipeline as planner
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     ctx = prepare(model, autopar.Mesh((2,), axis_names=("tp",)), example_inputs=(torch.randn(4, 8),))

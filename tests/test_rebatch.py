@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import autopar
-from autopar.capture import CaptureError, capture
+from autopar.capture.batch import capture_template, specialize
+from autopar.capture.export import CaptureError, capture
+from autopar.cost.saved import memory_layouts, storage_roots
+from autopar.launch.models import load_model
 from autopar.mesh import Mesh
-from autopar.models import load_model
-from autopar.planner import plan_from_context, prepare
-from autopar.saved import memory_layouts, storage_roots
-from autopar.specialize import capture_template, specialize
+from autopar.planner.pipeline import plan_from_context, prepare
 
 SEQ = 16
 EXAMPLE_BATCH = 4

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.kernels import KERNELS, KernelContext
 from autopar.placement import Replicate, Shard
 from autopar.strategies.base import expand_to_mesh, registered_targets, rule_for
+from autopar.strategies.kernels import KERNELS, KernelContext
 from autopar.strategies.validate import assert_rule_valid, make_call
 
 aten = torch.ops.aten

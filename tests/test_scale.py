@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
-from autopar.capture import capture
+from autopar.capture.export import capture
+from autopar.capture.repeat import find_blocks
+from autopar.launch.models import load_model, model_config
 from autopar.mesh import Mesh
-from autopar.models import load_model, model_config
-from autopar.planner import prepare
-from autopar.problem_builder import to_problem
-from autopar.repeat import find_blocks
+from autopar.planner.pipeline import prepare
+from autopar.planner.problem import to_problem
 from autopar.search import InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
 from autopar.search.generate import chain_problem
@@ -195,7 +195,7 @@ def to_problem_cold(problem, cap):
 def test_breakdown_reads_the_search_tables(gpt2_tiny_4_ctx, gpt2_tiny_4) -> None:
     """The plan's breakdown is the objective the search minimized: memory to the byte, time
     to the picosecond per term (it reads the ProblemTables, it prices nothing again)."""
-    from autopar.plan_builder import breakdown
+    from autopar.planner.assemble import breakdown
 
     ctx = gpt2_tiny_4_ctx
     problem, blocks, low, fastest = gpt2_tiny_4
@@ -213,7 +213,7 @@ def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None
     """Issue 5, done-when 3: lowering the cap step by step (the prepared context reused)
     gives plans no faster and no larger, each within its cap, until no plan fits; the
     error then names the smallest memory reachable, and that cap is feasible."""
-    from autopar.planner import MemoryCapError, plan_from_context
+    from autopar.planner.pipeline import MemoryCapError, plan_from_context
 
     ctx = gpt2_tiny_4_ctx
     plans, cap, error = [], None, None
@@ -233,7 +233,7 @@ def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None
     assert "smallest per-device memory any plan reaches" in str(error)
     at_least = plan_from_context(ctx, mem_cap=error.min_mem_bytes, compare_families=False)
     assert at_least.memory["per_device_bytes"] <= error.min_mem_bytes  # reachable (the peak of the least-memory
-    # plan of the search's additive bound; another plan may peak lower: autopar.peak)
+    # plan of the search's additive bound; another plan may peak lower: autopar.cost.peak)
 
 
 @pytest.mark.parametrize("k", [1, 3, 7, 48])

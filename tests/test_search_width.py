@@ -80,8 +80,8 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
     import torch
 
     import autopar
-    from autopar.planner import plan_from_context, prepare
-    from autopar.problem_builder import to_problem
+    from autopar.planner.pipeline import plan_from_context, prepare
+    from autopar.planner.problem import to_problem
 
     config = transformers.AlbertConfig(  # four layers, one set of weights
         vocab_size=101,
@@ -111,7 +111,7 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
     # the plan says it is approximate, with its bound and gap, and so does its table
     assert capped.search["approximate"] and capped.search["lower_bound_ps"] <= capped.search["objective_ps"]
     assert capped.search["gap"] == pytest.approx(1 - capped.search["lower_bound_ps"] / capped.search["objective_ps"])
-    from autopar.report import render_table
+    from autopar.planner.report import render_table
 
     assert f"approximate search, within {100 * capped.search['gap']:.2f}% of its lower bound" in " ".join(
         render_table(capped).split()

@@ -50,7 +50,7 @@ PLANNED = (
 def build(arch: str, *, device: str = "meta"):
     """(model, args, kwargs) of the tiny ``arch`` with every dropout off; skips when transformers lacks it."""
     transformers = pytest.importorskip("transformers")
-    from autopar.models import TINY_SUFFIX, load_model, model_config
+    from autopar.launch.models import TINY_SUFFIX, load_model, model_config
 
     classes = model_config(arch + TINY_SUFFIX)
     for cls in (classes["config_class"], classes["model_class"]):
@@ -63,7 +63,7 @@ def build(arch: str, *, device: str = "meta"):
 
 def test_table_architectures_are_cli_models_with_bases_resolved():
     """configs/models/tiny_hf.toml is the one table: the CLI names each entry ``<arch>-tiny``."""
-    from autopar.models import builtin_models, load_model, model_config, tiny_hf_archs
+    from autopar.launch.models import builtin_models, load_model, model_config, tiny_hf_archs
 
     archs = tiny_hf_archs()
     assert set(PLANNED) <= set(archs)
@@ -83,7 +83,7 @@ PLAN_CASES += [(arch, (3,)) for arch in ("gpt_neox", "falcon", "gptj", "bloom")]
 @pytest.mark.parametrize("arch,mesh_shape", PLAN_CASES, ids=[f"{a}-{'x'.join(map(str, m))}" for a, m in PLAN_CASES])
 def test_plans_every_op_and_fits_the_cap(arch, mesh_shape):
     import autopar
-    from autopar.planner import plan_from_context, prepare
+    from autopar.planner.pipeline import plan_from_context, prepare
 
     model, args, kwargs = build(arch)
     ctx = prepare(model, autopar.Mesh(mesh_shape), example_inputs=args, example_kwargs=kwargs)
@@ -98,7 +98,7 @@ def test_plans_every_op_and_fits_the_cap(arch, mesh_shape):
 
 def test_decompositions_leave_no_type_as_or_inplace_op():
     """RoBERTa's ``type_as`` and Falcon's ``mlp_output += attention_output`` reach the planner out of place."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
 
     for arch, gone in (("roberta", "type_as"), ("falcon", "add_")):
         model, args, kwargs = build(arch)
@@ -132,7 +132,7 @@ class _AddInPlace(torch.nn.Module):
 
 @pytest.mark.parametrize("how", ["plain", "view", "slice"])
 def test_inplace_op_is_made_out_of_place_and_later_reads_see_the_update(how):
-    from autopar.capture import capture
+    from autopar.capture.export import capture
 
     model, x = _AddInPlace(how), torch.randn(3, 4)
     graph = capture(model, (x,))
@@ -164,7 +164,7 @@ class _ShiftRight(torch.nn.Module):
 
 def test_every_inplace_write_into_one_tensor_survives_the_rewrite():
     """BART was silently wrong on every plan: the second write went into a stale alias and was dropped."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
 
     model, ids = _ShiftRight(), torch.randint(3, 9, (2, 5))
     graph = capture(model, (ids,))
@@ -248,7 +248,7 @@ class _CopyInto(torch.nn.Module):
 
 def test_copy_into_an_intermediate_is_rewritten_with_gradients():
     """``copy_`` became ``aten.copy``, which has no derivative; it is now a cast and a broadcast."""
-    from autopar.capture import capture
+    from autopar.capture.export import capture
 
     model, x = _CopyInto(), torch.randn(2, 4, requires_grad=True)
     graph = capture(model, (x,))

@@ -8,3 +8,9 @@
 * ``memory``: a step's peak memory as the allocator or profiler reports it;
 * ``stats``: medians, spread, Spearman's rank correlation.
 """
+
+from __future__ import annotations
+
+from .cli import add_parsers, cmd_calibrate, cmd_fidelity
+
+__all__ = ["add_parsers", "cmd_calibrate", "cmd_fidelity"]

@@ -12,17 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from costmodel import config_dir
-from costmodel.toml_compat import tomllib
+from autopar.planner import FAMILIES
+from costmodel import config_dir, tomllib
 
 __all__ = ["BenchModel", "Variant", "Benchmark", "load_benchmark", "mesh_axis_names"]
-
-_FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 
 
 @dataclass(frozen=True, slots=True)
 class BenchModel:
-    """A built-in model (``autopar.models``) at one global batch and sequence, and its poor hint."""
+    """A built-in model (``autopar.launch.models``) at one global batch and sequence, and its poor hint."""
 
     name: str
     batch: int
@@ -63,12 +61,12 @@ class Variant:
     def validate(self, where: str) -> None:
         ok = (
             self.label in ("auto", "no state sharding", "poor hint")
-            or (self.label.startswith("family:") and self.label.removeprefix("family:") in _FAMILIES)
+            or (self.label.startswith("family:") and self.label.removeprefix("family:") in FAMILIES)
             or (self.label.startswith("cap:") and _fraction(self.label.removeprefix("cap:")))
         )
         if not ok:
             raise ValueError(
-                f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(_FAMILIES)}>', "
+                f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(FAMILIES)}>', "
                 "'no state sharding', 'cap:<fraction in [0, 1]>', 'poor hint'; fix the variants list"
             )
 

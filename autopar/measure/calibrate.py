@@ -152,8 +152,7 @@ def calibrate(
 
 
 def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibration:
-    from costmodel.profiles import config_dir
-    from costmodel.toml_compat import tomllib
+    from costmodel import config_dir, tomllib
 
     backend, device = raw["backend"], raw["device"]
     base_name = base or ("cpu" if device == "cpu" else _gpu_base(raw["device_name"]))
@@ -164,7 +163,7 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
         base_dict["memory_bytes"] = raw["device_memory_bytes"]
     if backend == "gloo":
         base_dict["reduce_scatter"] = "all_reduce"
-    from costmodel.comm import bandwidth_factor
+    from costmodel import bandwidth_factor
 
     emulated = backend != "nccl"  # the runtime all-reduces and slices for a reduce-scatter (MeshGroups)
     collectives = {
@@ -205,7 +204,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
     """Every measurement of the module docstring on this rank; rank 0 returns them (slowest rank's times)."""
     import torch.distributed as dist
 
-    from ..progress import TerminalProgress
+    from autopar.progress import TerminalProgress
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     device = _device()
@@ -339,13 +338,14 @@ class _ManyOps(nn.Module):
 
 def _op_overhead(world: int, device: torch.device, trials: int) -> dict[str, float]:
     """Forward and backward seconds per op of autopar's runtime on a plan without collectives."""
-    import autopar
+    from autopar import compiled
+    from autopar.mesh import Mesh
 
     torch.manual_seed(0)
     x = torch.randn(8, 16, device=device)
-    mesh = autopar.Mesh((world,), axis_names=("x",))
+    mesh = Mesh((world,), axis_names=("x",))
     model = _ManyOps().to(device)
-    sharded = autopar.compile(
+    sharded = compiled.compile(
         model, mesh, example_inputs=(x,), hints={"*": ["R"]}, input_placements={"x": ["R"]}, profile="cpu"
     )
     ops = sum(1 for n in sharded.plan.nodes)
@@ -413,8 +413,8 @@ def _overlap(device: torch.device, trials: int) -> dict[str, float]:
 
 def _axis_groups(n: int, world: int, device: torch.device):
     """(MeshGroups, axis) whose axis groups are ``n`` consecutive ranks, all running at once (as a mesh axis)."""
-    from ..mesh import Mesh
-    from ..runtime.groups import MeshGroups
+    from autopar.mesh import Mesh
+    from autopar.runtime import MeshGroups
 
     mesh = Mesh((n,)) if n == world else Mesh((world // n, n))
     groups = MeshGroups(mesh)
@@ -445,9 +445,9 @@ def _collective_points(kind: str, groups, axis: int, n: int, device: torch.devic
     cheaper than they are in a step (gloo with more ranks than cores: a group of 2
     all-reducing 16 KiB took 0.65 ms back to back, 2.4 ms between matmuls).
     """
-    from ..placement import Partial, Replicate, Shard
-    from ..runtime.redistribute import redistribute_local
-    from ..spec import TensorMeta, local_shape
+    from autopar.placement import Partial, Replicate, Shard
+    from autopar.runtime import redistribute_local
+    from autopar.spec import TensorMeta, local_shape
 
     make = {"P": Partial("sum"), "R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
     src_p, dst_p = (make[k] for k in _TRANSITIONS[kind])

@@ -154,7 +154,7 @@ class _LossOnly(nn.Module):
 
 
 def _build(model: BenchModel, device: str) -> tuple[nn.Module, tuple]:
-    from ..models import load_model
+    from autopar.launch import load_model
 
     torch.manual_seed(0)
     hf, (ids,), kwargs = load_model(
@@ -204,11 +204,11 @@ def _plans_from_rank0(rank, model: BenchModel, mesh, variants: tuple[Variant, ..
 
 
 def _plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profile: str):
-    import autopar
+    from autopar.mesh import Mesh
     from autopar.planner import MemoryCapError, plan_from_context, prepare
 
     net, (ids, labels) = _build(model, "cpu")  # as the ranks run it: the traced graph depends on the device
-    amesh = autopar.Mesh(mesh, axis_names=mesh_axis_names(mesh))
+    amesh = Mesh(mesh, axis_names=mesh_axis_names(mesh))
     ctx = prepare(net, amesh, example_inputs=(ids, labels), profile=profile, dtype="fp32", optimizer="adamw")
     auto = plan_from_context(ctx, compare_families=False)
     auto_bytes = auto.memory["per_device_bytes"]
@@ -244,17 +244,18 @@ def _plan_key(plan) -> str:
 def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -> tuple[PlanResult, ...]:
     import torch.distributed as dist
 
-    import autopar
-    from autopar.plan_types import Plan
+    from autopar import compiled
+    from autopar.mesh import Mesh
+    from autopar.planner import Plan
 
     from .memory import step_peak_bytes
 
     net, inputs = _build(model, "cpu")
-    amesh = autopar.Mesh(mesh, axis_names=mesh_axis_names(mesh))
+    amesh = Mesh(mesh, axis_names=mesh_axis_names(mesh))
     runs = []
     for _, text in plans:
         plan = Plan.from_json(text)
-        sharded = autopar.compile(net, amesh, example_inputs=inputs, plan=plan)
+        sharded = compiled.compile(net, amesh, example_inputs=inputs, plan=plan)
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
         runs.append((plan, sharded, opt))
 

@@ -12,7 +12,8 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from ..units import format_bytes
+from autopar.units import format_bytes
+
 from .fidelity import FidelityRun, summarize
 
 __all__ = ["render_fidelity"]

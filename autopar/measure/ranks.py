@@ -28,11 +28,11 @@ def on_ranks(fn: Callable, ranks: int, *args: Any, timeout_s: float) -> Any:
                 f"--ranks {ranks}, but this torchrun job has WORLD_SIZE={world}; pass --ranks {world} or launch "
                 f"{ranks} processes"
             )
-        from ..runtime import init_distributed
+        from autopar.runtime import init_distributed
 
         init_distributed()
         return fn(int(os.environ["RANK"]), world, *args)
-    from ..runtime.spawn import spawn_ranks
+    from autopar.runtime import spawn_ranks
 
     results, _ = spawn_ranks(fn, ranks, *args, timeout_s=timeout_s, collective_timeout_s=timeout_s)
     return results[0]

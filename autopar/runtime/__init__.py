@@ -16,10 +16,13 @@
 
 from __future__ import annotations
 
+from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
+from .clip import clip_grad_norm_
 from .counter import CollectiveCounter, CollectiveRecord
-from .deferred import PendingLoss
+from .deferred import PendingLoss, defer_loss_tail, wait_pending
 from .groups import MeshGroups, init_distributed
-from .redistribute import Move, Redistribute, nesting_conflict, redistribute, redistribute_local
+from .redistribute import Move, Redistribute, nesting_conflict, nesting_steps, redistribute, redistribute_local
+from .spawn import RankError, spawn_ranks
 from .zero import StateShards, from_state_shard
 
 __all__ = [
@@ -35,4 +38,13 @@ __all__ = [
     "redistribute_local",
     "StateShards",
     "from_state_shard",
+    "DEFAULT_BUCKET_BYTES",
+    "GradBuckets",
+    "RankError",
+    "bucketable",
+    "clip_grad_norm_",
+    "defer_loss_tail",
+    "nesting_steps",
+    "spawn_ranks",
+    "wait_pending",
 ]

@@ -52,9 +52,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..placement import Partial, Placement, Replicate
-from ..spec import TensorMeta
-from ..transitions import transitions
+from autopar.placement import Partial, Placement, Replicate
+from autopar.spec import TensorMeta
+from autopar.transitions import transitions
+
 from .counter import CollectiveCounter
 from .groups import MeshGroups
 

@@ -32,7 +32,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ..placement import Partial, Placement, Replicate
+from autopar.placement import Partial, Placement, Replicate
+
 from .groups import MeshGroups
 
 __all__ = ["clip_grad_norm_", "replication"]

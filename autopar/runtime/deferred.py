@@ -40,9 +40,10 @@ from torch import fx
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from ..placement import Shard
-from ..spec import TensorMeta, local_shape
-from .redistribute import Move, _steps, start_collective
+from autopar.placement import Shard
+from autopar.spec import TensorMeta, local_shape
+
+from .redistribute import Move, nesting_steps, start_collective
 
 __all__ = ["PendingLoss", "DeferredLossStep", "defer_loss_tail", "async_collective", "wait_pending"]
 
@@ -72,7 +73,7 @@ _pending: dict[int, PendingLoss] = {}  # started, not yet read (wait_pending), b
 
 def async_collective(move: Move) -> str | None:
     """The kind of ``move``'s forward when it is one collective this module can start asynchronously, else None."""
-    steps = _steps(TensorMeta(move.shape, move.meta.dtype), move.src, move.dst, move.groups.mesh.shape)[0]
+    steps = nesting_steps(TensorMeta(move.shape, move.meta.dtype), move.src, move.dst, move.groups.mesh.shape)[0]
     if len(steps) != 1 or steps[0].kind not in ("all_reduce", "all_gather"):
         return None
     st = steps[0]
@@ -87,7 +88,7 @@ def _start(move: Move, x: torch.Tensor, counter) -> Callable[[], torch.Tensor]:
     want = local_shape(move.shape, move.src, groups.mesh.shape, groups.coordinate)
     if tuple(x.shape) != tuple(want):
         raise AssertionError(f"deferred {move.src} -> {move.dst}: piece {tuple(x.shape)} is not this rank's {want}")
-    (st,) = _steps(TensorMeta(move.shape, x.dtype), move.src, move.dst, groups.mesh.shape)[0]
+    (st,) = nesting_steps(TensorMeta(move.shape, x.dtype), move.src, move.dst, groups.mesh.shape)[0]
     if counter is not None:
         counter.record(st.kind, st.axis, "forward", st.bytes, st.reduce_op)
     return start_collective(x.detach(), st, move.src, move.shape, groups)

@@ -45,7 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..mesh import Mesh
+from autopar.mesh import Mesh
 
 __all__ = ["MeshGroups", "init_distributed"]
 

@@ -63,10 +63,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..layout import dim_index, unlayable_reason
-from ..placement import Partial, Placement, Replicate, Shard, parse_placements
-from ..spec import TensorMeta, local_shape
-from ..transitions import AxisTransition, transitions
+from autopar.layout import dim_index, unlayable_reason
+from autopar.placement import Partial, Placement, Replicate, Shard, parse_placements
+from autopar.spec import TensorMeta, local_shape
+from autopar.transitions import AxisTransition, transitions
+
 from .counter import CollectiveCounter
 from .groups import MeshGroups
 

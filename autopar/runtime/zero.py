@@ -43,9 +43,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..layout import dim_index, shard_tensor
-from ..placement import Placement, Shard
-from ..spec import TensorMeta
+from autopar.layout import dim_index, shard_tensor
+from autopar.placement import Placement, Shard
+from autopar.spec import TensorMeta
+
 from .counter import CollectiveCounter
 from .groups import MeshGroups
 from .redistribute import Move, nesting_conflict, redistribute_local

@@ -1,5 +1,20 @@
-"""The search: a pure-data problem, an exact DP solver under a memory cap, the same DP
-chained over repeated blocks (``solve_chain``), and a CP-SAT model of the problem as the referee."""
+"""The search stage's public entry points: a pure-data problem, an exact DP solver under a
+memory cap, the same DP chained over repeated blocks (``solve_chain``), and a CP-SAT model
+of the problem as the referee.
+
+Modules, each importing only modules listed before it:
+
+* ``problem``: the problem as data, its objective, brute force;  ``prune``: exact dominance
+  pruning;  ``split``: a problem cut into its repeated block and the rest;
+* ``elimination``: factor tables, the elimination plan, min-sum passes;
+* ``pareto``: the exact elimination over Pareto sets of (time, memory);  ``lagrange``:
+  min-sum plans and the Lagrange slope;
+* ``minibucket``: the approximate search past the width budget;  ``dp``: the exact search
+  (``solve_dp``, ``min_memory``) and the switch to ``minibucket``;
+* ``tables``: a chain part's table over its port states;  ``minsum``: the min-sum chain;
+  ``chain``: ``solve_chain``;
+* ``cpsat``: the referee;  ``generate``: synthetic problems for tests and benchmarks.
+"""
 
 from __future__ import annotations
 

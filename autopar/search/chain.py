@@ -4,7 +4,7 @@ Setting.  The problem's nodes split into blocks ``B_0 .. B_{L-1}`` (``blocks[i][
 node ``j`` of block ``i``) and the rest ``R``.  The *ports* are the positions ``j`` whose
 node has an edge leaving its block; a *state* is the joint choice of a block's port
 nodes (original strategy indices, raveled), ``K`` states in all.  Required structure,
-checked by :func:`.split._split` (otherwise ``solve_chain`` solves flat with :func:`.dp.solve_dp`):
+checked by :func:`.split.split_blocks` (otherwise ``solve_chain`` solves flat with :func:`.dp.solve_dp`):
 
 * an edge between blocks joins a port of ``B_i`` to ``B_{i+1}``;
 * ``R`` nodes that feed ``B_1 .. B_{L-1}`` have one strategy (their edges fold into the
@@ -12,8 +12,8 @@ checked by :func:`.split._split` (otherwise ``solve_chain`` solves flat with :fu
 * ``B_1 .. B_{L-1}``, with their folded costs and the edges from the previous ports, have
   equal tables (position by position), so one block table serves them all.
 
-Factors (Pareto sets of (t, m) pairs per state pair; :func:`.dp._pareto_pass` with the
-port nodes kept, ``_Model(keep=...)``)::
+Factors (Pareto sets of (t, m) pairs per state pair; :func:`.pareto.pareto_pass` over a
+:class:`.tables.PortTable`, the part's model with the port nodes kept)::
 
     F(a, b)    = Pareto over B_i's choices with ports in state b, of B_i's node and internal
                  edge costs plus the edges from the previous ports in state a       (i >= 1)
@@ -48,8 +48,8 @@ P_l; a pair of P_l at ``(a, c)`` goes when ``w (t, m) + O_l(c, a) > B``.  The bl
 (P_1 = F) is bounded by ``O_1``, the rest by ``f^n``.  The lengths are at most two per
 level, so all of it is O(log n) min-plus products (:meth:`.minsum.MinSumChain.outside`).
 Rows: time, memory, and when the cap binds the Lagrange slope lam*
-(Eisner-Severance as :func:`.dp._lagrange`) and lam* x 2^-4..2^4.  Windows
-(:func:`.dp._window`) skip the pairs of the second factor that the time and memory rows
+(Eisner-Severance as :func:`.lagrange.lagrange_slope`) and lam* x 2^-4..2^4.  Windows
+(:func:`.pareto.pair_window`) skip the pairs of the second factor that the time and memory rows
 already rule out.
 
 Target: iterative deepening (:func:`_deepen`).  ``lb`` is the Lagrange lower bound
@@ -74,7 +74,6 @@ target: no heuristic, no thinning.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,21 +81,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dp
-from .dp import (
-    _LAMBDA_GRID,
-    _bounds,
-    _limits,
-    _pareto_keep,
-    _pareto_pass,
-    _Tab,
-    _tol,
-    _window,
-    min_memory,
-)
-from .elimination import _Model
+from .dp import min_memory
+from .lagrange import LAMBDA_GRID
 from .minsum import MinSumChain, halving
+from .pareto import ParetoTable, min_sum_bounds, pair_window, pareto_keep, pareto_pass, row_limits, tol
 from .problem import INF, InfeasibleError, SearchProblem, Solution
-from .split import ChainError, _Part, _split
+from .split import ChainError, split_blocks
+from .tables import PortTable
 
 __all__ = ["ChainError", "solve_chain"]
 
@@ -104,65 +95,6 @@ logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 22  # pair combinations formed at once in a product
 _DEEPEN_FIRST = 2.0**-12  # first target lb + (ub - lb) x this, then the slack doubles (:func:`_deepen`)
-
-
-# ---- a part's table over its two states -----------------------------------------------------
-class _Table:
-    """A part eliminated down to its port nodes: per (left state, right state) entry."""
-
-    def __init__(self, part: _Part, k_states: int) -> None:
-        self.part = part
-        self.model = _Model(part.problem, keep=frozenset(part.left + part.right), width_budget=dp.WIDTH_BUDGET)
-        model, k = self.model, self.model.k
-        scope = model.steps[-1].scope
-        self.shape = tuple(k[v] for v in scope)
-        coords = np.unravel_index(np.arange(math.prod(self.shape)), self.shape) if scope else ()
-        full = {v: np.full(coords[0].size if scope else 1, model.allowed[v][0]) for v in part.left + part.right}
-        for v, c in zip(scope, coords):
-            full[v] = model.allowed[v][c]
-        ks = part.problem.num_choices
-        a = np.ravel_multi_index(tuple(full[v] for v in part.left), tuple(ks[v] for v in part.left))
-        b = np.ravel_multi_index(tuple(full[v] for v in part.right), tuple(ks[v] for v in part.right))
-        self.grid = np.asarray(a * k_states + b, np.int64).reshape(-1)  # final entry -> state pair
-        self.k_states = k_states
-
-    def to_grid(self, vals: np.ndarray) -> np.ndarray:
-        """(rows, *final scope) -> (rows, K, K), inf where no entry."""
-        rows = vals.shape[0]
-        out = np.full((rows, self.k_states * self.k_states), np.inf)
-        out[:, self.grid] = vals.reshape(rows, -1)
-        return out.reshape(rows, self.k_states, self.k_states)
-
-    def from_grid(self, grid: np.ndarray) -> np.ndarray:
-        rows = grid.shape[0]
-        return grid.reshape(rows, -1)[:, self.grid].reshape((rows,) + self.shape)
-
-    def reduced(self, state_pair: int) -> np.ndarray:
-        """The model's reduced choice vector with the kept nodes set for a state pair."""
-        red = np.zeros(len(self.model.k), np.int64)
-        e = int(np.flatnonzero(self.grid == state_pair)[0])
-        if self.shape:
-            for v, c in zip(self.model.steps[-1].scope, np.unravel_index(e, self.shape)):
-                red[v] = c
-        return red
-
-    def argmin_choice(self, args: dict, row: int, state_pair: int) -> tuple[int, ...]:
-        red = self.reduced(state_pair)
-        for st in reversed(self.model.steps):
-            if st.var >= 0:
-                red[st.var] = args[st.out][(row,) + tuple(red[v] for v in st.scope)]
-        return self.model.original_choice(red)
-
-    def pareto_choice(self, tabs: list, pair: int, state_pair: int) -> tuple[int, ...]:
-        red = self.reduced(state_pair)
-        stack = [(self.model.final, pair)]
-        while stack:
-            tid, p = stack.pop()
-            st, tab = self.model.step_of[tid], tabs[tid]
-            if st.var >= 0:
-                red[st.var] = tab.xs[p]
-            stack.extend((kid, int(tab.bp[p, j])) for j, kid in enumerate(st.inputs) if kid >= self.model.n_orig)
-        return self.model.original_choice(red)
 
 
 # ---- Pareto tables over state pairs ----------------------------------------------------------
@@ -195,7 +127,7 @@ def _csr(g: np.ndarray, n_entries: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.bincount(g, minlength=n_entries))])
 
 
-def _leaf(table: _Table, tab) -> _Seg:
+def _leaf(table: PortTable, tab) -> _Seg:
     """The block's final Pareto table laid onto the state grid."""
     ent = np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))
     g = table.grid[ent]
@@ -218,7 +150,7 @@ def _product(a: _Seg, b: _Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.n
     na, nb = ca.reshape(-1)[ea], cb.reshape(-1)[eb]
     n = na * nb
     parts: list[tuple[np.ndarray, ...]] = []
-    btab = _Tab(b.off, b.t, b.m)
+    btab = ParetoTable(b.off, b.t, b.m)
     pure_t = np.flatnonzero((w[:, 1] == 0) & np.isfinite(lim[:, 0]))
     pure_m = np.flatnonzero((w[:, 0] == 0) & np.isfinite(lim[:, 0]))
     cum = np.concatenate([[0], np.cumsum(n)])
@@ -234,10 +166,10 @@ def _product(a: _Seg, b: _Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.n
         tri, pa = tri[fit], pa[fit]
         g = ec[tri]
         # b's pairs that fit beside this pair of a: one range of the entry (t up, m down), cut by
-        # the time and memory rows (as dp._window)
+        # the time and memory rows (as pareto.pair_window)
         qt = ((lim[pure_t] - out[pure_t][:, g]) / w[pure_t, :1]).min(axis=0) - a.t[pa] if pure_t.size else None
         qm = ((lim[pure_m] - out[pure_m][:, g]) / w[pure_m, 1:]).min(axis=0) - a.m[pa] if pure_m.size else None
-        lo, hi = _window(btab, eb[tri], qt, qm)
+        lo, hi = pair_window(btab, eb[tri], qt, qm)
         cnt = hi - lo
         rep = np.repeat(np.arange(tri.size), cnt)
         pb = lo[rep] + np.arange(rep.size) - (np.cumsum(cnt) - cnt)[rep]
@@ -250,7 +182,7 @@ def _product(a: _Seg, b: _Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.n
         rep, pb = rep[alive], pb[alive]
         pa, tri = pa[rep], tri[rep]
         t, m, g = a.t[pa] + b.t[pb], a.m[pa] + b.m[pb], g[rep]
-        keep = _pareto_keep(g, t, m)
+        keep = pareto_keep(g, t, m)
         parts.append((g[keep], t[keep], m[keep], mid[tri[keep]], pa[keep], pb[keep]))
     if not parts:
         e = np.zeros(0, np.int64)
@@ -258,7 +190,7 @@ def _product(a: _Seg, b: _Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.n
             np.zeros(k * k + 1, np.int64), e, e, a.blocks + b.blocks, halves=(a, b), bp=np.zeros((0, 3), np.int64)
         )
     g, t, m, mid, pa, pb = (np.concatenate(x) for x in zip(*parts))
-    sel = _pareto_keep(g, t, m) if len(parts) > 1 else np.arange(g.size)
+    sel = pareto_keep(g, t, m) if len(parts) > 1 else np.arange(g.size)
     g, t, m, mid, pa, pb = g[sel], t[sel], m[sel], mid[sel], pa[sel], pb[sel]
     return _Seg(_csr(g, k * k), t, m, a.blocks + b.blocks, halves=(a, b), bp=np.stack([mid, pa, pb], 1))
 
@@ -323,9 +255,10 @@ def _expand(seg: _Seg, a: int, c: int, pair: int) -> list[tuple[int, int, int]]:
 class _Chain:
     def __init__(self, problem: SearchProblem, blocks: list[list[int]]) -> None:
         self.problem, self.blocks = problem, blocks
-        f_part, r_part, self.k, self.port = _split(problem, blocks)
+        f_part, r_part, self.k, self.port = split_blocks(problem, blocks)
         self.n = len(blocks) - 1
-        self.ftab, self.rtab = _Table(f_part, self.k), _Table(r_part, self.k)
+        self.ftab = PortTable(f_part, self.k, dp.WIDTH_BUDGET)
+        self.rtab = PortTable(r_part, self.k, dp.WIDTH_BUDGET)
         self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
         self._base: tuple | None = None
 
@@ -372,14 +305,14 @@ class _Chain:
 
 
 def _lagrange_rows(chain: _Chain, fast, small, cap: int, seen: list) -> float:
-    """Eisner-Severance on the hull (as :func:`.dp._lagrange`), with the chain's min-sum."""
+    """Eisner-Severance on the hull (as :func:`.lagrange.lagrange_slope`), with the chain's min-sum."""
     lam = 0.0
     for _ in range(64):
         lam = max(0.0, (small[0] - fast[0]) / max(fast[1] - small[1], 1))
         p = chain.scalar_plans(MinSumChain(chain.ftab, chain.rtab, chain.n, np.array([[1.0, lam]])))[0]
         seen.append(p)
         line = fast[0] + lam * fast[1]
-        if p[0] + lam * p[1] >= line - _tol(line):
+        if p[0] + lam * p[1] >= line - tol(line):
             break
         fast, small = (fast, p) if p[1] <= cap else (p, small)
     return lam
@@ -421,14 +354,14 @@ def solve_chain(
             seen.append(small)
         lam = _lagrange_rows(chain, fast, small, cap, seen)
         # lam* and the slopes around it (as dp's grid): a pair's completion trades at its own rate
-        w = np.concatenate([w, [[1.0, lam]], [[1.0, lam * f] for f in _LAMBDA_GRID]])
+        w = np.concatenate([w, [[1.0, lam]], [[1.0, lam * f] for f in LAMBDA_GRID]])
         sc = MinSumChain(chain.ftab, chain.rtab, chain.n, w)
         seen += chain.scalar_plans(sc)[2:]
     ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
     tick("bounds", 2, 4)
     bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n
-        _bounds(chain.ftab.model, w, sc.fvals, chain.ftab.from_grid(sc.outside()[1].transpose(0, 2, 1))),
-        _bounds(chain.rtab.model, w, sc.rvals, chain.rtab.from_grid(sc.power())),
+        min_sum_bounds(chain.ftab.model, w, sc.fvals, chain.ftab.from_grid(sc.outside()[1].transpose(0, 2, 1))),
+        min_sum_bounds(chain.rtab.model, w, sc.rvals, chain.rtab.from_grid(sc.power())),
     )
     stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
     stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
@@ -474,7 +407,7 @@ def _deepen(chain: _Chain, sc: MinSumChain, bounds: tuple, lb: float, ub: int, c
     plans: list = []
     passes, slack = 0, (ub - lb) * _DEEPEN_FIRST
     while True:
-        target = ub if ub - lb <= _tol(ub) else min(ub, int(lb + slack))
+        target = ub if ub - lb <= tol(ub) else min(ub, int(lb + slack))
         passes, slack = passes + 1, 2 * slack
         found, stats = _pass(chain, sc, bounds, target, cap)
         if found is not None:
@@ -492,12 +425,12 @@ def _pass(chain: _Chain, sc: MinSumChain, bounds: tuple, ub: int, cap: int | Non
     re-evaluated, or None when there is none."""
     problem, k, w = chain.problem, chain.k, sc.w
     fb, rb = bounds
-    lim_rows = _limits(fb, float(ub), cap)
-    lim = (lim_rows + _tol(lim_rows))[:, None]
-    ftabs, fstats = _pareto_pass(chain.ftab.model, fb, lim_rows)
+    lim_rows = row_limits(fb, float(ub), cap)
+    lim = (lim_rows + tol(lim_rows))[:, None]
+    ftabs, fstats = pareto_pass(chain.ftab.model, fb, lim_rows)
     leaf = _leaf(chain.ftab, ftabs[chain.ftab.model.final])
     g = _power(leaf, chain.n, k, w, sc.outside(), lim)
-    rtabs, rstats = _pareto_pass(chain.rtab.model, rb, lim_rows)
+    rtabs, rstats = pareto_pass(chain.rtab.model, rb, lim_rows)
     rest = _leaf(chain.rtab, rtabs[chain.rtab.model.final])
     stats = {"block_pairs": int(leaf.t.size), "chain_pairs": int(g.t.size), "rest_pairs": int(rest.t.size)}
     best = _finish(rest, g, k, cap)

@@ -1,33 +1,35 @@
 """The elimination model: the search problem as factor tables, an elimination plan over
-them, and its min-sum passes.  :mod:`.dp` runs the plan over Pareto sets; :mod:`.minsum`
-and :mod:`.minibucket` use the min-sum passes directly.
+them, and its min-sum passes.  :mod:`.pareto` runs the plan over Pareto sets (for
+:mod:`.dp` and :mod:`.chain`); :mod:`.lagrange`, :mod:`.minsum` and :mod:`.minibucket` use
+the min-sum passes directly.
 
-Factors (:class:`_Model`).  Over the allowed strategies (INF and arc consistency, then
+Factors (:class:`EliminationModel`).  Over the allowed strategies (INF and arc consistency, then
 dominance: :func:`.prune.prune_dominated`), node i gives a unary factor, edge (u, v) a
 binary one, summed per scope into a table holding, per assignment of its scope, one
 (t, m) pair, or none where a choice or pair is forbidden (``t``, ``m``, ``ok``).
 
-Order (:func:`_order`).  Greedy, smallest new table first, ties in topological order:
+Order (:func:`elimination_order`).  Greedy, smallest new table first, ties in topological order:
 parameters (leaves) fold into their consumer, chain ops into an edge, residual blocks
 reduce series-parallel, one front sweeps the stream.  Nodes in ``keep`` (a :mod:`.chain`
 part's ports) are never eliminated: the final table is over them, not a scalar.
 
-Buckets (:class:`_Step`).  Eliminating x takes its bucket ``F_1..F_r`` (the live tables
+Buckets (:class:`Step`).  Eliminating x takes its bucket ``F_1..F_r`` (the live tables
 whose scope holds x) to a new table ``g(s)`` through a joint table over (s, x), each input
 laid onto the joint axes (:func:`_bc`); the last step (x = -1) adds up what is left.  The
 width is the largest joint table's cells per weight row.  With ``budget`` (mini-buckets,
-:mod:`.minibucket`) a bucket whose joint table would exceed it is split into parts, each
-eliminating x on its own; with ``width_budget`` (a :mod:`.chain` part) a plan wider than
-it raises :class:`.ChainError`, so the planner solves flat.
+:mod:`.minibucket`) a bucket whose joint table would exceed it is split into parts
+(:func:`mini_buckets`: greedy first-fit, largest table first), each eliminating x on its
+own; with ``width_budget`` (a :mod:`.chain` part) a plan wider than it raises
+:class:`.ChainError`, so the planner solves flat.
 
-Min-sum (:func:`_inside`, :func:`_outside`: the plan's order, then its reverse).  With
+Min-sum (:func:`inside`, :func:`outside`: the plan's order, then its reverse).  With
 weight rows (w_t, w_m), every table gets ``I_g(s)``, the least ``w_t t + w_m m`` below it,
 and ``O_g(s)``, the same least over all factors not below g::
 
     I_g(s) = min_x sum_j I_{F_j}(s, x)
     O_{F_j}(s_j) = min over (s, x) \\ s_j of [ O_g(s) + sum_{l != j} I_{F_l}(s, x) ]
 
-:func:`_argmin_at` decodes one plan per row from the inside values, in reverse order.
+:func:`argmin_at` decodes one plan per row from the inside values, in reverse order.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .prune import prune_dominated
 from .split import ChainError
 
 
-def _order(scopes: list[tuple[int, ...]], k: list[int], keep: frozenset[int] = frozenset()) -> list[int]:
+def elimination_order(scopes: list[tuple[int, ...]], k: list[int], keep: frozenset[int] = frozenset()) -> list[int]:
     """Greedy elimination order: smallest new table (product of the neighbours' k)
     first, ties in topological order, so one front sweeps from input to loss.
     Nodes in ``keep`` are never eliminated (they stay in the final table's scope)."""
@@ -71,8 +73,26 @@ def _order(scopes: list[tuple[int, ...]], k: list[int], keep: frozenset[int] = f
     return order
 
 
+def mini_buckets(
+    inputs: tuple[int, ...], scopes: list[tuple[int, ...]], k: list[int], var: int, budget: int
+) -> list[tuple[int, ...]]:
+    """Parts of the bucket ``inputs`` (tables eliminating ``var``) whose joint tables, over
+    their scopes and ``var``, hold at most ``budget`` cells: greedy first-fit, largest table
+    first.  A table alone over the budget gets a part of its own."""
+    parts: list[tuple[list[int], set[int]]] = []
+    for tid in sorted(inputs, key=lambda t: (-math.prod(k[w] for w in scopes[t]), t)):
+        for members, scope in parts:
+            if math.prod(k[w] for w in scope | set(scopes[tid])) <= budget:
+                members.append(tid)
+                scope.update(scopes[tid])
+                break
+        else:
+            parts.append(([tid], set(scopes[tid]) | {var}))
+    return [tuple(sorted(members)) for members, _ in parts]
+
+
 @dataclass(slots=True)
-class _Step:
+class Step:
     """One bucket: eliminate ``var`` (-1: add up the final scalars) from ``inputs``."""
 
     var: int
@@ -84,13 +104,13 @@ class _Step:
     out: int
 
 
-class _Model:
+class EliminationModel:
     """The problem as factors over the allowed strategies, and an elimination plan.
 
     ``keep``: nodes left uneliminated; the final table is then over them (a marginal
     Pareto table, as :mod:`.chain` uses), not a scalar.  ``budget``: mini-buckets (see
     :meth:`_plan`).  ``width_budget``: a plan whose largest joint table holds more cells
-    per weight row raises :class:`.ChainError` (:mod:`.chain` passes ``dp.WIDTH_BUDGET``)."""
+    per weight row raises :class:`.ChainError` (:class:`.tables.PortTable` passes ``dp.WIDTH_BUDGET``)."""
 
     def __init__(
         self,
@@ -125,7 +145,7 @@ class _Model:
         scopes = list(acc)
         self.t, self.m, self.ok = ([acc[s][i] for s in scopes] for i in range(3))
         self.n_orig = len(scopes)
-        self._plan(scopes, _order(scopes, k, keep), budget)
+        self._plan(scopes, elimination_order(scopes, k, keep), budget)
         if width_budget is not None and self.width > width_budget:
             raise ChainError(
                 f"a part's elimination needs a joint table of {self.width} cells per weight row, over the width "
@@ -141,8 +161,8 @@ class _Model:
         for tid, s in enumerate(scopes):
             for v in s:
                 holding[v].add(tid)
-        self.steps: list[_Step] = []
-        self.step_of: dict[int, _Step] = {}
+        self.steps: list[Step] = []
+        self.step_of: dict[int, Step] = {}
         self.buckets: dict[int, tuple[int, ...]] = {}  # node -> every table its bucket held (decoding)
         live = set(range(len(scopes)))
         for v in order + [-1]:
@@ -156,8 +176,6 @@ class _Model:
             if budget is None or v < 0:
                 parts = [inputs]
             else:
-                from .minibucket import mini_buckets  # (it imports this module)
-
                 parts = mini_buckets(inputs, scopes, k, v, budget)
             for part in parts:
                 step = self._step(scopes, v, part)
@@ -168,7 +186,7 @@ class _Model:
         self.final = self.steps[-1].out
         self.width = max((math.prod(st.shape) for st in self.steps), default=1)  # cells per weight row
 
-    def _step(self, scopes: list[tuple[int, ...]], v: int, inputs: tuple[int, ...]) -> _Step:
+    def _step(self, scopes: list[tuple[int, ...]], v: int, inputs: tuple[int, ...]) -> Step:
         k = self.k
         scope = tuple(sorted({w for tid in inputs for w in scopes[tid]} - {v}))
         joint = scope + ((v,) if v >= 0 else ())
@@ -178,7 +196,7 @@ class _Model:
             bshape = [k[w] if w in scopes[tid] else 1 for w in joint]
             poss.append(pos)
             bcast.append(((0,) + tuple(int(p) + 1 for p in np.argsort(pos)), tuple(bshape)))
-        step = _Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), tuple(poss), len(scopes))
+        step = Step(v, inputs, scope, tuple(k[w] for w in joint), tuple(bcast), tuple(poss), len(scopes))
         scopes.append(scope)
         self.steps.append(step)
         self.step_of[step.out] = step
@@ -188,13 +206,13 @@ class _Model:
         return tuple(int(self.allowed[i][reduced[i]]) for i in range(len(self.k)))
 
 
-def _bc(step: _Step, j: int, arr: np.ndarray) -> np.ndarray:
+def _bc(step: Step, j: int, arr: np.ndarray) -> np.ndarray:
     """Input j's (rows, *scope) table laid onto the step's joint axes (size 1 where it has none)."""
     perm, bshape = step.bcast[j]
     return arr.transpose(perm).reshape((arr.shape[0],) + bshape)
 
 
-def _joint(step: _Step, vals: list, skip: int = -1) -> np.ndarray:
+def _joint(step: Step, vals: list, skip: int = -1) -> np.ndarray:
     acc: np.ndarray | float = 0.0
     for j, tid in enumerate(step.inputs):
         if j != skip:
@@ -211,10 +229,10 @@ def _add(acc: np.ndarray | float, x: np.ndarray) -> np.ndarray:
     return acc + x
 
 
-def _inside(model: _Model, w: np.ndarray, argmins: bool = True) -> tuple[list, dict[int, np.ndarray]]:
+def inside(model: EliminationModel, w: np.ndarray, argmins: bool = True) -> tuple[list, dict[int, np.ndarray]]:
     """Min-sum elimination of ``w[b, 0] T + w[b, 1] M`` for every row b at once:
     inside values (rows, *scope) of every table, and (``argmins``) the argmins.
-    Without them :func:`_argmin_at` recovers one plan's choices: an argmin over the
+    Without them :func:`argmin_at` recovers one plan's choices: an argmin over the
     whole joint table costs as much as the min itself."""
     vals: list = []
     for t, m, ok in zip(model.t, model.m, model.ok):
@@ -232,7 +250,7 @@ def _inside(model: _Model, w: np.ndarray, argmins: bool = True) -> tuple[list, d
     return vals, args
 
 
-def _argmin_at(model: _Model, var: int, vals: list, red: np.ndarray) -> np.ndarray:
+def argmin_at(model: EliminationModel, var: int, vals: list, red: np.ndarray) -> np.ndarray:
     """Per row b, the argmin over ``var`` of the sum of its bucket's tables at the choices
     ``red[b]`` of the nodes eliminated after it: the exact joint's line summed as
     :func:`_joint` sums it (same floats, so the same argmin as ``joint.argmin(axis=-1)``);
@@ -246,7 +264,7 @@ def _argmin_at(model: _Model, var: int, vals: list, red: np.ndarray) -> np.ndarr
     return np.broadcast_to(acc, (red.shape[0], model.k[var])).argmin(axis=-1)
 
 
-def _outside(model: _Model, vals: list, final_out: np.ndarray | None = None) -> list:
+def outside(model: EliminationModel, vals: list, final_out: np.ndarray | None = None) -> list:
     """Outside value of every eliminated table (the reverse pass of the docstring);
     ``final_out`` (rows, *final scope): a lower bound on what lies outside the model."""
     rows = vals[0].shape[0]

@@ -6,30 +6,31 @@ ops into one bucket), :func:`solve_approx` replaces it.  Same objective and cons
 as :func:`.dp.solve_dp` (min ``T`` subject to ``M <= cap``); a bound, rarely a proof.
 
 Mini-buckets (Dechter and Rish 2003).  Eliminating x with bucket ``F_1..F_r`` is split:
-the bucket's tables are partitioned (:func:`mini_buckets`, greedy first-fit, largest
-scope first) into parts ``Q_1..Q_p`` whose joint tables fit the budget, and each part is
-eliminated on its own, ``g_q(s_q) = min_x sum_(F in Q_q) F(s_q, x)``.  Since
+the bucket's tables are partitioned (:func:`.elimination.mini_buckets`, greedy
+first-fit, largest scope first) into parts ``Q_1..Q_p`` whose joint tables fit the
+budget, and each part is eliminated on its own, ``g_q(s_q) = min_x sum_(F in Q_q) F(s_q, x)``.  Since
 ``min_x (f + h) >= min_x f + min_x h``, every table's min-sum is a lower bound of the
 exact one, for every weight row ``w``: the final value ``L_w`` bounds
 ``min_c w_t T(c) + w_m M(c)`` from below.  So
 
 * ``L_(1, 0)`` bounds the optimum's time, ``L_(0, 1)`` the least memory (above the cap:
   infeasibility is proven), and ``L_(1, lam) - lam cap`` the optimum under the cap
-  (weak duality, as :func:`.dp._lagrange`);
+  (weak duality, as :func:`.lagrange.lagrange_slope`);
 * decoding in reverse order, each node's argmin of the sum of *all* its bucket's tables
-  (every part's) at the choices already made (:func:`.elimination._argmin_at`), gives real plans,
-  re-evaluated exactly (:meth:`.SearchProblem.evaluate`).
+  (every part's) at the choices already made (:func:`.elimination.argmin_at`), gives real
+  plans, re-evaluated exactly (:meth:`.SearchProblem.evaluate`).
 
 Plans (:func:`solve_approx`): the time and memory rows, then Eisner-Severance for lam*
-(:func:`.dp._lagrange`) and the slopes lam* x 2^-4..2^4 as in :func:`.dp.solve_dp`.  Then
-two local searches, each keeping only moves that leave a plan free of forbidden pairs,
+(:func:`.lagrange.lagrange_slope`) and the slopes lam* x 2^-4..2^4 as in
+:func:`.dp.solve_dp`.  Then two local searches, each keeping only moves that leave a plan free of forbidden pairs,
 under the cap, and faster (or as fast and smaller):
 
 * iterated conditional modes (:class:`_Local`), from every plan met (one over the cap may
   be repaired): per node, the best strategy given its neighbours' choices, to a fixpoint;
 * windows (:func:`_windows`, large-neighbourhood search) from the best: with the nodes
   outside a window fixed, the window is a smaller problem (edges to fixed nodes fold into
-  unary costs, the cap drops by the fixed nodes' memory) solved by :func:`.dp.solve_dp`.
+  unary costs, the cap drops by the fixed nodes' memory) solved by :func:`.dp.solve_dp`
+  (which passes itself in: ``solve_window``).
   The windows (:func:`_window_sets`): the complement of a cutset (cutset conditioning: the
   most connected nodes, shared weights first, fixed until the rest's elimination fits
   ``_CUTSET_WIDTH`` cells, :func:`_cutset`), solved once with the coarsest thinned pass
@@ -55,14 +56,19 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from .dp import _GRID_GAP, _LAMBDA_GRID, _lagrange, _pareto_keep, _plans, _Point, _tol
-from .elimination import _Model, _order
+from .elimination import EliminationModel, elimination_order, mini_buckets
+from .lagrange import GRID_GAP, LAMBDA_GRID, Point, argmin_plans, lagrange_slope
+from .pareto import pareto_keep, tol
 from .problem import INF, InfeasibleError, SearchProblem, Solution
 
 __all__ = ["mini_buckets", "solve_approx", "approx_min_memory"]
+
+#: The search that re-solves a window: ``solve_window(problem, thinned_only=...)``.
+WindowSolver = Callable[..., Solution]
 
 logger = logging.getLogger(__name__)
 
@@ -73,28 +79,10 @@ _WINDOW_SWEEPS = 3  # windows: at most this many sweeps over them
 _CUTSET_WIDTH = 2**15  # the cutset's complement: width (cells) of its elimination, at most (measured below)
 
 
-def mini_buckets(
-    inputs: tuple[int, ...], scopes: list[tuple[int, ...]], k: list[int], var: int, budget: int
-) -> list[tuple[int, ...]]:
-    """Parts of the bucket ``inputs`` (tables eliminating ``var``) whose joint tables, over
-    their scopes and ``var``, hold at most ``budget`` cells: greedy first-fit, largest table
-    first.  A table alone over the budget gets a part of its own."""
-    parts: list[tuple[list[int], set[int]]] = []
-    for tid in sorted(inputs, key=lambda t: (-math.prod(k[w] for w in scopes[t]), t)):
-        for members, scope in parts:
-            if math.prod(k[w] for w in scope | set(scopes[tid])) <= budget:
-                members.append(tid)
-                scope.update(scopes[tid])
-                break
-        else:
-            parts.append(([tid], set(scopes[tid]) | {var}))
-    return [tuple(sorted(members)) for members, _ in parts]
-
-
 class _Local:
     """Iterated conditional modes over the model's allowed strategies (exact int64 deltas)."""
 
-    def __init__(self, model: _Model) -> None:
+    def __init__(self, model: EliminationModel) -> None:
         problem = self.problem = model.problem
         self.allowed = model.allowed
         self.incident: list[list[tuple[np.ndarray, np.ndarray | None, int]]] = [[] for _ in range(problem.n_nodes)]
@@ -124,14 +112,14 @@ class _Local:
         over = np.zeros_like(m) if cap is None else np.maximum(m - cap, 0)
         return (m, t, over, bad)  # np.lexsort: the last key is the primary one
 
-    def improve(self, choice: tuple[int, ...], cap: int | None, by_memory: bool = False) -> _Point:
+    def improve(self, choice: tuple[int, ...], cap: int | None, by_memory: bool = False) -> Point:
         """Node by node, the strategy with the least key given the neighbours' choices
         (:meth:`_key`: first fewer forbidden pairs, then under the cap, then the least (T, M),
         or with ``by_memory`` the least (M, T)), to a fixpoint or ``_SWEEPS`` sweeps.  Forbidden
         entries count in ``bad``, not in the time, so the sums stay exact in int64."""
         red = self.reduced(choice)
         if red is None:
-            return _Point(*self.problem.evaluate(choice), choice)
+            return Point(*self.problem.evaluate(choice), choice)
         problem = self.problem
         nodes = [(problem.node_time[v][al], problem.node_mem[v][al]) for v, al in enumerate(self.allowed)]
         terms = [(t[red[v]], m[red[v]]) for v, (t, m) in enumerate(nodes)]
@@ -167,7 +155,7 @@ class _Local:
         got = problem.evaluate(out)
         if bad == 0 and got != (tt, mm):
             raise AssertionError(f"local search: plan re-evaluates to {got}, the deltas said {(tt, mm)}")
-        return _Point(*got, out)
+        return Point(*got, out)
 
 
 def _window_problem(problem: SearchProblem, nodes: list[int], choice: tuple[int, ...]) -> SearchProblem:
@@ -193,8 +181,9 @@ def _window_problem(problem: SearchProblem, nodes: list[int], choice: tuple[int,
 
 
 def _width(problem: SearchProblem, k: list[int], gone: set[int]) -> int:
-    """Largest joint table (cells) of the greedy elimination (:func:`.elimination._order`) of the
-    problem without the nodes ``gone`` (fixed: their edges fold into unary costs)."""
+    """Largest joint table (cells) of the greedy elimination
+    (:func:`.elimination.elimination_order`) of the problem without the nodes ``gone``
+    (fixed: their edges fold into unary costs)."""
     scopes = [(u, v) for u, v in problem.edges if u not in gone and v not in gone and k[u] > 1 and k[v] > 1]
     kk = [1 if v in gone else k[v] for v in range(len(k))]
     adj: dict[int, set[int]] = {v: set() for v in range(len(k)) if kk[v] > 1}
@@ -202,7 +191,7 @@ def _width(problem: SearchProblem, k: list[int], gone: set[int]) -> int:
         adj[u].add(v)
         adj[v].add(u)
     width = 1
-    for v in _order(scopes, kk):
+    for v in elimination_order(scopes, kk):
         nbrs = adj.pop(v)
         width = max(width, kk[v] * math.prod(kk[w] for w in nbrs))
         for w in nbrs:
@@ -245,14 +234,14 @@ def _window_sets(problem: SearchProblem, k: list[int], budget: int) -> list[list
     return [[v for v in nodes if k[v] > 1] for nodes in sets]
 
 
-def _windows(problem: SearchProblem, k: list[int], point: _Point, budget: int) -> tuple[_Point, int]:
+def _windows(
+    problem: SearchProblem, k: list[int], point: Point, budget: int, solve_window: WindowSolver
+) -> tuple[Point, int]:
     """Large-neighbourhood search: re-solve windows (:func:`_window_sets`) with the rest
-    fixed (:func:`.dp.solve_dp` on :func:`_window_problem`, under the cap less the fixed
-    nodes' memory; the first, wide, window once and thinned), keeping each better plan, to
-    a fixpoint or ``_WINDOW_SWEEPS`` sweeps.  A window too wide for ``budget`` is skipped.
+    fixed (``solve_window``, i.e. :func:`.dp.solve_dp`, on :func:`_window_problem`, under the
+    cap less the fixed nodes' memory; the first, wide, window once and thinned), keeping
+    each better plan, to a fixpoint or ``_WINDOW_SWEEPS`` sweeps.  A window too wide for ``budget`` is skipped.
     Returns the plan and the number of windows that improved it."""
-    from .dp import solve_dp  # (it imports this module lazily)
-
     cap, wins, sets = problem.mem_cap_bytes, 0, [w for w in _window_sets(problem, k, budget) if w]
     for sweep in range(_WINDOW_SWEEPS):
         better = False
@@ -260,16 +249,16 @@ def _windows(problem: SearchProblem, k: list[int], point: _Point, budget: int) -
             sub = _window_problem(problem, nodes, point.choice)
             t_in, m_in = sub.evaluate([point.choice[v] for v in nodes])
             fixed_t, fixed_m = point.time - t_in, point.mem - m_in
-            if _Model(sub).width > budget:
+            if EliminationModel(sub).width > budget:
                 continue
             sub = sub.with_cap(None if cap is None else cap - fixed_m)
-            got = solve_dp(sub, thinned_only=nodes is sets[0])  # the wide one: bounded Pareto sets
-            sol = _Point(got.time, got.mem_bytes, got.choice)
+            got = solve_window(sub, thinned_only=nodes is sets[0])  # the wide one: bounded Pareto sets
+            sol = Point(got.time, got.mem_bytes, got.choice)
             if (fixed_t + sol.time, fixed_m + sol.mem) < (point.time, point.mem):
                 choice = list(point.choice)
                 for v, c in zip(nodes, sol.choice):
                     choice[v] = c
-                point, better, wins = _Point(*problem.evaluate(choice), tuple(choice)), True, wins + 1
+                point, better, wins = Point(*problem.evaluate(choice), tuple(choice)), True, wins + 1
                 if (point.time, point.mem) != (fixed_t + sol.time, fixed_m + sol.mem):
                     raise AssertionError(f"window search: plan re-evaluates to {point[:2]}, the window said otherwise")
         if not better:
@@ -277,24 +266,24 @@ def _windows(problem: SearchProblem, k: list[int], point: _Point, budget: int) -
     return point, wins
 
 
-def _batched_plans(model: _Model, w: np.ndarray) -> tuple[list[_Point], np.ndarray]:
-    """:func:`.dp._plans` in batches of ``_ROWS_AT_ONCE`` rows: the plans, and the final
+def _batched_plans(model: EliminationModel, w: np.ndarray) -> tuple[list[Point], np.ndarray]:
+    """:func:`.lagrange.argmin_plans` in batches of ``_ROWS_AT_ONCE`` rows: the plans, and the final
     lower bound of each row."""
     pts, finals = [], []
     for i in range(0, len(w), _ROWS_AT_ONCE):
-        p, vals = _plans(model, w[i : i + _ROWS_AT_ONCE])
+        p, vals = argmin_plans(model, w[i : i + _ROWS_AT_ONCE])
         pts += p
         finals.append(np.asarray(vals[model.final], float).reshape(-1))
     return pts, np.concatenate(finals)
 
 
-def _approx_stats(model: _Model, exact_width: int, budget: int) -> dict:
+def _approx_stats(model: EliminationModel, exact_width: int, budget: int) -> dict:
     why = f"the exact elimination's largest joint table has {exact_width} cells per weight row > budget {budget}"
     return {"nodes": model.problem.n_nodes, "approximate": True, "why": why, "exact_width": exact_width,
             "budget": budget, "width": model.width, "steps": len(model.steps)}  # fmt: skip
 
 
-def _least_memory(model: _Model, local: _Local, exact_width: int, budget: int) -> tuple[_Point, float]:
+def _least_memory(model: EliminationModel, local: _Local, exact_width: int, budget: int) -> tuple[Point, float]:
     """The least-memory plan found (memory row, then local search) and the memory row's bound."""
     (small,), finals = _batched_plans(model, np.array([[0.0, 1.0]]))
     small = local.improve(small.choice, None, by_memory=True)
@@ -313,18 +302,28 @@ def _no_allowed(problem: SearchProblem, exact_width: int, budget: int) -> str:
 
 def approx_min_memory(problem: SearchProblem, exact_width: int, budget: int, start: float) -> Solution:
     """The least-memory plan found (not proven least): :func:`.dp.min_memory` past the budget."""
-    model = _Model(problem, budget=budget)
+    model = EliminationModel(problem, budget=budget)
     small, lb = _least_memory(model, _Local(model), exact_width, budget)
     stats = _approx_stats(model, exact_width, budget)
     stats.update(lower_bound=lb, gap=(small.mem - lb) / max(abs(small.mem), 1), solve_s=time.perf_counter() - start)
     return Solution(small.choice, small.time, small.mem, False, "dp", stats["solve_s"], stats)
 
 
-def solve_approx(problem: SearchProblem, exact_width: int, budget: int, *, frontier: bool, start: float) -> Solution:
+def solve_approx(
+    problem: SearchProblem,
+    exact_width: int,
+    budget: int,
+    *,
+    frontier: bool,
+    start: float,
+    solve_window: WindowSolver,
+) -> Solution:
     """:func:`.dp.solve_dp` past the width budget (module docstring): the fastest plan found
     under the cap (``optimal`` only when the time bound proves it), with the lower bound and
-    the gap in ``stats``."""
-    model = _Model(problem, budget=budget)
+    the gap in ``stats``.  ``solve_window(problem, thinned_only=...)`` re-solves a window
+    (:func:`_windows`): :func:`.dp.solve_dp` passes itself, so a window is searched as any
+    problem is, and this module need not import the search that calls it."""
+    model = EliminationModel(problem, budget=budget)
     local = _Local(model)
     cap = problem.mem_cap_bytes
     stats = _approx_stats(model, exact_width, budget)
@@ -338,7 +337,7 @@ def solve_approx(problem: SearchProblem, exact_width: int, budget: int, *, front
         small, lb_m = _least_memory(model, local, exact_width, budget)
         seen.append(small)
         if cap is not None and small.mem > cap:
-            proven = lb_m > cap + _tol(cap)
+            proven = lb_m > cap + tol(cap)
             how = f"the memory bound {lb_m:.0f} B > cap proves it" if proven else "not proven: approximate search"
             raise InfeasibleError(
                 f"the approximate search (joint table {exact_width} cells > budget {budget}) found no plan under the "
@@ -351,11 +350,11 @@ def solve_approx(problem: SearchProblem, exact_width: int, budget: int, *, front
             )
     if cap is not None and fast.mem > cap and fast.time < INF:  # (a forbidden fast plan: no hull to walk)
         hi = min((p for p in seen if p.mem <= cap), key=lambda p: (p.time, p.mem))
-        lam, vals_l = _lagrange(model, fast, hi, cap, seen)
+        lam, vals_l = lagrange_slope(model, fast, hi, cap, seen)
         lb = max(lb, float(vals_l[model.final][0]) - lam * cap)
         ub = min(p.time for p in seen if p.mem <= cap and p.time < INF)
-        if ub - lb > _GRID_GAP * abs(ub):
-            grid = np.array([[1.0, lam * f] for f in _LAMBDA_GRID])
+        if ub - lb > GRID_GAP * abs(ub):
+            grid = np.array([[1.0, lam * f] for f in LAMBDA_GRID])
             pts, finals = _batched_plans(model, grid)
             seen += pts
             lb = max([lb] + [float(v) - float(r[1]) * cap for v, r in zip(finals, grid)])
@@ -369,13 +368,14 @@ def solve_approx(problem: SearchProblem, exact_width: int, budget: int, *, front
     best = min(good, key=lambda p: (p.time, p.mem))
     tick = time.perf_counter()
     # uncapped, a window's search is one min-sum pass (no Pareto sets): as wide as the budget
-    best, stats["windows"] = _windows(problem, model.k, best, budget if cap is None else min(budget, _CUTSET_WIDTH))
+    window_budget = budget if cap is None else min(budget, _CUTSET_WIDTH)
+    best, stats["windows"] = _windows(problem, model.k, best, window_budget, solve_window)
     stats["windows_s"] = time.perf_counter() - tick
     if fits:  # ps the local search took off the best decoded plan
         stats["local_gain"] = min(p.time for p in fits) - best.time
     if frontier:
         pts = np.array([(p.time, p.mem) for p in seen + improved + [best] if p.time < INF], np.int64)
-        front = pts[_pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]
+        front = pts[pareto_keep(np.zeros(len(pts), np.int64), pts[:, 0], pts[:, 1])]
         stats["frontier"], stats["frontier_exact"] = [(int(a), int(b)) for a, b in front], False
     stats.update({"lambda": lam}, lower_bound=lb, upper_bound=best.time, gap=(best.time - lb) / max(abs(best.time), 1))
     # The time row's bound is a sum of int64 costs, exact in float64 below 2^53: a plan

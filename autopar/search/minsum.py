@@ -1,8 +1,9 @@
 """The min-sum chain behind :mod:`.chain`'s bounds and target: scalar tables, no Pareto sets.
 
 For rows of weights ``w = (w_t, w_m)``, ``f`` and ``r`` are the least ``w_t t + w_m m`` per
-state pair of the block table F and the rest table Rest (``elimination._inside`` with the ports
-kept).  :class:`MinSumChain` computes (min-plus matrix products, :func:`minplus`)::
+state pair of the block table F and the rest table Rest (:func:`.elimination.inside` over
+their :class:`.tables.PortTable`, the ports kept).  :class:`MinSumChain` computes (min-plus
+matrix products, :func:`minplus`)::
 
     f^l = f^(l//2) (x) f^(l - l//2)                         memoized halving (:meth:`MinSumChain.fpow`)
     total = min_(a, z) r(a, z) + f^n(a, z)                  the min-sum of the whole problem
@@ -20,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .elimination import _inside
+from .elimination import inside
 
 if TYPE_CHECKING:
-    from .chain import _Table
+    from .tables import PortTable
 
 __all__ = ["MinSumChain", "halving", "minplus"]
 
@@ -58,11 +59,11 @@ def minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class MinSumChain:
     """Min-sum of the whole chain for rows of weights: tables, argmins, bounds."""
 
-    def __init__(self, ftab: _Table, rtab: _Table, n: int, w: np.ndarray) -> None:
-        """``ftab``/``rtab``: the block and rest tables (:class:`.chain._Table`); ``n`` blocks chained."""
+    def __init__(self, ftab: PortTable, rtab: PortTable, n: int, w: np.ndarray) -> None:
+        """``ftab``/``rtab``: the block and rest tables (:class:`.tables.PortTable`); ``n`` blocks chained."""
         self.w, self.n = w, n
-        self.fvals, self.fargs = _inside(ftab.model, w)
-        self.rvals, self.rargs = _inside(rtab.model, w)
+        self.fvals, self.fargs = inside(ftab.model, w)
+        self.rvals, self.rargs = inside(rtab.model, w)
         self.f = ftab.to_grid(self.fvals[ftab.model.final])
         self.r = rtab.to_grid(self.rvals[rtab.model.final])
         self._pow = {1: self.f}  # l -> f^l, built by halving (:meth:`fpow`)

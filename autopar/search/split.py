@@ -1,6 +1,6 @@
 """Split a problem into its repeated block and the rest, for :mod:`.chain`.
 
-:func:`_split` checks the structure :mod:`.chain`'s docstring requires (edges between
+:func:`split_blocks` checks the structure :mod:`.chain`'s docstring requires (edges between
 blocks join consecutive ones, one-strategy outside nodes feed the later blocks, equal
 tables for blocks 1..) and builds the two sub-problems: F (block 1, with stand-ins for the
 previous block's ports) and Rest (the nodes outside the blocks, block 0, and the last
@@ -18,6 +18,8 @@ import numpy as np
 
 from .problem import INF, SearchProblem
 
+__all__ = ["ChainError", "Part", "split_blocks"]
+
 _MAX_STATES = 4096  # port states K: the chain's tables are K x K
 
 
@@ -26,7 +28,7 @@ class ChainError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class _Part:
+class Part:
     """A sub-problem (a block or the rest) and how its nodes map to the full problem."""
 
     problem: SearchProblem
@@ -93,7 +95,7 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Part, int, tuple[int, ...]]:
+def split_blocks(problem: SearchProblem, blocks: list[list[int]]) -> tuple[Part, Part, int, tuple[int, ...]]:
     """(F's part, Rest's part, K, port positions), or :class:`ChainError`.
 
     Vectorized over the edges: the work in Python is per node of one block and per edge
@@ -167,7 +169,7 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
         tuple(em),
         None,
     )
-    f_part = _Part(
+    f_part = Part(
         block, (-1,) * len(port) + tuple(b1[j] for j in order), tuple(range(len(port))), tuple(loc[j] for j in port)
     )
     # Rest: R, block 0, and block L-1's ports (their own costs are in the last F).
@@ -192,7 +194,7 @@ def _split(problem: SearchProblem, blocks: list[list[int]]) -> tuple[_Part, _Par
         problem.base_mem_bytes,
     )
     left = tuple(int(idx[blocks[0][j]]) for j in port)
-    r_part = _Part(rest, tuple(full.tolist()), left, tuple(int(idx[blocks[-1][j]]) for j in port))
+    r_part = Part(rest, tuple(full.tolist()), left, tuple(int(idx[blocks[-1][j]]) for j in port))
     return f_part, r_part, math.prod(k_port), port
 
 

@@ -1,36 +1,43 @@
-"""Sharding strategy rules, one module per op family (see ``base`` for the contract)."""
+"""Strategies: every op's ways to run sharded on the mesh, one rule module per op family (``base`` has the contract).
+
+``build_candidates(graph, mesh)`` turns a captured ``OpGraph`` into the
+``CandidateGraph``, the strategy table the cost stage prices: for every op node its
+``OpStrategy`` list (placements per tensor input and output, per mesh axis; the op's
+own collectives; its local kernel), for every source its placements.  Rules register
+per aten op with ``@register``; ``rule_for`` finds them (importing the rule modules on
+first use).  ``kernels`` holds the local computations a strategy may name instead of
+the op itself, ``fuse`` the fused cross-entropy a plan may run.
+"""
 
 from __future__ import annotations
 
-import importlib
+from .base import AxisStrategy, OpCall, OpComm, OpStrategy, expand_to_mesh, load_rule_modules, register, rule_for
+from .candidates import CandidateGraph, SourceStrategy, build_candidates
+from .fuse import FusedLoss, decomposed_values, emit_fused_loss, fusable_groups, fused_keeps, prices_as_fused
+from .kernels import KERNELS, KernelContext
+from .views import localize_size_args
 
-from .base import AxisStrategy, OpCall, OpComm, OpStrategy, expand_to_mesh, register, rule_for
+# every rule module registers its rules and the local kernels it names (``KERNELS``) on import
+load_rule_modules()
 
-__all__ = ["AxisStrategy", "OpCall", "OpComm", "OpStrategy", "expand_to_mesh", "register", "rule_for"]
-
-#: Every rule module; importing one registers its rules.
-RULE_MODULES = (
-    "matmul",
-    "conv",
-    "pointwise",
-    "reductions",
-    "norms",
-    "views",
-    "embedding",
-    "attention",
-    "misc",
-    "hints",
-)
-
-
-def _import_rule_modules() -> bool:
-    for name in RULE_MODULES:
-        try:
-            importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:  # a family not written yet: its ops fall back
-            if e.name != f"{__name__}.{name}":
-                raise
-    return True
-
-
-_load_rules = _import_rule_modules()
+__all__ = [
+    "AxisStrategy",
+    "OpCall",
+    "OpComm",
+    "OpStrategy",
+    "expand_to_mesh",
+    "register",
+    "rule_for",
+    "CandidateGraph",
+    "FusedLoss",
+    "KERNELS",
+    "KernelContext",
+    "SourceStrategy",
+    "build_candidates",
+    "decomposed_values",
+    "emit_fused_loss",
+    "fusable_groups",
+    "fused_keeps",
+    "localize_size_args",
+    "prices_as_fused",
+]

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Placement, Replicate, Shard
-from ..spec import TensorMeta
+from autopar.placement import Placement, Replicate, Shard
+from autopar.spec import TensorMeta
+
 from .base import AxisStrategy, OpCall, register
 from .views import bound_args
 

@@ -7,7 +7,7 @@ sees the op's arguments with every tensor replaced by its ``TensorMeta`` (the
 the ways one axis of ``axis_size`` ranks can run the op: a placement for each
 tensor input and each tensor output, plus any collectives the op itself issues
 (``OpComm``) and the name of a local kernel when the local computation is not the
-op itself (``kernel``, see ``autopar.kernels``).
+op itself (``kernel``, see ``autopar.strategies.kernels``).
 
 Rules never see the mesh or other axes: ``expand_to_mesh`` enumerates axis 0's
 strategies on global metas, shrinks the metas by the chosen placements, and asks
@@ -22,17 +22,18 @@ equal) gives the op's full output.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch.utils import _pytree as pytree
-
-from ..placement import Partial, Placement, Replicate, Shard
-from ..spec import TensorMeta
-from ..transitions import input_grad_placements, output_grad_placements
+from autopar.capture import OpCall
+from autopar.placement import Partial, Placement, Replicate, Shard
+from autopar.spec import TensorMeta
+from autopar.transitions import input_grad_placements, output_grad_placements
 
 __all__ = [
     "OpCall",
@@ -49,40 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OpCall:
-    """What a rule sees of one op: its target and arguments, tensors as TensorMeta.
-
-    ``args``/``kwargs`` mirror the fx node's, with each tensor argument replaced by
-    its TensorMeta; ``inputs`` lists those metas in pytree-flattening order of
-    ``(args, kwargs)`` (the order placements are given in), ``outputs`` the op's
-    tensor outputs in order (a multi-output op such as ``split`` has several).
-
-    ``block_hints`` holds ``(output_index, dim, blocks)`` triples: consumers of that
-    output cut ``dim`` into ``blocks`` equal pieces (a fused qkv split), so a rule
-    that can shard that output dim should also offer ``Shard(dim, blocks)``.
-    """
-
-    target: Any
-    args: tuple
-    kwargs: dict
-    inputs: tuple[TensorMeta, ...]
-    outputs: tuple[TensorMeta, ...]
-    block_hints: frozenset = frozenset()
-
-    def with_metas(self, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> OpCall:
-        """The same call with other tensor metas (used to descend to local shapes)."""
-        it = iter(inputs)
-        flat, spec = pytree.tree_flatten((self.args, self.kwargs))
-        flat = [next(it) if isinstance(a, TensorMeta) else a for a in flat]
-        args, kwargs = pytree.tree_unflatten(flat, spec)
-        return OpCall(self.target, tuple(args), dict(kwargs), tuple(inputs), tuple(outputs), self.block_hints)
-
-    @property
-    def name(self) -> str:
-        return str(self.target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +159,33 @@ _RULES: dict[Any, Rule] = {}
 FALLBACK = "fallback"
 
 
+#: Every rule module, by name under this package; importing one registers its rules.
+RULE_MODULES = (
+    "matmul",
+    "conv",
+    "pointwise",
+    "reductions",
+    "norms",
+    "views",
+    "embedding",
+    "attention",
+    "misc",
+    "hints",
+)
+
+
+@functools.cache
+def load_rule_modules() -> None:
+    """Import every rule module once (each registers its rules on import); a family not written yet falls back."""
+    package = __name__.rpartition(".")[0]
+    for name in RULE_MODULES:
+        try:
+            importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":
+                raise
+
+
 def register(*targets) -> Callable[[Rule], Rule]:
     """Register a rule for one or more aten op overloads (or python callables).
 
@@ -212,15 +206,13 @@ def register(*targets) -> Callable[[Rule], Rule]:
 
 def rule_for(target) -> Rule | None:
     """The registered rule for an op, or None (the op then falls back to replicate)."""
-    from . import _load_rules  # noqa: F401  (imports every rule module once)
-
+    load_rule_modules()
     rule = _RULES.get(target)
     return rule if rule is not None or isinstance(target, str) else _RULES.get(str(target))
 
 
 def registered_targets() -> list:
-    from . import _load_rules  # noqa: F401
-
+    load_rule_modules()
     return list(_RULES)
 
 

@@ -48,9 +48,10 @@ from typing import Any
 
 import torch
 
-from ..kernels import KernelContext, register_kernel
-from ..placement import Partial, Placement, Replicate, Shard
+from autopar.placement import Partial, Placement, Replicate, Shard
+
 from .base import AxisStrategy, OpCall, register
+from .kernels import KernelContext, register_kernel
 from .pointwise import resolve_ops
 
 __all__ = ["conv_strategies", "conv_groups", "GROUP_SPLIT_KERNELS"]

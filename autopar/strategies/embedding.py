@@ -6,7 +6,7 @@ can be split along the looked-up dim (vocab-parallel, Megatron/Paddle style):
 each rank looks up only the rows it holds, writes zeros elsewhere, and the
 output is ``P(sum)`` - exactly one rank holds each row, so the sum is the full
 lookup.  Those strategies run the kernels ``masked_embedding``,
-``masked_gather`` and ``masked_index_select`` (``autopar.kernels``), which take
+``masked_gather`` and ``masked_index_select`` (``autopar.strategies.kernels``), which take
 the rank's global row ranges from ``KernelContext.shard_ranges`` and so work
 for uneven shards (GPT-2's 50257-row vocabulary on 4 ranks).
 
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Replicate, Shard
-from ..spec import TensorMeta
+from autopar.placement import Partial, Replicate, Shard
+from autopar.spec import TensorMeta
+
 from .base import AxisStrategy, OpCall, register
 from .views import bound_args, hinted_blocks
 

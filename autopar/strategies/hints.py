@@ -4,7 +4,7 @@ The op's second argument names one placement per mesh axis (``"S(0),R"``).  A
 rule sees one mesh axis and not its index, so on every axis it offers the
 identity (input placement == output placement) for each placement the spec
 names; ``expand_to_mesh`` combines them per axis, and the planner keeps only
-the combination equal to the spec (``autopar.hints``: every shard node is a
+the combination equal to the spec (``autopar.planner.hints``: every shard node is a
 fixed spec), so the op's one strategy in the search reads and writes exactly
 the hinted spec.  The identity is exact under every placement (the local piece
 is passed through, a Partial stays the same partial sum), so the contract holds.
@@ -12,8 +12,9 @@ is passed through, a Partial stays the same partial sum), so the contract holds.
 
 from __future__ import annotations
 
-from ..placement import Replicate
-from ..shard_op import SHARD_OP, spec_of
+from autopar.placement import Replicate
+from autopar.shard_op import SHARD_OP, spec_of
+
 from .base import AxisStrategy, OpCall, register
 
 __all__: list[str] = []

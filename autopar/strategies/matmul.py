@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..placement import Partial, Placement, Replicate, Shard
+from autopar.placement import Partial, Placement, Replicate, Shard
+
 from .base import AxisStrategy, OpCall, register
 from .pointwise import hinted_blocks
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Replicate, Shard
+from autopar.placement import Partial, Replicate, Shard
+
 from .base import AxisStrategy, OpCall, register
 
 __all__: list[str] = []

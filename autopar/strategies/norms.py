@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Placement, Replicate, Shard
+from autopar.placement import Placement, Replicate, Shard
+
 from .base import AxisStrategy, OpCall, register
 from .pointwise import arg, hinted_blocks, resolve_ops
 

@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from ..placement import Partial, Placement, Replicate, Shard
-from ..spec import TensorMeta
+from autopar.placement import Partial, Placement, Replicate, Shard
+from autopar.spec import TensorMeta
+
 from .base import AxisStrategy, OpCall, register
 
 __all__ = ["arg", "norm_dim", "hinted_blocks", "resolve_ops", "pointwise_strategies"]

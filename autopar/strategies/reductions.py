@@ -34,9 +34,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import KernelContext, register_kernel
-from ..placement import Partial, Placement, Replicate, Shard
+from autopar.placement import Partial, Placement, Replicate, Shard
+
 from .base import AxisStrategy, OpCall, register
+from .kernels import KernelContext, register_kernel
 from .pointwise import arg, hinted_blocks, norm_dim, resolve_ops
 from .views import bound_args
 

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..kernels import KERNELS, KernelContext
-from ..layout import combine, coordinates, shard_tensor
-from ..spec import TensorMeta, local_shape
+from autopar.layout import combine, coordinates, shard_tensor
+from autopar.spec import TensorMeta, local_shape
+
 from .base import FALLBACK, OpCall, OpStrategy, expand_to_mesh, rule_for
+from .kernels import KERNELS, KernelContext
 from .views import localize_size_args
 
 __all__ = ["StrategyCheck", "make_call", "validate_op", "assert_rule_valid"]
@@ -120,7 +121,8 @@ def _check_strategy(
         return StrategyCheck(strategy, False, math.inf, f"names several kernels {kernels}; at most one is supported")
     kernel = kernels[0] if kernels else None
     if kernel is not None and kernel not in KERNELS:
-        return StrategyCheck(strategy, False, math.inf, f"kernel {kernel!r} is not registered in autopar.kernels")
+        why = f"kernel {kernel!r} is not registered in autopar.strategies.kernels"
+        return StrategyCheck(strategy, False, math.inf, why)
     axes = tuple(a for a, k in enumerate(strategy.kernels) if k == kernel) if kernel else ()
     local_outs: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for coord in coordinates(mesh_shape):

@@ -34,8 +34,9 @@ import math
 
 import torch
 
-from ..placement import Partial, Placement, Replicate, Shard
-from ..spec import TensorMeta
+from autopar.placement import Partial, Placement, Replicate, Shard
+from autopar.spec import TensorMeta
+
 from .base import AxisStrategy, OpCall, register
 
 __all__ = ["view_groups", "bound_args", "hinted_blocks", "localize_size_args"]

@@ -18,12 +18,15 @@ from __future__ import annotations
 import io
 import re
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from .plan_types import Plan
-from .units import format_bytes
+from autopar.units import format_bytes
+
+if TYPE_CHECKING:  # a type only: the Plan imports this module for Plan.table()
+    from .schema import Plan
 
 __all__ = ["render_table", "group_name", "describe_plan"]
 

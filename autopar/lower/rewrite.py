@@ -80,16 +80,20 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from .capture import OpGraph
-from .fuse import FusedLoss, decomposed_values, emit_fused_loss, fusable_groups
-from .kernels import KERNELS, KernelContext
-from .placement import Placement, Replicate, Shard, parse_placements
-from .runtime.deferred import defer_loss_tail
-from .runtime.redistribute import Move
-from .runtime.zero import from_state_shard
-from .spec import local_shape
-from .strategies.views import localize_size_args
-from .transitions import input_grad_placements, output_grad_placements, partial_on, producer_grad_placement
+from autopar.capture import OpGraph
+from autopar.placement import Placement, Replicate, Shard, parse_placements
+from autopar.runtime import Move, defer_loss_tail, from_state_shard
+from autopar.spec import local_shape
+from autopar.strategies import (
+    KERNELS,
+    FusedLoss,
+    KernelContext,
+    decomposed_values,
+    emit_fused_loss,
+    fusable_groups,
+    localize_size_args,
+)
+from autopar.transitions import input_grad_placements, output_grad_placements, partial_on, producer_grad_placement
 
 __all__ = ["ExecutionPlan", "RunState", "lower", "SavedBytes", "RANDOM_OPS", "EVAL_FORMS"]
 

@@ -15,7 +15,7 @@ strategy (all on local shapes):
   (``SourceStrategy.accumulated_grad``), that one reduction at its exposed time;
 * memory = activations saved for backward and, for parameters, parameters +
   gradients + optimizer state (``costmodel.memory``).  What each op keeps is
-  derived from the op itself (``autopar.saved``: its inputs, outputs and own
+  derived from the op itself (``autopar.cost.saved``: its inputs, outputs and own
   tensors, on the local shapes; scaled_dot_product_attention in the profile's
   ``attention_saves`` form, a dropout mask at its ``dropout_mask_bytes``).  A kept
   tensor costs its storage root's bytes once (a view keeps its base), as a node
@@ -43,20 +43,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from costmodel import collective_time_s, model_state_bytes, op_time_s
-from costmodel import flops as flops_mod
-from costmodel.memory import OptimizerSpec, TrainingPrecision
-from costmodel.profiles import DeviceProfile
+from autopar.capture import OpNode
+from autopar.placement import Placement
+from autopar.runtime import DEFAULT_BUCKET_BYTES
+from autopar.spec import TensorMeta, local_meta
+from autopar.strategies import CandidateGraph, SourceStrategy, fused_keeps, localize_size_args, prices_as_fused
+from autopar.transitions import transitions
+from costmodel import (
+    DeviceProfile,
+    OptimizerSpec,
+    TrainingPrecision,
+    backward_flops,
+    bytes_moved,
+    collective_time_s,
+    forward_flops,
+    is_matmul_like,
+    model_state_bytes,
+    op_time_s,
+)
 
-from .candidates import CandidateGraph, SourceStrategy
-from .capture import OpNode
-from .fuse import fused_keeps, prices_as_fused
-from .placement import Placement
-from .runtime.buckets import DEFAULT_BUCKET_BYTES
 from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
-from .spec import TensorMeta, local_meta
-from .strategies.views import localize_size_args
-from .transitions import transitions
 
 __all__ = ["TrainingSettings", "Coster"]
 
@@ -182,7 +188,7 @@ class Coster:
         not once per parameter).  Any other move costs its collectives one by one.
         The exposed part is ``grad_exposed`` of this.
         """
-        from .runtime.redistribute import nesting_steps
+        from autopar.runtime import nesting_steps
 
         # the runtime's step list (local steps included) and whether it runs on the nested layout
         all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
@@ -199,7 +205,7 @@ class Coster:
         key = (meta, src, dst)
         hit = self._trans_cache.get(key)
         if hit is None:
-            from .runtime.redistribute import nesting_steps
+            from autopar.runtime import nesting_steps
 
             # the runtime's step list (local steps included) and whether it runs on the nested layout
             steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
@@ -221,12 +227,12 @@ class Coster:
         )
         local = call.with_metas(ins, outs)
         dtype = outs[0].dtype if outs else torch.float32
-        matmul = flops_mod.is_matmul_like(local)
-        nbytes = flops_mod.bytes_moved(local)
-        t = op_time_s(flops_mod.forward_flops(local), nbytes, self.settings.profile, dtype, matmul=matmul)
+        matmul = is_matmul_like(local)
+        nbytes = bytes_moved(local)
+        t = op_time_s(forward_flops(local), nbytes, self.settings.profile, dtype, matmul=matmul)
         if node.requires_grad:
             t += op_time_s(
-                flops_mod.backward_flops(local), 2 * nbytes, self.settings.profile, dtype, matmul=matmul, backward=True
+                backward_flops(local), 2 * nbytes, self.settings.profile, dtype, matmul=matmul, backward=True
             )
         for axis, comms in enumerate(strategy.comm):
             t += sum(self.comm_time_s(c.kind, c.bytes, axis) for c in comms)
@@ -287,7 +293,7 @@ class Coster:
 
     def _kernel(self, node: OpNode, strategy):
         """(fn, ctx) of the local kernel ``strategy`` runs instead of the op, at coordinate 0; None: the op."""
-        from .kernels import KERNELS, KernelContext
+        from autopar.strategies import KERNELS, KernelContext
 
         names = {k for k in strategy.kernels if k}
         if len(names) != 1 or next(iter(names)) not in KERNELS:

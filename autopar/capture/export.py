@@ -7,7 +7,7 @@ tensors, then cleans the graph for planning:
 * higher-order ops that only switch grad mode (``wrap_with_set_grad_enabled``,
   e.g. Llama's rotary embedding) are inlined, their nodes marked grad-free;
 * ``_assert_tensor_metadata`` checks are dropped;
-* ``cross_entropy_loss`` is decomposed (``autopar.decompose``) so the
+* ``cross_entropy_loss`` is decomposed (``autopar.capture.decompose``) so the
   vocab-parallel cross-entropy falls out of the generic rules;
 * tied parameters (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are
   one parameter under the first name ``model.named_parameters()`` gives.
@@ -21,7 +21,7 @@ the input and output trees torch.export recorded (``OpGraph.call``, a
 ``call_spec.CallSpec``), so the compiled module takes and returns what the model
 does.
 
-``capture`` is ``export_program`` then ``graph_from_export``; ``autopar.specialize``
+``capture`` is ``export_program`` then ``graph_from_export``; ``autopar.capture.batch``
 exports once with a symbolic batch and hands ``graph_from_export`` a copy of that
 graph at each concrete batch.
 """
@@ -31,12 +31,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+
+from autopar.spec import TensorMeta
 
 from .call_spec import (
     CallSpec,
@@ -48,8 +50,7 @@ from .call_spec import (
     render_input_path,
 )
 from .decompose import decompose_for_planning
-from .spec import TensorMeta
-from .strategies.base import OpCall
+from .graph import OpCall, OpGraph, OpNode
 
 __all__ = [
     "OpNode",
@@ -69,73 +70,6 @@ _GRAD_MODE_HOPS = ("wrap_with_set_grad_enabled",)
 
 class CaptureError(ValueError):
     """torch.export could not trace the model; the message says why and what to try."""
-
-
-@dataclass
-class OpNode:
-    """One node of the planning graph.
-
-    ``kind``: ``param`` | ``buffer`` | ``input`` | ``op``.  ``inputs`` lists, for each
-    tensor input of ``call`` (same order as ``call.inputs``), the producing node's
-    index and output index.  ``requires_grad``: gradients flow through the node.
-    """
-
-    index: int
-    name: str
-    kind: str
-    outputs: tuple[TensorMeta, ...]
-    inputs: tuple[tuple[int, int], ...] = ()
-    call: OpCall | None = None
-    module: str = ""
-    fqn: str | None = None
-    requires_grad: bool = False
-    fx_node: fx.Node | None = field(default=None, repr=False)
-
-    @property
-    def target(self) -> Any:
-        return self.call.target if self.call is not None else None
-
-    def describe(self) -> str:
-        if self.fx_node is not None:
-            return self.fx_node.format_node()
-        return self.name
-
-
-@dataclass
-class OpGraph:
-    """The captured model as planning data: nodes in topological order.
-
-    ``outputs`` are the tensor outputs as (node index, output index), in the order
-    of the output tree's leaves; ``loss_output`` indexes into ``outputs`` the scalar
-    loss when the model returns one.  ``call`` maps a call's Python values to the
-    input nodes and the outputs back to the model's structure (its
-    ``OutputLeaf.index`` points into ``outputs``).
-    ``tied`` maps every alias FQN of a tied parameter to its canonical FQN.
-    """
-
-    nodes: list[OpNode]
-    outputs: list[tuple[int, int]]
-    loss_output: int | None
-    gm: fx.GraphModule
-    model_name: str
-    tied: dict[str, str]
-    user_inputs: list[str]
-    placeholder_alias: dict[str, int] = field(default_factory=dict)  # tied alias placeholder -> node index
-    # tensors export lifted out of forward (``torch.tensor(...)``, index constants): buffer-kind
-    # nodes whose ``fqn`` names them here, not in the model's buffers
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)
-    call: CallSpec | None = None
-
-    def params(self) -> list[OpNode]:
-        return [n for n in self.nodes if n.kind == "param"]
-
-    def consumers(self) -> dict[int, list[tuple[int, int, int]]]:
-        """node index -> [(consumer index, consumer input position, producer output index)]."""
-        out: dict[int, list[tuple[int, int, int]]] = {n.index: [] for n in self.nodes}
-        for n in self.nodes:
-            for pos, (src, idx) in enumerate(n.inputs):
-                out[src].append((n.index, pos, idx))
-        return out
 
 
 @dataclass(frozen=True)
@@ -158,7 +92,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     return graph_from_export(
         ep.graph_module,
         ep.graph_signature,
-        _canonical_param_names(model),
+        canonical_param_names(model),
         type(model).__name__,
         ep.constants,
         ExportedCall.of(model, ep),
@@ -188,7 +122,7 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
     # outputs are flattened after forward returns: register the dataclasses it returns before that
     hook = model.register_forward_hook(lambda _module, _args, out: register_dataclasses(out))
     try:
-        with _lean_export(), _without_kv_cache(model):
+        with lean_export(), _without_kv_cache(model):
             return torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # export raises many types; all mean "could not trace"
         raise CaptureError(
@@ -218,7 +152,7 @@ def graph_from_export(
     """Clean an exported graph for planning (in place: see the module docstring) and build its OpGraph.
 
     ``sig`` is the export's graph signature, ``canonical`` maps every parameter FQN to
-    its canonical one (``_canonical_param_names``), ``constants`` is the export's lifted
+    its canonical one (``canonical_param_names``), ``constants`` is the export's lifted
     constants (``ExportedProgram.constants``; the tensors are kept in ``OpGraph.constants``),
     ``exported`` the call's signature and trees (``OpGraph.call``).
     """
@@ -285,7 +219,7 @@ def _plain_keys(key_path: tuple) -> tuple:
 
 
 @contextlib.contextmanager
-def _lean_export():
+def lean_export():
     """Export without work planning never uses: each node's Python stack trace (extracting and
     symbolizing one per traced op is about a quarter of a deep model's export) and the Python
     code of the intermediate graph modules export's passes build (lazy graph modules generate
@@ -328,7 +262,7 @@ def _without_kv_cache(model: torch.nn.Module):
             c.use_cache = True
 
 
-def _canonical_param_names(model: torch.nn.Module) -> dict[str, str]:
+def canonical_param_names(model: torch.nn.Module) -> dict[str, str]:
     """Every parameter FQN (tied aliases included) -> the first FQN of the same tensor."""
     first: dict[int, str] = {}
     out: dict[str, str] = {}

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import dim_index
-from .placement import Placement, Shard
-from .spec import TensorMeta
+from autopar.layout import dim_index
+from autopar.placement import Placement, Shard
+from autopar.spec import TensorMeta
 
 __all__ = ["KernelContext", "KERNELS", "register_kernel"]
 

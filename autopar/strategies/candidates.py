@@ -18,11 +18,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from .blocks import block_hints
-from .capture import OpGraph, OpNode
-from .placement import Partial, Placement, Replicate, Shard
-from .spec import TensorMeta
-from .strategies.base import (
+from autopar.capture import OpGraph, OpNode, block_hints
+from autopar.placement import Partial, Placement, Replicate, Shard
+from autopar.spec import TensorMeta
+from autopar.transitions import partial_on
+
+from .base import (
     OpStrategy,
     every_rank_gets_an_element,
     expand_to_mesh,
@@ -31,7 +32,6 @@ from .strategies.base import (
     rule_for,
     with_partial_grads,
 )
-from .transitions import partial_on
 
 __all__ = ["SourceStrategy", "CandidateGraph", "build_candidates"]
 
@@ -88,7 +88,6 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
         if node.kind != "op":
             continue
         call = replace(node.call, block_hints=frozenset(hints.get(node.index, ())))
-        node.call = call
         key = repr(
             (
                 call.target,

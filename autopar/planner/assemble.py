@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .peak import peak_memory
-from .placement import Replicate, Shard, format_placements
-from .plan_types import Plan
-from .problem_builder import PS_PER_S
-from .spec import local_shape
-from .transitions import transitions
+from autopar.cost import peak_memory
+from autopar.placement import Replicate, Shard, format_placements
+from autopar.spec import local_shape
+from autopar.transitions import transitions
+
+from .problem import PS_PER_S
+from .schema import Plan
 
 __all__ = ["assemble_plan", "breakdown", "classify"]
 
@@ -49,7 +50,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     collectives: list[dict[str, Any]] = []
     compute_s = comm_s = 0.0
     mem = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
-    freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.peak)
+    freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
 
     def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None):
         nonlocal comm_s

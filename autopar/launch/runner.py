@@ -43,10 +43,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .mesh import Mesh
-from .plan_types import Plan
-from .runtime.spawn import RankError, spawn_ranks
-from .units import format_bytes
+from autopar.mesh import Mesh
+from autopar.planner import FAMILIES, Plan
+from autopar.runtime import RankError, spawn_ranks
+from autopar.units import format_bytes
 
 __all__ = [
     "RunConfig",
@@ -70,7 +70,6 @@ log = logging.getLogger(__name__)
 
 RTOL, ATOL = 1e-4, 1e-5
 _ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which _train uses
-FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 
 
 class LaunchError(RuntimeError):
@@ -207,7 +206,7 @@ def _flat(out) -> list[tuple[str, Any]]:
 
     The compiled module returns the model's own structure, so both sides flatten alike.
     """
-    from .call_spec import register_dataclasses
+    from autopar.capture import register_dataclasses
 
     register_dataclasses(out)  # the plain model's dataclass outputs flatten as capture registers them
     leaves = pytree.tree_flatten_with_path(out)[0]
@@ -290,7 +289,7 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     CPU, not the meta device: torch.export traces the kernels the tensors run, and
     some graphs differ between the two (``compiler._check_plan_graph``).
     """
-    from .planner import plan_from_context, prepare
+    from autopar.planner import plan_from_context, prepare
 
     model, args, kwargs = build_model(config, "cpu")
     ctx = prepare(model, config.mesh(), example_inputs=args, example_kwargs=kwargs, profile=profile, dtype="fp32")
@@ -302,12 +301,12 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
 
     ``plan=None`` lets ``autopar.compile`` plan on this rank.
     """
-    import autopar
+    from autopar import compiled
 
     mesh = config.mesh()
     rank = dist.get_rank()
     model, args, kwargs = build_model(config)
-    sharded = autopar.compile(
+    sharded = compiled.compile(
         model, mesh, example_inputs=args, example_kwargs=kwargs, family=config.family, seed=config.seed, plan=plan
     )
     del model
@@ -433,13 +432,13 @@ def _spawn(config: RunConfig, plan: Plan, *, while_waiting=None) -> tuple[tuple[
 def _profile(device: torch.device) -> str:
     from types import SimpleNamespace
 
-    from .compiler import _default_profile
+    from autopar.compiled import default_profile
 
-    return _default_profile(SimpleNamespace(device=device))  # what compile picks for this rank's device
+    return default_profile(SimpleNamespace(device=device))  # what compile picks for this rank's device
 
 
 def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None, torch.device]:
-    from .runtime.groups import init_distributed
+    from autopar.runtime import init_distributed
 
     mesh = config.mesh()
     world = int(os.environ["WORLD_SIZE"])
@@ -500,7 +499,7 @@ def render_report(report: RunReport, *, width: int = 140) -> str:
     from rich.markup import escape
     from rich.table import Table
 
-    from .report import describe_plan
+    from autopar.planner import describe_plan
 
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .capture import OpGraph
+from .graph import OpGraph
 
 __all__ = ["block_hints"]
 

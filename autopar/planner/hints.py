@@ -17,7 +17,7 @@ patterns; ``*`` also crosses dots), by the kind of ``value``:
   module's one matmul (``nn.Linear``'s ``linear``, GPT-2 ``Conv1D``'s ``addmm``)
   reads its activation input and its weight in the given specs, and the weight
   is stored in its spec.  Operands as MindSpore factor tuples, ``Layout`` results
-  or placement lists (``autopar.hint_forms`` states the conventions).
+  or placement lists (``autopar.planner.hint_forms`` states the conventions).
 
 Also: ``autopar.shard(x, placements)`` in model code (``autopar.shard_op``) fixes
 an activation; ``input_placements`` (per user input, by name or in order) and
@@ -46,12 +46,13 @@ from typing import Any
 
 import torch
 
-from .candidates import SourceStrategy
-from .capture import OpGraph, OpNode
+from autopar.capture import OpGraph, OpNode
+from autopar.mesh import Mesh
+from autopar.placement import Placement, Replicate, format_placements
+from autopar.shard_op import SHARD_OP
+from autopar.strategies import SourceStrategy
+
 from .hint_forms import HintProblem, Layout, LayoutSpec, fit_problem, operand_placements, parse_hint_placements
-from .mesh import Mesh
-from .placement import Placement, Replicate, format_placements
-from .shard_op import SHARD_OP
 
 __all__ = ["Layout", "LayoutSpec", "ResolvedHints", "resolve_hints", "parse_hint_placements", "UnmatchedHintError"]
 

@@ -23,7 +23,7 @@ Schema (placements in the printed form, one entry per mesh axis)::
             approximate: true, why, lower_bound_ps, gap ((plan time - bound) / plan time)},
     hints {params {FQN: placements}, inputs {name: placements},
            ops {fx name: {inputs {pos: placements}, outputs {index: placements}}}, replicate [patterns]}
-           (only when the plan was hinted: the normalized hints, see ``autopar.hints``)
+           (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``)
 
 ``time_s`` of a collective is what it adds to the step (its exposed time) and
 ``hidden_s`` the part that overlaps with backward compute (parameter-gradient
@@ -37,7 +37,7 @@ reduction (``OpStrategy`` / ``SourceStrategy`` in ``strategies.base`` / ``candid
 
 ``repr(plan)`` is one line (model, mesh, family, step time, memory against the
 cap); ``plan.table()`` is the full report ``autopar plan`` prints
-(``autopar.report.render_table``).
+(``autopar.planner.report.render_table``).
 """
 
 from __future__ import annotations
@@ -48,12 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .mesh import Mesh
-from .placement import Placement, format_placements, parse_placements
+from autopar.mesh import Mesh
+from autopar.placement import Placement, format_placements, parse_placements
 
-__all__ = ["Plan", "SCHEMA_VERSION", "check_writable"]
+__all__ = ["Plan", "FAMILIES", "SCHEMA_VERSION", "check_writable"]
 
 SCHEMA_VERSION = 1
+#: The plan families a plan may be forced into (``Plan.family``; ``plan(family=...)``).
+FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 
 
 #: The fields ``Plan.from_dict`` needs, with the JSON type each must have (``hints`` is optional).
@@ -225,7 +227,7 @@ class Plan:
 
     # ---- printing ---------------------------------------------------------------------
     def __repr__(self) -> str:
-        from .units import format_bytes
+        from autopar.units import format_bytes
 
         cap = self.memory.get("cap_bytes")
         total = self.cost.get("total_s")

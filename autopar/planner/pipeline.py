@@ -15,7 +15,7 @@ each *family* so the report can show why the winner won:
 
 Families are restrictions of the one search space, not rules that build plans.
 User hints (``hints=``, ``input_placements=``, ``output_placements=``, and
-``autopar.shard`` calls in the model) are one more restriction (``autopar.hints``):
+``autopar.shard`` calls in the model) are one more restriction (``autopar.planner.hints``):
 hinted nodes keep only the strategies that match, the search places the rest.
 """
 
@@ -31,29 +31,33 @@ from typing import Any
 
 import torch
 
+from autopar.capture import (
+    BatchTemplate,
+    Blocks,
+    OpGraph,
+    capture,
+    capture_template,
+    find_blocks,
+    specialize,
+    static_template,
+)
+from autopar.cost import Coster, TrainingSettings
+from autopar.mesh import Mesh
+from autopar.placement import Replicate, Shard
+from autopar.runtime import DEFAULT_BUCKET_BYTES
+from autopar.search import ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
+from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
+from autopar.units import format_bytes, parse_bytes
 from costmodel import load_profile, optimizer_spec, precision
 
-from .candidates import CandidateGraph, SourceStrategy, build_candidates
-from .capture import OpGraph, capture
-from .costing import Coster, TrainingSettings
+from .assemble import assemble_plan, breakdown
 from .hints import ResolvedHints, resolve_hints
-from .mesh import Mesh
-from .placement import Replicate, Shard
-from .plan_builder import assemble_plan, breakdown
-from .plan_types import Plan
-from .problem_builder import PS_PER_S, ProblemTables, build_tables, to_problem
-from .repeat import Blocks, find_blocks
-from .runtime.buckets import DEFAULT_BUCKET_BYTES
-from .search import InfeasibleError, Solution, solve_cpsat, solve_dp
-from .search.chain import ChainError, solve_chain
-from .specialize import BatchTemplate, capture_template, specialize, static_template
-from .units import format_bytes, parse_bytes
+from .problem import PS_PER_S, ProblemTables, build_tables, to_problem
+from .schema import FAMILIES, Plan
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
 
 log = logging.getLogger(__name__)
-
-FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 
 
 #: how often the search is run again with a tighter bound when the chosen plan's peak exceeds the cap
@@ -98,7 +102,7 @@ class PlanningContext:
     timings: dict[str, float]
     hints: ResolvedHints | None = None  # the hints given to prepare (autopar.shard calls always)
     blocks: Blocks | None = None  # repeated layers: the search solves one and chains them (search.chain)
-    template: BatchTemplate | None = None  # the capture at_batch re-uses (autopar.specialize)
+    template: BatchTemplate | None = None  # the capture at_batch re-uses (autopar.capture.batch)
     hint_args: dict[str, Any] | None = None  # prepare's hint arguments, resolved again at another batch
     recaptured: str | None = None  # why at_batch captured the model again instead of re-using the capture
 
@@ -129,7 +133,7 @@ def prepare(
     (``compile(grad_bucket_bytes=)``; None: none), which prices data-parallel
     gradient all-reduces as it runs them (``Coster.grad_move_steps``).
 
-    The hints (``autopar.hints``) are checked here and kept in the context; a hinted
+    The hints (``autopar.planner.hints``) are checked here and kept in the context; a hinted
     placement no candidate has (a parameter stored in a layout no consumer reads)
     is added as a candidate, so the search can keep it.
 
@@ -137,7 +141,7 @@ def prepare(
     example batch >= 2; slower than a static capture: 1.3x measured at 12 GPT layers,
     about 2.5x at 96 on a loaded machine) so that
     ``ctx.at_batch(b)`` re-plans at another batch without tracing the model again
-    (``autopar.specialize``).  Without it, ``at_batch`` captures the model again.
+    (``autopar.capture.batch``).  Without it, ``at_batch`` captures the model again.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))")
@@ -168,7 +172,7 @@ def rebatch(ctx: PlanningContext, batch: int) -> PlanningContext:
     """The context of ``ctx``'s model, mesh, settings and hints at global batch ``batch``.
 
     With a symbolic capture (``prepare(..., reuse_batch=True)``) the graph is
-    specialized to ``batch`` in O(nodes) (``autopar.specialize``) into the graph a
+    specialized to ``batch`` in O(nodes) (``autopar.capture.batch``) into the graph a
     static capture at that batch gives, so the plan JSON is that of a fresh ``plan``
     (``tests/test_rebatch.py``); ``timings`` says ``capture_s`` 0 and ``specialize_s``.
     Otherwise, or when the symbolic graph does not hold at ``batch`` (batch 1, a
@@ -282,7 +286,7 @@ def plan(
     ``solver``: ``"dp"`` (exact dynamic programming) or ``"ilp"`` (CP-SAT).
     Raises ``MemoryCapError`` when no plan fits, naming the smallest reachable memory.
 
-    Semi-auto mode (``autopar.hints`` has the forms and checks): ``hints`` maps
+    Semi-auto mode (``autopar.planner.hints`` has the forms and checks): ``hints`` maps
     parameter-FQN patterns to placements (``{"*.mlp.c_fc.weight": ["R", "S(1)"]}``),
     module patterns to ``"replicate"`` or to a MindSpore-style matmul strategy
     (``((2, 1), (1, 4))``); ``input_placements``/``output_placements`` fix graph
@@ -370,7 +374,7 @@ def plan_from_context(
     def peak_of(choice: list[int]) -> int:
         return breakdown(ctx, choice)["memory"]["per_device_bytes"]
 
-    # the search bounds the additive memory (everything held at once); the step's peak (autopar.peak) is
+    # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
     # checked against the cap, and where it is above, the bound is tightened by the excess (doubled each
     # time) and searched again; tightened past every plan, the least-memory plan is taken if its peak fits
     bound = cap
@@ -600,7 +604,7 @@ def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep
     if sol is not None:
         choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
         mem = breakdown(ctx, choice)["memory"]
-        smallest = max(smallest, mem["per_device_bytes"])  # that plan's step peaks there (autopar.peak)
+        smallest = max(smallest, mem["per_device_bytes"])  # that plan's step peaks there (autopar.cost.peak)
         parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
         top = max(parts, key=parts.get)
         lines.append(

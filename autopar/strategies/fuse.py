@@ -49,8 +49,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .decompose import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
-from .placement import Replicate, Shard
+from autopar.capture import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
+from autopar.placement import Replicate, Shard
 
 __all__ = ["FusedLoss", "fusable_groups", "emit_fused_loss", "decomposed_values", "prices_as_fused", "fused_keeps"]
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .candidates import CandidateGraph
-from .costing import Coster
-from .placement import Replicate
-from .search.problem import INF, SearchProblem
+from autopar.cost import Coster
+from autopar.placement import Replicate
+from autopar.search import INF, SearchProblem
+from autopar.strategies import CandidateGraph
 
 __all__ = ["PS_PER_S", "ProblemTables", "build_tables", "to_problem"]
 

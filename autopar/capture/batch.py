@@ -55,14 +55,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.utils import _pytree as pytree
 
-from .capture import (
+from .export import (
     ExportedCall,
     OpGraph,
-    _canonical_param_names,
-    _lean_export,
+    canonical_param_names,
     capture,
     export_program,
     graph_from_export,
+    lean_export,
     normalize_inputs,
 )
 
@@ -163,7 +163,7 @@ def capture_template(model: torch.nn.Module, example_inputs=(), example_kwargs: 
         symbols,
         lower,
         upper,
-        _canonical_param_names(model),
+        canonical_param_names(model),
         constants=dict(ep.constants),
         exported=ExportedCall.of(model, ep),
     )
@@ -356,7 +356,7 @@ class _Values:
 
 def _specialize_module(gm: fx.GraphModule, env: dict) -> fx.GraphModule:
     values = _Values(env)
-    with _lean_export():  # no code generated for the copies: the clean-up recompiles once
+    with lean_export():  # no code generated for the copies: the clean-up recompiles once
         return _specialize_gm(gm, values)
 
 

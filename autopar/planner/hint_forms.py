@@ -27,7 +27,7 @@ Op-level (matmul) operands, in MindSpore's ``MatMul`` order:
 placement per axis, Shard dims in range, never Partial for stored tensors, and
 ``layout.unlayable_reason`` (the one layout rule: uneven ``tensor_split`` pieces
 are fine) plus no empty pieces.  Problems are ``HintProblem`` (a reason and a
-fix); ``autopar.hints`` adds the hint, the tensor and the mesh to the message.
+fix); ``autopar.planner.hints`` adds the hint, the tensor and the mesh to the message.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .layout import unlayable_reason
-from .mesh import Mesh
-from .placement import Partial, Placement, Replicate, Shard, parse_placement
-from .spec import local_shape
+from autopar.layout import unlayable_reason
+from autopar.mesh import Mesh
+from autopar.placement import Partial, Placement, Replicate, Shard, parse_placement
+from autopar.spec import local_shape
 
 __all__ = ["Layout", "LayoutSpec", "HintProblem", "parse_hint_placements", "operand_placements", "fit_problem"]
 

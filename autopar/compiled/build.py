@@ -75,25 +75,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.capture import OpGraph, capture
+from autopar.layout import shard_tensor
+from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower
+from autopar.mesh import Mesh
+from autopar.placement import Replicate
+from autopar.planner import Plan
+from autopar.runtime import DEFAULT_BUCKET_BYTES, GradBuckets, StateShards, bucketable, wait_pending
+from autopar.spec import TensorMeta, local_shape
 from costmodel import optimizer_spec, precision
-
-from .capture import OpGraph, capture
-from .executor import ExecutionPlan, RunState, SavedBytes, lower
-from .layout import shard_tensor
-from .mesh import Mesh
-from .placement import Replicate
-from .plan_types import Plan
-from .runtime.buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
-from .runtime.deferred import wait_pending
-from .runtime.zero import StateShards
-from .spec import TensorMeta, local_shape
 
 __all__ = ["compile", "ShardedModule", "NotCompiledError"]
 
 log = logging.getLogger(__name__)
 
 
-def _default_profile(groups) -> str:
+def default_profile(groups) -> str:
     dev = getattr(groups, "device", torch.device("cpu"))
     if dev.type != "cuda":
         return "cpu"
@@ -330,7 +327,7 @@ class ShardedModule(nn.Module):
 
     def _gathered(self, local: torch.Tensor, placement, shape: tuple[int, ...]) -> torch.Tensor:
         """The full tensor of ``shape`` whose piece under ``placement`` this rank holds as ``local``."""
-        from .runtime.redistribute import redistribute_local
+        from autopar.runtime import redistribute_local
 
         meta = TensorMeta(shape, local.dtype)
         return redistribute_local(local.detach(), meta, placement, self._replicated, self._groups)
@@ -347,7 +344,7 @@ class ShardedModule(nn.Module):
         Use this, not ``torch.nn.utils.clip_grad_norm_(sharded.parameters())``, which
         sees only this rank's pieces.
         """
-        from .runtime.clip import clip_grad_norm_
+        from autopar.runtime import clip_grad_norm_
 
         grads = [
             (p.grad, self._replicated if self._build is not None else self._param_state[fqn][1])
@@ -476,7 +473,7 @@ def compile(
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .runtime.groups import MeshGroups
+    from autopar.runtime import MeshGroups
 
     if isinstance(mesh, DeviceMesh):  # torch's, as DTensor users hold one
         mesh = Mesh.from_device_mesh(mesh)
@@ -589,7 +586,7 @@ def _plan_on_rank0(
     One search instead of one per rank, and every rank runs the very same plan.
     The others only trace the model (cheap) to execute it.
     """
-    from .planner import plan_from_context, prepare
+    from autopar.planner import plan_from_context, prepare
 
     box: list = [None]
     graph = None
@@ -600,7 +597,7 @@ def _plan_on_rank0(
                 mesh,
                 example_inputs=args,
                 example_kwargs=kwargs,
-                profile=profile or _default_profile(groups),
+                profile=profile or default_profile(groups),
                 dtype=dtype,
                 optimizer=optimizer,
                 grad_bucket_bytes=grad_bucket_bytes,

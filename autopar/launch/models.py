@@ -39,8 +39,7 @@ from typing import Any
 
 import torch
 
-from costmodel import config_dir
-from costmodel.toml_compat import tomllib
+from costmodel import config_dir, tomllib
 
 __all__ = [
     "load_model",

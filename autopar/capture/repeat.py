@@ -21,7 +21,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .capture import OpGraph, OpNode
+from .graph import OpGraph, OpNode
 
 __all__ = ["Blocks", "find_blocks", "block_signature"]
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .candidates import SourceStrategy
-from .transitions import transitions
+from autopar.strategies import SourceStrategy
+from autopar.transitions import transitions
 
 __all__ = ["peak_memory"]
 

@@ -16,8 +16,9 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from .plan_types import Plan
-from .units import format_bytes
+from autopar.units import format_bytes
+
+from .schema import Plan
 
 __all__ = ["render_explanation", "deciding_terms"]
 

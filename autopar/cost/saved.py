@@ -37,10 +37,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from costmodel.profiles import ATTENTION_SAVES
-
-from .spec import TensorMeta
-from .strategies.base import OpCall
+from autopar.spec import TensorMeta
+from autopar.strategies import OpCall
+from costmodel import ATTENTION_SAVES
 
 __all__ = ["SavedForBackward", "saved_for_backward", "storage_roots", "memory_layouts", "NOTHING_SAVED"]
 

@@ -1,0 +1,43 @@
+"""Capture, the first stage: a model and an example call in, the ``OpGraph`` every later stage reads out.
+
+``capture(model, args, kwargs)`` traces with ``torch.export`` (``export``) and cleans
+the graph for planning: cross-entropy decomposed so generic rules shard it
+(``decompose``), the call's input and output trees kept (``call_spec``).  Analyses of
+the captured graph that the strategies and the search use live here too: repeated
+blocks (``repeat``), packed qkv-style dims (``blocks``), and one capture with a
+symbolic batch re-used at any batch size (``batch``).
+
+Hands on: ``OpGraph`` (``graph``): nodes in topological order, each op's ``OpCall``.
+"""
+
+from __future__ import annotations
+
+from .batch import BatchTemplate, capture_template, specialize, static_template
+from .blocks import block_hints
+from .call_spec import CallSpec, InputMismatchError, bind_call, register_dataclasses
+from .decompose import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
+from .export import CaptureError, capture
+from .graph import OpCall, OpGraph, OpNode
+from .repeat import Blocks, find_blocks
+
+__all__ = [
+    "BatchTemplate",
+    "Blocks",
+    "CallSpec",
+    "CaptureError",
+    "CrossEntropyPart",
+    "DECOMPOSED",
+    "InputMismatchError",
+    "LOGIT_ROLES",
+    "OpCall",
+    "OpGraph",
+    "OpNode",
+    "bind_call",
+    "block_hints",
+    "capture",
+    "capture_template",
+    "find_blocks",
+    "register_dataclasses",
+    "specialize",
+    "static_template",
+]

@@ -1,0 +1,16 @@
+"""Costing, the third stage: the time and memory of every strategy and every edge of the strategy table.
+
+``Coster`` (``coster``) prices a ``CandidateGraph`` on a device profile with the
+formulas of the top-level ``costmodel`` package: each op strategy's compute time,
+collectives and saved activations (``saved``: what an op keeps for backward), each
+edge's redistribution, each parameter's model state.  ``peak_memory`` (``peak``)
+follows one training step's memory through backward for a chosen plan, which the
+search's additive bound only approximates.
+"""
+
+from __future__ import annotations
+
+from .coster import Coster, TrainingSettings
+from .peak import peak_memory
+
+__all__ = ["Coster", "TrainingSettings", "peak_memory"]

@@ -1,0 +1,13 @@
+"""Lowering, the sixth stage: a ``Plan`` and its ``OpGraph`` rewritten into one rank's local program.
+
+``ExecutionPlan.from_plan`` resolves the plan against the captured graph (every
+value's placements by fx node name); ``lower`` rewrites the graph into an
+``fx.GraphModule`` of local ops (or their local kernels) with the moves between them
+(the runtime's collectives), which is this rank's program.
+"""
+
+from __future__ import annotations
+
+from .rewrite import ExecutionPlan, RunState, SavedBytes, lower
+
+__all__ = ["ExecutionPlan", "RunState", "SavedBytes", "lower"]

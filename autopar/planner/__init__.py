@@ -1,0 +1,34 @@
+"""Planning, the fifth stage: ``autopar.plan`` from capture to a ``Plan``, and the plan's report.
+
+``pipeline`` drives the stages: capture, strategies, costing, the search problem
+(``problem``), the search, and the assembly of the chosen strategies into a ``Plan``
+(``assemble``).  User hints restrict the strategies first (``hints``, written in the
+forms ``hint_forms`` accepts).  ``schema`` holds the ``Plan`` itself, serialized as
+versioned JSON; ``report`` and ``explain`` print what it chose and why.
+"""
+
+from __future__ import annotations
+
+from .explain import render_explanation
+from .hint_forms import Layout
+from .hints import UnmatchedHintError
+from .pipeline import MemoryCapError, PlanningContext, plan, plan_from_context, prepare, rebatch
+from .report import describe_plan, render_table
+from .schema import FAMILIES, Plan, check_writable
+
+__all__ = [
+    "FAMILIES",
+    "Layout",
+    "MemoryCapError",
+    "Plan",
+    "PlanningContext",
+    "UnmatchedHintError",
+    "check_writable",
+    "describe_plan",
+    "plan",
+    "plan_from_context",
+    "prepare",
+    "rebatch",
+    "render_explanation",
+    "render_table",
+]

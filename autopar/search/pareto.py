@@ -1,0 +1,281 @@
+"""Bucket elimination over Pareto sets of (time, memory): the exact pass that :mod:`.dp`
+and :mod:`.chain` run.
+
+Tables (:class:`ParetoTable`).  The factors and the plan are :mod:`.elimination`'s
+(:class:`.elimination.EliminationModel`); here a table holds, per assignment of its scope,
+a Pareto set of (t, m) pairs (CSR over the entries, each run by t ascending, m
+descending), with the eliminated node's choice and the pairs each came from.
+
+Recurrence (:func:`pareto_pass`).  Along the plan, eliminating x with bucket
+``F_1..F_r`` (the factors whose scope holds x) gives
+
+    g(s) = Pareto( U_x  F_1(s, x) (+) ... (+) F_r(s, x) )    for each assignment s
+
+with ``A (+) B = {(t + t', m + m')}``; ``Pareto`` drops dominated pairs (:func:`pareto_keep`).
+Pareto(A (+) B) = Pareto(Pareto(A) (+) B), so the bucket is folded one factor at a time;
+each pair keeps x and the pairs it came from, for :func:`backtrack`.
+
+Bounds (:class:`Bounds`, :func:`min_sum_bounds`).  Min-sum with weight rows (w_t, w_m)
+(:func:`.elimination.inside` and :func:`.elimination.outside`) gives every table
+``I_g(s)``, the least ``w_t t + w_m m`` of its pairs, and ``O_g(s)``, the same least over
+all factors not below g.  A pair (t, m) at cell (s, x) goes when
+``w_t t + w_m m + rest > B`` (rest = ``O_g(s)`` plus the ``I`` of the bucket factors not
+folded yet) on any row (:func:`row_limits`):
+  time (1, 0), B = target;  memory (0, 1), B = cap;  Lagrange (1, lam), B = target + lam cap
+(lam: :mod:`.lagrange`).  Entries s and cells (s, x) are tested before any pair, and the
+time/memory rows cut each fold to one range of the next factor's pairs
+(:func:`pair_window`).  Floats prune only past a margin (:func:`tol`): rounding keeps
+extra pairs, never loses one, so the pass is exact.
+
+Heuristic and frontier modes.  ``beam`` thins each entry to the fastest and the smallest
+pair per memory bucket (each a real plan); ``gaps`` drops cap and target and keeps a pair
+while it may complete below a gap of the known plans' staircase (:func:`_in_gaps`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .elimination import EliminationModel, outside
+
+__all__ = [
+    "Bounds",
+    "ParetoTable",
+    "backtrack",
+    "min_sum_bounds",
+    "pair_window",
+    "pareto_keep",
+    "pareto_pass",
+    "row_limits",
+    "tol",
+]
+
+
+def tol(bound: float | np.ndarray) -> float | np.ndarray:
+    """Float slack for pruning: well above the rounding of sums of int64 costs, so a float
+    test never drops a pair that the exact integer test would keep."""
+    return 1e-9 * np.abs(bound) + 1.0
+
+
+@dataclass(slots=True)
+class Bounds:
+    """Bound rows stacked: row b is ``wt[b] T + wm[b] M``; per table ``ins`` (rows,
+    entries), and for eliminated tables ``outs``."""
+
+    wt: np.ndarray  # (rows, 1)
+    wm: np.ndarray
+    ins: list
+    outs: list
+
+
+def min_sum_bounds(model: EliminationModel, w: np.ndarray, vals: list, final_out: np.ndarray | None = None) -> Bounds:
+    """The bound rows ``w``: the inside values ``vals`` (:func:`.elimination.inside`) and the
+    outside values from them; ``final_out``: a lower bound on what lies outside the model."""
+    outs = [o if o is None else o.reshape(len(w), -1) for o in outside(model, vals, final_out)]
+    return Bounds(w[:, :1].astype(float), w[:, 1:2].astype(float), [v.reshape(len(w), -1) for v in vals], outs)
+
+
+def pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Indices of the Pareto pairs of each group g (minimize primary p, then secondary s),
+    ordered by (g, p).  Segmented running minimum of s via a per-group offset."""
+    if g.size == 0:
+        return g
+    o = np.lexsort((s, p, g))
+    g2, s2 = g[o], s[o]
+    new = np.empty(g2.size, bool)
+    new[0], new[1:] = True, g2[1:] != g2[:-1]
+    dr = np.cumsum(new) - 1
+    lo = int(s2.min())
+    span = int(s2.max()) - lo + 1
+    if span * (int(dr[-1]) + 1) < 2**62:
+        sv = (s2 - lo) - dr * span  # later groups lie wholly below earlier ones
+    else:
+        rank = np.unique(s2, return_inverse=True)[1].reshape(-1)
+        sv = rank - dr * (int(rank.max()) + 1)
+    keep = np.empty(g2.size, bool)
+    keep[0], keep[1:] = True, sv[1:] < np.minimum.accumulate(sv)[:-1]
+    return o[keep]
+
+
+@dataclass(slots=True)
+class ParetoTable:
+    """Pareto pairs per entry of a table's scope (CSR), each entry's run by t ascending."""
+
+    off: np.ndarray  # CSR offsets over the table's entries
+    t: np.ndarray
+    m: np.ndarray
+    xs: np.ndarray | None = None  # choice of the eliminated node per pair
+    bp: np.ndarray | None = None  # (pairs, inputs): pair index into each input
+    keys: tuple | None = None  # search keys of :func:`pair_window`, built on first use
+    wide: bool = False  # some entry holds many pairs: worth :func:`pair_window`
+
+
+def pair_window(
+    tab: ParetoTable, e: np.ndarray, qt: np.ndarray | None, qm: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of entry ``e`` with t <= qt and m <= qm: within an entry pairs run by t
+    ascending (m descending), so that is one range.  One searchsorted for all entries:
+    a pair's key is ``entry * width + rank of its value among the table's``."""
+    start, stop = tab.off[e], tab.off[e + 1]
+    if tab.keys is None:
+        ent = np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))
+        st, sm, width = np.sort(tab.t), np.sort(-tab.m), tab.t.size + 1
+        kt, km = ent * width + np.searchsorted(st, tab.t, "right"), ent * width + np.searchsorted(sm, -tab.m, "left")
+        tab.keys = (width, st, kt, sm, km)
+    width, st, kt, sm, km = tab.keys
+    if qt is not None:
+        stop = np.minimum(stop, np.searchsorted(kt, e * width + np.searchsorted(st, qt, "right"), "right"))
+    if qm is not None:
+        start = np.maximum(start, np.searchsorted(km, e * width + np.searchsorted(sm, -qm, "left"), "left"))
+    return start, np.maximum(stop, start)
+
+
+def _in_gaps(gaps: tuple[np.ndarray, ...], bnd: Bounds, t: np.ndarray, m: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """Whether pair (t, m) may complete to a plan no known plan dominates: below-left of
+    some gap corner (cx, cy) = (next known plan's time, this one's memory), i.e. passing
+    the target cx / cap cy test on the time, memory and that gap's slope rows."""
+    cx, cy, row = gaps
+    ok = np.zeros(rest.shape[1], bool)
+    ti, mi = t + rest[0], m + rest[1]
+    for x, y, r in zip(cx, cy, row):
+        rhs = bnd.wt[r, 0] * x + bnd.wm[r, 0] * y
+        lhs = bnd.wt[r, 0] * t + bnd.wm[r, 0] * m + rest[r]
+        ok |= (ti <= x + tol(x)) & (mi <= y + tol(y)) & (lhs <= rhs + tol(rhs))
+    return ok
+
+
+def pareto_pass(
+    model: EliminationModel,
+    bnd: Bounds,
+    limits: np.ndarray,
+    *,
+    gaps: tuple[np.ndarray, ...] | None = None,
+    beam: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    values_only: bool = False,
+) -> tuple[list, dict]:
+    """Eliminate every node over Pareto sets (the recurrence of the module docstring).
+
+    ``limits``: B per bound row (inf: unused).  ``gaps``: see :func:`_in_gaps`.  ``beam``
+    (heuristic) keeps the fastest and the smallest pair per entry and memory bucket of
+    that width, or (``beam < 0``) of ``-beam`` rank buckets (evenly spaced).
+    ``values_only`` frees tables once used and keeps no back-pointers."""
+    tabs = []
+    for t, m, ok in zip(model.t, model.m, model.ok):
+        flat = ok.reshape(-1)
+        tabs.append(ParetoTable(np.concatenate([[0], np.cumsum(flat)]), t.reshape(-1)[flat], m.reshape(-1)[flat]))
+    lim = (limits + tol(limits))[:, None]
+    pure_t = np.flatnonzero((bnd.wm[:, 0] == 0) & np.isfinite(limits))
+    pure_m = np.flatnonzero((bnd.wt[:, 0] == 0) & np.isfinite(limits))
+    stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0, "thinned": False}
+    for si, st in enumerate(model.steps):
+        kx = st.shape[-1] if st.var >= 0 else 1
+        best = bnd.ins[st.out] + bnd.outs[st.out]
+        row_ok = (best <= lim).all(axis=0)
+        if gaps is not None:
+            row_ok &= np.isfinite(best).all(axis=0)
+            row_ok[row_ok] &= _in_gaps(gaps, bnd, 0.0, 0.0, best[:, row_ok])
+        rows = np.flatnonzero(row_ok)
+        cells = (rows[:, None] * kx + np.arange(kx)).reshape(-1)
+        coords = np.unravel_index(cells, st.shape) if st.shape else ()
+        ents = []
+        for j, tid in enumerate(st.inputs):
+            tshape = tuple(model.k[v] for v in model.scopes[tid])
+            ents.append(np.ravel_multi_index(tuple(coords[p] for p in st.pos[j]), tshape) if tshape else 0 * cells)
+        out = np.repeat(bnd.outs[st.out][:, rows], kx, axis=1)
+        ins = [bnd.ins[tid][:, e] for tid, e in zip(st.inputs, ents)]
+        total = out + sum(ins)
+        cell_ok = (total <= lim).all(axis=0)
+        if gaps is not None:
+            cell_ok &= np.isfinite(total).all(axis=0)
+            cell_ok[cell_ok] &= _in_gaps(gaps, bnd, 0.0, 0.0, total[:, cell_ok])
+        alive = np.flatnonzero(cell_ok)
+        cells, ents = cells[alive], [e[alive] for e in ents]
+        order = sorted(range(len(st.inputs)), key=lambda j: tabs[st.inputs[j]].t.size)
+        rests = [out[:, alive]]  # rests[i]: rest after folding order[:i+1]
+        for j in reversed(order[1:]):
+            rests.append(rests[-1] + ins[j][:, alive])
+        rests.reverse()
+        cell, t, m = np.arange(cells.size), np.zeros(cells.size, np.int64), np.zeros(cells.size, np.int64)
+        ptrs: list[np.ndarray] = []
+        single = True  # at most one pair per cell so far: no Pareto filter needed
+        for i, j in enumerate(order):
+            tab = tabs[st.inputs[j]]
+            e = ents[j][cell]
+            if tab.wide and (pure_t.size or pure_m.size):
+                rc = rests[i][:, cell]
+                qt = ((lim[pure_t] - rc[pure_t]) / bnd.wt[pure_t]).min(axis=0) - t if pure_t.size else None
+                qm = ((lim[pure_m] - rc[pure_m]) / bnd.wm[pure_m]).min(axis=0) - m if pure_m.size else None
+                start, stop = pair_window(tab, e, qt, qm)
+            else:
+                start, stop = tab.off[e], tab.off[e + 1]
+            counts = stop - start
+            if single and counts.max(initial=0) <= 1:
+                rep = np.flatnonzero(counts)
+                q = start[rep]
+            else:
+                single = False
+                rep = np.repeat(np.arange(counts.size), counts)
+                q = start[rep] + np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
+            cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
+            rc = rests[i][:, cell]
+            ptrs = [p[rep] for p in ptrs] + [q]
+            stats["max_combined"] = max(stats["max_combined"], cell.size)
+            keep = (rc + bnd.wt * t + bnd.wm * m <= lim).all(axis=0)
+            if gaps is not None:
+                keep[keep] &= _in_gaps(gaps, bnd, t[keep], m[keep], rc[:, keep])
+            sel = np.flatnonzero(keep)
+            if i + 1 < len(order) and not single:
+                sel = sel[pareto_keep(cell[sel], t[sel], m[sel])]
+            cell, t, m, ptrs = cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
+        group = cells[cell] // kx
+        sel = pareto_keep(group, t, m)
+        if beam is not None and sel.size > 1:
+            g = group[sel]
+            if beam > 0:  # memory buckets of width beam
+                bucket = m[sel] // beam
+            else:  # at most -beam pairs per entry, evenly spaced by rank
+                first = np.searchsorted(g, g)
+                size = np.searchsorted(g, g, side="right") - first
+                bucket = (np.arange(g.size) - first) * -beam // size
+                stats["thinned"] |= bool(size.max() > -beam)
+            edge = np.ones(sel.size + 1, bool)
+            edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
+            sel = sel[edge[:-1] | edge[1:]]  # first and last of each bucket: the entry's extremes stay
+        bp = None if values_only else np.empty((sel.size, len(order)), np.int64)
+        for i, j in enumerate(order):
+            if values_only:
+                tabs[st.inputs[j]] = None  # consumed
+            else:
+                bp[:, j] = ptrs[i][sel]
+        off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=row_ok.size))])
+        tabs.append(
+            ParetoTable(off, t[sel], m[sel], cells[cell[sel]] % kx, bp, wide=bool(np.diff(off).max(initial=0) > 8))
+        )
+        stats["max_pairs"], stats["pairs"] = max(stats["max_pairs"], sel.size), stats["pairs"] + sel.size
+        if progress is not None:
+            progress(si + 1, len(model.steps))
+    return tabs, stats
+
+
+def backtrack(model: EliminationModel, tabs: list, p: int) -> tuple[int, ...]:
+    """The choice vector of the final table's pair ``p``: each pair's choice of its
+    eliminated node, following the back-pointers down to the factors."""
+    red = np.zeros(len(model.k), np.int64)
+    stack = [(model.final, p)]
+    while stack:
+        tid, p = stack.pop()
+        st, tab = model.step_of[tid], tabs[tid]
+        if st.var >= 0:
+            red[st.var] = tab.xs[p]
+        stack.extend((kid, int(tab.bp[p, j])) for j, kid in enumerate(st.inputs) if kid >= model.n_orig)
+    return model.original_choice(red)
+
+
+def row_limits(bnd: Bounds, target: float, cap: int | None) -> np.ndarray:
+    """B per row for plans with time <= target and memory <= cap."""
+    wt, wm = bnd.wt[:, 0], bnd.wm[:, 0]
+    return np.where(wt == 0, np.inf if cap is None else float(cap), target + wm * (cap or 0))

@@ -1,0 +1,161 @@
+"""The tree is the pipeline: each stage is a package, and imports run one way, down the stages.
+
+``docs/architecture.md`` draws the stages; this file holds the layering it draws and
+checks the source against it, statically (every ``import``/``from ... import``,
+inside functions too):
+
+* a module imports another stage only from a *lower* layer, and only through that
+  package's own ``__init__`` (``from autopar.search import solve_dp``, never
+  ``autopar.search.dp``);
+* no module imports another module's private (``_name``) definitions;
+* no import circles between modules, anywhere (a package ``__init__`` included; an
+  import under ``if TYPE_CHECKING:`` names a type for annotations and never runs, so
+  it is held to the layering but is no edge of a circle);
+* every module has a docstring and stays under 600 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Stage -> layer.  A module may import its own stage, or a stage of a lower layer.
+#: ``shared``: the small value types at the top of ``autopar/`` (mesh, placements, specs,
+#: units, layouts, transitions) that every stage speaks; ``api``: the package's
+#: ``__init__``, ``__main__`` and the CLI, over everything.  ``runtime`` is the support
+#: library the lowered program calls: it knows the shared types only.
+LAYERS = {
+    "shared": 0,
+    "costmodel": 0,
+    "capture": 1,
+    "search": 1,
+    "runtime": 1,
+    "strategies": 2,
+    "cost": 3,
+    "planner": 4,
+    "lower": 5,
+    "compiled": 6,
+    "launch": 7,
+    "measure": 8,
+    "api": 9,
+}
+API_MODULES = {"autopar", "autopar.__main__", "autopar.cli"}
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package ``__init__``), for autopar/ and costmodel/."""
+    out = {}
+    for top in ("autopar", "costmodel"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+MODULES = _modules()
+
+
+def stage_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "costmodel":
+        return "costmodel"
+    if module in API_MODULES:
+        return "api"
+    if len(parts) == 2 and module not in {m for m, (_, pkg) in MODULES.items() if pkg}:
+        return "shared"  # a top-level module of autopar/
+    return parts[1]
+
+
+def _type_only_lines(tree: ast.Module) -> set[int]:
+    """Lines of imports under ``if TYPE_CHECKING:``."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            for inner in node.body:
+                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    return lines
+
+
+def _imports(module: str) -> list[tuple[str, str, int]]:
+    """(imported module, imported name or '', line) for every import statement of ``module``."""
+    path, is_pkg = MODULES[module]
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, "", node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = module.split(".") if is_pkg else module.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for a in node.names:
+                if f"{base}.{a.name}" in MODULES:  # `from pkg import submodule`
+                    found.append((f"{base}.{a.name}", "", node.lineno))
+                else:
+                    found.append((base, a.name, node.lineno))
+    return [(m, name, line) for m, name, line in found if m in MODULES]
+
+
+EDGES = {m: _imports(m) for m in MODULES}
+TYPE_ONLY = {m: _type_only_lines(ast.parse(MODULES[m][0].read_text())) for m in MODULES}
+
+
+def test_every_stage_of_the_tree_has_a_layer():
+    stages = {stage_of(m) for m in MODULES}
+    assert stages <= set(LAYERS), f"stages without a layer in LAYERS: {sorted(stages - set(LAYERS))}"
+    # the top of autopar/ holds the public surface and the shared vocabulary only
+    shared = sorted(m for m in MODULES if stage_of(m) == "shared")
+    assert len(shared) <= 10, shared
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_run_down_the_stages_through_package_names(module):
+    here = stage_of(module)
+    wrong = []
+    for target, _name, line in EDGES[module]:
+        there = stage_of(target)
+        if there == here:
+            continue
+        if LAYERS[there] >= LAYERS[here]:
+            wrong.append(f"line {line}: {target} ({there}, layer {LAYERS[there]}) from {here} (layer {LAYERS[here]})")
+        elif there != "shared" and target != (f"autopar.{there}" if there != "costmodel" else "costmodel"):
+            wrong.append(f"line {line}: {target} is inside stage {there}; import it from the package")
+    assert not wrong, f"{module} imports against the layering:\n  " + "\n  ".join(wrong)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_private_names(module):
+    private = [
+        f"line {line}: {name} from {target}"
+        for target, name, line in EDGES[module]
+        if name.startswith("_") and not name.startswith("__") and target != module
+    ]
+    assert not private, f"{module} imports private names:\n  " + "\n  ".join(private)
+
+
+def test_no_import_circles():
+    graph = nx.DiGraph(
+        (m, t) for m, edges in EDGES.items() for t, _, line in edges if t != m and line not in TYPE_ONLY[m]
+    )
+    circles = [" -> ".join(c) for c in nx.simple_cycles(graph)]
+    assert not circles, "import circles:\n  " + "\n  ".join(sorted(circles)[:20])
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_module_is_small_and_says_its_job(module):
+    path, _ = MODULES[module]
+    text = path.read_text()
+    lines = text.count("\n")
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}): split it by job"
+    doc = ast.get_docstring(ast.parse(text))
+    assert doc and len(doc.splitlines()[0]) >= 20, f"{path.relative_to(ROOT)} has no docstring stating its job"
