@@ -5,8 +5,10 @@ sharding strategies per op, prices them and searches for the fastest plan under
 a per-device memory cap.  ``autopar.prepare`` + ``autopar.plan_from_context`` split
 that in two so one capture serves many caps, and ``ctx.at_batch(b)`` (``rebatch``)
 many batch sizes.  ``autopar.compile`` runs a plan on the ranks of a process group.
-README.md describes the pipeline stage by stage and names the module of each; the
-module docstrings hold the design decisions.  ``python -m autopar`` (or
+Each stage of the pipeline is a subpackage (capture, strategies, cost, search,
+planner, lower, compiled; runtime is what the lowered program calls):
+docs/architecture.md draws them and the types between them, and the module
+docstrings hold the design decisions.  ``python -m autopar`` (or
 ``autopar``) is the command line (``autopar/cli.py``).
 """
 

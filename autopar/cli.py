@@ -8,7 +8,7 @@
         [--family auto|data-parallel|sharded-parameters|tensor-parallel] [--lr 1e-3]
 
 ``run`` trains on local CPU ranks it spawns (or, under torchrun, as this rank) and,
-with ``--check``, compares with one device (autopar/launch.py); exit code 1 on FAIL.
+with ``--check``, compares with one device (autopar/launch/); exit code 1 on FAIL.
 
 ``--hint`` (repeatable) gives one semi-auto hint (``autopar.planner.hints``): placements
 split on top-level commas (``'*.mlp.c_fc.weight=R,S(1)'``), ``replicate`` for a

@@ -56,7 +56,7 @@ class OptimizerSpec:
     The step, as ``torch.optim``'s per-tensor implementation runs it (the default on
     CPU tensors), is ``ops_per_param`` elementwise kernels per parameter that
     together read and write ``passes`` tensors the size of the parameter's state
-    shard (``costing`` prices it as memory traffic plus one per-op overhead each).
+    shard (``cost.coster`` prices it as memory traffic plus one per-op overhead each).
     """
 
     name: str

@@ -76,7 +76,7 @@ _SIZED = ("view.default", "_unsafe_view.default", "reshape.default", "expand.def
 
 def _local_graph_facts(sharded, args, kwargs) -> dict:
     """What ``sharded.local_graph`` calls, its moves that move nothing, and its size arguments vs traced shapes."""
-    from autopar.lower.rewrite import MoveStep, OpStep
+    from autopar.lower.steps import MoveStep, OpStep
     from autopar.runtime.deferred import DeferredLossStep
 
     sharded.trace = {}
@@ -135,7 +135,7 @@ def _local_mode(rank, mesh, args, kwargs) -> dict:
 
 
 def _lazy_rank_fn(rank, world):
-    from autopar.compiled.build import NotCompiledError
+    from autopar.compiled import NotCompiledError
 
     mesh = autopar.Mesh((world,), axis_names=("dp",))
     out = {}

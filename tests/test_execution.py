@@ -321,7 +321,7 @@ def _memory_one(rank, name, mesh_shape, axis_names, family):
     opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
     sharded.measure_saved = True  # opt-in: the instrumented local graph measures what forward saves
     loss = sharded(*args, **kwargs)[0]
-    saved = sharded.saved_bytes.total_bytes  # what this forward packed for backward (executor.SavedBytes)
+    saved = sharded.saved_bytes.total_bytes  # what this forward packed for backward (lower.SavedBytes)
     loss.backward()
     opt.step()
     # storages held (a ZeRO shard is a view of its parameter's buffer); AdamW's scalar `step` counters not modelled
@@ -385,7 +385,7 @@ def test_bf16_model_is_planned_as_it_trains():
 def test_saved_activations_within_ten_percent_of_the_plan(memory_runs):
     """Issue 3, done-when 4 (activations): bytes saved for backward in one forward vs the plan's figure.
 
-    Measured by the executor's saved-tensor hook (``executor.SavedBytes``): distinct
+    Measured by the executor's saved-tensor hook (``lower.SavedBytes``): distinct
     storages at their full size, parameters excluded, dropout on.  The plan's figure
     is for the largest piece (coordinate 0): that rank must be within 10%, every
     other rank at most 10% above it (an uneven shard holds less).

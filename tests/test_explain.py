@@ -1,4 +1,4 @@
-"""What decided a plan (autopar/explain.py) and the step's peak memory by phase (autopar/peak.py)."""
+"""What decided a plan (autopar/planner/explain.py) and the step's peak memory by phase (autopar/cost/peak.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`autopar run`: spawn local gloo ranks, train, and check against one device (autopar/launch.py).
+"""`autopar run`: spawn local gloo ranks, train, and check against one device (autopar/launch/).
 
 One real run (2 spawned ranks, gpt2-tiny, 2 steps) goes through the CLI; the
 verdict logic and the error paths are exercised on synthetic records, without

@@ -29,6 +29,7 @@ graph at each concrete batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass
@@ -170,9 +171,11 @@ def graph_from_export(
         gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, list(sig.user_inputs)
     )
     lifted = {spec.target for spec in sig.input_specs if spec.kind.name == "CONSTANT_TENSOR"}
-    graph.constants = {k: v for k, v in (constants or {}).items() if k in lifted and isinstance(v, torch.Tensor)}
-    graph.call = _call_spec(graph, sig, exported, output_leaves)
-    return graph
+    return dataclasses.replace(
+        graph,
+        constants={k: v for k, v in (constants or {}).items() if k in lifted and isinstance(v, torch.Tensor)},
+        call=_call_spec(graph, sig, exported, output_leaves),
+    )
 
 
 def _call_spec(graph: OpGraph, sig, exported: ExportedCall, output_leaves: list) -> CallSpec:

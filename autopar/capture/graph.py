@@ -58,7 +58,7 @@ class OpCall:
         return str(self.target)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpNode:
     """One node of the planning graph.
 
@@ -88,7 +88,7 @@ class OpNode:
         return self.name
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpGraph:
     """The captured model as planning data: nodes in topological order.
 

@@ -7,6 +7,7 @@ optimizer, its gradients reduced and its ZeRO state gathered by the runtime.
 
 from __future__ import annotations
 
-from .build import NotCompiledError, ShardedModule, compile, default_profile, training_precision
+from .build import compile, default_profile, training_precision
+from .module import NotCompiledError, ShardedModule
 
 __all__ = ["NotCompiledError", "ShardedModule", "compile", "default_profile", "training_precision"]

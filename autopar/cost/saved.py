@@ -15,7 +15,7 @@ every tensor autograd packs:
 The answer is what *this* PyTorch runs on CPU tensors, composite ops (linear,
 layer_norm, dropout, scaled_dot_product_attention) decomposed exactly as eager
 mode decomposes them.  What differs by device is priced from the profile by the
-caller (``costing``): scaled_dot_product_attention on CUDA runs a fused kernel
+caller (``cost.coster``): scaled_dot_product_attention on CUDA runs a fused kernel
 (``attention="flash"``: it keeps q, k, v, its output and a float32 logsumexp per
 query row, FlashAttention-2's backward contract) while CPU ranks run what is
 traced here (``attention="traced"``: the fused CPU flash kernel without dropout,

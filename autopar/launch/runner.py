@@ -240,7 +240,7 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
     sharded = hasattr(module, "full_grads")
     opt = torch.optim.AdamW(module.parameters(), lr=config.lr)
     losses, times, outputs, names, grads, held = [], [], (), (), {}, {}
-    saved = None  # what the first forward saved for backward (executor.SavedBytes; every step saves the same)
+    saved = None  # what the first forward saved for backward (lower.SavedBytes; every step saves the same)
     for step in range(config.steps):
         if sharded:  # measured on the first step only: the instrumented graph costs a hook per op
             module.measure_saved = step == 0
@@ -287,7 +287,7 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     so the ranks only capture and shard.  Planning once also keeps the search's
     memory in one process instead of one copy per rank.  The model is built on the
     CPU, not the meta device: torch.export traces the kernels the tensors run, and
-    some graphs differ between the two (``compiler._check_plan_graph``).
+    some graphs differ between the two (``compiled.checks.check_plan_graph``).
     """
     from autopar.planner import plan_from_context, prepare
 

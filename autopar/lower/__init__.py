@@ -8,6 +8,7 @@ value's placements by fx node name); ``lower`` rewrites the graph into an
 
 from __future__ import annotations
 
-from .rewrite import ExecutionPlan, RunState, SavedBytes, lower
+from .program import ExecutionPlan, RunState, SavedBytes
+from .rewrite import lower
 
 __all__ = ["ExecutionPlan", "RunState", "SavedBytes", "lower"]

@@ -36,31 +36,13 @@ while lowering, not per call:
    program keeps, and records the unfused nodes' values beside it (``trace``).
 
 The result prints as plain Python (``gm.code``: aten calls and the inserted
-steps); ``ShardedModule.local_graph`` exposes it.  What changes between calls
-lives in one ``RunState`` the steps share: the ``CollectiveCounter`` (every move
-records its collectives there), the step number (for RNG seeds), and the
-instrumentation.  ``lower(..., instrument=True)`` wraps *every* op in an
-``OpStep`` that also records each op's local outputs (``state.trace``) and the
-bytes it saves for backward (``SavedBytes``); the compiled module builds that
-variant only when one of them is asked for, so the fast graph pays nothing.
-
-Randomness (dropout): a random op re-seeds the RNG from (seed, step, node, this
-rank's coordinates on the axes where the op's output is *sharded*), so ranks
-that hold the same (replicated) values draw the same mask and ranks holding
-different shards draw their own parts — Megatron's and Paddle's local/global
-seed policy.  The RNG state around the op is restored afterwards.
-
-Train and eval mode: the graph is traced in train mode.  When the compiled module
-is in eval mode (``RunState.training`` False, from ``ShardedModule.eval()``), the
-ops whose behaviour ``nn.Module.eval()`` switches in the aten graph run their
-eval form: dropout (``aten.dropout``, ``aten.native_dropout``: ``train=False``)
-and attention dropout (``scaled_dot_product_attention``: ``dropout_p=0``)
-feature and alpha dropout, batch and instance norm with running statistics (which
-they then normalize with, not the batch's) (``EVAL_FORMS``); an op whose only
-effect is a buffer update (``num_batches_tracked.add_(1)``, result unused) is
-skipped, as a module in eval mode updates no running statistics.  Python
-branches on ``self.training`` inside the model were decided when it was traced
-(train mode) and stay so.
+steps); ``ShardedModule.local_graph`` exposes it.  ``lower(..., instrument=True)``
+wraps *every* op in an ``OpStep`` that also records each op's local outputs
+(``state.trace``) and the bytes it saves for backward (``SavedBytes``); the
+compiled module builds that variant only when one of them is asked for, so the
+fast graph pays nothing.  The plan resolved per node and the state the steps read
+per call are in ``program.py``; the steps themselves (moves, random ops, eval
+forms) in ``steps.py``.
 
 Buffers the forward writes (batch norm's running statistics and counter): the op
 gets this rank's persistent piece of the buffer itself, so the update stays for
@@ -70,32 +52,22 @@ refused (``_check_buffer_writes``), never a silently dropped update.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autopar.capture import OpGraph
-from autopar.placement import Placement, Replicate, Shard, parse_placements
-from autopar.runtime import Move, defer_loss_tail, from_state_shard
+from autopar.placement import Replicate, Shard
+from autopar.runtime import Move, defer_loss_tail
 from autopar.spec import local_shape
-from autopar.strategies import (
-    KERNELS,
-    FusedLoss,
-    KernelContext,
-    decomposed_values,
-    emit_fused_loss,
-    fusable_groups,
-    localize_size_args,
-)
-from autopar.transitions import input_grad_placements, output_grad_placements, partial_on, producer_grad_placement
+from autopar.strategies import KERNELS, KernelContext, emit_fused_loss, fusable_groups, localize_size_args
 
-__all__ = ["ExecutionPlan", "RunState", "lower", "SavedBytes", "RANDOM_OPS", "EVAL_FORMS"]
+from .program import ExecutionPlan, NodeExec, RunState
+from .steps import EVAL_FORMS, MoveStep, OpStep, TraceDecomposed
+
+__all__ = ["lower", "RANDOM_OPS"]
 
 aten = torch.ops.aten
 RANDOM_OPS = {
@@ -108,20 +80,6 @@ RANDOM_OPS = {
     aten.feature_dropout.default,
     aten.alpha_dropout.default,
     aten.feature_alpha_dropout.default,
-}
-# op -> (argument, the value eval mode gives it): what nn.Module.eval() changes in a train-mode graph
-# (batch and instance norm: only with running statistics; without, eval mode normalizes by the batch too)
-EVAL_FORMS = {
-    aten.dropout.default: ("train", False),
-    aten.native_dropout.default: ("train", False),
-    aten.feature_dropout.default: ("train", False),
-    aten.alpha_dropout.default: ("train", False),
-    aten.feature_alpha_dropout.default: ("train", False),
-    aten.scaled_dot_product_attention.default: ("dropout_p", 0.0),
-    aten.batch_norm.default: ("training", False),
-    aten.native_batch_norm.default: ("training", False),
-    aten._native_batch_norm_legit.default: ("training", False),
-    aten.instance_norm.default: ("use_input_stats", False),
 }
 # composite ops whose schema does not mark the arguments they update in place (in training)
 _UNDECLARED_WRITES = {
@@ -169,308 +127,6 @@ def _written_buffers(fxn: fx.Node, by_fx: dict) -> list[tuple[int, Any]]:
         if a in written and node is not None and node.kind == "buffer":
             out.append((pos, node))
     return out
-
-
-def _eval_form(target, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``target``'s arguments with its ``EVAL_FORMS`` entry applied (positional or keyword, as given)."""
-    name, value = EVAL_FORMS[target]
-    names = [a.name for a in target._schema.arguments]
-    at = names.index(name)
-    if at < len(args):
-        return (*args[:at], value, *args[at + 1 :]), kwargs
-    return args, {**kwargs, name: value}
-
-
-@dataclass
-class NodeExec:
-    """What one op node needs at run time (placements parsed from the plan)."""
-
-    inputs: tuple[tuple[Placement, ...], ...]
-    outputs: tuple[tuple[Placement, ...], ...]
-    kernels: tuple[str | None, ...]
-    split: tuple[bool, ...]
-    partial_grad: tuple[bool, ...] = ()  # axes where backward runs on P(sum) gradients
-
-    def input_grad(self, pos: int) -> tuple[Placement, ...]:
-        """The gradient placement this op's backward hands back for input ``pos``."""
-        return input_grad_placements(self.inputs[pos], self.split, self.partial_grad)
-
-
-@dataclass
-class ExecutionPlan:
-    """The plan resolved against one captured graph: placements of every value by fx node name."""
-
-    graph: OpGraph
-    mesh_shape: tuple[int, ...]
-    nodes: dict[str, NodeExec]
-    sources: dict[str, tuple[tuple[Placement, ...], tuple[Placement, ...]]]  # fx name -> (placement, grad target)
-    # param fx name -> where its uses' gradients are summed, when not its state placement (partial_grad_axes)
-    accumulate: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
-
-    @classmethod
-    def from_plan(cls, graph: OpGraph, plan) -> ExecutionPlan:
-        mesh_shape = tuple(plan.mesh.shape)
-        nodes: dict[str, NodeExec] = {}
-        missing = []
-        for n in graph.nodes:
-            if n.kind != "op":
-                continue
-            entry = plan.nodes.get(n.name)
-            if entry is None or entry["op"] != str(n.target):
-                missing.append(f"{n.name} ({n.target})")
-                continue
-            ins = tuple(parse_placements(p) for p in entry["inputs"])
-            outs = tuple(parse_placements(p) for p in entry["outputs"])
-            split = tuple(any(not isinstance(p[a], Replicate) for p in ins + outs) for a in range(len(mesh_shape)))
-            flags = _axis_flags(plan, entry, f"node {n.name}")
-            if any(f and sp for f, sp in zip(flags, split)):
-                raise ValueError(
-                    f"node {n.name}: partial_grad_axes {entry['partial_grad_axes']} include an axis the op "
-                    "splits; partial gradients are only exact where every rank of the axis repeats the op"
-                )
-            nodes[n.name] = NodeExec(ins, outs, tuple(entry["kernels"]), split, flags)
-        if missing:
-            raise ValueError(
-                f"the plan does not match the model {graph.model_name}: {len(missing)} graph nodes are not in it "
-                f"(first: {', '.join(missing[:3])}); re-plan this model with the same example input shapes"
-            )
-        sources, accumulate = {}, {}
-        for n in graph.nodes:
-            if n.kind == "param":
-                if n.fqn not in plan.params:
-                    raise ValueError(f"the plan has no placement for parameter {n.fqn}; re-plan this model")
-                p = plan.params[n.fqn]
-                # (placement, state placement): gradients go to the state (ZeRO-1/2 when they differ)
-                sources[n.name] = (parse_placements(p["placements"]), parse_placements(p["state_placements"]))
-                flags = _axis_flags(plan, p, f"parameter {n.fqn}")
-                if any(flags):
-                    accumulate[n.name] = partial_on(sources[n.name][1], flags)
-            elif n.kind in ("input", "buffer"):
-                pl = parse_placements(plan.inputs[n.fqn or n.name]["placements"])
-                sources[n.name] = (pl, tuple(producer_grad_placement(p) for p in pl))
-        return cls(graph, mesh_shape, nodes, sources, accumulate)
-
-    def output_placement(self, name: str, index: int) -> tuple[Placement, ...]:
-        if name in self.nodes:
-            return self.nodes[name].outputs[index]
-        return self.sources[name][0]
-
-    def grad_target(self, name: str, index: int) -> tuple[Placement, ...]:
-        """Where the gradients of ``name``'s output ``index`` are summed (what each consumer edge delivers)."""
-        if name in self.nodes:
-            return output_grad_placements(self.nodes[name].outputs[index], self.nodes[name].partial_grad)
-        return self.accumulate.get(name, self.sources[name][1])
-
-
-def _axis_flags(plan, entry: dict, what: str) -> tuple[bool, ...]:
-    """``entry["partial_grad_axes"]`` (axis names) as one flag per mesh axis."""
-    names = list(plan.mesh.axis_names)
-    given = entry.get("partial_grad_axes", [])
-    unknown = [a for a in given if a not in names]
-    if unknown:
-        raise ValueError(f"{what}: partial_grad_axes {unknown} are not axes of the plan's mesh {names}")
-    return tuple(a in given for a in names) if given else ()
-
-
-class SavedBytes:
-    """What one forward packed for backward, measured by the executor's saved-tensor hook.
-
-    ``add`` is called with every tensor an op saves for backward.  Parameters (a
-    rank's local shards, the all-gathered copies the executor makes and views of
-    either) are model state, not activations, and are not counted.  Every other
-    saved tensor counts once per *storage*, at the storage's size: a saved view
-    keeps its whole base alive, and two ops saving the same tensor (or views of
-    one) hold one copy, as autograd does.  Only sizes are kept, never the tensors.
-    ``by_op`` (storage bytes first recorded by each op node) helps find where a
-    prediction is off.
-    """
-
-    def __init__(self, params) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self._ref = StorageWeakRef
-        self._params = {StorageWeakRef(p.untyped_storage()) for p in params}
-        self._gathered: list = []
-        self._storages: dict = {}
-        self.by_op: dict[str, int] = {}
-
-    def add_parameter(self, t: torch.Tensor) -> None:
-        """Mark ``t`` (a parameter's copy made by a transition) as model state for the rest of the forward."""
-        self._gathered.append(self._ref(t.untyped_storage()))
-
-    def add(self, t: torch.Tensor, op: str = "") -> None:
-        ref = self._ref(t.untyped_storage())
-        if ref in self._params or ref in self._storages or any(g == ref and not g.expired() for g in self._gathered):
-            return
-        self._storages[ref] = t.untyped_storage().nbytes()
-        self.by_op[op] = self.by_op.get(op, 0) + self._storages[ref]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the distinct storages saved (parameters excluded)."""
-        return sum(self._storages.values())
-
-
-@contextlib.contextmanager
-def _regather_saved(gathered: tuple, counter, record: SavedBytes | None = None, op: str = ""):
-    """FSDP: an op that saves an all-gathered parameter keeps only a handle; backward gathers it again.
-
-    ``gathered`` lists (full tensor, (local shard, Move)).  A saved tensor that
-    shares storage with a gathered parameter is packed as the recipe to rebuild it
-    (the shard and the view's size/stride/offset); unpacking issues the plan's
-    backward all-gather (the Move's forward steps, recorded as ``"backward"``).
-    Every other saved tensor is kept as is and, when ``record`` is given, measured
-    there (``SavedBytes``).  With nothing gathered and no record this is a no-op.
-    """
-    if not gathered and record is None:
-        yield
-        return
-    # autograd keeps the pack hook alive with every tensor it saved (until backward): it must not hold the
-    # gathered tensors themselves, or every gathered parameter lives until backward; their storages' addresses
-    # identify them while the op runs
-    by_storage = {full.untyped_storage().data_ptr(): recipe for full, recipe in gathered}
-    del gathered
-
-    def pack(t: torch.Tensor):
-        recipe = by_storage.get(t.untyped_storage().data_ptr())
-        if recipe is not None:
-            return ("regather", recipe, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad)
-        if record is not None:
-            record.add(t, op)
-        return t
-
-    def unpack(packed):
-        if not (isinstance(packed, tuple) and packed and packed[0] == "regather"):
-            return packed
-        _, (local, move), size, stride, offset, _ = packed
-        return move.local(local.detach(), counter, phase="backward").as_strided(size, stride, offset)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-@dataclass
-class RunState:
-    """What may change between calls of a lowered graph; its steps read it (``ShardedModule`` sets it per call).
-
-    ``counter``: a ``CollectiveCounter`` every move records in (or None);
-    ``step``: the call number, part of every random op's seed; ``training``: the
-    module's mode (False: ``EVAL_FORMS`` ops run their eval form); ``trace``: when a
-    dict, op node name -> this rank's local outputs; ``saved``: when given, the
-    bytes ops save for backward are measured there.  ``trace`` and ``saved`` are
-    only honoured by a graph lowered with ``instrument=True``.
-    """
-
-    counter: Any = None
-    step: int = 0
-    training: bool = True
-    trace: dict[str, list[torch.Tensor]] | None = None
-    saved: SavedBytes | None = None
-
-
-class _Step:
-    """A callable the lowered graph calls; ``__name__`` is what ``gm.code`` shows."""
-
-    def __init__(self, name: str, state: RunState) -> None:
-        self.__name__ = self.__qualname__ = name
-        self.state = state
-
-
-class MoveStep(_Step):
-    """One edge's ``Move`` (or a ZeRO read, ``shard`` given) in the lowered graph.
-
-    Records in ``state.counter`` unless ``counted`` is false; a moved parameter
-    (``param``) is marked as model state in ``state.saved`` when measuring.
-    """
-
-    def __init__(self, name: str, state: RunState, move: Move, *, shard=None, param=False, counted=True) -> None:
-        super().__init__(name, state)
-        self.move, self.shard, self.param, self.counted = move, shard, param, counted
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        counter = self.state.counter if self.counted else None
-        if self.shard is None:
-            out = self.move(x, counter)
-        else:  # read the ZeRO buffer; the gradient goes to the state shard
-            out = from_state_shard(self.shard, x, self.move, counter)
-        if self.param and self.state.saved is not None:
-            self.state.saved.add_parameter(out)  # a moved copy of a parameter is model state too
-        return out
-
-
-class OpStep(_Step):
-    """One op that needs more than its aten call: a kernel, an RNG seed, FSDP re-gather or instrumentation.
-
-    Called as ``step(*args, **kwargs)``, or ``step(pairs, *args, **kwargs)`` with
-    ``regather`` moves, ``pairs`` holding each gathered parameter's (full, local
-    piece) in the same order.  ``seed_key``: (seed, node index, sharded
-    coordinates) of a random op; the RNG seed also takes ``state.step``.
-    ``eval_target``: the aten op whose ``EVAL_FORMS`` entry applies when
-    ``state.training`` is False (then no RNG is forked: the eval form draws nothing).
-    ``eval_skips``: the op only writes a model buffer (its result is unused), and in
-    eval mode is not run (its first argument, the buffer it writes, is returned).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        state: RunState,
-        fn,
-        *,
-        regather=(),
-        seed_key=None,
-        rng_devices=(),
-        instrument=False,
-        eval_target=None,
-        eval_skips=False,
-    ):
-        super().__init__(name, state)
-        self.fn, self.regather, self.seed_key, self.instrument = fn, tuple(regather), seed_key, instrument
-        self.rng_devices = list(rng_devices)
-        self.eval_target, self.eval_skips = eval_target, eval_skips
-
-    def seed(self, step: int) -> int:
-        seed, index, coords = self.seed_key
-        return zlib.crc32(repr((seed, step, index, coords)).encode()) & 0x7FFFFFFF
-
-    def __call__(self, *args, **kwargs):
-        state = self.state
-        gathered = ()
-        if self.regather:
-            gathered = tuple((full, (local, move)) for (full, local), move in zip(args[0], self.regather))
-            args = args[1:]
-        with _regather_saved(gathered, state.counter, state.saved if self.instrument else None, self.__name__):
-            if self.eval_skips and not state.training:
-                out = args[0]
-            elif self.eval_target is not None and not state.training:
-                args, kwargs = _eval_form(self.eval_target, args, kwargs)
-                out = self.fn(*args, **kwargs)
-            elif self.seed_key is None:
-                out = self.fn(*args, **kwargs)
-            else:
-                with torch.random.fork_rng(devices=self.rng_devices):
-                    if self.rng_devices:
-                        torch.manual_seed(self.seed(state.step))
-                    else:  # CPU ranks: only the CPU generator (torch.manual_seed also queues lazy device seeding)
-                        torch.default_generator.manual_seed(self.seed(state.step))
-                    out = self.fn(*args, **kwargs)
-        if self.instrument and state.trace is not None:
-            state.trace[self.__name__] = [
-                t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-            ]
-        return out
-
-
-class _TraceDecomposed(_Step):
-    """Instrumented program only: records what a fused cross-entropy's unfused nodes would output (``state.trace``)."""
-
-    def __init__(self, name: str, state: RunState, group: FusedLoss) -> None:
-        super().__init__(name, state)
-        self.group = group
-
-    def __call__(self, x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> None:
-        if self.state.trace is not None:
-            self.state.trace.update(decomposed_values(self.group, x, index, valid))
 
 
 def _check_buffer_writes(xplan: ExecutionPlan, opnode, ex: NodeExec, writes: list) -> None:
@@ -626,7 +282,7 @@ def lower(
             if fxn is group.result:
                 x, index, valid = (fused_inputs[k] for k in group.inputs())
                 if instrument:
-                    g.call_function(_TraceDecomposed(f"trace_{group.part.group}", state, group), (x, index, valid))
+                    g.call_function(TraceDecomposed(f"trace_{group.part.group}", state, group), (x, index, valid))
                 env[fxn] = emit_fused_loss(group, x, index, valid, fused_node)
             continue
         flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))

@@ -1,6 +1,6 @@
 """Planning, the fifth stage: ``autopar.plan`` from capture to a ``Plan``, and the plan's report.
 
-``pipeline`` drives the stages: capture, strategies, costing, the search problem
+``pipeline`` drives the stages: capture, strategies, cost, the search problem
 (``problem``), the search, and the assembly of the chosen strategies into a ``Plan``
 (``assemble``).  User hints restrict the strategies first (``hints``, written in the
 forms ``hint_forms`` accepts).  ``schema`` holds the ``Plan`` itself, serialized as

@@ -32,7 +32,7 @@ with ``strict=True``.
 
 ``resolve_hints`` returns ``ResolvedHints``: the fixed placements by graph node,
 ``allowed(cand)`` (the restriction the planner hands to
-``problem_builder.to_problem``) and ``record`` (the normalized hints the plan JSON
+``planner.problem.to_problem``) and ``record`` (the normalized hints the plan JSON
 stores, so the tuple, Layout and placement forms of one hint give the same bytes).
 """
 

@@ -2,18 +2,7 @@
 
 Needs no process group and no real weights (meta-device models plan).  Besides
 the best plan under the cap, the planner solves the same problem restricted to
-each *family* so the report can show why the winner won:
-
-* ``data parallel``: every parameter replicated, its gradient and optimizer state too;
-* ``sharded parameters``: every parameter that can be is stored sharded and read
-  whole by its consumers, so it is all-gathered before use and its gradient
-  reduce-scattered (ZeRO-3/FSDP);
-* ``tensor parallel``: every weight matrix that its ops can read sharded stored
-  sharded and read in that placement (never all-gathered), state kept with it;
-  vectors (biases, norm weights) and matrices only a replicated op reads (a
-  convolution) may stay replicated, as in Megatron.
-
-Families are restrictions of the one search space, not rules that build plans.
+each *family* (``families``) so the report can show why the winner won.
 User hints (``hints=``, ``input_placements=``, ``output_placements=``, and
 ``autopar.shard`` calls in the model) are one more restriction (``autopar.planner.hints``):
 hinted nodes keep only the strategies that match, the search places the rest.
@@ -43,7 +32,6 @@ from autopar.capture import (
 )
 from autopar.cost import Coster, TrainingSettings
 from autopar.mesh import Mesh
-from autopar.placement import Replicate, Shard
 from autopar.runtime import DEFAULT_BUCKET_BYTES
 from autopar.search import ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
 from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
@@ -51,6 +39,7 @@ from autopar.units import format_bytes, parse_bytes
 from costmodel import load_profile, optimizer_spec, precision
 
 from .assemble import assemble_plan, breakdown
+from .families import family_restriction, param_nodes
 from .hints import ResolvedHints, resolve_hints
 from .problem import PS_PER_S, ProblemTables, build_tables, to_problem
 from .schema import FAMILIES, Plan
@@ -342,7 +331,7 @@ def plan_from_context(
     ctx, resolved = _hinted_context(ctx, hints, input_placements, output_placements, strict)
     hinted = resolved.allowed(ctx.cand)
     fam_node, allow_edge = family_restriction(ctx, family) if family else (None, None)
-    params = _param_nodes(ctx)
+    params = param_nodes(ctx)
 
     def allow_node(i: int, s: int) -> bool:
         if i in hinted and s not in hinted[i]:
@@ -403,9 +392,7 @@ def plan_from_context(
     timings = dict(ctx.timings, search_s=search_s)
     settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
     result = assemble_plan(ctx, choice, sol, settings, alternatives)
-    result.timings = timings
-    result.hints = dict(resolved.record)
-    return result
+    return replace(result, timings=timings, hints=dict(resolved.record))
 
 
 def _hinted_context(ctx: PlanningContext, hints, input_placements, output_placements, strict: bool):
@@ -463,80 +450,6 @@ def _solve(problem, solver: str, blocks: Blocks | None = None, progress=None) ->
 
 
 # ---- families ---------------------------------------------------------------------------
-def _param_nodes(ctx: PlanningContext) -> set[int]:
-    return {n.index for n in ctx.graph.nodes if n.kind == "param"}
-
-
-def _is_sharded(placement) -> bool:
-    return any(isinstance(p, Shard) for p in placement)
-
-
-def _read_sharded(ctx: PlanningContext, param: int, consumers: dict[int, list[tuple[int, int, int]]]) -> bool:
-    """Whether some sharded placement of ``param`` is one every op using it can read as it is (no move).
-
-    The tensor-parallel family shards exactly those matrices: a weight only a
-    replicated op reads (a convolution without a rule, ViT's patch embedding) stays
-    whole, as Megatron leaves such layers.
-    """
-    strategies = ctx.cand.strategies
-    uses = [(v, pos) for v, pos, _ in consumers[param]]
-    for placement in {st.placement for st in strategies[param] if _is_sharded(st.placement)}:
-        if uses and all(any(st.inputs[pos] == placement for st in strategies[v]) for v, pos in uses):
-            return True
-    return False
-
-
-def family_restriction(ctx: PlanningContext, family: str):
-    """(allow_node, allow_edge) that confine the search to one family."""
-    params = _param_nodes(ctx)
-    strategies = ctx.cand.strategies
-    full = tuple(Replicate() for _ in ctx.mesh.shape)
-
-    def reads_param_whole(v: int, b: int) -> bool:
-        node = ctx.graph.nodes[v]
-        return all(strategies[v][b].inputs[pos] == full for pos, (u, _) in enumerate(node.inputs) if u in params)
-
-    if family == "data parallel":
-
-        def allow_node(i: int, s: int) -> bool:
-            if i in params:
-                st = strategies[i][s]
-                return st.placement == full and st.state == full
-            return True
-
-        return allow_node, None
-    if family == "sharded parameters":
-        shardable = {i for i in params if any(_is_sharded(st.placement) for st in strategies[i])}
-
-        def allow_node(i: int, s: int) -> bool:
-            if i in shardable:
-                return _is_sharded(strategies[i][s].placement)
-            if i in params or ctx.graph.nodes[i].kind != "op":
-                return True
-            return reads_param_whole(i, s)
-
-        return allow_node, None
-    if family == "tensor parallel":
-        consumers = ctx.graph.consumers()
-        matrices = {i for i in params if ctx.graph.nodes[i].outputs[0].ndim >= 2 and _read_sharded(ctx, i, consumers)}
-
-        def allow_node(i: int, s: int) -> bool:
-            if i in params:
-                st = strategies[i][s]
-                return st.state == st.placement and (i not in matrices or _is_sharded(st.placement))
-            return True
-
-        def allow_edge(u: int, a: int, v: int, b: int) -> bool:
-            if u not in params or v >= len(ctx.graph.nodes):
-                return True
-            src = strategies[u][a].placement
-            node = ctx.graph.nodes[v]
-            return all(strategies[v][b].inputs[pos] == src for pos, (w, _) in enumerate(node.inputs) if w == u)
-
-        return allow_node, allow_edge
-    raise ValueError(f"family {family!r}: expected one of {FAMILIES}")
-
-
 def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> list[dict[str, Any]]:
     out = []
     for family in FAMILIES:

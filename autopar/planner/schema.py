@@ -76,7 +76,7 @@ _FIELDS: dict[str, type] = {
 }
 
 
-@dataclass(repr=False)
+@dataclass(frozen=True, repr=False)
 class Plan:
     """A chosen training plan (see the module docstring for the fields)."""
 

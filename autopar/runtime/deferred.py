@@ -7,7 +7,7 @@ the caller who reads the loss; waiting for it in forward costs every step one
 synchronization of all ranks (the slowest rank's lag plus the collective's
 latency) that DDP, whose ranks each return their local loss, does not pay.
 
-``defer_loss_tail(g, loss_node, state)`` (called by ``executor.lower``) finds that
+``defer_loss_tail(g, loss_node, state)`` (called by ``autopar.lower``) finds that
 collective in a lowered graph: the last ``MoveStep`` before the loss whose
 forward is one ``all_reduce`` or one plain ``all_gather`` (``async_collective``),
 whose value reaches only the loss, through ops that are affine in it (sums,

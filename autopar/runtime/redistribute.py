@@ -457,7 +457,7 @@ class Move:
     step lists looked up at construction; a step list the nested layout cannot run
     raises (ValueError) when it would be run, as ``redistribute_local`` does.
     ``redistribute`` and ``zero.from_state_shard`` take a Move; the compiled module
-    builds one per edge that moves (``executor.lower``).
+    builds one per edge that moves (``autopar.lower``).
     """
 
     meta: TensorMeta

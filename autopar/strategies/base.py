@@ -44,6 +44,7 @@ __all__ = [
     "register",
     "rule_for",
     "replicate_strategy",
+    "hinted_blocks",
     "expand_to_mesh",
     "shrink_meta",
     "FALLBACK",
@@ -214,6 +215,11 @@ def rule_for(target) -> Rule | None:
 def registered_targets() -> list:
     load_rule_modules()
     return list(_RULES)
+
+
+def hinted_blocks(call: OpCall, output_index: int, dim: int) -> list[int]:
+    """Block counts (> 1) that ``call.block_hints`` asks for on ``dim`` of output ``output_index``."""
+    return sorted({b for (o, d, b) in call.block_hints if o == output_index and d == dim and b > 1})
 
 
 def replicate_strategy(call: OpCall) -> AxisStrategy:

@@ -66,7 +66,7 @@ class SourceStrategy:
         return p + partial_grad_suffix(self.partial_grad)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CandidateGraph:
     """The OpGraph with a list of strategies per node (``strategies[i]``)."""
 

@@ -5,7 +5,7 @@ log-sum-exp pieces, so the search can shard the class dim (Megatron's
 vocab-parallel loss).  When the plan does not, every rank runs those pieces on
 whole rows of the logits, about twice as slowly as PyTorch's fused kernels, and
 keeps two (N, C) tensors for backward (``exp``'s output and the ``gather`` input)
-where a log-softmax keeps one.  Lowering (``executor.lower``) then runs the
+where a log-softmax keeps one.  Lowering (``autopar.lower``) then runs the
 group's logit roles (``decompose.LOGIT_ROLES``: from the logits ``x`` to the
 masked per-row loss ``nll * valid``) as
 
@@ -38,7 +38,7 @@ Memory: fused, backward keeps one (N, C) tensor per rank (the log-softmax; the
 gather keeps the same storage) where the pieces keep two (``exp``'s output and
 the shifted logits the ``gather`` reads).  ``prices_as_fused`` and
 ``fused_keeps`` say, for the cost model's edge terms, when the gather's edge
-keeps nothing of its own (``costing.Coster.edge_saved_bytes``).
+keeps nothing of its own (``cost.Coster.edge_saved_bytes``).
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ import torch
 
 from autopar.placement import Partial, Placement, Replicate, Shard
 
-from .base import AxisStrategy, OpCall, register
-from .pointwise import hinted_blocks
+from .base import AxisStrategy, OpCall, hinted_blocks, register
 
 __all__ = ["EinsumSpec", "einsum_spec", "einsum_strategies", "parse_einsum"]
 

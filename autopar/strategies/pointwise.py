@@ -22,7 +22,7 @@ Partial on integer or bool tensors, so comparisons and integer casts never
 produce it.
 
 Also home to small helpers the other compute rule modules share (``arg``,
-``norm_dim``, ``hinted_blocks``, ``resolve_ops``).
+``norm_dim``, ``resolve_ops``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.spec import TensorMeta
 
-from .base import AxisStrategy, OpCall, register
+from .base import AxisStrategy, OpCall, hinted_blocks, register
 
-__all__ = ["arg", "norm_dim", "hinted_blocks", "resolve_ops", "pointwise_strategies"]
+__all__ = ["arg", "norm_dim", "resolve_ops", "pointwise_strategies"]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -61,11 +61,6 @@ def norm_dim(dim: int, ndim: int, op: str = "") -> int:
     if not -n <= dim < n:
         raise ValueError(f"{op}: dim {dim} is out of range for a tensor with {ndim} dims")
     return dim % n
-
-
-def hinted_blocks(call: OpCall, out_index: int, dim: int) -> list[int]:
-    """Block counts (> 1) that ``call.block_hints`` asks for on output ``out_index``'s ``dim``."""
-    return sorted({b for (o, d, b) in call.block_hints if o == out_index and d == dim and b > 1})
 
 
 def resolve_ops(names: Iterable[str]) -> list:

@@ -36,9 +36,9 @@ import torch
 
 from autopar.placement import Partial, Placement, Replicate, Shard
 
-from .base import AxisStrategy, OpCall, register
+from .base import AxisStrategy, OpCall, hinted_blocks, register
 from .kernels import KernelContext, register_kernel
-from .pointwise import arg, hinted_blocks, norm_dim, resolve_ops
+from .pointwise import arg, norm_dim, resolve_ops
 from .views import bound_args
 
 __all__ = ["reduction_strategies", "reduced_dims", "MEAN_KERNEL"]

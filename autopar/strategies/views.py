@@ -37,9 +37,9 @@ import torch
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.spec import TensorMeta
 
-from .base import AxisStrategy, OpCall, register
+from .base import AxisStrategy, OpCall, hinted_blocks, register
 
-__all__ = ["view_groups", "bound_args", "hinted_blocks", "localize_size_args"]
+__all__ = ["view_groups", "bound_args", "localize_size_args"]
 
 aten = torch.ops.aten
 _R = Replicate()
@@ -62,11 +62,6 @@ def bound_args(call: OpCall) -> dict:
         else:
             out[a.name] = None
     return out
-
-
-def hinted_blocks(call: OpCall, output_index: int, dim: int) -> list[int]:
-    """Block counts > 1 that consumers ask for on ``dim`` of output ``output_index``."""
-    return sorted({b for (o, d, b) in call.block_hints if o == output_index and d == dim and b > 1})
 
 
 def _norm(dim: int, ndim: int) -> int:
