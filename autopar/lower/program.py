@@ -34,6 +34,7 @@ class NodeExec:
     kernels: tuple[str | None, ...]
     split: tuple[bool, ...]
     partial_grad: tuple[bool, ...] = ()  # axes where backward runs on P(sum) gradients
+    recompute: str | None = None  # the recompute region (block) the op belongs to, or None (its tensors saved)
 
     def input_grad(self, pos: int) -> tuple[Placement, ...]:
         """The gradient placement this op's backward hands back for input ``pos``."""
@@ -72,7 +73,13 @@ class ExecutionPlan:
                     f"node {n.name}: partial_grad_axes {entry['partial_grad_axes']} include an axis the op "
                     "splits; partial gradients are only exact where every rank of the axis repeats the op"
                 )
-            nodes[n.name] = NodeExec(ins, outs, tuple(entry["kernels"]), split, flags)
+            region = entry.get("recompute")
+            if region is not None and not isinstance(region, str):
+                raise ValueError(
+                    f"node {n.name}: recompute must name the region (block) the op is recomputed with, got "
+                    f'{region!r}; e.g. "model.layers.3", or leave it out to save the op\'s tensors'
+                )
+            nodes[n.name] = NodeExec(ins, outs, tuple(entry["kernels"]), split, flags, region)
         if missing:
             raise ValueError(
                 f"the plan does not match the model {graph.model_name}: {len(missing)} graph nodes are not in it "

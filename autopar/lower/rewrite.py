@@ -65,6 +65,7 @@ from autopar.spec import local_shape
 from autopar.strategies import KERNELS, KernelContext, emit_fused_loss, fusable_groups, localize_size_args
 
 from .program import ExecutionPlan, NodeExec, RunState
+from .recompute import outline_regions
 from .steps import EVAL_FORMS, MoveStep, OpStep, TraceDecomposed
 
 __all__ = ["lower", "RANDOM_OPS"]
@@ -259,18 +260,16 @@ def lower(
     fused = fusable_groups(xplan, by_fx, identity_edge)
     fused_inputs: dict[tuple[str, int], fx.Node] = {}  # (member, position) -> the value its edge delivers
 
-    out_fx = None
-    for fxn in graph.gm.graph.nodes:
-        opnode = by_fx.get(fxn)
+    def lower_node(fxn: fx.Node, opnode) -> None:
+        """Emit ``fxn``'s local program into ``g`` (``env[fxn]``: the value it makes)."""
         if fxn.op == "placeholder":
             env[fxn] = sources[opnode.name] if opnode is not None else None  # None: an unused tied alias
-            continue
+            return
         if fxn.op == "output":
-            out_fx = fxn
-            continue
+            return
         if fxn.op != "call_function" or opnode is None or opnode.kind != "op":
             env[fxn] = g.node_copy(fxn, lambda n: env[n])
-            continue
+            return
         ex = xplan.nodes[opnode.name]
         if fxn in fused:  # a fused cross-entropy (autopar/fuse.py): only the edges from outside it are lowered
             group = fused[fxn]
@@ -284,7 +283,7 @@ def lower(
                 if instrument:
                     g.call_function(TraceDecomposed(f"trace_{group.part.group}", state, group), (x, index, valid))
                 env[fxn] = emit_fused_loss(group, x, index, valid, fused_node)
-            continue
+            return
         flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))
         pos, new_flat, regather = 0, [], []
         for a in flat:
@@ -294,6 +293,8 @@ def lower(
             elif isinstance(a, fx.Node):
                 a = env[a]
             new_flat.append(a)
+        if ex.recompute is not None:  # a recomputed op keeps nothing: backward gathers its parameters anew anyway
+            regather = []
         args, kwargs = pytree.tree_unflatten(new_flat, spec)
         shapes = [local_shape(m.shape, p, xplan.mesh_shape, coord) for m, p in zip(opnode.outputs, ex.outputs)]
         args, kwargs = localize_size_args(fxn.target, tuple(args), dict(kwargs), shapes)
@@ -320,6 +321,26 @@ def lower(
             if regather:
                 args = (tuple(pair for pair, _ in regather), *args)
         env[fxn] = g.create_node("call_function", fn, args, kwargs, name=fxn.name)
+
+    regions: dict[str, list[fx.Node]] = {}  # recompute region -> its lowered nodes, in order
+    region_of: dict[fx.Node, str | None] = {}  # captured fx node -> its recompute region
+    for fxn in graph.gm.graph.nodes:
+        opnode = by_fx.get(fxn)
+        ex = xplan.nodes.get(opnode.name) if opnode is not None else None
+        if ex is not None:
+            region_of[fxn] = ex.recompute
+        elif fxn.op == "call_function":  # getitem of a multi-output op: in its producer's region
+            inputs = {region_of.get(a) for a in fxn.all_input_nodes}
+            region_of[fxn] = inputs.pop() if len(inputs) == 1 else None
+        tail = g._root.prev  # what fxn lowers to is appended after the current last node
+        lower_node(fxn, opnode)
+        if region_of.get(fxn) is not None:
+            node = tail.next
+            while node is not g._root:
+                regions.setdefault(region_of[fxn], []).append(node)
+                node = node.next
+    outline_regions(g, regions, graph.gm, state)
+    out_fx = next(n for n in graph.gm.graph.nodes if n.op == "output")
     outs = _lower_outputs(xplan, groups, state, g, env, out_fx)
     g.output(tuple(outs))
     if not instrument and graph.loss_output is not None:  # the loss's last collective, started without waiting

@@ -11,7 +11,7 @@ Schema (placements in the printed form, one entry per mesh axis)::
     settings {profile, dtype, optimizer, mem_cap_bytes, solver},
     params {FQN: {placements, state_placements, shape, local_shape, tied_to[, partial_grad_axes]}},
     inputs {name: {placements, shape}},
-    nodes {fx name: {op, module, inputs, outputs, kernels, fallback[, partial_grad_axes]}},
+    nodes {fx name: {op, module, inputs, outputs, kernels, fallback[, partial_grad_axes][, recompute]}},
     collectives [{kind, axis, phase, bytes, node, module, tensor, reduce_op, time_s, hidden_s}],
     cost {compute_s, comm_s, total_s},
     memory {per_device_bytes, params, grads, optimizer, activations, cap_bytes},
@@ -34,6 +34,12 @@ all-gather of updated parameters after a ZeRO-sharded optimizer step).
 not empty) names the axes where a node's backward runs on ``P(sum)`` gradients, or
 where a parameter read by several ops sums its uses' partial gradients before one
 reduction (``OpStrategy`` / ``SourceStrategy`` in ``strategies.base`` / ``candidates``).
+
+``recompute`` (only when set) names the region, a repeated block such as
+``model.layers.3``, that the op is recomputed with in backward instead of saving its
+tensors (``lower/recompute.py`` runs it under ``torch.utils.checkpoint``).  The
+runtime honours it; the planner does not choose it yet, and a plan's cost and
+memory figures do not price it.
 
 ``repr(plan)`` is one line (model, mesh, family, step time, memory against the
 cap); ``plan.table()`` is the full report ``autopar plan`` prints

@@ -1,0 +1,103 @@
+"""Activation recomputation in the lowered program: a region's local ops outlined into one checkpointed call.
+
+A plan may mark op nodes with a recompute region (``nodes[name]["recompute"]``, the
+name of the block they belong to).  Lowering emits those ops as usual, then
+``outline_regions`` moves each region's lowered nodes (its ops, the moves into them,
+their kernels) into a sub-program called through ``RecomputeStep``:
+
+* in training (grad enabled) the sub-program runs under
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: forward keeps only the
+  region's inputs, and backward runs the region's forward again (its collectives
+  included, so a tensor-parallel block recomputed repeats its forward all-reduces)
+  before its backward;
+* the recomputation replays exactly what the first forward computed: random ops
+  seed themselves from ``RunState.step`` (``steps.OpStep``), and ``RecomputeStep``
+  sets the step back to the one of the forward that saved the region, whatever ran
+  in between; the global RNG state is restored around it too;
+* without grad (eval, ``torch.no_grad``) the sub-program simply runs.
+
+A region must be convex in the lowered order (nothing outside it both reads a
+value it makes and feeds a later op of it): a repeated block is.  ``outline_regions``
+refuses one that is not, naming it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import checkpoint
+
+from .program import RunState
+
+__all__ = ["RecomputeStep", "outline_regions"]
+
+
+class RecomputeStep:
+    """One recompute region of the lowered program: runs its sub-program, checkpointed in training."""
+
+    def __init__(self, name: str, program: fx.GraphModule, state: RunState) -> None:
+        self.name, self.program, self.state = name, program, state
+        self.__name__ = f"recompute_{name}"
+
+    def __repr__(self) -> str:
+        return f"RecomputeStep({self.name!r})"
+
+    def __call__(self, *inputs):
+        if not torch.is_grad_enabled():
+            return self.program(*inputs)
+        return checkpoint(self._replay, self.state.step, *inputs, use_reentrant=False, preserve_rng_state=True)
+
+    def _replay(self, step: int, *inputs):
+        """The region at the RNG step of the forward that saved it (the recomputation runs in backward)."""
+        current, self.state.step = self.state.step, step
+        try:
+            return self.program(*inputs)
+        finally:
+            self.state.step = current
+
+
+def outline_regions(g: fx.Graph, regions: dict[str, Sequence[fx.Node]], root: torch.nn.Module, state: RunState):
+    """Replace each region's nodes of ``g`` (in graph order) by one ``RecomputeStep`` call, in place.
+
+    ``root`` owns the attributes the region's ``get_attr`` nodes read (the captured
+    module).  Raises ValueError for a region that is not convex in ``g``.
+    """
+    for name, nodes in regions.items():
+        if nodes:
+            _outline(g, name, list(nodes), root, state)
+
+
+def _outline(g: fx.Graph, name: str, nodes: list[fx.Node], root: torch.nn.Module, state: RunState) -> None:
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    order = {n: i for i, n in enumerate(g.nodes)}
+    last = max(order[n] for n in nodes)
+    early = [u.name for o in outputs for u in o.users if u not in inside and order[u] < last]
+    if early:
+        raise ValueError(
+            f"recompute region {name!r} is not convex in the lowered program: {early[:3]} read its values "
+            "before its last op; recompute whole blocks (the plan's repeated layers) only"
+        )
+    sub = fx.Graph()
+    env = {a: sub.placeholder(a.name) for a in inputs}
+    for n in nodes:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    step = RecomputeStep(name, fx.GraphModule(root, sub, class_name="RecomputeRegion"), state)
+    with g.inserting_after(nodes[-1] if order[nodes[-1]] == last else max(nodes, key=order.get)):
+        call = g.call_function(step, tuple(inputs))
+    anchor = call
+    for i, o in enumerate(outputs):
+        with g.inserting_after(anchor):
+            anchor = g.call_function(operator.getitem, (call, i))
+        o.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in inside)
+    for n in reversed(nodes):
+        g.erase_node(n)
