@@ -69,6 +69,7 @@ def _bytes_arg(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from autopar.planner import RECOMPUTE_OPTIONS
     from costmodel import OPTIMIZERS
 
     p = argparse.ArgumentParser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
@@ -106,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer state to count")
     pl.add_argument("--solver", default="dp", choices=("dp", "ilp"), help="exact DP (default) or the CP-SAT model")
+    pl.add_argument(
+        "--recompute",
+        default="auto",
+        choices=RECOMPUTE_OPTIONS,
+        help="recompute the repeated blocks in backward: auto (where the fastest plan under the cap needs it; "
+        "the default), none, full",
+    )
     pl.add_argument(
         "--format",
         default="table",
@@ -348,6 +356,7 @@ def _cmd_plan(args) -> int:
             solver=args.solver,
             compare_families=not args.no_compare,
             hints=hints,
+            recompute=args.recompute,
             strict=args.strict_hints,
             progress=bar,
         )

@@ -8,8 +8,9 @@ must equal training with everything saved, bit for bit (the dropout masks replay
 the collectives re-run): losses, gradients and parameters after three AdamW steps.
 The block's forward collectives run again in backward and are counted.
 
-The planner does not choose recomputation yet (issue 18): these tests mark the regions
-in the plan themselves.
+The first test marks the regions in the plan itself; the others let the planner choose
+(``planner/recompute.py``): only where it pays, priced (forward time added, activations
+removed, the moves and collectives run again listed), and run as planned.
 """
 
 from __future__ import annotations
@@ -121,3 +122,103 @@ def test_recomputed_blocks_train_exactly_as_saved(name, mesh_shape, family):
             assert forward1 > forward0, f"rank {rank}: no forward collective ran again ({c0} vs {c1})"
         if family == "sharded parameters":
             assert gathers1 == gathers0, f"rank {rank}: {c0} vs {c1}"
+
+
+# ---- the planner's choice (planner/recompute.py) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2_context():
+    """GPT-2 (12 layers) at batch 8, seq 512 on 4 devices of the h100 profile, on the meta device."""
+    import autopar
+    from autopar.launch.models import load_model
+
+    model, args, kwargs = load_model("gpt2", batch=8, seq=512, device="meta")
+    mesh = autopar.Mesh((4,), axis_names=("x",))
+    return autopar.prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile="h100")
+
+
+def _recomputed_blocks(plan) -> set[str]:
+    return {e["recompute"] for e in plan.nodes.values() if "recompute" in e}
+
+
+def test_the_search_recomputes_only_where_it_pays(gpt2_context):
+    import autopar
+
+    ctx = gpt2_context
+    saved = autopar.plan_from_context(ctx, compare_families=False)
+    full = autopar.plan_from_context(ctx, compare_families=False, recompute="full")
+    assert _recomputed_blocks(saved) == set() and saved.settings["recompute"] == "auto"
+    assert _recomputed_blocks(full) == {f"transformer.h.{i}" for i in range(12)}
+    # recomputing costs a forward of each block and keeps only the blocks' inputs
+    assert full.cost["total_s"] > saved.cost["total_s"]
+    assert full.memory["activations"] < 0.5 * saved.memory["activations"]
+    assert full.memory["per_device_bytes"] < saved.memory["per_device_bytes"]
+    # under a cap between the two, only recomputation fits: auto recomputes, and fits
+    cap = (saved.memory["per_device_bytes"] + full.memory["per_device_bytes"]) // 2
+    with pytest.raises(autopar.MemoryCapError):
+        autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="none")
+    capped = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
+    assert _recomputed_blocks(capped) and capped.memory["per_device_bytes"] <= cap
+    # a cap the saved plan meets: auto keeps everything (recomputing only adds time)
+    roomy = autopar.plan_from_context(ctx, compare_families=False, mem_cap=saved.memory["per_device_bytes"])
+    assert _recomputed_blocks(roomy) == set()
+    assert "recompute: 12 blocks" in capped.table() and "recompute: none" in roomy.table()
+
+
+def test_recompute_option_is_checked(gpt2_context):
+    import autopar
+
+    with pytest.raises(ValueError, match="recompute 'some'"):
+        autopar.plan_from_context(gpt2_context, recompute="some")
+
+
+def _planned_rank_fn(rank, world, name, family):
+    from test_execution import ADAMW, _model, _train
+
+    import autopar
+    from autopar.runtime import CollectiveCounter
+
+    model, args, kwargs = _model(name)  # dropout off: compared with one device
+    mesh = autopar.Mesh((world,), axis_names=("x",))
+    sharded = autopar.compile(
+        model,
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        family=family,
+        profile=PARTITIONING_PROFILE,
+        recompute="full",
+    )
+    result = _train((sharded, sharded), args, kwargs)
+    model, args, kwargs = _model(name)
+    counted = autopar.compile(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, plan=sharded.plan, profile=PARTITIONING_PROFILE
+    )
+    opt = torch.optim.AdamW(counted.parameters(), **ADAMW)
+    counted.collective_counter = CollectiveCounter()
+    counted(*args, **kwargs)[0].backward()
+    opt.step()
+    records = sorted((r.kind, r.phase, r.bytes) for r in counted.collective_counter.records)
+    planned = sorted((c["kind"], c["phase"], c["bytes"]) for c in sharded.plan.collectives)
+    return (
+        result,
+        _recomputed_blocks(sharded.plan),
+        records,
+        planned,
+        sum(1 for c in sharded.plan.collectives if c.get("recompute")),
+    )
+
+
+@pytest.mark.parametrize("name, family", [("gpt2-tiny", "tensor parallel"), ("llama-tiny", "sharded parameters")])
+def test_planned_recomputation_trains_like_one_device_and_sends_what_the_plan_lists(name, family):
+    from test_execution import _assert_trains_alike, _reference
+
+    want = _reference(name)
+    for rank, (got, blocks, records, planned, again) in enumerate(
+        run_ranks(_planned_rank_fn, 2, name, family, timeout_s=600)
+    ):
+        assert len(blocks) == 2, blocks
+        _assert_trains_alike(got, want, f"{name} {family} recomputed, rank {rank}")
+        assert again > 0, "the plan lists no collective run again by the recomputation"
+        assert records == planned, f"rank {rank}: the collectives run differ from the plan's"

@@ -74,6 +74,7 @@ def compile(
     strict: bool = False,
     dtype: str | None = None,
     optimizer: str = "adamw",
+    recompute: str = "auto",
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
@@ -97,6 +98,8 @@ def compile(
 
     ``hints``, ``input_placements``, ``output_placements``, ``strict``: semi-auto
     mode, passed to the planner as in ``autopar.plan`` (ignored with ``plan=``).
+    ``recompute`` (``"auto"``, ``"none"``, ``"full"``): whether the repeated blocks are
+    recomputed in backward, as in ``autopar.plan`` (ignored with ``plan=``: the plan says).
 
     ``dtype``: the training precision the plan prices (``costmodel.PRECISIONS``);
     None: the one the model's parameters are in (``training_precision``): float32
@@ -150,6 +153,7 @@ def compile(
                 dtype=dtype,
                 optimizer=optimizer,
                 grad_bucket_bytes=grad_bucket_bytes,
+                recompute=recompute,
                 hint_options={
                     "hints": hints,
                     "input_placements": input_placements,
@@ -217,6 +221,7 @@ def _plan_on_rank0(
     dtype="fp32",
     optimizer="adamw",
     grad_bucket_bytes=DEFAULT_BUCKET_BYTES,
+    recompute="auto",
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
@@ -242,7 +247,12 @@ def _plan_on_rank0(
             )
             graph = ctx.graph
             box[0] = plan_from_context(
-                ctx, mem_cap=mem_cap, compare_families=False, allow_state_sharding=allow_state_sharding, family=family
+                ctx,
+                mem_cap=mem_cap,
+                compare_families=False,
+                allow_state_sharding=allow_state_sharding,
+                family=family,
+                recompute=recompute,
             ).to_json()
         except Exception as e:  # tell the other ranks instead of leaving them waiting
             box[0] = e

@@ -220,6 +220,16 @@ class Coster:
     def node_time_s(self, node: OpNode, strategy) -> float:
         if isinstance(strategy, SourceStrategy):
             return self._param_time_s(node, strategy) if node.kind == "param" else 0.0
+        return self._op_time_s(node, strategy, forward_only=False)
+
+    def forward_time_s(self, node: OpNode, strategy) -> float:
+        """An op's forward alone (its roofline and the collectives it issues in forward): what recomputing it
+        in backward adds to the step."""
+        if isinstance(strategy, SourceStrategy):
+            return 0.0
+        return self._op_time_s(node, strategy, forward_only=True)
+
+    def _op_time_s(self, node: OpNode, strategy, *, forward_only: bool) -> float:
         call = node.call
         ins = tuple(local_meta(self.compute_meta(m), p, self.mesh_shape) for m, p in zip(call.inputs, strategy.inputs))
         outs = tuple(
@@ -230,12 +240,12 @@ class Coster:
         matmul = is_matmul_like(local)
         nbytes = bytes_moved(local)
         t = op_time_s(forward_flops(local), nbytes, self.settings.profile, dtype, matmul=matmul)
-        if node.requires_grad:
+        if node.requires_grad and not forward_only:
             t += op_time_s(
                 backward_flops(local), 2 * nbytes, self.settings.profile, dtype, matmul=matmul, backward=True
             )
         for axis, comms in enumerate(strategy.comm):
-            t += sum(self.comm_time_s(c.kind, c.bytes, axis) for c in comms)
+            t += sum(self.comm_time_s(c.kind, c.bytes, axis) for c in comms if not forward_only or c.phase == "forward")
         return t
 
     def optimizer_step_s(self, node: OpNode, s: SourceStrategy) -> float:

@@ -35,18 +35,24 @@ from autopar.transitions import transitions
 __all__ = ["peak_memory"]
 
 
-def peak_memory(ctx, strat: list, mem: dict[str, int], freed_at: dict[int, int]) -> dict[str, Any]:
+def peak_memory(
+    ctx, strat: list, mem: dict[str, int], freed_at: dict[int, int], reborn_at: dict[int, int] | None = None
+) -> dict[str, Any]:
     """``{"per_device_bytes", "transient_bytes", "peak_phase"}`` of the plan whose strategies are ``strat``.
 
     ``mem`` holds the plan's ``params``, ``grads``, ``optimizer`` and ``activations``
     bytes; ``freed_at`` maps a node to the activation bytes its backward frees (its
-    own saved tensors and those kept on its input edges).
+    own saved tensors and those kept on its input edges).  ``reborn_at`` maps the last op
+    of a recomputed block to the activations its recomputation makes again when backward
+    reaches it (then freed op by op, as ``freed_at`` says).
     """
+    reborn_at = reborn_at or {}
     coster, graph = ctx.coster, ctx.graph
     static = mem["params"] + mem["optimizer"]
     grad_of = {n.index: coster.param_state_bytes(n, strat[n.index]).grads for n in graph.params()}
     alive, grads, worst, worst_t = mem["activations"], 0, 0, 0
     for v in reversed(graph.nodes):
+        alive += reborn_at.get(v.index, 0)
         if v.kind != "op" or not v.requires_grad:
             continue
         for u, _ in v.inputs:  # the last reader of a parameter in forward starts its gradient

@@ -13,6 +13,7 @@ from .explain import render_explanation
 from .hint_forms import Layout
 from .hints import UnmatchedHintError
 from .pipeline import MemoryCapError, PlanningContext, plan, plan_from_context, prepare, rebatch
+from .recompute import RECOMPUTE_OPTIONS
 from .report import describe_plan, render_table
 from .schema import FAMILIES, Plan, check_writable
 
@@ -22,6 +23,7 @@ __all__ = [
     "MemoryCapError",
     "Plan",
     "PlanningContext",
+    "RECOMPUTE_OPTIONS",
     "UnmatchedHintError",
     "check_writable",
     "describe_plan",

@@ -28,6 +28,14 @@ from .schema import Plan
 __all__ = ["assemble_plan", "breakdown", "classify"]
 
 
+def _reborn_at(ctx, reborn: dict[str, int]) -> dict[int, int]:
+    """Node -> the activations a recomputed region makes again when backward reaches it (its last op)."""
+    last: dict[str, int] = {}
+    for i, region in ctx.recompute.items():
+        last[region] = max(last.get(region, -1), i)
+    return {i: reborn.get(region, 0) for region, i in last.items()}
+
+
 def _fmt(pl, memo: dict | None = None) -> list[str]:
     """``format_placements``, memoized per placement tuple when given a dict (plans repeat few)."""
     if memo is None:
@@ -51,26 +59,29 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     compute_s = comm_s = 0.0
     mem = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
     freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
+    regions = ctx.recompute  # op node -> its recompute region (planner.recompute)
+    reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
 
-    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None):
+    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False):
         nonlocal comm_s
         whole = coster.comm_time_s(kind, nbytes, axis) if whole is None else whole
         t = whole * exposed
         comm_s += t
-        collectives.append(
-            {
-                "kind": kind,
-                "axis": axis_names[axis],
-                "phase": phase,
-                "bytes": int(nbytes),
-                "node": node.name,
-                "module": node.module,
-                "tensor": tensor,
-                "reduce_op": reduce_op,
-                "time_s": t,
-                "hidden_s": whole - t,  # overlapped with backward compute (grad_exposed)
-            }
-        )
+        entry = {
+            "kind": kind,
+            "axis": axis_names[axis],
+            "phase": phase,
+            "bytes": int(nbytes),
+            "node": node.name,
+            "module": node.module,
+            "tensor": tensor,
+            "reduce_op": reduce_op,
+            "time_s": t,
+            "hidden_s": whole - t,  # overlapped with backward compute (grad_exposed)
+        }
+        if again:  # a forward collective of a recomputed block, run again in backward
+            entry["recompute"] = True
+        collectives.append(entry)
 
     for n in graph.nodes:
         s = strat[n.index]
@@ -90,7 +101,12 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 add(t.kind, t.axis, "backward", t.bytes, n, n.name, t.reduce_op, coster.grad_exposed(n), whole)
             continue
         node_act = int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
-        mem["activations"] += node_act
+        region = regions.get(n.index)
+        if region is not None:  # kept nothing in forward; its recomputation makes them again in backward
+            node_act = coster.activation_bytes(n, s)
+            reborn[region] = reborn.get(region, 0) + node_act
+        else:
+            mem["activations"] += node_act
         freed_at[n.index] = freed_at.get(n.index, 0) + node_act
         if n.kind != "op":
             continue
@@ -99,6 +115,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             for c in comms:
                 op_comm += coster.comm_time_s(c.kind, c.bytes, axis)
                 add(c.kind, axis, c.phase, c.bytes, n, n.name, c.reduce_op)
+                if region is not None and c.phase == "forward":
+                    op_comm += coster.comm_time_s(c.kind, c.bytes, axis)
+                    add(c.kind, axis, c.phase, c.bytes, n, n.name, c.reduce_op, again=True)
         compute_s += int(tables.node_time_ps[n.index][choice[n.index]]) / PS_PER_S - op_comm
         saves = coster.saved_inputs(n)
         for pos, (u, o) in enumerate(n.inputs):
@@ -108,11 +127,16 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             fwd = transitions(meta, src, dst, mesh_shape) if src != dst else []
             for t in fwd:
                 add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op)
-                if un.kind == "param" and pos in saves:  # FSDP: the op kept a handle; gathered again
+                if region is not None:  # the recomputation moves it again (a parameter too: nothing to re-gather)
+                    add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op, again=True)
+                elif un.kind == "param" and pos in saves:  # FSDP: the op kept a handle; gathered again
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
             g, target = s.input_grad(pos), su.output_grad(o)
             edge_act = coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
-            mem["activations"] += edge_act
+            if region is not None and regions.get(u) == region:  # inside the block: made again, not kept
+                reborn[region] += edge_act
+            else:
+                mem["activations"] += edge_act
             freed_at[n.index] = freed_at.get(n.index, 0) + edge_act  # kept for n's backward
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
                 if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
@@ -132,7 +156,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             "total_s": compute_s + comm_s,
             "terms": _terms(coster, graph, strat, compute_s, collectives),
         },
-        "memory": dict(mem, search_bytes=search_bytes, **peak_memory(ctx, strat, mem, freed_at)),
+        "memory": dict(
+            mem, search_bytes=search_bytes, **peak_memory(ctx, strat, mem, freed_at, _reborn_at(ctx, reborn))
+        ),
         "collectives": collectives,
         "strategies": strat,
     }
@@ -191,6 +217,8 @@ def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alterna
             }
             if any(s.partial_grad):  # backward runs on P(sum) gradients on these axes (OpStrategy)
                 nodes[n.name]["partial_grad_axes"] = _axis_names(ctx, s.partial_grad)
+            if n.index in ctx.recompute:  # recomputed in backward with its block (lower/recompute.py)
+                nodes[n.name]["recompute"] = ctx.recompute[n.index]
             if s.fallback:
                 fallback.append({"node": n.name, "op": op, "module": n.module})
     cap = settings.get("mem_cap_bytes")

@@ -15,7 +15,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from .assemble import assemble_plan, breakdown
 from .families import family_restriction, param_nodes
 from .hints import ResolvedHints, resolve_hints
 from .problem import PS_PER_S, ProblemTables, build_tables, to_problem
+from .recompute import RECOMPUTE_OPTIONS, block_regions, recomputed_tables
 from .schema import FAMILIES, Plan
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
@@ -94,6 +95,7 @@ class PlanningContext:
     template: BatchTemplate | None = None  # the capture at_batch re-uses (autopar.capture.batch)
     hint_args: dict[str, Any] | None = None  # prepare's hint arguments, resolved again at another batch
     recaptured: str | None = None  # why at_batch captured the model again instead of re-using the capture
+    recompute: dict[int, str] = field(default_factory=dict)  # op node -> recomputed block (planner.recompute)
 
     def at_batch(self, batch: int) -> PlanningContext:
         """This context at another global batch size (see ``rebatch``)."""
@@ -267,6 +269,7 @@ def plan(
     input_placements=None,
     output_placements=None,
     strict: bool = False,
+    recompute: str = "auto",
 ) -> Plan:
     """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
 
@@ -282,6 +285,8 @@ def plan(
     inputs and outputs.  Hinted tensors keep their placements; the search chooses
     the rest.  A pattern matching nothing warns (``strict=True``: raises).
     ``progress(stage, done, total)`` is called as planning goes (``autopar.progress`` draws it).
+    ``recompute``: ``"auto"`` (recompute the repeated blocks in backward where that makes
+    the fastest plan that fits the cap), ``"none"`` or ``"full"`` (``planner.recompute``).
     """
     if progress is not None:
         progress("capture + strategies", 0, 1)
@@ -298,7 +303,9 @@ def plan(
         output_placements=output_placements,
         strict=strict,
     )
-    return plan_from_context(ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families, progress=progress)
+    return plan_from_context(
+        ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families, progress=progress, recompute=recompute
+    )
 
 
 def plan_from_context(
@@ -314,6 +321,7 @@ def plan_from_context(
     output_placements=None,
     strict: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Search a prepared context under a cap (re-planning with another cap reuses the context).
 
@@ -322,13 +330,65 @@ def plan_from_context(
     ``family`` (one of ``FAMILIES``) confines the search to that family: a forced
     data-parallel, sharded-parameter or tensor-parallel plan.
     ``hints``/``input_placements``/``output_placements``/``strict`` (as in ``plan``)
-    replace the hints given to ``prepare``; None keeps those.
+    replace the hints given to ``prepare``; None keeps those.  ``recompute`` (``"auto"``,
+    ``"none"``, ``"full"``): whether the repeated blocks are recomputed in backward;
+    ``"auto"`` searches with and without under a cap and keeps the faster plan
+    (``planner.recompute``).
     """
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
     if solver not in ("dp", "ilp"):
         raise ValueError(f"solver {solver!r}: expected 'dp' (dynamic programming) or 'ilp' (CP-SAT)")
+    if recompute not in RECOMPUTE_OPTIONS:
+        raise ValueError(f"recompute {recompute!r}: expected one of {RECOMPUTE_OPTIONS}")
+    regions = block_regions(ctx)
+    if recompute == "full" and not regions:
+        raise ValueError(
+            f"recompute='full': {ctx.graph.model_name} has no repeated blocks (layers) to recompute; "
+            "use recompute='none' (or 'auto')"
+        )
+    # recomputation only adds time: without a cap (or without blocks) "auto" never needs it
+    modes = {"none": [False], "full": [True], "auto": [False, True] if regions and cap is not None else [False]}
+    best, failed = None, None
+    for recomputed in modes[recompute]:
+        try:
+            found = _plan_under(
+                ctx,
+                cap,
+                regions if recomputed else {},
+                solver=solver,
+                compare_families=compare_families,
+                allow_state_sharding=allow_state_sharding,
+                family=family,
+                hint_args=(hints, input_placements, output_placements, strict),
+                progress=progress,
+            )
+        except MemoryCapError as e:  # the last mode's error names the least memory of all (recomputed)
+            failed = e
+            continue
+        if best is None or found.cost["total_s"] < best.cost["total_s"]:
+            best = found
+    if best is None:
+        raise failed
+    return replace(best, settings=dict(best.settings, recompute=recompute))
+
+
+def _plan_under(
+    ctx: PlanningContext,
+    cap: int | None,
+    regions: dict[int, str],
+    *,
+    solver: str,
+    compare_families: bool,
+    allow_state_sharding: bool,
+    family: str | None,
+    hint_args: tuple,
+    progress,
+) -> Plan:
+    """``plan_from_context`` with the blocks of ``regions`` recomputed (none when empty)."""
     t0 = time.perf_counter()
-    ctx, resolved = _hinted_context(ctx, hints, input_placements, output_placements, strict)
+    ctx, resolved = _hinted_context(ctx, *hint_args)
+    if regions:
+        ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
     hinted = resolved.allowed(ctx.cand)
     fam_node, allow_edge = family_restriction(ctx, family) if family else (None, None)
     params = param_nodes(ctx)

@@ -23,7 +23,7 @@ from autopar.placement import Replicate
 from autopar.search import INF, SearchProblem
 from autopar.strategies import CandidateGraph
 
-__all__ = ["PS_PER_S", "ProblemTables", "build_tables", "to_problem"]
+__all__ = ["PS_PER_S", "ProblemTables", "build_tables", "read_only", "seconds_to_ps", "to_problem"]
 
 PS_PER_S = 10**12
 
@@ -54,7 +54,7 @@ class ProblemTables:
         return problem.with_cap(mem_cap_bytes), list(keep)
 
 
-def _ps(seconds: np.ndarray) -> np.ndarray:
+def seconds_to_ps(seconds: np.ndarray) -> np.ndarray:
     """Seconds as integer picoseconds; an infinite cost (a forbidden move) becomes ``INF``."""
     s = np.asarray(seconds, dtype=np.float64)
     finite = np.isfinite(s)
@@ -63,7 +63,7 @@ def _ps(seconds: np.ndarray) -> np.ndarray:
     return out
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
+def read_only(arr: np.ndarray) -> np.ndarray:
     """The array made read-only in place: tables are shared by equal nodes and edges, and
     a read-only array goes into a SearchProblem without a view (problem.py)."""
     arr.flags.writeable = False
@@ -88,12 +88,12 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
         )
         if key not in cache:
             cache[key] = (
-                _ps([coster.node_time_s(n, s) for s in strats]),
+                seconds_to_ps([coster.node_time_s(n, s) for s in strats]),
                 np.array([coster.node_mem_bytes(n, s) for s in strats], dtype=np.int64),
             )
         t, m = cache[key]
-        node_time.append(_frozen(t))
-        node_mem.append(_frozen(m))
+        node_time.append(read_only(t))
+        node_mem.append(read_only(m))
     edges: dict[tuple[int, int], list] = {}
     ecache: dict = {}
     for v in graph.nodes:
@@ -113,7 +113,7 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
             )
             if key not in ecache:
                 t, m = coster.edge_matrices(un, o, v, pos)
-                ecache[key] = (_ps(t), m)
+                ecache[key] = (seconds_to_ps(t), m)
             t, m = ecache[key]
             entry = edges.setdefault((u, v.index), [[], [], []])
             entry[0].append(t)
@@ -125,8 +125,8 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
         tables.edge_keys.append((u, v))
         # one tensor on the edge: the cached matrices themselves, shared by equal edges (the
         # repeated layers), so the search checks and stores each once
-        tables.edge_time_ps.append(_frozen(t[0] if len(t) == 1 else sum(t[1:], t[0])))
-        tables.edge_mem.append(_frozen(m[0] if len(m) == 1 else sum(m[1:], m[0])))
+        tables.edge_time_ps.append(read_only(t[0] if len(t) == 1 else sum(t[1:], t[0])))
+        tables.edge_mem.append(read_only(m[0] if len(m) == 1 else sum(m[1:], m[0])))
         tables.edge_refs.append(refs)
     for k, (u, o) in enumerate(sinks):
         meta = graph.nodes[u].outputs[o]
@@ -136,7 +136,7 @@ def build_tables(cand: CandidateGraph, coster: Coster) -> ProblemTables:
         tables.node_time_ps.append(np.zeros(1, dtype=np.int64))
         tables.node_mem.append(np.zeros(1, dtype=np.int64))
         tables.edge_keys.append((u, len(tables.names) - 1))
-        tables.edge_time_ps.append(_ps(t))
+        tables.edge_time_ps.append(seconds_to_ps(t))
         tables.edge_mem.append(np.zeros(t.shape, dtype=np.int64))
         tables.edge_refs.append([])
     return tables
@@ -173,7 +173,7 @@ def _build(tables: ProblemTables, mem_cap_bytes: int | None, allow_node, allow_e
         k = len(tables.node_time_ps[i])
         if allow_node is None or i >= n - len(tables.sinks):
             if k not in every:
-                every[k] = _frozen(np.arange(k, dtype=np.int64))
+                every[k] = read_only(np.arange(k, dtype=np.int64))
             keep.append(every[k])
             continue
         idx = np.array([s for s in range(k) if allow_node(i, s)], dtype=np.int64)

@@ -78,6 +78,24 @@ def _optimality(search: dict) -> str:
     return "optimal" if search["optimal"] else "not proven optimal"
 
 
+def describe_recompute(plan: Plan) -> str:
+    """The ``recompute:`` line: which blocks backward recomputes (``planner.recompute``), or none."""
+    blocks = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e}, key=_natural)
+    asked = plan.settings.get("recompute", "auto")
+    if not blocks:
+        return f"recompute: none (recompute={asked})"
+    shown = ", ".join(blocks) if len(blocks) <= 4 else f"{blocks[0]} .. {blocks[-1]}"
+    return (
+        f"recompute: {len(blocks)} blocks ({shown}): forward run again in backward, only their inputs kept "
+        f"(recompute={asked})"
+    )
+
+
+def _natural(name: str) -> list:
+    """Sort key that orders ``layers.10`` after ``layers.9``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
 def render_table(plan: Plan, *, width: int = 130) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
@@ -88,6 +106,7 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
         f"solver {s['solver']} ({_optimality(plan.search)})"
     )
     con.print(describe_plan(plan.family))
+    con.print(describe_recompute(plan))
     if plan.hints:
         h = plan.hints
         ops = sum(len(e["inputs"]) + len(e["outputs"]) for e in h.get("ops", {}).values())

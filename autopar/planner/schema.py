@@ -37,9 +37,12 @@ reduction (``OpStrategy`` / ``SourceStrategy`` in ``strategies.base`` / ``candid
 
 ``recompute`` (only when set) names the region, a repeated block such as
 ``model.layers.3``, that the op is recomputed with in backward instead of saving its
-tensors (``lower/recompute.py`` runs it under ``torch.utils.checkpoint``).  The
-runtime honours it; the planner does not choose it yet, and a plan's cost and
-memory figures do not price it.
+tensors (``lower/recompute.py`` runs it under ``torch.utils.checkpoint``); the
+planner chooses it (``planner/recompute.py``) and prices it: the forward run again
+in the node times, the blocks' activations out of ``memory.activations`` and back in
+the backward peak, and the moves and collectives the recomputation runs again in
+``collectives`` with ``"recompute": true`` (phase ``forward``, as the runtime counts them).
+``settings.recompute`` is what was asked (``auto``, ``none``, ``full``).
 
 ``repr(plan)`` is one line (model, mesh, family, step time, memory against the
 cap); ``plan.table()`` is the full report ``autopar plan`` prints

@@ -1,0 +1,116 @@
+"""Activation recomputation at scale: predicted step time and memory with recomputation allowed and forbidden.
+
+    python scripts/recompute_table.py                          # Llama-7B-shaped on 8 and 8x8, caps 80/40/24 GiB
+    python scripts/recompute_table.py --meshes 8 --caps 80GiB 40GiB
+    python scripts/recompute_table.py --depths 24 48 96        # search seconds of GPT-shaped models at depth
+
+Each mesh: Llama-7B-shaped (``configs/models/llama-7b-shaped.toml``), bf16 with fp32
+optimizer state (AdamW), seq 4096, global batch 8, the h100 profile, built on the meta
+device.  The mesh ``8`` is one axis of 8 devices; ``8x8`` is ``dp`` across nodes by ``tp``
+inside a node.  Per cap: the plan's predicted step time and per-device memory with
+``recompute="auto"`` (the search may recompute the layers) and with ``"none"``, which
+blocks the plan recomputes, and per mode the smallest per-device memory any plan reaches
+(the smallest cap that has a plan: from the error of a cap no plan fits).
+
+``--depths`` times the search (``plan_from_context`` with ``recompute="full"`` and with
+``"auto"`` under a cap) on GPT-shaped models of that many layers (width 4096, seq 2048,
+batch 16, mesh 8x8): the time should stay flat in depth (the chained search solves one
+layer and chains it).  Timings are wall-clock on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import autopar
+from autopar.launch import load_model
+from autopar.units import format_bytes, parse_bytes
+
+
+def _mesh(text: str) -> autopar.Mesh:
+    shape = tuple(int(x) for x in text.split("x"))
+    return autopar.Mesh(shape, axis_names=("dp", "tp")[-len(shape) :] if len(shape) > 1 else ("dp",))
+
+
+def _smallest(ctx, recompute: str) -> int:
+    """The least per-device memory of any plan (the smallest cap with a plan), from a cap none fits."""
+    try:
+        autopar.plan_from_context(ctx, mem_cap=1, compare_families=False, recompute=recompute)
+    except autopar.MemoryCapError as e:
+        return e.min_mem_bytes
+    raise AssertionError("a 1-byte cap had a plan")
+
+
+def _row(ctx, cap: int, recompute: str) -> str:
+    try:
+        p = autopar.plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute=recompute)
+    except autopar.MemoryCapError:
+        return f"{'no plan':>10} {'':>10} {'':>8}"
+    blocks = len({e["recompute"] for e in p.nodes.values() if "recompute" in e})
+    return f"{p.cost['total_s'] * 1e3:>8.1f}ms {format_bytes(p.memory['per_device_bytes']):>10} {blocks:>8}"
+
+
+def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) -> None:
+    net, args, kwargs = load_model(model, batch=batch, seq=seq, device="meta")
+    for text in meshes:
+        t0 = time.perf_counter()
+        ctx = autopar.prepare(
+            net, _mesh(text), example_inputs=args, example_kwargs=kwargs, profile="h100", dtype="bf16"
+        )
+        print(
+            f"\n{model}, batch {batch}, seq {seq}, bf16, h100, mesh {text} "
+            f"(prepared in {time.perf_counter() - t0:.1f} s)"
+        )
+        print(f"{'cap':>8} | {'recompute allowed (auto)':^30} | {'recompute forbidden (none)':^30}")
+        print(f"{'':>8} | {'step':>10} {'memory':>10} {'blocks':>8} | {'step':>10} {'memory':>10} {'blocks':>8}")
+        for cap in caps:
+            c = parse_bytes(cap)
+            print(f"{cap:>8} | {_row(ctx, c, 'auto')} | {_row(ctx, c, 'none')}")
+        print(
+            f"smallest feasible cap: {format_bytes(_smallest(ctx, 'full'))} with recomputation, "
+            f"{format_bytes(_smallest(ctx, 'none'))} without"
+        )
+
+
+def depths(layers: list[int]) -> None:
+    import transformers
+
+    print(f"\n{'layers':>6} {'full s':>8} {'auto s':>8}")
+    for n in layers:
+        config = transformers.GPT2Config(n_layer=n, n_embd=4096, n_head=32, n_positions=2048, vocab_size=50257)
+        import torch
+
+        with torch.device("meta"):
+            net = transformers.GPT2LMHeadModel(config)
+        ids = torch.zeros(16, 2048, dtype=torch.long, device="meta")
+        ctx = autopar.prepare(
+            net, _mesh("8x8"), example_inputs=(ids,), example_kwargs={"labels": ids}, profile="h100", dtype="bf16"
+        )
+        t0 = time.perf_counter()
+        full = autopar.plan_from_context(ctx, compare_families=False, recompute="full")
+        t1 = time.perf_counter()
+        autopar.plan_from_context(
+            ctx, compare_families=False, recompute="auto", mem_cap=full.memory["per_device_bytes"]
+        )
+        t2 = time.perf_counter()
+        print(f"{n:>6} {t1 - t0:>8.2f} {t2 - t1:>8.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--meshes", nargs="*", default=["8", "8x8"])
+    ap.add_argument("--caps", nargs="*", default=["80GiB", "40GiB", "24GiB"])
+    ap.add_argument("--model", default="llama-7b-shaped")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--depths", nargs="*", type=int, default=[])
+    a = ap.parse_args()
+    if a.meshes:
+        table(a.meshes, a.caps, a.model, a.batch, a.seq)
+    if a.depths:
+        depths(a.depths)
+
+
+if __name__ == "__main__":
+    main()
