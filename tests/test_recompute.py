@@ -160,6 +160,11 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
         autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="none")
     capped = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
     assert _recomputed_blocks(capped) and capped.memory["per_device_bytes"] <= cap
+    # both were searched under the cap, and the table says so
+    modes = {m["recompute"]: m for m in capped.search["recompute_modes"]}
+    assert not modes["none"]["feasible"] and modes["none"]["min_per_device_bytes"] > cap
+    assert modes["full"]["feasible"] and modes["full"]["total_s"] == capped.cost["total_s"]
+    assert "searched under the cap: none no plan" in " ".join(capped.table().split())
     # a cap the saved plan meets: auto keeps everything (recomputing only adds time)
     roomy = autopar.plan_from_context(ctx, compare_families=False, mem_cap=saved.memory["per_device_bytes"])
     assert _recomputed_blocks(roomy) == set()
@@ -222,3 +227,42 @@ def test_planned_recomputation_trains_like_one_device_and_sends_what_the_plan_li
         _assert_trains_alike(got, want, f"{name} {family} recomputed, rank {rank}")
         assert again > 0, "the plan lists no collective run again by the recomputation"
         assert records == planned, f"rank {rank}: the collectives run differ from the plan's"
+
+
+def _saved_rank_fn(rank, world, cases):
+    import autopar
+    from autopar.launch.models import load_model
+
+    out = []
+    for name, family in cases:
+        torch.manual_seed(0)
+        model, args, kwargs = load_model(name, batch=4, seq=16, device="cpu")  # dropout on
+        mesh = autopar.Mesh((world,), axis_names=("x",))
+        sharded = autopar.compile(
+            model,
+            mesh,
+            example_inputs=args,
+            example_kwargs=kwargs,
+            family=family,
+            profile=PARTITIONING_PROFILE,
+            recompute="full",
+        )
+        sharded.measure_saved = True  # the instrumented program: each region counts what its checkpoint keeps
+        loss = sharded(*args, **kwargs)[0]
+        saved = sharded.saved_bytes.total_bytes
+        loss.backward()
+        out.append((name, family, saved, sharded.plan.memory["activations"], _recomputed_blocks(sharded.plan)))
+    return out
+
+
+def test_saved_bytes_of_recomputed_plans_within_ten_percent_of_the_plan():
+    """What one forward keeps for backward with the blocks recomputed (their checkpoints' inputs and the rest),
+    measured by the saved-tensor hook, against the plan's activation bytes."""
+    cases = [
+        (n, f) for n in ("gpt2-tiny", "llama-tiny", "bert-tiny") for f in ("tensor parallel", "sharded parameters")
+    ]
+    for rank, results in enumerate(run_ranks(_saved_rank_fn, 2, cases, timeout_s=600)):
+        for name, family, saved, planned, blocks in results:
+            where = f"{name} {family}, rank {rank}: saved {saved} B, planned {planned} B"
+            assert len(blocks) == 2, where
+            assert abs(saved - planned) <= 0.10 * planned, where

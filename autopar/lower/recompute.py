@@ -14,7 +14,10 @@ their kernels) into a sub-program called through ``RecomputeStep``:
   seed themselves from ``RunState.step`` (``steps.OpStep``), and ``RecomputeStep``
   sets the step back to the one of the forward that saved the region, whatever ran
   in between; the global RNG state is restored around it too;
-* without grad (eval, ``torch.no_grad``) the sub-program simply runs.
+* without grad (eval, ``torch.no_grad``) the sub-program simply runs;
+* measured (``ShardedModule.measure_saved``), the region counts its inputs, which the
+  checkpoint keeps until backward; its ops record nothing (what they save inside the
+  checkpoint is dropped, and their own saved-tensor hooks would keep it instead).
 
 A region must be convex in the lowered order (nothing outside it both reads a
 value it makes and feeds a later op of it): a repeated block is.  ``outline_regions``
@@ -48,6 +51,10 @@ class RecomputeStep:
     def __call__(self, *inputs):
         if not torch.is_grad_enabled():
             return self.program(*inputs)
+        if self.state.saved is not None:  # measured: the checkpoint keeps the region's inputs until backward
+            for t in inputs:
+                if isinstance(t, torch.Tensor):
+                    self.state.saved.add(t, self.name)
         return checkpoint(self._replay, self.state.step, *inputs, use_reentrant=False, preserve_rng_state=True)
 
     def _replay(self, step: int, *inputs):

@@ -315,6 +315,7 @@ def lower(
                 seed_key=_seed_key(seed, opnode, ex, coord) if random else None,
                 rng_devices=rng_devices,
                 instrument=instrument,
+                measure=region_of.get(fxn) is None,  # in a recompute region the checkpoint keeps what is saved
                 eval_target=fxn.target if eval_form else None,
                 eval_skips=skips,
             )

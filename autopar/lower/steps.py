@@ -159,9 +159,11 @@ class OpStep(_Step):
         instrument=False,
         eval_target=None,
         eval_skips=False,
+        measure=True,
     ):
         super().__init__(name, state)
         self.fn, self.regather, self.seed_key, self.instrument = fn, tuple(regather), seed_key, instrument
+        self.measure = instrument and measure  # record what the op saves (not inside a recompute region)
         self.rng_devices = list(rng_devices)
         self.eval_target, self.eval_skips = eval_target, eval_skips
 
@@ -175,7 +177,7 @@ class OpStep(_Step):
         if self.regather:
             gathered = tuple((full, (local, move)) for (full, local), move in zip(args[0], self.regather))
             args = args[1:]
-        with _regather_saved(gathered, state.counter, state.saved if self.instrument else None, self.__name__):
+        with _regather_saved(gathered, state.counter, state.saved if self.measure else None, self.__name__):
             if self.eval_skips and not state.training:
                 out = args[0]
             elif self.eval_target is not None and not state.training:

@@ -2,7 +2,8 @@
 
 ``pipeline`` drives the stages: capture, strategies, cost, the search problem
 (``problem``), the search, and the assembly of the chosen strategies into a ``Plan``
-(``assemble``).  User hints restrict the strategies first (``hints``, written in the
+(``assemble``); ``recompute`` decides which repeated blocks backward recomputes and
+prices them, ``errors`` says why no plan fits.  User hints restrict the strategies first (``hints``, written in the
 forms ``hint_forms`` accepts).  ``schema`` holds the ``Plan`` itself, serialized as
 versioned JSON; ``report`` and ``explain`` print what it chose and why.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from .explain import render_explanation
 from .hint_forms import Layout
 from .hints import UnmatchedHintError
-from .pipeline import MemoryCapError, PlanningContext, plan, plan_from_context, prepare, rebatch
+from .errors import MemoryCapError
+from .pipeline import PlanningContext, plan, plan_from_context, prepare, rebatch
 from .recompute import RECOMPUTE_OPTIONS
 from .report import describe_plan, render_table
 from .schema import FAMILIES, Plan, check_writable

@@ -101,12 +101,11 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 add(t.kind, t.axis, "backward", t.bytes, n, n.name, t.reduce_op, coster.grad_exposed(n), whole)
             continue
         node_act = int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
+        mem["activations"] += node_act  # a recomputed op: what its block's checkpoint keeps of it (planner.recompute)
         region = regions.get(n.index)
-        if region is not None:  # kept nothing in forward; its recomputation makes them again in backward
+        if region is not None:  # what it keeps for its backward is made again by the recomputation
             node_act = coster.activation_bytes(n, s)
             reborn[region] = reborn.get(region, 0) + node_act
-        else:
-            mem["activations"] += node_act
         freed_at[n.index] = freed_at.get(n.index, 0) + node_act
         if n.kind != "op":
             continue
@@ -133,8 +132,10 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
             g, target = s.input_grad(pos), su.output_grad(o)
             edge_act = coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
-            if region is not None and regions.get(u) == region:  # inside the block: made again, not kept
+            if region is not None:  # the block keeps nothing on its edges: made again in backward
                 reborn[region] += edge_act
+            elif u in regions and src == dst:  # a block's output as it made it: counted in the block's term
+                edge_act = 0
             else:
                 mem["activations"] += edge_act
             freed_at[n.index] = freed_at.get(n.index, 0) + edge_act  # kept for n's backward

@@ -35,10 +35,11 @@ from autopar.mesh import Mesh
 from autopar.runtime import DEFAULT_BUCKET_BYTES
 from autopar.search import ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
 from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
-from autopar.units import format_bytes, parse_bytes
+from autopar.units import parse_bytes
 from costmodel import load_profile, optimizer_spec, precision
 
 from .assemble import assemble_plan, breakdown
+from .errors import MemoryCapError, cap_error, no_plan_error
 from .families import family_restriction, param_nodes
 from .hints import ResolvedHints, resolve_hints
 from .problem import PS_PER_S, ProblemTables, build_tables, to_problem
@@ -52,26 +53,6 @@ log = logging.getLogger(__name__)
 
 #: how often the search is run again with a tighter bound when the chosen plan's peak exceeds the cap
 _PEAK_TRIES = 8
-
-
-class MemoryCapError(ValueError):
-    """No plan fits the per-device memory cap; the message says the smallest reachable and the fix.
-
-    ``problem`` is the message without the fix and ``min_mem_bytes`` the smallest
-    per-device memory found, so a front end (the CLI) can word the fix in its own
-    terms (``--mem-cap``, ``--dtype``) instead of the API's (``mem_cap=``, ``dtype=``).
-    """
-
-    def __init__(self, problem: str, min_mem_bytes: int) -> None:
-        super().__init__(
-            f"{problem}\n  Fix: raise mem_cap= to at least that, use more devices, a smaller batch or sequence, "
-            'or bf16 (dtype="bf16").'
-        )
-        self.problem = problem
-        self.min_mem_bytes = min_mem_bytes
-
-    def __reduce__(self):  # pickles (to another rank) as it was built
-        return type(self), (self.problem, self.min_mem_bytes)
 
 
 @dataclass
@@ -348,7 +329,7 @@ def plan_from_context(
         )
     # recomputation only adds time: without a cap (or without blocks) "auto" never needs it
     modes = {"none": [False], "full": [True], "auto": [False, True] if regions and cap is not None else [False]}
-    best, failed = None, None
+    best, failed, tried = None, None, []
     for recomputed in modes[recompute]:
         try:
             found = _plan_under(
@@ -364,12 +345,28 @@ def plan_from_context(
             )
         except MemoryCapError as e:  # the last mode's error names the least memory of all (recomputed)
             failed = e
+            tried.append(
+                {
+                    "recompute": "full" if recomputed else "none",
+                    "feasible": False,
+                    "min_per_device_bytes": e.min_mem_bytes,
+                }
+            )
             continue
+        tried.append(
+            {
+                "recompute": "full" if recomputed else "none",
+                "feasible": True,
+                "total_s": found.cost["total_s"],
+                "per_device_bytes": found.memory["per_device_bytes"],
+            }
+        )
         if best is None or found.cost["total_s"] < best.cost["total_s"]:
             best = found
     if best is None:
         raise failed
-    return replace(best, settings=dict(best.settings, recompute=recompute))
+    search = dict(best.search, recompute_modes=tried) if len(tried) > 1 else best.search
+    return replace(best, settings=dict(best.settings, recompute=recompute), search=search)
 
 
 def _plan_under(
@@ -416,7 +413,7 @@ def _plan_under(
             if e.min_mem_bytes is None and hinted:
                 raise _contradiction_error(ctx, resolved) from None
             if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
-                raise _no_plan_error(ctx, family, allow_state_sharding) from None
+                raise no_plan_error(ctx, family, allow_state_sharding) from None
             return None, e, keep
         return sol, [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice), keep
 
@@ -433,13 +430,13 @@ def _plan_under(
             err = choice
             least = err.min_mem_solution
             if attempt == 0 or least is None:
-                raise _cap_error(ctx, cap, err, keep) from None
+                raise cap_error(ctx, cap, err, keep) from None
             sol, choice = (
                 least,
                 [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice),
             )
             if peak_of(choice) > cap:
-                raise _cap_error(ctx, cap, err, keep) from None
+                raise cap_error(ctx, cap, err, keep) from None
             break
         if cap is None:
             break
@@ -543,51 +540,6 @@ def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
         "per_device_bytes": b["memory"]["per_device_bytes"],
         "terms": b["cost"]["terms"],
     }
-
-
-# ---- infeasible caps ----------------------------------------------------------------------
-def _no_plan_error(ctx: PlanningContext, family: str | None, allow_state_sharding: bool) -> ValueError:
-    """No plan exists under the restriction at any memory (a family or state rule no strategy set meets)."""
-    what = f"the {family!r} family" if family else "the restriction"
-    if not allow_state_sharding:
-        what += " with every parameter's state kept with it (allow_state_sharding=False)"
-    return ValueError(
-        f"no plan of {ctx.graph.model_name} on {ctx.mesh} exists within {what}: every such plan needs a "
-        "move between placements autopar cannot make.\n"
-        "Fix: plan without family= (autopar run: --family auto; the search may mix families), or on another mesh."
-    )
-
-
-def _cap_error(ctx: PlanningContext, cap: int | None, err: InfeasibleError, keep) -> MemoryCapError:
-    sol = err.min_mem_solution
-    approximate = getattr(err, "approximate", False)
-    if approximate:  # too wide to search exactly: the least memory found, not proven the least
-        lines = [
-            f"no plan of {ctx.graph.model_name} on {ctx.mesh} was found under the memory cap of {format_bytes(cap)} "
-            "per device by the approximate search (the problem is too wide to search exactly, so this is not "
-            "proven: a plan under the cap may exist)."
-        ]
-        reaches = "the least per-device memory of the plans it found is"
-    else:
-        lines = [
-            f"no plan of {ctx.graph.model_name} on {ctx.mesh} fits the memory cap of {format_bytes(cap)} per device."
-        ]
-        reaches = "the smallest per-device memory any plan reaches is"
-    smallest = err.min_mem_bytes
-    if sol is not None:
-        choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
-        mem = breakdown(ctx, choice)["memory"]
-        smallest = max(smallest, mem["per_device_bytes"])  # that plan's step peaks there (autopar.cost.peak)
-        parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
-        top = max(parts, key=parts.get)
-        lines.append(
-            f"  {reaches} {format_bytes(smallest)}: "
-            + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-            + f" ({top} dominate)."
-        )
-    else:
-        lines.append(f"  {reaches} {format_bytes(smallest)}.")
-    return MemoryCapError("\n".join(lines), int(smallest))
 
 
 def objective_seconds(sol: Solution) -> float:

@@ -41,6 +41,8 @@ class ProblemTables:
     edge_refs: list[list[tuple[int, int, int, int]]]  # per edge: (u, out_idx, v, pos) tensors it carries
     sinks: list[tuple[int, int]]  # (node, output index) read as Replicate by a sink node
     _whole: tuple | None = field(default=None, repr=False)  # (problem, keep): unrestricted, no cap
+    # these tables with blocks recomputed, by the recomputed nodes (planner.recompute builds them once)
+    recomputed: dict = field(default_factory=dict, repr=False)
 
     def problem(self, mem_cap_bytes: int | None) -> tuple[SearchProblem, list[np.ndarray]]:
         """:func:`to_problem` unrestricted.  Built and checked once; each cap is then a

@@ -6,10 +6,17 @@ before its own backward (``lower/recompute.py``).  Recomputing block ``b`` under
 choice of strategies ``s`` changes the search's terms as follows (``recomputed_tables``)::
 
     node i in b:          time_i(s_i) += forward_i(s_i)      (roofline + forward collectives)
-                          mem_i(s_i)   = 0                   (nothing kept for backward)
+                          mem_i(s_i)   = kept_i(s_i)         (only what a checkpoint keeps, below)
+    node u outside:       mem_u(s_u)  += kept_u(s_u)         (its outputs a block's checkpoint keeps)
     edge u -> v, v in b:  time(s_u, s_v) += move_uv(s_u, s_v) (the move into v runs again;
                           a gathered parameter v keeps is gathered once either way)
-                          mem(s_u, s_v) = 0 when u is in b   (the block keeps its inputs only)
+                          mem(s_u, s_v) = 0                  (v keeps nothing: the checkpoint does)
+
+A recomputed block's checkpoint keeps the block's inputs, the values other nodes
+made, as they are (before any move into the block), one storage however many blocks
+read it.  ``kept_u`` is therefore, over u's non-parameter outputs read by a block
+other than u's: their bytes under u's placement, unless u's own term already counts
+them (``Coster.saved_outputs``, an output some op outside a recomputed block keeps).
 
 and the step's peak gains, during the block's backward, the activations the block
 would have kept (``cost.peak_memory``, ``regions``).  ``recompute="full"`` recomputes
@@ -30,7 +37,7 @@ from autopar.search import INF
 
 from .problem import ProblemTables, read_only, seconds_to_ps
 
-__all__ = ["RECOMPUTE_OPTIONS", "block_regions", "recomputed_tables"]
+__all__ = ["RECOMPUTE_OPTIONS", "block_regions", "checkpoint_outputs", "recomputed_tables"]
 
 #: What ``recompute=`` accepts.
 RECOMPUTE_OPTIONS = ("auto", "none", "full")
@@ -51,37 +58,103 @@ def block_regions(ctx) -> dict[int, str]:
 
 
 def recomputed_tables(ctx, regions: dict[int, str]) -> ProblemTables:
-    """``ctx.tables`` with the nodes of ``regions`` recomputed (the terms in the module docstring)."""
+    """``ctx.tables`` with the nodes of ``regions`` recomputed (the terms in the module docstring), built once."""
+    key = tuple(sorted(regions.items()))
+    if key not in ctx.tables.recomputed:
+        ctx.tables.recomputed[key] = _recomputed(ctx, regions)
+    return ctx.tables.recomputed[key]
+
+
+def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
     tables, graph, cand, coster = ctx.tables, ctx.graph, ctx.cand, ctx.coster
     node_time = list(tables.node_time_ps)
     node_mem = list(tables.node_mem)
     memo: dict = {}
+    kept = checkpoint_outputs(ctx, regions)
     for i in regions:
         node = graph.nodes[i]
-        key = ("node", id(cand.strategies[i]), id(tables.node_time_ps[i]))
+        key = ("node", id(cand.strategies[i]), id(tables.node_time_ps[i]), kept.get(i, ()))
         if key not in memo:
             forward = seconds_to_ps(np.array([coster.forward_time_s(node, s) for s in cand.strategies[i]]))
             memo[key] = (
                 read_only(_add_ps(tables.node_time_ps[i], forward)),
-                read_only(np.zeros_like(tables.node_mem[i])),
+                read_only(_kept_bytes(ctx, node, kept.get(i, ()))),
             )
         node_time[i], node_mem[i] = memo[key]
+    for u, outputs in kept.items():
+        if u not in regions:
+            node_mem[u] = read_only(tables.node_mem[u] + _kept_bytes(ctx, graph.nodes[u], outputs))
     edge_time = list(tables.edge_time_ps)
     edge_mem = list(tables.edge_mem)
     for e, (u, v) in enumerate(tables.edge_keys):
+        if u in regions and v < len(graph.nodes) and v not in regions:  # the block's output, kept by its term
+            key = ("out", id(tables.edge_mem[e]), _refs_key(ctx, e))
+            if key not in memo:
+                memo[key] = read_only(np.where(_same_placement(ctx, e), 0, tables.edge_mem[e]))
+            edge_mem[e] = memo[key]
         if v not in regions:
             continue
-        internal = regions.get(u) == regions[v]
-        key = ("edge", id(tables.edge_time_ps[e]), id(tables.edge_mem[e]), internal, _refs_key(ctx, e))
+        key = ("edge", id(tables.edge_time_ps[e]), id(tables.edge_mem[e]), _refs_key(ctx, e))
         if key not in memo:
             moves = sum(_move_again_s(ctx, ref) for ref in tables.edge_refs[e])
             memo[key] = (
                 read_only(_add_ps(tables.edge_time_ps[e], seconds_to_ps(moves))),
-                read_only(np.zeros_like(tables.edge_mem[e])) if internal else tables.edge_mem[e],
+                read_only(np.zeros_like(tables.edge_mem[e])),
             )
         edge_time[e], edge_mem[e] = memo[key]
     return replace(
-        tables, node_time_ps=node_time, node_mem=node_mem, edge_time_ps=edge_time, edge_mem=edge_mem, _whole=None
+        tables,
+        node_time_ps=node_time,
+        node_mem=node_mem,
+        edge_time_ps=edge_time,
+        edge_mem=edge_mem,
+        _whole=None,
+        recomputed={},
+    )
+
+
+def checkpoint_outputs(ctx, regions: dict[int, str]) -> dict[int, tuple[int, ...]]:
+    """Node -> its outputs a recomputed block's checkpoint keeps that its own term does not count (``kept_u``)."""
+    graph, coster = ctx.graph, ctx.coster
+    out: dict[int, tuple[int, ...]] = {}
+    consumers = graph.consumers()
+    for u in graph.nodes:
+        if u.kind == "param":
+            continue
+        home = regions.get(u.index)
+        kept = []
+        for o in range(len(u.outputs)):
+            readers = {v for v, _, idx in consumers[u.index] if idx == o}
+            by_block = any(v in regions and regions[v] != home for v in readers)
+            counted = (u.index, o) in coster.saved_outputs
+            if home is None and by_block and not counted:
+                kept.append(o)
+            elif home is not None and any(regions.get(v) != home for v in readers):
+                kept.append(o)  # read outside its block (the next block's checkpoint, or after the blocks)
+        if kept:
+            out[u.index] = tuple(kept)
+    return out
+
+
+def _same_placement(ctx, e: int) -> np.ndarray:
+    """Over (u strategy, v strategy) of edge ``e``: whether every tensor on it arrives as u made it (no move)."""
+    cand = ctx.cand
+    out = None
+    for u, o, v, pos in ctx.tables.edge_refs[e]:
+        same = np.array([[su.outputs[o] == sv.inputs[pos] for sv in cand.strategies[v]] for su in cand.strategies[u]])
+        out = same if out is None else out & same
+    return out
+
+
+def _kept_bytes(ctx, node, outputs: tuple[int, ...]) -> np.ndarray:
+    """Per strategy of ``node``: the bytes of ``outputs`` under the strategy's placements."""
+    coster = ctx.coster
+    return np.array(
+        [
+            sum(coster.local_bytes(node.outputs[o], s.outputs[o]) for o in outputs)
+            for s in ctx.cand.strategies[node.index]
+        ],
+        dtype=np.int64,
     )
 
 

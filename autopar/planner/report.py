@@ -82,13 +82,28 @@ def describe_recompute(plan: Plan) -> str:
     """The ``recompute:`` line: which blocks backward recomputes (``planner.recompute``), or none."""
     blocks = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e}, key=_natural)
     asked = plan.settings.get("recompute", "auto")
+    compared = _recompute_compared(plan)
     if not blocks:
-        return f"recompute: none (recompute={asked})"
+        return f"recompute: none (recompute={asked}){compared}"
     shown = ", ".join(blocks) if len(blocks) <= 4 else f"{blocks[0]} .. {blocks[-1]}"
     return (
         f"recompute: {len(blocks)} blocks ({shown}): forward run again in backward, only their inputs kept "
-        f"(recompute={asked})"
+        f"(recompute={asked}){compared}"
     )
+
+
+def _recompute_compared(plan: Plan) -> str:
+    """``; searched under the cap: none ..., full ...`` when ``recompute="auto"`` searched both."""
+    modes = plan.search.get("recompute_modes")
+    if not modes:
+        return ""
+    parts = []
+    for m in modes:
+        if m["feasible"]:
+            parts.append(f"{m['recompute']} {m['total_s'] * 1e3:.3f} ms, {format_bytes(m['per_device_bytes'])}")
+        else:
+            parts.append(f"{m['recompute']} no plan (least {format_bytes(m['min_per_device_bytes'])})")
+    return "; searched under the cap: " + "; ".join(parts)
 
 
 def _natural(name: str) -> list:
