@@ -10,10 +10,10 @@ versioned JSON; ``report`` and ``explain`` print what it chose and why.
 
 from __future__ import annotations
 
+from .errors import MemoryCapError
 from .explain import render_explanation
 from .hint_forms import Layout
 from .hints import UnmatchedHintError
-from .errors import MemoryCapError
 from .pipeline import PlanningContext, plan, plan_from_context, prepare, rebatch
 from .recompute import RECOMPUTE_OPTIONS
 from .report import describe_plan, render_table
