@@ -12,7 +12,8 @@ with ``--check``, compares with one device (autopar/launch/); exit code 1 on FAI
 
 ``--hint`` (repeatable) gives one semi-auto hint (``autopar.planner.hints``): placements
 split on top-level commas (``'*.mlp.c_fc.weight=R,S(1)'``), ``replicate`` for a
-module region, or a MindSpore tuple (``'encoder.layer.0.intermediate.dense=((2,1),(1,4))'``).
+module region, ``recompute`` for layers recomputed in backward, or a MindSpore tuple
+(``'encoder.layer.0.intermediate.dense=((2,1),(1,4))'``).
 ``--hints`` reads a JSON or TOML table of ``pattern = value`` (lists of placements,
 ``"replicate"``, or ``[[2, 1], [1, 4]]``); ``--hint`` entries override it.
 
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_hint_arg,
         metavar="PATTERN=VALUE",
         help="fix placements: 'PATTERN=R,S(1)' (parameters), 'PATTERN=replicate' (modules), "
+        "'PATTERN=recompute' (layers recomputed in backward), "
         "'MODULE=((2,1),(1,4))' (a matmul, MindSpore form); repeatable",
     )
     pl.add_argument("--hints", default=None, metavar="FILE", help="JSON or TOML file of pattern = value hints")
@@ -176,7 +178,7 @@ def _hint_arg(text: str) -> tuple[str, object]:
             return pattern.strip(), ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise argparse.ArgumentTypeError(f"--hint {text!r}: {value} is not a tuple like ((2, 1), (1, 4))") from None
-    return pattern.strip(), value if value.lower() == "replicate" else _split_top_level(value)
+    return pattern.strip(), value if value.lower() in ("replicate", "recompute") else _split_top_level(value)
 
 
 def _load_hints(path: str | None, given: list[tuple[str, object]]) -> dict | None:

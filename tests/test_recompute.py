@@ -178,15 +178,11 @@ def test_recompute_option_is_checked(gpt2_context):
         autopar.plan_from_context(gpt2_context, recompute="some")
 
 
-def _planned_rank_fn(rank, world, name, family):
-    from test_execution import ADAMW, _model, _train
-
+def _compile_recomputed(model, args, kwargs, mesh, family):
+    """``autopar.compile`` with every layer recomputed, on the partitioning test profile."""
     import autopar
-    from autopar.runtime import CollectiveCounter
 
-    model, args, kwargs = _model(name)  # dropout off: compared with one device
-    mesh = autopar.Mesh((world,), axis_names=("x",))
-    sharded = autopar.compile(
+    return autopar.compile(
         model,
         mesh,
         example_inputs=args,
@@ -195,6 +191,17 @@ def _planned_rank_fn(rank, world, name, family):
         profile=PARTITIONING_PROFILE,
         recompute="full",
     )
+
+
+def _planned_rank_fn(rank, world, name, family):
+    from test_execution import ADAMW, _model, _train
+
+    import autopar
+    from autopar.runtime import CollectiveCounter
+
+    model, args, kwargs = _model(name)  # dropout off: compared with one device
+    mesh = autopar.Mesh((world,), axis_names=("x",))
+    sharded = _compile_recomputed(model, args, kwargs, mesh, family)
     result = _train((sharded, sharded), args, kwargs)
     model, args, kwargs = _model(name)
     counted = autopar.compile(
@@ -237,16 +244,7 @@ def _saved_rank_fn(rank, world, cases):
     for name, family in cases:
         torch.manual_seed(0)
         model, args, kwargs = load_model(name, batch=4, seq=16, device="cpu")  # dropout on
-        mesh = autopar.Mesh((world,), axis_names=("x",))
-        sharded = autopar.compile(
-            model,
-            mesh,
-            example_inputs=args,
-            example_kwargs=kwargs,
-            family=family,
-            profile=PARTITIONING_PROFILE,
-            recompute="full",
-        )
+        sharded = _compile_recomputed(model, args, kwargs, autopar.Mesh((world,), axis_names=("x",)), family)
         sharded.measure_saved = True  # the instrumented program: each region counts what its checkpoint keeps
         loss = sharded(*args, **kwargs)[0]
         saved = sharded.saved_bytes.total_bytes
@@ -266,3 +264,19 @@ def test_saved_bytes_of_recomputed_plans_within_ten_percent_of_the_plan():
             where = f"{name} {family}, rank {rank}: saved {saved} B, planned {planned} B"
             assert len(blocks) == 2, where
             assert abs(saved - planned) <= 0.10 * planned, where
+
+
+def test_a_recompute_hint_forces_the_layers_it_names(gpt2_context):
+    import autopar
+
+    ctx = gpt2_context
+    hinted = autopar.plan_from_context(ctx, compare_families=False, hints={"transformer.h.1?": "recompute"})
+    assert _recomputed_blocks(hinted) == {"transformer.h.10", "transformer.h.11"}  # no cap: nothing else
+    assert hinted.hints["recompute"] == ["transformer.h.1?"]
+    # by a module inside the layers, and kept under recompute="none"
+    by_module = autopar.plan_from_context(
+        ctx, compare_families=False, hints={"transformer.h.0.mlp": "recompute"}, recompute="none"
+    )
+    assert _recomputed_blocks(by_module) == {"transformer.h.0"}
+    with pytest.raises(ValueError, match="recompute hint 'lm_head' matches no repeated block"):
+        autopar.plan_from_context(ctx, compare_families=False, hints={"lm_head": "recompute"})

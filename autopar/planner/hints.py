@@ -13,6 +13,10 @@ patterns; ``*`` also crosses dots), by the kind of ``value``:
 * **region** (``"transformer.h.*": "replicate"``): every op whose module path (or
   an ancestor of it) matches, and every parameter of such a module, stays all-R
   (state included): the region is excluded from partitioning.
+* **recompute** (``"transformer.h.*": "recompute"``, ``"model.layers.1?"``: the
+  repeated blocks (layers) whose name or one of whose ops' modules matches are
+  recomputed in backward whatever ``recompute=`` says; the planner checks that the
+  pattern names whole layers (``planner.recompute``).
 * **op-level** (``"encoder.layer.0.intermediate.dense": ((2, 1), (1, 4))``): the
   module's one matmul (``nn.Linear``'s ``linear``, GPT-2 ``Conv1D``'s ``addmm``)
   reads its activation input and its weight in the given specs, and the weight
@@ -95,7 +99,8 @@ class ResolvedHints:
     ``labels``: node -> the hints that touch it (for messages); ``record``: the
     normalized hints for the plan JSON (``params``: every parameter placement a
     hint gave, ``inputs``, ``ops``: op inputs/outputs fixed by op-level hints,
-    ``output_placements`` and ``autopar.shard``, ``replicate``: region patterns).
+    ``output_placements`` and ``autopar.shard``, ``replicate``: region patterns,
+    ``recompute``: the patterns of recompute hints, also in ``recompute``).
     """
 
     sources: Mapping[int, tuple[Placement, ...]] = field(default_factory=dict)
@@ -105,6 +110,7 @@ class ResolvedHints:
     labels: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     record: Mapping[str, Any] = field(default_factory=dict)
     mesh: Mesh | None = None
+    recompute: tuple[str, ...] = ()  # module patterns whose layers are recomputed (planner.recompute)
 
     def missing_sources(self, cand) -> dict[int, tuple[Placement, ...]]:
         """Source nodes whose hinted placement is not among their candidates (the planner adds it)."""
@@ -223,12 +229,18 @@ def resolve_hints(
     b = _Builder(graph, mesh)
     unmatched: list[tuple[str, str]] = []
     regions: list[tuple[str, str]] = []
+    recompute: list[str] = []
     for pattern, value in (hints or {}).items():
         if not isinstance(pattern, str):
             raise TypeError(f"hint key {pattern!r}: expected a str pattern over parameter FQNs or module paths")
         label = f"{pattern!r} = {value!r}"
         kind = _kind(value)
-        if kind == "region":
+        if kind == "recompute":
+            if any(n.kind == "op" and module_matches(n.module, pattern) for n in graph.nodes):
+                recompute.append(pattern)
+            else:
+                unmatched.append((label, "module"))
+        elif kind == "region":
             regions.append((pattern, label))
         elif kind == "op":
             if not _op_hint(b, pattern, value, label):
@@ -244,6 +256,8 @@ def resolve_hints(
     _io_hints(b, input_placements, output_placements)
     for label, what in unmatched:
         _unmatched(graph, label, what, strict)
+    if recompute:
+        b.record["recompute"] = sorted(recompute)
     record = {k: v for k, v in b.record.items() if v}
     if "replicate" in record:
         record["replicate"] = sorted(record["replicate"])
@@ -255,12 +269,15 @@ def resolve_hints(
         {i: tuple(v) for i, v in b.labels.items()},
         record,
         mesh,
+        tuple(sorted(recompute)),
     )
 
 
 def _kind(value) -> str:
     if isinstance(value, str) and value.strip().lower() == "replicate":
         return "region"
+    if isinstance(value, str) and value.strip().lower() == "recompute":
+        return "recompute"
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_operand(v) for v in value):
         return "op"
     return "param"
@@ -300,9 +317,14 @@ def _ancestors(path: str) -> list[str]:
     return [".".join(parts[: k + 1]) for k in range(len(parts))]
 
 
+def module_matches(module: str, pattern: str) -> bool:
+    """Whether ``module`` or one of its ancestors matches ``pattern``."""
+    return any(fnmatch.fnmatchcase(m, pattern) for m in _ancestors(module))
+
+
 def _region_hint(b: _Builder, pattern: str, label: str) -> bool:
     def inside(module: str) -> bool:
-        return any(fnmatch.fnmatchcase(m, pattern) for m in _ancestors(module))
+        return module_matches(module, pattern)
 
     full = tuple(Replicate() for _ in b.mesh.shape)
     found = False

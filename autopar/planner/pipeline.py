@@ -43,7 +43,7 @@ from .errors import MemoryCapError, cap_error, no_plan_error
 from .families import family_restriction, param_nodes
 from .hints import ResolvedHints, resolve_hints
 from .problem import PS_PER_S, ProblemTables, build_tables, to_problem
-from .recompute import RECOMPUTE_OPTIONS, block_regions, recomputed_tables
+from .recompute import RECOMPUTE_OPTIONS, block_regions, hinted_regions, recomputed_tables
 from .schema import FAMILIES, Plan
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
@@ -321,21 +321,24 @@ def plan_from_context(
         raise ValueError(f"solver {solver!r}: expected 'dp' (dynamic programming) or 'ilp' (CP-SAT)")
     if recompute not in RECOMPUTE_OPTIONS:
         raise ValueError(f"recompute {recompute!r}: expected one of {RECOMPUTE_OPTIONS}")
-    regions = block_regions(ctx)
+    hinted_ctx, resolved = _hinted_context(ctx, hints, input_placements, output_placements, strict)
+    regions = block_regions(hinted_ctx)
     if recompute == "full" and not regions:
         raise ValueError(
             f"recompute='full': {ctx.graph.model_name} has no repeated blocks (layers) to recompute; "
             "use recompute='none' (or 'auto')"
         )
-    # recomputation only adds time: without a cap (or without blocks) "auto" never needs it
-    modes = {"none": [False], "full": [True], "auto": [False, True] if regions and cap is not None else [False]}
+    forced = hinted_regions(hinted_ctx, regions, resolved.recompute)  # the layers recompute hints name
+    # recomputation only adds time: without a cap (or without more blocks) "auto" never needs more than the hints
+    more = cap is not None and len(regions) > len(forced)
+    modes = {"none": [False], "full": [True], "auto": [False, True] if more else [False]}
     best, failed, tried = None, None, []
     for recomputed in modes[recompute]:
         try:
             found = _plan_under(
                 ctx,
                 cap,
-                regions if recomputed else {},
+                regions if recomputed else forced,
                 solver=solver,
                 compare_families=compare_families,
                 allow_state_sharding=allow_state_sharding,

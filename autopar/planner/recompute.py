@@ -20,14 +20,15 @@ them (``Coster.saved_outputs``, an output some op outside a recomputed block kee
 
 and the step's peak gains, during the block's backward, the activations the block
 would have kept (``cost.peak_memory``, ``regions``).  ``recompute="full"`` recomputes
-every block, ``"none"`` none; ``"auto"`` (the default) searches both and keeps the
-faster plan that fits the cap: without a cap that is never recomputation, which only
+every block, ``"none"`` none (but the layers a ``"recompute"`` hint names); ``"auto"`` (the default)
+searches both and keeps the faster plan that fits the cap: without a cap that is never recomputation, which only
 adds time.  Choosing per block (some blocks recomputed, others not) and selective
 recomputation (attention scores, softmax, dropout only) are not searched yet.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import replace
 
 import numpy as np
@@ -35,9 +36,10 @@ import numpy as np
 from autopar.capture import find_blocks
 from autopar.search import INF
 
+from .hints import module_matches
 from .problem import ProblemTables, read_only, seconds_to_ps
 
-__all__ = ["RECOMPUTE_OPTIONS", "block_regions", "checkpoint_outputs", "recomputed_tables"]
+__all__ = ["RECOMPUTE_OPTIONS", "block_regions", "checkpoint_outputs", "hinted_regions", "recomputed_tables"]
 
 #: What ``recompute=`` accepts.
 RECOMPUTE_OPTIONS = ("auto", "none", "full")
@@ -55,6 +57,28 @@ def block_regions(ctx) -> dict[int, str]:
         for i in nodes
         if graph.nodes[i].kind == "op"
     }
+
+
+def hinted_regions(ctx, regions: dict[int, str], patterns: tuple[str, ...]) -> dict[int, str]:
+    """The part of ``regions`` that recompute hints force: each block whose name, or one of whose ops' modules
+    (or their ancestors), matches a pattern.  ValueError for a pattern that matches ops of no block."""
+    graph = ctx.graph
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hit = {
+            r
+            for i, r in regions.items()
+            if fnmatch.fnmatchcase(r, pattern) or module_matches(graph.nodes[i].module, pattern)
+        }
+        if not hit:
+            names = sorted(set(regions.values()))[:2]
+            raise ValueError(
+                f"recompute hint {pattern!r} matches no repeated block (layer) of {graph.model_name}: recomputation "
+                f"applies to whole layers (here {', '.join(names) or 'none: the model has no repeated layers'}); "
+                "fix: a pattern over the layers' module paths, e.g. 'transformer.h.*'"
+            )
+        chosen |= hit
+    return {i: r for i, r in regions.items() if r in chosen}
 
 
 def recomputed_tables(ctx, regions: dict[int, str]) -> ProblemTables:
