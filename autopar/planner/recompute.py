@@ -6,24 +6,28 @@ before its own backward (``lower/recompute.py``).  Recomputing block ``b`` under
 choice of strategies ``s`` changes the search's terms as follows (``recomputed_tables``)::
 
     node i in b:          time_i(s_i) += forward_i(s_i)      (roofline + forward collectives)
-                          mem_i(s_i)   = kept_i(s_i)         (only what a checkpoint keeps, below)
+                          mem_i(s_i)   = kept_i(s_i)         (what a checkpoint keeps of it, below)
     node u outside:       mem_u(s_u)  += kept_u(s_u)         (its outputs a block's checkpoint keeps)
     edge u -> v, v in b:  time(s_u, s_v) += move_uv(s_u, s_v) (the move into v runs again;
                           a gathered parameter v keeps is gathered once either way)
                           mem(s_u, s_v) = 0                  (v keeps nothing: the checkpoint does)
+    edge u -> v, u in b,  mem(s_u, s_v) = 0 where v reads u's output as u made it
+      v after the blocks:                                    (kept_u counts it)
 
-A recomputed block's checkpoint keeps the block's inputs, the values other nodes
-made, as they are (before any move into the block), one storage however many blocks
-read it.  ``kept_u`` is therefore, over u's non-parameter outputs read by a block
-other than u's: their bytes under u's placement, unless u's own term already counts
-them (``Coster.saved_outputs``, an output some op outside a recomputed block keeps).
+A recomputed block's checkpoint keeps the block's inputs, the values other nodes made,
+as they are (before any move into the block), one storage however many blocks read
+them.  So ``kept_u`` is the bytes, under u's placement, of u's non-parameter outputs
+that something outside u's block reads: for u in a block always (the next block's
+checkpoint, or the ops after the blocks), for u outside the blocks only when its own
+term does not count them already (``Coster.saved_outputs``).  Every block then has the
+same tables, so the chained search still solves one block and chains it.
 
-and the step's peak gains, during the block's backward, the activations the block
-would have kept (``cost.peak_memory``, ``regions``).  ``recompute="full"`` recomputes
-every block, ``"none"`` none (but the layers a ``"recompute"`` hint names); ``"auto"`` (the default)
-searches both and keeps the faster plan that fits the cap: without a cap that is never recomputation, which only
-adds time.  Choosing per block (some blocks recomputed, others not) and selective
-recomputation (attention scores, softmax, dropout only) are not searched yet.
+The step's peak gains, during each block's backward, the activations the block would
+have kept (``cost.peak_memory``'s ``reborn_at``).  ``recompute="full"`` recomputes every
+block, ``"none"`` none but the layers a ``"recompute"`` hint names; ``"auto"`` (the
+default) searches both under a cap and keeps the faster plan (without a cap it never
+recomputes: that only adds time).  Not searched yet: a choice per block, and selective
+recomputation (attention scores, softmax, dropout only).
 """
 
 from __future__ import annotations
