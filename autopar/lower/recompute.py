@@ -14,6 +14,9 @@ their kernels) into a sub-program called through ``RecomputeStep``:
   seed themselves from ``RunState.step`` (``steps.OpStep``), and ``RecomputeStep``
   sets the step back to the one of the forward that saved the region, whatever ran
   in between; the global RNG state is restored around it too;
+* the whole region runs again (checkpoint's early stop, which ends the recomputation
+  once the last tensor backward needs is made again, is off): the plan prices and
+  lists every op and collective of the block again, and the ranks run exactly those;
 * without grad (eval, ``torch.no_grad``) the sub-program simply runs;
 * measured (``ShardedModule.measure_saved``), the region counts its inputs, which the
   checkpoint keeps until backward; its ops record nothing (what they save inside the
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from .program import RunState
 
@@ -55,7 +58,8 @@ class RecomputeStep:
             for t in inputs:
                 if isinstance(t, torch.Tensor):
                     self.state.saved.add(t, self.name)
-        return checkpoint(self._replay, self.state.step, *inputs, use_reentrant=False, preserve_rng_state=True)
+        with set_checkpoint_early_stop(False):  # the whole region runs again, as the plan prices it
+            return checkpoint(self._replay, self.state.step, *inputs, use_reentrant=False, preserve_rng_state=True)
 
     def _replay(self, step: int, *inputs):
         """The region at the RNG step of the forward that saved it (the recomputation runs in backward)."""
