@@ -243,6 +243,8 @@ _RUN_FAMILIES = {
 
 
 def _add_run_parser(sub) -> None:
+    from autopar.planner import RECOMPUTE_OPTIONS
+
     r = sub.add_parser("run", help="train a compiled model on local ranks; --check compares with one device")
     r.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
@@ -258,6 +260,12 @@ def _add_run_parser(sub) -> None:
     r.add_argument("--batch", type=_positive_int, default=4, help="global batch (default 4)")
     r.add_argument("--seq", type=_positive_int, default=32, help="sequence length (default 32)")
     r.add_argument("--family", default="auto", choices=tuple(_RUN_FAMILIES), help="force a plan family (default auto)")
+    r.add_argument(
+        "--recompute",
+        default="auto",
+        choices=RECOMPUTE_OPTIONS,
+        help="recompute the repeated layers in backward: auto (the default), none, full",
+    )
     r.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     r.add_argument(
@@ -308,6 +316,7 @@ def _cmd_run(args) -> int:
             batch=args.batch,
             seq=_check_seq(args.model, args.seq),
             family=_RUN_FAMILIES[args.family],
+            recompute=args.recompute,
             lr=args.lr,
             seed=args.seed,
             timeout_s=args.timeout,

@@ -73,6 +73,15 @@ def _report(scale: float) -> launch.RunReport:
     return launch.RunReport(config, "test", ranks, ref, tuple(launch.compare(ranks, ref)))
 
 
+def test_run_with_every_layer_recomputed_passes_and_says_so(capsys):
+    """Issue 18: `autopar run --recompute full` trains the layers recomputed and still matches one device."""
+    code = main(["run", "gpt2-tiny", "--mesh", "2", "--steps", "2", "--check", "--seq", "16", "--recompute", "full"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "check: PASS" in out
+    assert "recompute: 2 blocks (transformer.h.0, transformer.h.1)" in out
+
+
 @pytest.mark.parametrize("scale,passed", [(0.0, True), (5e-6, True), (1e-3, False)])
 def test_verdict_follows_isclose(scale, passed):
     report = _report(scale)

@@ -88,6 +88,7 @@ class RunConfig:
     batch: int = 4
     seq: int = 32
     family: str | None = None
+    recompute: str = "auto"  # recompute the repeated layers in backward: auto | none | full (planner.recompute)
     lr: float = 1e-3
     seed: int = 0
     timeout_s: float = 600.0
@@ -137,6 +138,7 @@ class RankResult:
     record: TrainRecord
     held_bytes: dict[str, int]
     plan_memory: dict[str, int | None]
+    recompute_line: str = ""  # the plan's "recompute:" line (planner.report.describe_recompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +295,7 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
 
     model, args, kwargs = build_model(config, "cpu")
     ctx = prepare(model, config.mesh(), example_inputs=args, example_kwargs=kwargs, profile=profile, dtype="fp32")
-    return plan_from_context(ctx, compare_families=False, family=config.family)
+    return plan_from_context(ctx, compare_families=False, family=config.family, recompute=config.recompute)
 
 
 def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
@@ -307,12 +309,24 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
     rank = dist.get_rank()
     model, args, kwargs = build_model(config)
     sharded = compiled.compile(
-        model, mesh, example_inputs=args, example_kwargs=kwargs, family=config.family, seed=config.seed, plan=plan
+        model,
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        family=config.family,
+        seed=config.seed,
+        plan=plan,
+        recompute=config.recompute,
     )
     del model
     where = f"autopar run {config.model}, rank {rank}"
     record, held = _train(sharded, args, kwargs, config, keep=rank == 0, where=where)
-    return RankResult(rank, tuple(mesh.coordinate(rank)), sharded.plan.family, record, held, dict(sharded.plan.memory))
+    from autopar.planner import describe_recompute
+
+    plan = sharded.plan
+    return RankResult(
+        rank, tuple(mesh.coordinate(rank)), plan.family, record, held, dict(plan.memory), describe_recompute(plan)
+    )
 
 
 def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> TrainRecord:
@@ -515,6 +529,8 @@ def render_report(report: RunReport, *, width: int = 140) -> str:
         )
     )
     con.print(escape(describe_plan(r0.family, cfg.family)))
+    if r0.recompute_line:
+        con.print(escape(r0.recompute_line))
 
     t = Table(title="training (rank 0)", title_justify="left")
     for col in ("step", "loss", *(("one-device loss", "|Δ|") if ref else ()), "step time"):

@@ -16,7 +16,7 @@ from .hint_forms import Layout
 from .hints import UnmatchedHintError
 from .pipeline import PlanningContext, plan, plan_from_context, prepare, rebatch
 from .recompute import RECOMPUTE_OPTIONS
-from .report import describe_plan, render_table
+from .report import describe_plan, describe_recompute, render_table
 from .schema import FAMILIES, Plan, check_writable
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "UnmatchedHintError",
     "check_writable",
     "describe_plan",
+    "describe_recompute",
     "plan",
     "plan_from_context",
     "prepare",
