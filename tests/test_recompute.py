@@ -22,6 +22,15 @@ import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
 
 STEPS = 3
+#: (model, mesh, family): each model on 2 ranks under a family that moves tensors inside the layers, one 2x2 auto
+#: plan and one 4-rank plan
+CASES = [
+    ("gpt2-tiny", (2,), "tensor parallel"),
+    ("llama-tiny", (2,), "sharded parameters"),
+    ("bert-tiny", (2,), "data parallel"),
+    ("gpt2-tiny", (2, 2), None),
+    ("llama-tiny", (4,), "tensor parallel"),
+]
 
 
 def _fresh(name: str):
@@ -84,15 +93,7 @@ def _rank_fn(rank, world, name, mesh_shape, family):
     return out
 
 
-@pytest.mark.parametrize(
-    "name, mesh_shape, family",
-    [
-        ("gpt2-tiny", (2,), "tensor parallel"),
-        ("llama-tiny", (2,), "sharded parameters"),
-        ("bert-tiny", (2,), "data parallel"),
-        ("gpt2-tiny", (2, 2), None),
-    ],
-)
+@pytest.mark.parametrize("name, mesh_shape, family", CASES[:4])
 def test_recomputed_blocks_train_exactly_as_saved(name, mesh_shape, family):
     world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
     results = run_ranks(_rank_fn, world, name, mesh_shape, family, timeout_s=600)
@@ -223,16 +224,7 @@ def _planned_rank_fn(rank, world, name, mesh_shape, family):
     )
 
 
-@pytest.mark.parametrize(
-    "name, mesh_shape, family",
-    [
-        ("gpt2-tiny", (2,), "tensor parallel"),
-        ("llama-tiny", (2,), "sharded parameters"),
-        ("bert-tiny", (2,), "data parallel"),
-        ("gpt2-tiny", (2, 2), None),
-        ("llama-tiny", (4,), "tensor parallel"),
-    ],
-)
+@pytest.mark.parametrize("name, mesh_shape, family", CASES)
 def test_planned_recomputation_trains_like_one_device_and_sends_what_the_plan_lists(name, mesh_shape, family):
     from test_execution import _assert_trains_alike, _reference
 
