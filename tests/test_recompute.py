@@ -157,7 +157,7 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
     assert full.memory["per_device_bytes"] < saved.memory["per_device_bytes"]
     # under a cap between the two, only recomputation fits: auto recomputes, and fits
     cap = (saved.memory["per_device_bytes"] + full.memory["per_device_bytes"]) // 2
-    with pytest.raises(autopar.MemoryCapError):
+    with pytest.raises(autopar.MemoryCapError, match="recompute 'auto' tries it"):
         autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="none")
     capped = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
     assert _recomputed_blocks(capped) and capped.memory["per_device_bytes"] <= cap

@@ -367,6 +367,12 @@ def plan_from_context(
         if best is None or found.cost["total_s"] < best.cost["total_s"]:
             best = found
     if best is None:
+        if recompute == "none" and len(regions) > len(forced):  # the search did not try recomputing the layers
+            raise MemoryCapError(
+                f"{failed.problem}\n  (recompute 'none': recomputing the {ctx.graph.model_name} layers in backward "
+                "was not tried; recompute 'auto' tries it)",
+                failed.min_mem_bytes,
+            ) from None
         raise failed
     search = dict(best.search, recompute_modes=tried) if len(tried) > 1 else best.search
     return replace(best, settings=dict(best.settings, recompute=recompute), search=search)
