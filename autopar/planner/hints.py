@@ -233,7 +233,7 @@ def resolve_hints(
     for pattern, value in (hints or {}).items():
         if not isinstance(pattern, str):
             raise TypeError(f"hint key {pattern!r}: expected a str pattern over parameter FQNs or module paths")
-        label = f"{pattern!r} = {value!r}"
+        label = f"{pattern!r} = {_shown(value)}"
         kind = _kind(value)
         if kind == "recompute":
             if any(n.kind == "op" and module_matches(n.module, pattern) for n in graph.nodes):
@@ -271,6 +271,15 @@ def resolve_hints(
         mesh,
         tuple(sorted(recompute)),
     )
+
+
+def _shown(value) -> str:
+    """A hint's value as messages show it: placements as written on the CLI (``R,S(1)``), other forms as Python."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    return repr(value)
 
 
 def _kind(value) -> str:
@@ -435,7 +444,7 @@ def _io_hints(b: _Builder, input_placements, output_placements) -> None:
                 f"its tensor inputs are {known}. Fix: use one of those names or paths."
             )
         node = inputs[name]
-        label = f"input_placements[{name!r}] = {value!r}"
+        label = f"input_placements[{name!r}] = {_shown(value)}"
         desc = f"input {name}, shape {node.outputs[0].shape}"
         b.fix(("src", node.index), b.parse(label, value, [desc]), label, desc, node.outputs[0].shape)
         b.record["inputs"][name] = format_placements(b.sources[node.index])
@@ -448,7 +457,7 @@ def _io_hints(b: _Builder, input_placements, output_placements) -> None:
             )
         i, o = b.graph.outputs[k]
         node = b.graph.nodes[i]
-        label = f"output_placements[{k}] = {value!r}"
+        label = f"output_placements[{k}] = {_shown(value)}"
         desc = f"output {k} ({node.name}), shape {node.outputs[o].shape}"
         pl = b.parse(label, value, [desc])
         if node.kind == "op":
