@@ -74,13 +74,12 @@ def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) 
 
 
 def depths(layers: list[int]) -> None:
+    import torch
     import transformers
 
     print(f"\n{'layers':>6} {'full s':>8} {'auto s':>8}")
     for n in layers:
         config = transformers.GPT2Config(n_layer=n, n_embd=4096, n_head=32, n_positions=2048, vocab_size=50257)
-        import torch
-
         with torch.device("meta"):
             net = transformers.GPT2LMHeadModel(config)
         ids = torch.zeros(16, 2048, dtype=torch.long, device="meta")

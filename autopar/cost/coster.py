@@ -45,9 +45,17 @@ import torch
 
 from autopar.capture import OpNode
 from autopar.placement import Placement
-from autopar.runtime import DEFAULT_BUCKET_BYTES
+from autopar.runtime import DEFAULT_BUCKET_BYTES, nesting_steps
 from autopar.spec import TensorMeta, local_meta
-from autopar.strategies import CandidateGraph, SourceStrategy, fused_keeps, localize_size_args, prices_as_fused
+from autopar.strategies import (
+    KERNELS,
+    CandidateGraph,
+    KernelContext,
+    SourceStrategy,
+    fused_keeps,
+    localize_size_args,
+    prices_as_fused,
+)
 from autopar.transitions import transitions
 from costmodel import (
     DeviceProfile,
@@ -188,8 +196,6 @@ class Coster:
         not once per parameter).  Any other move costs its collectives one by one.
         The exposed part is ``grad_exposed`` of this.
         """
-        from autopar.runtime import nesting_steps
-
         # the runtime's step list (local steps included) and whether it runs on the nested layout
         all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
         if conflict is not None:
@@ -205,8 +211,6 @@ class Coster:
         key = (meta, src, dst)
         hit = self._trans_cache.get(key)
         if hit is None:
-            from autopar.runtime import nesting_steps
-
             # the runtime's step list (local steps included) and whether it runs on the nested layout
             steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
             if conflict is not None:
@@ -303,8 +307,6 @@ class Coster:
 
     def _kernel(self, node: OpNode, strategy):
         """(fn, ctx) of the local kernel ``strategy`` runs instead of the op, at coordinate 0; None: the op."""
-        from autopar.strategies import KERNELS, KernelContext
-
         names = {k for k in strategy.kernels if k}
         if len(names) != 1 or next(iter(names)) not in KERNELS:
             return None

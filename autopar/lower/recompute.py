@@ -76,22 +76,20 @@ def outline_regions(g: fx.Graph, regions: dict[str, Sequence[fx.Node]], root: to
     ``root`` owns the attributes the region's ``get_attr`` nodes read (the captured
     module).  Raises ValueError for a region that is not convex in ``g``.
     """
+    # positions in the lowered order, taken once: outlining a region inserts and erases only around it, and the
+    # nodes later regions compare are all of the original program
+    order = {n: i for i, n in enumerate(g.nodes)}
     for name, nodes in regions.items():
         if nodes:
-            _outline(g, name, list(nodes), root, state)
+            _outline(g, name, list(nodes), order, root, state)
 
 
-def _outline(g: fx.Graph, name: str, nodes: list[fx.Node], root: torch.nn.Module, state: RunState) -> None:
+def _outline(g: fx.Graph, name: str, nodes: list[fx.Node], order: dict, root: torch.nn.Module, state: RunState) -> None:
     inside = set(nodes)
-    inputs: list[fx.Node] = []
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in inputs:
-                inputs.append(a)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    order = {n: i for i, n in enumerate(g.nodes)}
-    last = max(order[n] for n in nodes)
-    early = [u.name for o in outputs for u in o.users if u not in inside and order[u] < last]
+    last = max(nodes, key=order.__getitem__)
+    early = [u.name for o in outputs for u in o.users if u not in inside and order[u] < order[last]]
     if early:
         raise ValueError(
             f"recompute region {name!r} is not convex in the lowered program: {early[:3]} read its values "
@@ -103,7 +101,7 @@ def _outline(g: fx.Graph, name: str, nodes: list[fx.Node], root: torch.nn.Module
         env[n] = sub.node_copy(n, lambda x: env[x])
     sub.output(tuple(env[o] for o in outputs))
     step = RecomputeStep(name, fx.GraphModule(root, sub, class_name="RecomputeRegion"), state)
-    with g.inserting_after(nodes[-1] if order[nodes[-1]] == last else max(nodes, key=order.get)):
+    with g.inserting_after(last):
         call = g.call_function(step, tuple(inputs))
     anchor = call
     for i, o in enumerate(outputs):

@@ -332,20 +332,17 @@ def module_matches(module: str, pattern: str) -> bool:
 
 
 def _region_hint(b: _Builder, pattern: str, label: str) -> bool:
-    def inside(module: str) -> bool:
-        return module_matches(module, pattern)
-
     full = tuple(Replicate() for _ in b.mesh.shape)
     found = False
     for fqn, i in sorted(_param_fqns(b.graph).items()):
-        if inside(fqn.rpartition(".")[0]):
+        if module_matches(fqn.rpartition(".")[0], pattern):
             node = b.graph.nodes[i]
             b.fix(("src", i), full, label, _describe_param(node), node.outputs[0].shape)
             b.state_replicated.add(i)
             b.record["params"][node.fqn] = format_placements(full)
             found = True
     for node in b.graph.nodes:
-        if node.kind == "op" and inside(node.module):
+        if node.kind == "op" and module_matches(node.module, pattern):
             for pos, m in enumerate(node.call.inputs):
                 b.fix(
                     ("in", node.index, pos),

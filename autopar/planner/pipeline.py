@@ -336,14 +336,14 @@ def plan_from_context(
     for recomputed in modes[recompute]:
         try:
             found = _plan_under(
-                ctx,
+                hinted_ctx,
+                resolved,
                 cap,
                 regions if recomputed else forced,
                 solver=solver,
                 compare_families=compare_families,
                 allow_state_sharding=allow_state_sharding,
                 family=family,
-                hint_args=(hints, input_placements, output_placements, strict),
                 progress=progress,
             )
         except MemoryCapError as e:  # the last mode's error names the least memory of all (recomputed)
@@ -380,6 +380,7 @@ def plan_from_context(
 
 def _plan_under(
     ctx: PlanningContext,
+    resolved: ResolvedHints,
     cap: int | None,
     regions: dict[int, str],
     *,
@@ -387,12 +388,11 @@ def _plan_under(
     compare_families: bool,
     allow_state_sharding: bool,
     family: str | None,
-    hint_args: tuple,
     progress,
 ) -> Plan:
-    """``plan_from_context`` with the blocks of ``regions`` recomputed (none when empty)."""
+    """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the blocks of ``regions``
+    recomputed (none when empty)."""
     t0 = time.perf_counter()
-    ctx, resolved = _hinted_context(ctx, *hint_args)
     if regions:
         ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
     hinted = resolved.allowed(ctx.cand)
