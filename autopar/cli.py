@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute",
         default="auto",
         choices=RECOMPUTE_OPTIONS,
-        help="recompute the repeated blocks in backward: auto (where the fastest plan under the cap needs it; "
-        "the default), none, full",
+        help="recompute in backward: auto (where the fastest plan under the cap needs it; the default), none, "
+        "selective (each layer's attention core and activations), full (whole layers)",
     )
     pl.add_argument(
         "--format",
@@ -264,7 +264,8 @@ def _add_run_parser(sub) -> None:
         "--recompute",
         default="auto",
         choices=RECOMPUTE_OPTIONS,
-        help="recompute the repeated layers in backward: auto (the default), none, full",
+        help="recompute in backward: auto (the default), none, selective (attention cores and activations), "
+        "full (whole layers)",
     )
     r.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")

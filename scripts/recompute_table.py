@@ -8,9 +8,10 @@ Each mesh: Llama-7B-shaped (``configs/models/llama-7b-shaped.toml``), bf16 with 
 optimizer state (AdamW), seq 4096, global batch 8, the h100 profile, built on the meta
 device.  The mesh ``8`` is one axis of 8 devices; ``8x8`` is ``dp`` across nodes by ``tp``
 inside a node.  Per cap: the plan's predicted step time and per-device memory with
-``recompute="auto"`` (the search may recompute the layers) and with ``"none"``, which
-blocks the plan recomputes, and per mode the smallest per-device memory any plan reaches
-(the smallest cap that has a plan: from the error of a cap no plan fits).
+``recompute="auto"`` (the search may recompute, selectively or whole layers) and with
+``"none"``, what the plan recomputes (``sel`` selective regions, ``full`` whole layers,
+and how many), and per mode the smallest per-device memory any plan reaches (the
+smallest cap that has a plan: from the error of a cap no plan fits).
 
 ``--depths`` times the search (``plan_from_context`` with ``recompute="full"`` and with
 ``"auto"`` under a cap) on GPT-shaped models of that many layers (width 4096, seq 2048,
@@ -46,9 +47,11 @@ def _row(ctx, cap: int, recompute: str) -> str:
     try:
         p = autopar.plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute=recompute)
     except autopar.MemoryCapError:
-        return f"{'no plan':>10} {'':>10} {'':>8}"
-    blocks = len({e["recompute"] for e in p.nodes.values() if "recompute" in e})
-    return f"{p.cost['total_s'] * 1e3:>8.1f}ms {format_bytes(p.memory['per_device_bytes']):>10} {blocks:>8}"
+        return f"{'no plan':>10} {'':>10} {'':>10}"
+    regions = len({e["recompute"] for e in p.nodes.values() if "recompute" in e})
+    what = {"selective": "sel", "full": "full"}.get(p.search.get("recompute_mode"), "") if regions else "-"
+    recomputed = f"{what} {regions}" if regions else what
+    return f"{p.cost['total_s'] * 1e3:>8.1f}ms {format_bytes(p.memory['per_device_bytes']):>10} {recomputed:>10}"
 
 
 def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) -> None:
@@ -62,14 +65,15 @@ def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) 
             f"\n{model}, batch {batch}, seq {seq}, bf16, h100, mesh {text} "
             f"(prepared in {time.perf_counter() - t0:.1f} s)"
         )
-        print(f"{'cap':>8} | {'recompute allowed (auto)':^30} | {'recompute forbidden (none)':^30}")
-        print(f"{'':>8} | {'step':>10} {'memory':>10} {'blocks':>8} | {'step':>10} {'memory':>10} {'blocks':>8}")
+        print(f"{'cap':>8} | {'recompute allowed (auto)':^32} | {'recompute forbidden (none)':^32}")
+        head = f"{'step':>10} {'memory':>10} {'recomputes':>10}"
+        print(f"{'':>8} | {head} | {head}")
         for cap in caps:
             c = parse_bytes(cap)
             print(f"{cap:>8} | {_row(ctx, c, 'auto')} | {_row(ctx, c, 'none')}")
         print(
-            f"smallest feasible cap: {format_bytes(_smallest(ctx, 'full'))} with recomputation, "
-            f"{format_bytes(_smallest(ctx, 'none'))} without"
+            f"smallest feasible cap: {format_bytes(_smallest(ctx, 'full'))} recomputing whole layers, "
+            f"{format_bytes(_smallest(ctx, 'selective'))} selectively, {format_bytes(_smallest(ctx, 'none'))} without"
         )
 
 

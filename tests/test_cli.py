@@ -86,3 +86,24 @@ def test_models_lists_builtins(capsys):
     out = capsys.readouterr().out
     for name in ("gpt2", "gpt2-xl", "llama-7b-shaped", "bert-base"):
         assert name in out
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_recompute_option_forces_the_mode_in_table_and_json(mode, capsys):
+    """``--recompute``: the JSON marks each recomputed op with its region, the table names them."""
+    common = ["plan", "gpt2-tiny", "--mesh", "2", "--batch", "4", "--seq", "16", "--no-compare", "--recompute", mode]
+    assert main([*common, "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    regions = {e["recompute"] for e in plan["nodes"].values() if "recompute" in e}
+    assert plan["settings"]["recompute"] == mode and plan["search"]["recompute_mode"] == mode
+    want = {
+        "none": set(),
+        "selective": {f"transformer.h.{i}.{part}" for i in (0, 1) for part in ("attn", "mlp")},
+        "full": {"transformer.h.0", "transformer.h.1"},
+    }[mode]
+    assert regions == want
+    assert main(common) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recompute:"))
+    assert line.startswith(
+        {"none": "recompute: none", "selective": "recompute: 4 selective", "full": "recompute: 2 blocks"}[mode]
+    )

@@ -106,7 +106,7 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     bench.write_text(
         "meshes = [[2]]\n"
         'variants = ["auto", "family:tensor parallel", "cap:0.0", "poor hint"]\n'
-        "warmup_steps = 1\nrounds = 2\nsteps_per_round = 1\n"
+        "warmup_steps = 1\nrounds = 2\nsteps_per_round = 1\nmemory_steps = 2\n"
         '[[models]]\nname = "gpt2-tiny"\nbatch = 4\nseq = 16\n'
         'poor_hint = { "model.transformer.h.*.mlp.c_fc.weight" = { tp = "S(0)" } }\n'
     )
@@ -127,6 +127,7 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     assert case["auto_over_fastest"] == pytest.approx(auto["measured_s"] / fastest)
     for p in case["plans"]:
         assert len(p["round_s"]) == 2 and p["measured_s"] > 0 and p["peak_bytes"] >= p["held_bytes"] > 0
+        assert len(p["peak_steps"]) == 2 and min(p["peak_steps"]) <= p["peak_bytes"] <= max(p["peak_steps"])
         assert p["time_error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
 
 

@@ -125,6 +125,43 @@ def test_recomputed_blocks_train_exactly_as_saved(name, mesh_shape, family):
             assert gathers1 == gathers0, f"rank {rank}: {c0} vs {c1}"
 
 
+def _selective_rank_fn(rank, world, name, mesh_shape, family):
+    import autopar
+
+    mesh = autopar.Mesh(mesh_shape, axis_names=("x", "y")[: len(mesh_shape)])
+    model, args, kwargs = _fresh(name)
+    probe = _compile_recomputed(model, args, kwargs, mesh, family, "selective")
+    probe(*args, **kwargs)
+    selective = probe.plan
+    nodes = {k: {a: b for a, b in v.items() if a != "recompute"} for k, v in selective.nodes.items()}
+    saved = dataclasses.replace(selective, nodes=nodes)
+    out = {"regions": _recomputed_blocks(selective)}
+    for label, plan in (("saved", saved), ("recomputed", selective)):
+        model, args, kwargs = _fresh(name)
+        sharded = autopar.compile(model, mesh, example_inputs=args, example_kwargs=kwargs, plan=plan)
+        out[label] = _train(sharded, args, kwargs)
+        out[f"{label}_code"] = sharded.local_graph.code.count("recompute_")
+    return out
+
+
+@pytest.mark.parametrize("name, mesh_shape, family", CASES)
+def test_selectively_recomputed_regions_train_exactly_as_saved(name, mesh_shape, family):
+    """``recompute="selective"``: inside each layer the weightless runs that pay (the attention core, the MLP's
+    activation) are recomputed; with dropout on, training equals the same placements with everything saved."""
+    world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
+    for rank, out in enumerate(run_ranks(_selective_rank_fn, world, name, mesh_shape, family, timeout_s=600)):
+        regions = out["regions"]
+        assert len(regions) >= 2 and all(".0" in r or ".1" in r for r in regions), regions
+        assert out["saved_code"] == 0 and out["recomputed_code"] >= len(regions)
+        (l0, g0, p0, _), (l1, g1, p1, _) = out["saved"], out["recomputed"]
+        assert [float(x) for x in l0] == [float(x) for x in l1], f"rank {rank}: losses differ"
+        for k in g0:
+            if g0[k] is not None:
+                assert torch.equal(g0[k], g1[k]), f"rank {rank}: gradient of {k} differs"
+        for k in p0:
+            assert torch.equal(p0[k], p1[k]), f"rank {rank}: {k} after {STEPS} steps differs"
+
+
 # ---- the planner's choice (planner/recompute.py) -------------------------------------------------------
 
 
@@ -161,15 +198,32 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
         autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="none")
     capped = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
     assert _recomputed_blocks(capped) and capped.memory["per_device_bytes"] <= cap
-    # both were searched under the cap, and the table says so
+    # every mode was searched under the cap, and the table says so: recomputing only the attention cores and
+    # the MLP activations (selective) fits, and costs less than recomputing whole layers
     modes = {m["recompute"]: m for m in capped.search["recompute_modes"]}
     assert not modes["none"]["feasible"] and modes["none"]["min_per_device_bytes"] > cap
-    assert modes["full"]["feasible"] and modes["full"]["total_s"] == capped.cost["total_s"]
-    assert "searched under the cap: none no plan" in " ".join(capped.table().split())
+    assert modes["selective"]["feasible"] and capped.search["recompute_mode"] == "selective"
+    # whole layers: a bound proved every such plan slower than the selective one, so it was not searched further
+    assert modes["full"]["feasible"] is None
+    assert modes["selective"]["total_s"] == capped.cost["total_s"] < modes["full"]["at_least_s"]
+    regions = _recomputed_blocks(capped)
+    assert {r.rsplit(".", 1)[-1] for r in regions} == {"attn", "mlp"} and len(regions) == 24, regions
+    table = " ".join(capped.table().split())
+    assert "searched under the cap: none no plan" in table and "recompute: 24 selective regions" in table
+    assert "full at least" in table
     # a cap the saved plan meets: auto keeps everything (recomputing only adds time)
     roomy = autopar.plan_from_context(ctx, compare_families=False, mem_cap=saved.memory["per_device_bytes"])
     assert _recomputed_blocks(roomy) == set()
-    assert "recompute: 12 blocks" in capped.table() and "recompute: none" in roomy.table()
+    assert "recompute: 12 blocks" in full.table() and "recompute: none" in roomy.table()
+    # a cap only whole-layer recomputation meets
+    least = {}
+    for mode in ("selective", "full"):
+        with pytest.raises(autopar.MemoryCapError) as err:
+            autopar.plan_from_context(ctx, compare_families=False, mem_cap=1, recompute=mode)
+        least[mode] = err.value.min_mem_bytes
+    assert least["full"] < least["selective"]
+    tight = autopar.plan_from_context(ctx, compare_families=False, mem_cap=(least["full"] + least["selective"]) // 2)
+    assert tight.search["recompute_mode"] == "full" and _recomputed_blocks(tight) == _recomputed_blocks(full)
 
 
 def test_recompute_option_is_checked(gpt2_context):
@@ -179,8 +233,8 @@ def test_recompute_option_is_checked(gpt2_context):
         autopar.plan_from_context(gpt2_context, recompute="some")
 
 
-def _compile_recomputed(model, args, kwargs, mesh, family):
-    """``autopar.compile`` with every layer recomputed, on the partitioning test profile."""
+def _compile_recomputed(model, args, kwargs, mesh, family, mode="full"):
+    """``autopar.compile`` with every layer recomputed (``mode``: or selectively), on the partitioning profile."""
     import autopar
 
     return autopar.compile(
@@ -190,11 +244,11 @@ def _compile_recomputed(model, args, kwargs, mesh, family):
         example_kwargs=kwargs,
         family=family,
         profile=PARTITIONING_PROFILE,
-        recompute="full",
+        recompute=mode,
     )
 
 
-def _planned_rank_fn(rank, world, name, mesh_shape, family):
+def _planned_rank_fn(rank, world, name, mesh_shape, family, mode="full"):
     from test_execution import ADAMW, _model, _train
 
     import autopar
@@ -202,7 +256,7 @@ def _planned_rank_fn(rank, world, name, mesh_shape, family):
 
     model, args, kwargs = _model(name)  # dropout off: compared with one device
     mesh = autopar.Mesh(mesh_shape, axis_names=("dp", "tp")[: len(mesh_shape)])
-    sharded = _compile_recomputed(model, args, kwargs, mesh, family)
+    sharded = _compile_recomputed(model, args, kwargs, mesh, family, mode)
     result = _train((sharded, sharded), args, kwargs)
     model, args, kwargs = _model(name)
     counted = autopar.compile(
@@ -224,19 +278,20 @@ def _planned_rank_fn(rank, world, name, mesh_shape, family):
     )
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("name, mesh_shape, family", CASES)
-def test_planned_recomputation_trains_like_one_device_and_sends_what_the_plan_lists(name, mesh_shape, family):
+def test_planned_recomputation_trains_like_one_device_and_sends_what_the_plan_lists(name, mesh_shape, family, mode):
     from test_execution import _assert_trains_alike, _reference
 
     want = _reference(name)
     world = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1)
     for rank, (got, blocks, records, planned, again) in enumerate(
-        run_ranks(_planned_rank_fn, world, name, mesh_shape, family, timeout_s=600)
+        run_ranks(_planned_rank_fn, world, name, mesh_shape, family, mode, timeout_s=600)
     ):
-        where = f"{name} on {mesh_shape}, plan {family or 'auto'} recomputed, rank {rank}"
-        assert len(blocks) == 2, blocks
+        where = f"{name} on {mesh_shape}, plan {family or 'auto'} recomputed ({mode}), rank {rank}"
+        assert len(blocks) == 2 if mode == "full" else len(blocks) >= 2, blocks
         _assert_trains_alike(got, want, where)
-        if family in ("tensor parallel", "sharded parameters"):  # the blocks move tensors in forward
+        if mode == "full" and family in ("tensor parallel", "sharded parameters"):  # the blocks move tensors
             assert again > 0, f"{where}: the plan lists no collective run again by the recomputation"
         assert records == planned, f"{where}: the collectives run differ from the plan's"
 
@@ -246,28 +301,33 @@ def _saved_rank_fn(rank, world, cases):
     from autopar.launch.models import load_model
 
     out = []
-    for name, family in cases:
+    for name, family, mode in cases:
         torch.manual_seed(0)
         model, args, kwargs = load_model(name, batch=4, seq=16, device="cpu")  # dropout on
-        sharded = _compile_recomputed(model, args, kwargs, autopar.Mesh((world,), axis_names=("x",)), family)
+        mesh = autopar.Mesh((world,), axis_names=("x",))
+        sharded = _compile_recomputed(model, args, kwargs, mesh, family, mode)
         sharded.measure_saved = True  # the instrumented program: each region counts what its checkpoint keeps
         loss = sharded(*args, **kwargs)[0]
         saved = sharded.saved_bytes.total_bytes
         loss.backward()
-        out.append((name, family, saved, sharded.plan.memory["activations"], _recomputed_blocks(sharded.plan)))
+        regions = _recomputed_blocks(sharded.plan)
+        out.append((name, family, mode, saved, sharded.plan.memory["activations"], regions))
     return out
 
 
-def test_saved_bytes_of_recomputed_plans_within_ten_percent_of_the_plan():
-    """What one forward keeps for backward with the blocks recomputed (their checkpoints' inputs and the rest),
-    measured by the saved-tensor hook, against the plan's activation bytes."""
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_saved_bytes_of_recomputed_plans_within_ten_percent_of_the_plan(mode):
+    """What one forward keeps for backward with the blocks (or selectively their regions) recomputed (the
+    checkpoints' inputs and the rest), measured by the saved-tensor hook, against the plan's activation bytes."""
     cases = [
-        (n, f) for n in ("gpt2-tiny", "llama-tiny", "bert-tiny") for f in ("tensor parallel", "sharded parameters")
+        (n, f, mode)
+        for n in ("gpt2-tiny", "llama-tiny", "bert-tiny")
+        for f in ("tensor parallel", "sharded parameters")
     ]
     for rank, results in enumerate(run_ranks(_saved_rank_fn, 2, cases, timeout_s=600)):
-        for name, family, saved, planned, blocks in results:
-            where = f"{name} {family}, rank {rank}: saved {saved} B, planned {planned} B"
-            assert len(blocks) == 2, where
+        for name, family, mode_, saved, planned, regions in results:
+            where = f"{name} {family} {mode_}, rank {rank}: saved {saved} B, planned {planned} B"
+            assert len(regions) == 2 if mode_ == "full" else len(regions) >= 2, where
             assert abs(saved - planned) <= 0.10 * planned, where
 
 

@@ -14,7 +14,7 @@ from autopar.launch.models import load_model, model_config
 from autopar.mesh import Mesh
 from autopar.planner.pipeline import prepare
 from autopar.planner.problem import to_problem
-from autopar.search import InfeasibleError, min_memory, solve_cpsat, solve_dp
+from autopar.search import BeatenError, InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
 from autopar.search.generate import chain_problem
 from autopar.search.problem import INF
@@ -146,6 +146,19 @@ def test_chain_equals_flat_dp_on_a_model(gpt2_tiny_4, fraction) -> None:
     assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
     if fraction is not None:
         assert got.time > fastest.time and got.mem_bytes <= problem.mem_cap_bytes
+
+
+def test_chain_stops_early_only_when_its_bound_beats_the_plan_in_hand(gpt2_tiny_4) -> None:
+    """``above`` (a time another search met): the chain gives up when its lower bound is above it, and solves
+    exactly otherwise (the planner's recompute modes use it to skip a mode that cannot win)."""
+    problem, blocks, low, fastest = gpt2_tiny_4
+    capped = problem.with_cap(int(low + 0.4 * (fastest.mem_bytes - low)))
+    want = solve_dp(capped)
+    with pytest.raises(BeatenError) as err:
+        solve_chain(capped, blocks, above=fastest.time // 2)
+    assert fastest.time // 2 < err.value.lower_bound_ps <= want.time
+    got = solve_chain(capped, blocks, above=want.time)  # the optimum itself is not beaten by it
+    assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
 
 
 def test_chain_names_the_least_memory_when_the_cap_is_too_small(gpt2_tiny_4) -> None:

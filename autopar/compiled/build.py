@@ -98,8 +98,8 @@ def compile(
 
     ``hints``, ``input_placements``, ``output_placements``, ``strict``: semi-auto
     mode, passed to the planner as in ``autopar.plan`` (ignored with ``plan=``).
-    ``recompute`` (``"auto"``, ``"none"``, ``"full"``): whether the repeated blocks are
-    recomputed in backward, as in ``autopar.plan`` (ignored with ``plan=``: the plan says).
+    ``recompute`` (``"auto"``, ``"none"``, ``"selective"``, ``"full"``): what backward
+    recomputes, as in ``autopar.plan`` (ignored with ``plan=``: the plan says).
 
     ``dtype``: the training precision the plan prices (``costmodel.PRECISIONS``);
     None: the one the model's parameters are in (``training_precision``): float32

@@ -315,6 +315,15 @@ class Coster:
         ctx = KernelContext(self.mesh_shape, (0,) * len(self.mesh_shape), strategy.inputs, node.call.inputs, axes)
         return KERNELS[name], ctx
 
+    def storage_root(self, ref: tuple[int, int]) -> tuple[int, int]:
+        """The (node, output) owning the storage of ``ref`` (itself unless it is a view: ``saved.storage_roots``)."""
+        return self._root.get(ref, ref)
+
+    def kept_by(self, node: OpNode) -> SavedForBackward:
+        """What ``node``'s op keeps for backward at the captured (global) shapes: input positions, output
+        indices and the bytes of its own tensors (``NOTHING_SAVED`` for a parameter or an op no grad reaches)."""
+        return self._saved.get(node.index) or NOTHING_SAVED
+
     def saved_inputs(self, node: OpNode) -> tuple[int, ...]:
         """Positions of the tensor inputs ``node`` keeps for backward (none if no grad flows)."""
         saved = self._saved.get(node.index)

@@ -88,7 +88,7 @@ class RunConfig:
     batch: int = 4
     seq: int = 32
     family: str | None = None
-    recompute: str = "auto"  # recompute the repeated layers in backward: auto | none | full (planner.recompute)
+    recompute: str = "auto"  # what backward recomputes: auto | none | selective | full (planner.recompute)
     lr: float = 1e-3
     seed: int = 0
     timeout_s: float = 600.0

@@ -90,6 +90,7 @@ class Benchmark:
     rounds: int
     steps_per_round: int
     source: str
+    memory_steps: int = 3  # steps whose peak memory is measured per plan (the median is the plan's)
 
     def only(self, models: list[str] | None = None, meshes: list[tuple[int, ...]] | None = None) -> Benchmark:
         """The benchmark restricted to some of its models and meshes (a quick check of one case)."""
@@ -142,6 +143,7 @@ def load_benchmark(path: str | Path | None = None) -> Benchmark:
             int(data.get("rounds", 5)),
             int(data.get("steps_per_round", 2)),
             str(file),
+            int(data.get("memory_steps", 3)),
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e}; see the header of configs/benchmarks/fidelity.toml") from None
@@ -149,6 +151,9 @@ def load_benchmark(path: str | Path | None = None) -> Benchmark:
         v.validate(where)
     if "auto" not in {v.label for v in variants}:
         raise ValueError(f"{where}: the variants must include 'auto' (the plan every other is compared with)")
-    if any(m.batch < 1 or m.seq < 1 for m in models) or bench.rounds < 1 or bench.steps_per_round < 1:
-        raise ValueError(f"{where}: batch, seq, rounds and steps_per_round must be >= 1")
+    if (
+        any(m.batch < 1 or m.seq < 1 for m in models)
+        or min(bench.rounds, bench.steps_per_round, bench.memory_steps) < 1
+    ):
+        raise ValueError(f"{where}: batch, seq, rounds, steps_per_round and memory_steps must be >= 1")
     return bench

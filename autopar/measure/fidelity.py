@@ -12,9 +12,12 @@ every plan once, in an order that rotates by one per round, for
 ``steps_per_round`` training steps (forward, backward, ``AdamW.step()``,
 ``zero_grad()``) between two barriers, so the slowest rank sets the time and
 background load falls on every plan alike.  A plan's time is the median over the
-rounds and its spread (max - min) / median.  Then each plan runs one step under
-``measure.memory.step_peak_bytes`` on every rank: the peak is what the allocator
-(CUDA) or PyTorch's profiler (CPU) saw, never a cost-model formula.
+rounds and its spread (max - min) / median.  Then each plan runs ``memory_steps``
+steps under ``measure.memory.step_peak_bytes`` on every rank: the peak is what the
+allocator (CUDA) or PyTorch's profiler (CPU) saw, never a cost-model formula.  A
+step's peak is its largest rank's; the plan's is the median over the steps, with
+their spread (on CPU the timeline moves with the ranks' communication threads:
+single steps of one plan measured up to 20% apart on a loaded machine).
 
 The benchmark trains each model's own loss through a wrapper that returns the
 loss alone (as a training loop that reads only the loss would compile it), so no
@@ -56,8 +59,9 @@ class PlanResult:
 
     ``variants`` are the labels that planned to this same plan; ``family`` its
     classification.  ``measured_s`` is the median step over the rounds
-    (``round_s``), ``peak_bytes`` the largest rank's peak, ``held_bytes`` that
-    rank's bytes held between steps.
+    (``round_s``); ``peak_bytes`` the median over the measured steps
+    (``peak_steps``) of the largest rank's peak in that step, ``held_bytes`` the
+    bytes that rank held between steps.
     """
 
     variants: tuple[str, ...]
@@ -67,8 +71,16 @@ class PlanResult:
     predicted_comm_s: float
     predicted_bytes: int
     round_s: tuple[float, ...]
-    peak_bytes: int
+    peak_steps: tuple[int, ...]
     held_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(stats.median(self.peak_steps))
+
+    @property
+    def memory_spread(self) -> float:
+        return stats.spread(self.peak_steps)
 
     @property
     def measured_s(self) -> float:
@@ -278,14 +290,18 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
                 step(i)
             dist.barrier()
             times[i].append((time.perf_counter() - t0) / bench.steps_per_round)
-    peaks = []
+    peaks = []  # per plan: (each measured step's largest rank peak, that rank's held bytes)
     for i, (_, sharded, opt) in enumerate(runs):
-        held = [*sharded.parameters(), *(p.grad for p in sharded.parameters()), *sharded.buffers()]
-        held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        peak = step_peak_bytes(lambda i=i: step(i), held, torch.device("cpu"))
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (peak.peak_bytes, peak.held_bytes))
-        peaks.append(max(every))
+        steps, held_by = [], 0
+        for _ in range(bench.memory_steps):  # the allocator timeline moves with the ranks' threads: a median
+            held = [*sharded.parameters(), *(p.grad for p in sharded.parameters()), *sharded.buffers()]
+            held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+            peak = step_peak_bytes(lambda i=i: step(i), held, torch.device("cpu"))
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (peak.peak_bytes, peak.held_bytes))
+            top, held_by = max(every)
+            steps.append(top)
+        peaks.append((tuple(steps), held_by))
     out = []
     for (labels, _), (plan, _, _), t, (peak, held) in zip(plans, runs, times, peaks):
         out.append(
@@ -297,7 +313,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
                 float(plan.cost["comm_s"]),
                 int(plan.memory["per_device_bytes"]),
                 tuple(t),
-                int(peak),
+                peak,
                 int(held),
             )
         )
@@ -325,6 +341,7 @@ def summarize(run: FidelityRun) -> dict[str, Any]:
         models[name] = {"spearman": _spearman(mine), "plans": len(mine)}
     errors = [abs(p.time_error) for p in every]
     spreads = [p.spread for p in every]
+    memory_spreads = [p.memory_spread for p in every]
     return {
         "spearman": _spearman(every),
         "median_abs_error": stats.median(errors),
@@ -333,6 +350,8 @@ def summarize(run: FidelityRun) -> dict[str, Any]:
         "memory_median_abs_error": stats.median([abs(p.memory_error) for p in every]),
         "median_spread": stats.median(spreads),
         "worst_spread": max(spreads),
+        "memory_median_spread": stats.median(memory_spreads),
+        "memory_worst_spread": max(memory_spreads),
         "models": models,
         "cases": cases,
         "profile": run.profile,
@@ -360,6 +379,8 @@ def _plan_json(p: PlanResult) -> dict[str, Any]:
         "time_error": p.time_error,
         "predicted_bytes": p.predicted_bytes,
         "peak_bytes": p.peak_bytes,
+        "peak_steps": list(p.peak_steps),
+        "memory_spread": p.memory_spread,
         "held_bytes": p.held_bytes,
         "memory_error": p.memory_error,
     }

@@ -81,6 +81,8 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
     )
     con.print(
         f"spread of repeated measurements (max - min over rounds / median): median "
-        f"{figures['median_spread'] * 100:.0f}%, worst {figures['worst_spread'] * 100:.0f}%"
+        f"{figures['median_spread'] * 100:.0f}%, worst {figures['worst_spread'] * 100:.0f}% of step time; "
+        f"median {figures['memory_median_spread'] * 100:.0f}%, worst {figures['memory_worst_spread'] * 100:.0f}% "
+        "of peak memory (over the measured steps)"
     )
     return buf.getvalue()

@@ -23,6 +23,7 @@ from autopar.spec import local_shape
 from autopar.transitions import transitions
 
 from .problem import PS_PER_S
+from .recompute import checkpoint_outputs, checkpoint_release, paid
 from .schema import Plan
 
 __all__ = ["assemble_plan", "breakdown", "classify"]
@@ -61,6 +62,8 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
     regions = ctx.recompute  # op node -> its recompute region (planner.recompute)
     reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
+    released = checkpoint_release(ctx, regions) if regions else {}  # kept output -> whose backward frees it
+    kept = checkpoint_outputs(ctx, regions) if regions else {}  # outputs a node term pays for a checkpoint
 
     def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False):
         nonlocal comm_s
@@ -104,9 +107,14 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
         mem["activations"] += node_act  # a recomputed op: what its block's checkpoint keeps of it (planner.recompute)
         region = regions.get(n.index)
         if region is not None:  # what it keeps for its backward is made again by the recomputation
-            node_act = coster.activation_bytes(n, s)
-            reborn[region] = reborn.get(region, 0) + node_act
-        freed_at[n.index] = freed_at.get(n.index, 0) + node_act
+            again = coster.activation_bytes(n, s)
+            reborn[region] = reborn.get(region, 0) + again
+            freed_at[n.index] = freed_at.get(n.index, 0) + again
+            if node_act:  # the outputs a later checkpoint keeps die with that checkpoint's backward
+                frees = released.get(n.index, n.index)
+                freed_at[frees] = freed_at.get(frees, 0) + node_act
+        else:
+            freed_at[n.index] = freed_at.get(n.index, 0) + node_act
         if n.kind != "op":
             continue
         op_comm = 0.0
@@ -133,8 +141,10 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             g, target = s.input_grad(pos), su.output_grad(o)
             edge_act = coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
             if region is not None:  # the block keeps nothing on its edges: made again in backward
+                if regions.get(u) != region and src == dst and g == target:
+                    edge_act = 0  # the checkpoint's own input, read as it is: one storage, counted where it is kept
                 reborn[region] += edge_act
-            elif u in regions and src == dst:  # a block's output as it made it: counted in the block's term
+            elif src == dst and paid(ctx, kept, (u, o)):  # a value a checkpoint keeps: paid on a node term
                 edge_act = 0
             else:
                 mem["activations"] += edge_act
@@ -176,9 +186,12 @@ def _terms(coster, graph, strat, compute_s: float, collectives: list[dict]) -> d
     return terms
 
 
-def assemble_plan(ctx, choice: list[int], sol, settings: dict[str, Any], alternatives: list[dict[str, Any]]) -> Plan:
+def assemble_plan(
+    ctx, choice: list[int], sol, settings: dict[str, Any], alternatives: list[dict[str, Any]], parts=None
+) -> Plan:
+    """The ``Plan`` of ``choice`` (``parts``: its ``breakdown`` when the caller has it already)."""
     graph = ctx.graph
-    b = breakdown(ctx, choice)
+    b = parts if parts is not None else breakdown(ctx, choice)
     strat = b["strategies"]
     mesh_shape = ctx.mesh.shape
     params, inputs, nodes, fallback = {}, {}, {}, []

@@ -33,7 +33,7 @@ from autopar.capture import (
 from autopar.cost import Coster, TrainingSettings
 from autopar.mesh import Mesh
 from autopar.runtime import DEFAULT_BUCKET_BYTES
-from autopar.search import ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
+from autopar.search import BeatenError, ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
 from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
 from autopar.units import parse_bytes
 from costmodel import load_profile, optimizer_spec, precision
@@ -43,7 +43,8 @@ from .errors import MemoryCapError, cap_error, no_plan_error
 from .families import family_restriction, param_nodes
 from .hints import ResolvedHints, resolve_hints
 from .problem import PS_PER_S, ProblemTables, build_tables, to_problem
-from .recompute import RECOMPUTE_OPTIONS, block_regions, hinted_regions, recomputed_tables
+from .recompute import RECOMPUTE_OPTIONS, recomputed_tables
+from .regions import block_regions, hinted_regions, selective_regions
 from .schema import FAMILIES, Plan
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
@@ -266,8 +267,9 @@ def plan(
     inputs and outputs.  Hinted tensors keep their placements; the search chooses
     the rest.  A pattern matching nothing warns (``strict=True``: raises).
     ``progress(stage, done, total)`` is called as planning goes (``autopar.progress`` draws it).
-    ``recompute``: ``"auto"`` (recompute the repeated blocks in backward where that makes
-    the fastest plan that fits the cap), ``"none"`` or ``"full"`` (``planner.recompute``).
+    ``recompute``: ``"auto"`` (recompute in backward where that makes the fastest plan
+    that fits the cap), ``"none"``, ``"selective"`` (each repeated block's attention core
+    and activations) or ``"full"`` (whole blocks); ``planner.recompute``.
     """
     if progress is not None:
         progress("capture + strategies", 0, 1)
@@ -312,8 +314,9 @@ def plan_from_context(
     data-parallel, sharded-parameter or tensor-parallel plan.
     ``hints``/``input_placements``/``output_placements``/``strict`` (as in ``plan``)
     replace the hints given to ``prepare``; None keeps those.  ``recompute`` (``"auto"``,
-    ``"none"``, ``"full"``): whether the repeated blocks are recomputed in backward;
-    ``"auto"`` searches with and without under a cap and keeps the faster plan
+    ``"none"``, ``"selective"``, ``"full"``): what backward recomputes, nothing, the
+    weightless runs of each repeated block that pay (``planner.regions``) or whole
+    blocks; ``"auto"`` searches all three under a cap and keeps the fastest plan
     (``planner.recompute``).
     """
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
@@ -323,34 +326,44 @@ def plan_from_context(
         raise ValueError(f"recompute {recompute!r}: expected one of {RECOMPUTE_OPTIONS}")
     hinted_ctx, resolved = _hinted_context(ctx, hints, input_placements, output_placements, strict)
     regions = block_regions(hinted_ctx)
-    if recompute == "full" and not regions:
+    if recompute in ("full", "selective") and not regions:
         raise ValueError(
-            f"recompute='full': {ctx.graph.model_name} has no repeated blocks (layers) to recompute; "
+            f"recompute={recompute!r}: {ctx.graph.model_name} has no repeated blocks (layers) to recompute; "
             "use recompute='none' (or 'auto')"
         )
     forced = hinted_regions(hinted_ctx, regions, resolved.recompute)  # the layers recompute hints name
-    # recomputation only adds time: without a cap (or without more blocks) "auto" never needs more than the hints
-    more = cap is not None and len(regions) > len(forced)
-    modes = {"none": [False], "full": [True], "auto": [False, True] if more else [False]}
+    unforced = {i: r for i, r in regions.items() if i not in forced}
+    selective = {**selective_regions(hinted_ctx, unforced), **forced} if recompute in ("auto", "selective") else {}
+    # recomputation only adds time: without a cap (or without more to recompute) "auto" never needs more than
+    # the hints; its modes go from the most memory to the least
+    auto = ["none", "selective", "full"] if cap is not None and unforced else ["none"]
+    mode_regions = {"none": forced, "selective": selective, "full": regions}
     best, failed, tried = None, None, []
-    for recomputed in modes[recompute]:
+    for mode in auto if recompute == "auto" else [recompute]:
+        if mode == "selective" and recompute == "auto" and selective == forced:
+            continue  # no run pays in these blocks: the same as "none"
+        above = best.search["objective_ps"] if best is not None else None
         try:
             found = _plan_under(
                 hinted_ctx,
                 resolved,
                 cap,
-                regions if recomputed else forced,
+                mode_regions[mode],
                 solver=solver,
                 compare_families=compare_families,
                 allow_state_sharding=allow_state_sharding,
                 family=family,
                 progress=progress,
+                above=above,
             )
+        except BeatenError as e:  # a bound proves this mode slower than the plan in hand: not searched further
+            tried.append({"recompute": mode, "feasible": None, "at_least_s": e.lower_bound_ps / PS_PER_S})
+            continue
         except MemoryCapError as e:  # the last mode's error names the least memory of all (recomputed)
             failed = e
             tried.append(
                 {
-                    "recompute": "full" if recomputed else "none",
+                    "recompute": mode,
                     "feasible": False,
                     "min_per_device_bytes": e.min_mem_bytes,
                 }
@@ -358,14 +371,14 @@ def plan_from_context(
             continue
         tried.append(
             {
-                "recompute": "full" if recomputed else "none",
+                "recompute": mode,
                 "feasible": True,
                 "total_s": found.cost["total_s"],
                 "per_device_bytes": found.memory["per_device_bytes"],
             }
         )
         if best is None or found.cost["total_s"] < best.cost["total_s"]:
-            best = found
+            best, best_mode = found, mode
     if best is None:
         if recompute == "none" and len(regions) > len(forced):  # the search did not try recomputing the layers
             raise MemoryCapError(
@@ -374,7 +387,9 @@ def plan_from_context(
                 failed.min_mem_bytes,
             ) from None
         raise failed
-    search = dict(best.search, recompute_modes=tried) if len(tried) > 1 else best.search
+    search = dict(best.search, recompute_mode=best_mode)
+    if len(tried) > 1:
+        search["recompute_modes"] = tried
     return replace(best, settings=dict(best.settings, recompute=recompute), search=search)
 
 
@@ -389,9 +404,11 @@ def _plan_under(
     allow_state_sharding: bool,
     family: str | None,
     progress,
+    above: int | None = None,
 ) -> Plan:
-    """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the blocks of ``regions``
-    recomputed (none when empty)."""
+    """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the ops of ``regions``
+    recomputed (none when empty).  ``above``: the objective of a plan met already (another recompute mode's);
+    ``BeatenError`` when a bound proves every plan here slower."""
     t0 = time.perf_counter()
     if regions:
         ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
@@ -417,7 +434,7 @@ def _plan_under(
             ctx.tables, bound, allow_node=allow_node if restricted else None, allow_edge=allow_edge
         )
         try:
-            sol = _solve(problem, solver, ctx.blocks, progress)
+            sol = _solve(problem, solver, ctx.blocks, progress, above)
         except InfeasibleError as e:
             if e.min_mem_bytes is None and hinted:
                 raise _contradiction_error(ctx, resolved) from None
@@ -426,8 +443,11 @@ def _plan_under(
             return None, e, keep
         return sol, [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice), keep
 
+    parts: dict[tuple, dict] = {}  # choice -> its breakdown: the peak check's is the plan's
+
     def peak_of(choice: list[int]) -> int:
-        return breakdown(ctx, choice)["memory"]["per_device_bytes"]
+        parts[tuple(choice)] = breakdown(ctx, choice)
+        return parts[tuple(choice)]["memory"]["per_device_bytes"]
 
     # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
     # checked against the cap, and where it is above, the bound is tightened by the excess (doubled each
@@ -457,7 +477,7 @@ def _plan_under(
     alternatives = _family_alternatives(ctx, cap, solver) if compare_families else []
     timings = dict(ctx.timings, search_s=search_s)
     settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
-    result = assemble_plan(ctx, choice, sol, settings, alternatives)
+    result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(tuple(choice)))
     return replace(result, timings=timings, hints=dict(resolved.record))
 
 
@@ -504,12 +524,13 @@ def _contradiction_error(ctx: PlanningContext, resolved: ResolvedHints) -> Value
     )
 
 
-def _solve(problem, solver: str, blocks: Blocks | None = None, progress=None) -> Solution:
+def _solve(problem, solver: str, blocks: Blocks | None = None, progress=None, above: int | None = None) -> Solution:
+    """The exact optimum; ``above`` (a time met already) lets the chained search stop early (``BeatenError``)."""
     if solver != "dp":
         return solve_cpsat(problem)
     if blocks is not None:
         try:
-            return solve_chain(problem, [list(b) for b in blocks.nodes], progress=progress)
+            return solve_chain(problem, [list(b) for b in blocks.nodes], progress=progress, above=above)
         except ChainError as e:
             log.info("the %d repeated blocks under %s do not chain (%s); solving flat", blocks.count, blocks.prefix, e)
     return solve_dp(problem, progress=None if progress is None else lambda done, total: progress("search", done, total))

@@ -1,88 +1,54 @@
-"""Activation recomputation as a choice of the planner: which blocks recompute, and what that does to the tables.
+"""Activation recomputation as a choice of the planner: what recomputing regions does to the tables.
 
-A repeated block (``capture.find_blocks``: a model's layers) may be *recomputed*: its
-forward keeps only the block's inputs, and backward runs the block's forward again
-before its own backward (``lower/recompute.py``).  Recomputing block ``b`` under a
-choice of strategies ``s`` changes the search's terms as follows (``recomputed_tables``)::
+A *region* (``regions.py``: a whole repeated block, or selectively a run of weightless
+ops inside one) is recomputed: its forward keeps only the region's inputs, and
+backward runs the region's forward again before its own backward
+(``lower/recompute.py``).  Recomputing the regions under a choice of strategies ``s``
+changes the search's terms as follows (``recomputed_tables``)::
 
-    node i in b:          time_i(s_i) += forward_i(s_i)      (roofline + forward collectives)
-                          mem_i(s_i)   = kept_i(s_i)         (what a checkpoint keeps of it, below)
-    node u outside:       mem_u(s_u)  += kept_u(s_u)         (its outputs a block's checkpoint keeps)
-    edge u -> v, v in b:  time(s_u, s_v) += move_uv(s_u, s_v) (the move into v runs again;
-                          a gathered parameter v keeps is gathered once either way)
+    node i in a region:   time_i(s_i) += forward_i(s_i)      (roofline + forward collectives)
+                          mem_i(s_i)   = kept_i(s_i)         (what it still pays for, below)
+    node u outside:       mem_u(s_u)  += kept_u(s_u)         (storages it owns that a checkpoint keeps)
+    edge u -> v, v in a   time(s_u, s_v) += move_uv(s_u, s_v) (the move into v runs again;
+      region:                                                a gathered parameter v keeps is gathered once)
                           mem(s_u, s_v) = 0                  (v keeps nothing: the checkpoint does)
-    edge u -> v, u in b,  mem(s_u, s_v) = 0 where v reads u's output as u made it
-      v after the blocks:                                    (kept_u counts it)
+    edge u -> v, v in     mem(s_u, s_v) = 0 where v reads u's output unmoved and a node pays
+      no region:                                             its storage (``paid``: one storage, paid once)
 
-A recomputed block's checkpoint keeps the block's inputs, the values other nodes made,
-as they are (before any move into the block), one storage however many blocks read
-them.  So ``kept_u`` is the bytes, under u's placement, of u's non-parameter outputs
-that something outside u's block reads: for u in a block always (the next block's
-checkpoint, or the ops after the blocks), for u outside the blocks only when its own
-term does not count them already (``Coster.saved_outputs``).  Every block then has the
-same tables, so the chained search still solves one block and chains it.
+``kept_u`` (``checkpoint_outputs``) counts storages, not tensors: a checkpoint keeping
+a view keeps its base.  An op of a region pays its outputs another region reads (that
+region's checkpoint keeps them) or ops past its layer read, and those its own op kept
+anyway (their readers' edges price no share for them); what the other ops of its layer
+keep, their edges pay, moved (a copy) or not (their share).  A value a region reads
+from outside is paid by the op that owns its storage, unless that op keeps it itself
+anyway.  Every block then has the same tables, so the chained search still solves one
+block and chains it.
 
-The step's peak gains, during each block's backward, the activations the block would
-have kept (``cost.peak_memory``'s ``reborn_at``).  ``recompute="full"`` recomputes every
-block, ``"none"`` none but the layers a ``"recompute"`` hint names; ``"auto"`` (the
-default) searches both under a cap and keeps the faster plan (without a cap it never
-recomputes: that only adds time).  Not searched yet: a choice per block, and selective
-recomputation (attention scores, softmax, dropout only).
+The step's peak gains, during each region's backward, the activations it would have
+kept (``cost.peak_memory``'s ``reborn_at``), less the region inputs its recomputation
+reads as they are (the checkpoint's own storage); the outputs a checkpoint keeps die
+with that checkpoint's backward (``checkpoint_release``).  ``recompute="full"``
+recomputes every block, ``"selective"`` the selective regions of every block, ``"none"``
+nothing but the blocks a ``"recompute"`` hint names; ``"auto"`` (the default) searches
+the three under a cap and keeps the fastest plan (without a cap it never recomputes:
+that only adds time).  Not searched yet: a choice per block.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import replace
 
 import numpy as np
 
-from autopar.capture import find_blocks
 from autopar.search import INF
 
-from .hints import module_matches
 from .problem import ProblemTables, read_only, seconds_to_ps
+from .regions import block_regions
 
-__all__ = ["RECOMPUTE_OPTIONS", "block_regions", "checkpoint_outputs", "hinted_regions", "recomputed_tables"]
+__all__ = ["RECOMPUTE_OPTIONS", "checkpoint_outputs", "checkpoint_release", "paid", "recomputed_tables"]
 
 #: What ``recompute=`` accepts.
-RECOMPUTE_OPTIONS = ("auto", "none", "full")
-
-
-def block_regions(ctx) -> dict[int, str]:
-    """Op node index -> the name of its repeated block (``prefix.index``), for every op of every block."""
-    graph = ctx.graph
-    blocks = ctx.blocks or find_blocks(graph, min_count=2)  # two layers are enough to recompute one
-    if blocks is None:
-        return {}
-    return {
-        i: f"{blocks.prefix}.{blocks.indices[b]}"
-        for b, nodes in enumerate(blocks.nodes)
-        for i in nodes
-        if graph.nodes[i].kind == "op"
-    }
-
-
-def hinted_regions(ctx, regions: dict[int, str], patterns: tuple[str, ...]) -> dict[int, str]:
-    """The part of ``regions`` that recompute hints force: each block whose name, or one of whose ops' modules
-    (or their ancestors), matches a pattern.  ValueError for a pattern that matches ops of no block."""
-    graph = ctx.graph
-    chosen: set[str] = set()
-    for pattern in patterns:
-        hit = {
-            r
-            for i, r in regions.items()
-            if fnmatch.fnmatchcase(r, pattern) or module_matches(graph.nodes[i].module, pattern)
-        }
-        if not hit:
-            names = sorted(set(regions.values()))[:2]
-            raise ValueError(
-                f"recompute hint {pattern!r} matches no repeated block (layer) of {graph.model_name}: recomputation "
-                f"applies to whole layers (here {', '.join(names) or 'none: the model has no repeated layers'}); "
-                "fix: a pattern over the layers' module paths, e.g. 'transformer.h.*'"
-            )
-        chosen |= hit
-    return {i: r for i, r in regions.items() if r in chosen}
+RECOMPUTE_OPTIONS = ("auto", "none", "selective", "full")
 
 
 def recomputed_tables(ctx, regions: dict[int, str]) -> ProblemTables:
@@ -114,8 +80,10 @@ def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
             node_mem[u] = read_only(tables.node_mem[u] + _kept_bytes(ctx, graph.nodes[u], outputs))
     edge_time = list(tables.edge_time_ps)
     edge_mem = list(tables.edge_mem)
-    for e, (u, v) in enumerate(tables.edge_keys):
-        if u in regions and v < len(graph.nodes) and v not in regions:  # the block's output, kept by its term
+    for e, (_, v) in enumerate(tables.edge_keys):
+        refs = tables.edge_refs[e]
+        if v < len(graph.nodes) and v not in regions and all(paid(ctx, kept, (a, o)) for a, o, _, _ in refs):
+            # a value a checkpoint keeps, read as it is by an op that would keep it too: one storage, paid on a node
             key = ("out", id(tables.edge_mem[e]), _refs_key(ctx, e))
             if key not in memo:
                 memo[key] = read_only(np.where(_same_placement(ctx, e), 0, tables.edge_mem[e]))
@@ -142,25 +110,59 @@ def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
 
 
 def checkpoint_outputs(ctx, regions: dict[int, str]) -> dict[int, tuple[int, ...]]:
-    """Node -> its outputs a recomputed block's checkpoint keeps that its own term does not count (``kept_u``)."""
+    """Node -> its outputs whose storage its own term pays under ``regions`` (``kept_u``, module docstring).
+
+    An op of a region pays its outputs another region or an op past its layer reads (the
+    next layer's checkpoint or first ops keep them: every layer's terms alike, as the
+    chained search needs), and those its own op kept without recomputation (their
+    readers' edges price a share of 0 for them); what the other ops of its layer keep of
+    them, their edges pay, moved (a copy) or not.
+    A value a region reads from outside is paid on the op that owns its storage (a
+    view's base: a checkpoint keeping a view keeps the base), unless that op keeps it
+    itself anyway; the unmoved edges of the other readers then pay nothing for it
+    (``paid``)."""
     graph, coster = ctx.graph, ctx.coster
-    out: dict[int, tuple[int, ...]] = {}
+    layer = block_regions(ctx)
+    out: dict[int, set[int]] = {}
     consumers = graph.consumers()
     for u in graph.nodes:
         if u.kind == "param":
             continue
         home = regions.get(u.index)
-        kept = []
         for o in range(len(u.outputs)):
             readers = {v for v, _, idx in consumers[u.index] if idx == o}
-            by_block = any(v in regions and regions[v] != home for v in readers)
-            counted = (u.index, o) in coster.saved_outputs
-            if home is None and by_block and not counted:
-                kept.append(o)
-            elif home is not None and any(regions.get(v) != home for v in readers):
-                kept.append(o)  # read outside its block (the next block's checkpoint, or after the blocks)
-        if kept:
-            out[u.index] = tuple(kept)
+            if home is not None:
+                others = {regions.get(v) for v in readers} - {home}
+                beyond = any(layer.get(v) != layer.get(u.index) for v in readers)  # read past its layer
+                if others - {None} or beyond or None in others and (u.index, o) in coster.saved_outputs:
+                    out.setdefault(u.index, set()).add(o)
+                continue  # else its layer's readers' edges pay what they keep (moved or not)
+            if not any(v in regions for v in readers):
+                continue
+            root = coster.storage_root((u.index, o))
+            if graph.nodes[root[0]].kind == "param" or root[0] in regions or root in coster.saved_outputs:
+                continue  # a weight's view (model state), or paid by its own region or its own op already
+            out.setdefault(root[0], set()).add(root[1])
+    return {u: tuple(sorted(os)) for u, os in out.items()}
+
+
+def paid(ctx, kept: dict[int, tuple[int, ...]], ref: tuple[int, int]) -> bool:
+    """Whether the storage of ``ref`` (node, output) is paid by a node term of ``kept`` (``checkpoint_outputs``)."""
+    for u, o in (ref, ctx.coster.storage_root(ref)):
+        if o in kept.get(u, ()):
+            return True
+    return False
+
+
+def checkpoint_release(ctx, regions: dict[int, str]) -> dict[int, int]:
+    """Op of a recomputed block -> the op whose backward frees its outputs a checkpoint keeps: its first reader
+    outside its block (backward reaches it last; the checkpoint holding them is released with it)."""
+    out: dict[int, int] = {}
+    for v in ctx.graph.nodes:
+        for u, _ in v.inputs:
+            home = regions.get(u)
+            if home is not None and regions.get(v.index) != home and v.index < out.get(u, len(ctx.graph.nodes)):
+                out[u] = v.index
     return out
 
 

@@ -79,27 +79,31 @@ def _optimality(search: dict) -> str:
 
 
 def describe_recompute(plan: Plan) -> str:
-    """The ``recompute:`` line: which blocks backward recomputes (``planner.recompute``), or none."""
-    blocks = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e}, key=_natural)
+    """The ``recompute:`` line: what backward recomputes (``planner.recompute``: blocks, or selective regions)."""
+    regions = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e}, key=_natural)
     asked = plan.settings.get("recompute", "auto")
     compared = _recompute_compared(plan)
-    if not blocks:
+    if not regions:
         return f"recompute: none (recompute={asked}){compared}"
-    shown = ", ".join(blocks) if len(blocks) <= 4 else f"{blocks[0]} .. {blocks[-1]}"
+    shown = ", ".join(regions) if len(regions) <= 4 else f"{regions[0]} .. {regions[-1]}"
+    what = "selective regions" if plan.search.get("recompute_mode") == "selective" else "blocks"
     return (
-        f"recompute: {len(blocks)} blocks ({shown}): forward run again in backward, only their inputs kept "
+        f"recompute: {len(regions)} {what} ({shown}): forward run again in backward, only their inputs kept "
         f"(recompute={asked}){compared}"
     )
 
 
 def _recompute_compared(plan: Plan) -> str:
-    """``; searched under the cap: none ..., full ...`` when ``recompute="auto"`` searched both."""
+    """``; searched under the cap: none ..., selective ..., full ...`` when ``recompute="auto"`` searched them
+    (a mode whose lower bound was above the plan met already: ``at least ...``)."""
     modes = plan.search.get("recompute_modes")
     if not modes:
         return ""
     parts = []
     for m in modes:
-        if m["feasible"]:
+        if m["feasible"] is None:
+            parts.append(f"{m['recompute']} at least {m['at_least_s'] * 1e3:.3f} ms (bound)")
+        elif m["feasible"]:
             parts.append(f"{m['recompute']} {m['total_s'] * 1e3:.3f} ms, {format_bytes(m['per_device_bytes'])}")
         else:
             parts.append(f"{m['recompute']} no plan (least {format_bytes(m['min_per_device_bytes'])})")

@@ -42,7 +42,8 @@ planner chooses it (``planner/recompute.py``) and prices it: the forward run aga
 in the node times, the blocks' activations out of ``memory.activations`` and back in
 the backward peak, and the moves and collectives the recomputation runs again in
 ``collectives`` with ``"recompute": true`` (phase ``forward``, as the runtime counts them).
-``settings.recompute`` is what was asked (``auto``, ``none``, ``full``).
+``settings.recompute`` is what was asked (``auto``, ``none``, ``selective``, ``full``);
+``search.recompute_mode`` what the plan does.
 
 ``repr(plan)`` is one line (model, mesh, family, step time, memory against the
 cap); ``plan.table()`` is the full report ``autopar plan`` prints

@@ -21,13 +21,14 @@ from __future__ import annotations
 from .chain import ChainError, solve_chain
 from .cpsat import solve_cpsat
 from .dp import min_memory, solve_dp
-from .problem import INF, InfeasibleError, SearchProblem, Solution, solve_brute_force
+from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, solve_brute_force
 
 __all__ = [
     "INF",
     "SearchProblem",
     "Solution",
     "InfeasibleError",
+    "BeatenError",
     "solve_dp",
     "solve_chain",
     "ChainError",

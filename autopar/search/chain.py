@@ -85,7 +85,7 @@ from .dp import min_memory
 from .lagrange import LAMBDA_GRID
 from .minsum import MinSumChain, halving
 from .pareto import ParetoTable, min_sum_bounds, pair_window, pareto_keep, pareto_pass, row_limits, tol
-from .problem import INF, InfeasibleError, SearchProblem, Solution
+from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution
 from .split import ChainError, split_blocks
 from .tables import PortTable
 
@@ -323,9 +323,12 @@ def solve_chain(
     blocks: list[list[int]],
     *,
     progress: Callable[[str, int, int], None] | None = None,
+    above: int | None = None,
 ) -> Solution:
     """Minimum time under the memory cap (ties broken by memory), exactly, solving the
-    repeated block once (see the module docstring).
+    repeated block once (see the module docstring).  ``above``: a time the caller has met
+    already; when the lower bound proves every plan slower, :class:`BeatenError` instead
+    of the exact pass.
 
     ``blocks[i][j]``: node of position j in block i, blocks in chain order.  Raises
     :class:`ChainError` when the blocks do not chain (solve flat then), and
@@ -369,6 +372,8 @@ def solve_chain(
     # lower bound: the min-sum of time, or of time + lam (M - cap) on a Lagrange row (weak duality)
     lb = max(float(sc.total[r]) - float(w[r, 1]) * (cap or 0) for r in range(len(w)) if w[r, 0] == 1.0)
     stats["lower_bound"] = lb
+    if above is not None and lb > above + tol(above):
+        raise BeatenError(lb, above)
     tick("exact pass", 3, 4)
     found, pstats = _deepen(chain, sc, bounds, lb, ub, cap)
     stats.update(pstats, upper_bound=ub)

@@ -424,6 +424,16 @@ class Solution:
     stats: dict = field(default_factory=dict)
 
 
+class BeatenError(Exception):
+    """The search stopped early: a lower bound proves no plan under the cap is faster than ``above`` (the
+    objective, in picoseconds, of a plan the caller already has).  ``lower_bound_ps`` is that bound."""
+
+    def __init__(self, lower_bound_ps: float, above: int) -> None:
+        super().__init__(f"every plan takes at least {lower_bound_ps:.0f} ps, more than the {above} ps already met")
+        self.lower_bound_ps = lower_bound_ps
+        self.above = above
+
+
 class InfeasibleError(ValueError):
     """No assignment meets the memory cap (or every assignment hits a forbidden entry).
 
