@@ -46,8 +46,9 @@ import transformers
 
 from autopar.cost.saved import _CACHE as saved_calls
 from autopar.mesh import Mesh
-from autopar.planner.pipeline import MemoryCapError, _solve, plan_from_context, prepare
+from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
 from autopar.planner.problem import PS_PER_S, to_problem
+from autopar.planner.solving import solve_problem
 from autopar.search import InfeasibleError, solve_cpsat
 from autopar.units import format_bytes, parse_bytes
 
@@ -105,7 +106,7 @@ def main() -> None:
             search_s.append(result.timings["search_s"])
             ctx.tables.problem(None)[0].forget()
             tick = time.process_time()  # the same search, CPU time: what other processes cannot inflate
-            _solve(ctx.tables.problem(cap)[0], "dp", ctx.blocks)
+            solve_problem(ctx.tables.problem(cap)[0], "dp", ctx.blocks)
             cpu_s.append(time.process_time() - tick)
         t = result.timings
         first = first or (min(search_s), min(cpu_s))

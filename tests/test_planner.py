@@ -266,11 +266,12 @@ def test_edge_matrices_equal_the_pair_by_pair_reference(tiny_model, mesh_shape):
 def test_a_family_with_no_plan_at_all_is_a_clear_error(monkeypatch):
     """No plan within a family at any memory: an error naming the family (not a cap error), "no plan" rows."""
     from autopar.planner import pipeline as planner
+    from autopar.planner import solving
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     ctx = prepare(model, autopar.Mesh((2,), axis_names=("tp",)), example_inputs=(torch.randn(4, 8),))
     no_moves = (lambda i, s: True, lambda u, a, v, b: False)  # every edge forbidden: no plan in the family
-    monkeypatch.setattr(planner, "family_restriction", lambda ctx, family: no_moves)
+    monkeypatch.setattr(solving, "family_restriction", lambda ctx, family: no_moves)
     with pytest.raises(ValueError, match="'tensor parallel' family") as err:
         plan_from_context(ctx, family="tensor parallel", compare_families=False)
     assert not isinstance(err.value, MemoryCapError)

@@ -3,6 +3,9 @@ against the flat DP and CP-SAT, to the picosecond."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -347,3 +350,73 @@ def test_minplus_equals_the_dense_product(k: int) -> None:
     x[rng.random(x.shape) < 0.3], y[rng.random(y.shape) < 0.3] = np.inf, np.inf
     dense = (x[:, :, :, None] + y[:, None, :, :]).min(axis=2)
     assert np.array_equal(minplus(x, y), dense)
+
+
+def _variant(problem, blocks: list[list[int]], seed: int):
+    """``problem`` with its blocks' terms changed as recomputing a layer changes them (time up, memory down):
+    every block node's, and every edge's entering one; shared arrays stay shared (the blocks stay equal)."""
+    rng = np.random.default_rng(seed)
+    extra, share = int(rng.integers(5, 40)), int(rng.integers(2, 5))  # equal arrays stay equal
+    inside = {v for b in blocks for v in b}
+    memo: dict = {}
+
+    def moved(arr, kind):
+        if arr is None:
+            return None
+        key = (id(arr), kind)
+        if key not in memo:
+            memo[key] = np.where(arr >= INF, INF, arr + extra) if kind == "t" else arr // share
+        return memo[key]
+
+    def node(arrs, kind):
+        return tuple(moved(a, kind) if i in inside else a for i, a in enumerate(arrs))
+
+    def edge(arrs, kind):
+        return tuple(moved(a, kind) if v in inside else a for a, (_, v) in zip(arrs, problem.edges))
+
+    return dataclasses.replace(
+        problem,
+        node_time=node(problem.node_time, "t"),
+        node_mem=node(problem.node_mem, "m"),
+        edge_time=edge(problem.edge_time, "t"),
+        edge_mem=edge(problem.edge_mem, "m"),
+    )
+
+
+def test_chain_with_variants_picks_each_blocks_variant_as_brute_force_does() -> None:
+    """Each block may take the terms of either problem (recompute a layer or not, per layer): the chain's optimum
+    equals the best flat optimum over every assignment of variants to blocks, and its plan re-evaluates to it."""
+    mixes = 0
+    for seed, fraction in itertools.product(range(6), (0.2, 0.5)):
+        problem, blocks = chain_problem(seed, n_blocks=3, block_nodes=3, max_k=3, cap_quantile=None)
+        other = _variant(problem, blocks, seed)
+        least = min(min_memory(problem).mem_bytes, min_memory(other).mem_bytes)
+        capped = problem.with_cap(int(least + fraction * (solve_dp(problem).mem_bytes - least)))
+        best = None
+        for picks in itertools.product((0, 1), repeat=len(blocks)):
+            try:
+                sol = solve_dp(_mixed(capped, other, blocks, picks))
+            except InfeasibleError:
+                continue
+            if best is None or (sol.time, sol.mem_bytes) < best[:2]:
+                best = (sol.time, sol.mem_bytes, picks)
+        got = solve_chain(capped, blocks, variants=(other.with_cap(capped.mem_cap_bytes),))
+        where = f"seed {seed}, cap at {fraction}: chain {got.stats['block_variants']}, brute force {best}"
+        assert (got.time, got.mem_bytes) == best[:2], where
+        picks = got.stats["block_variants"]
+        assert _mixed(capped, other, blocks, picks).evaluate(got.choice) == (got.time, got.mem_bytes), where
+        mixes += len(set(picks)) > 1
+    assert mixes >= 4  # the optimum really mixes the variants across blocks, not only all of one
+
+
+def _mixed(problem, other, blocks, picks):
+    """The problem whose block i takes ``other``'s terms where ``picks[i]`` is 1 (an edge: its entered node's)."""
+    owner = {v: p for b, p in zip(blocks, picks) for v in b}
+    ps = (problem, other)
+    return dataclasses.replace(
+        problem,
+        node_time=tuple(ps[owner.get(i, 0)].node_time[i] for i in range(problem.n_nodes)),
+        node_mem=tuple(ps[owner.get(i, 0)].node_mem[i] for i in range(problem.n_nodes)),
+        edge_time=tuple(ps[owner.get(v, 0)].edge_time[e] for e, (_, v) in enumerate(problem.edges)),
+        edge_mem=tuple(ps[owner.get(v, 0)].edge_mem[e] for e, (_, v) in enumerate(problem.edges)),
+    )

@@ -22,8 +22,8 @@ from autopar.placement import Replicate, Shard, format_placements
 from autopar.spec import local_shape
 from autopar.transitions import transitions
 
+from .kept import keeping
 from .problem import PS_PER_S
-from .recompute import checkpoint_outputs, checkpoint_release, paid
 from .schema import Plan
 
 __all__ = ["assemble_plan", "breakdown", "classify"]
@@ -62,8 +62,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
     regions = ctx.recompute  # op node -> its recompute region (planner.recompute)
     reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
-    released = checkpoint_release(ctx, regions) if regions else {}  # kept output -> whose backward frees it
-    kept = checkpoint_outputs(ctx, regions) if regions else {}  # outputs a node term pays for a checkpoint
+    keep = keeping(ctx, regions) if regions else None  # who pays what the checkpoints keep (planner.kept)
 
     def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False):
         nonlocal comm_s
@@ -110,8 +109,8 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             again = coster.activation_bytes(n, s)
             reborn[region] = reborn.get(region, 0) + again
             freed_at[n.index] = freed_at.get(n.index, 0) + again
-            if node_act:  # the outputs a later checkpoint keeps die with that checkpoint's backward
-                frees = released.get(n.index, n.index)
+            if node_act:  # outputs it still pays: read outside its region, freed with their first reader
+                frees = keep.release.get(n.index, n.index)
                 freed_at[frees] = freed_at.get(frees, 0) + node_act
         else:
             freed_at[n.index] = freed_at.get(n.index, 0) + node_act
@@ -140,15 +139,21 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                     add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
             g, target = s.input_grad(pos), su.output_grad(o)
             edge_act = coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
-            if region is not None:  # the block keeps nothing on its edges: made again in backward
+            if region is not None:  # what n keeps of this input is made again by the recomputation
                 if regions.get(u) != region and src == dst and g == target:
-                    edge_act = 0  # the checkpoint's own input, read as it is: one storage, counted where it is kept
+                    edge_act = 0  # the checkpoint's own input, read as it is: one storage, paid as kept
                 reborn[region] += edge_act
-            elif src == dst and paid(ctx, kept, (u, o)):  # a value a checkpoint keeps: paid on a node term
-                edge_act = 0
+                freed_at[n.index] = freed_at.get(n.index, 0) + edge_act
+                if (n.index, pos) in keep.payers:  # the checkpoint keeps what u made until the region's backward ends
+                    kept = keep.root_bytes(ctx, (u, o), src)
+                    mem["activations"] += kept
+                    first = keep.first[region]
+                    freed_at[first] = freed_at.get(first, 0) + kept
             else:
+                if keep is not None and src == dst and coster.storage_root((u, o)) in keep.shared:
+                    edge_act = 0  # paid once by the node that made it (planner.kept)
                 mem["activations"] += edge_act
-            freed_at[n.index] = freed_at.get(n.index, 0) + edge_act  # kept for n's backward
+                freed_at[n.index] = freed_at.get(n.index, 0) + edge_act  # kept for n's backward
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
                 if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
                     for t, whole in coster.grad_move_steps(un, un.outputs[o], g, target):

@@ -33,19 +33,18 @@ from autopar.capture import (
 from autopar.cost import Coster, TrainingSettings
 from autopar.mesh import Mesh
 from autopar.runtime import DEFAULT_BUCKET_BYTES
-from autopar.search import BeatenError, ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
+from autopar.search import BeatenError, ChainError
 from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
 from autopar.units import parse_bytes
 from costmodel import load_profile, optimizer_spec, precision
 
-from .assemble import assemble_plan, breakdown
-from .errors import MemoryCapError, cap_error, no_plan_error
-from .families import family_restriction, param_nodes
+from .errors import MemoryCapError
 from .hints import ResolvedHints, resolve_hints
-from .problem import PS_PER_S, ProblemTables, build_tables, to_problem
-from .recompute import RECOMPUTE_OPTIONS, recomputed_tables
+from .problem import PS_PER_S, ProblemTables, build_tables
+from .recompute import RECOMPUTE_OPTIONS
 from .regions import block_regions, hinted_regions, selective_regions
 from .schema import FAMILIES, Plan
+from .solving import plan_under
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
 
@@ -53,7 +52,6 @@ log = logging.getLogger(__name__)
 
 
 #: how often the search is run again with a tighter bound when the chosen plan's peak exceeds the cap
-_PEAK_TRIES = 8
 
 
 @dataclass
@@ -316,8 +314,10 @@ def plan_from_context(
     replace the hints given to ``prepare``; None keeps those.  ``recompute`` (``"auto"``,
     ``"none"``, ``"selective"``, ``"full"``): what backward recomputes, nothing, the
     weightless runs of each repeated block that pay (``planner.regions``) or whole
-    blocks; ``"auto"`` searches all three under a cap and keeps the fastest plan
-    (``planner.recompute``).
+    blocks; ``"auto"``, under a cap, lets each layer choose among the three in one
+    chained search (``solving.plan_under``'s ``per_layer``).  Where the layers do not
+    chain, or the step's peak held the per-layer plan back, it also searches each mode
+    for every layer alike and keeps the fastest plan (``search["recompute_modes"]``).
     """
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
     if solver not in ("dp", "ilp"):
@@ -338,13 +338,47 @@ def plan_from_context(
     # the hints; its modes go from the most memory to the least
     auto = ["none", "selective", "full"] if cap is not None and unforced else ["none"]
     mode_regions = {"none": forced, "selective": selective, "full": regions}
-    best, failed, tried = None, None, []
+    best, best_mode, failed, tried = None, None, None, []
+    if recompute == "auto" and len(auto) > 1 and solver == "dp" and hinted_ctx.blocks is not None:
+        # every layer picks its own: saved, selective or whole, in one chained search (a cap no choice meets
+        # raises here: the search covered every mode of every layer).  Its optimum is the plan unless the
+        # step's peak made the search tighten its bound (a heuristic): then one mode for all layers may do better
+        layers = (forced, selective, regions) if selective != forced else (forced, regions)
+        common = {"solver": solver, "allow_state_sharding": allow_state_sharding, "family": family}
+        free = plan_under(hinted_ctx, resolved, None, forced, compare_families=False, progress=progress, **common)
+        if max(free.memory["per_device_bytes"], free.memory["search_bytes"]) <= cap:  # the fastest plan fits
+            found = plan_under(
+                hinted_ctx, resolved, cap, forced, compare_families=compare_families, progress=progress, **common
+            )
+            search = dict(found.search, **_layer_modes(found, regions, hinted_ctx.graph))
+            return replace(found, settings=dict(found.settings, recompute=recompute), search=search)
+        try:
+            found = plan_under(
+                hinted_ctx,
+                resolved,
+                cap,
+                forced,
+                solver=solver,
+                compare_families=compare_families,
+                allow_state_sharding=allow_state_sharding,
+                family=family,
+                progress=progress,
+                per_layer=layers,
+            )
+        except ChainError as e:  # the layers do not chain (hinted layers differ, say): one mode for all, below
+            log.info("recompute per layer needs the chained search (%s): one mode for every layer", e)
+        else:
+            if found.search["peak_searches"] == 1:
+                search = dict(found.search, **_layer_modes(found, regions, hinted_ctx.graph))
+                return replace(found, settings=dict(found.settings, recompute=recompute), search=search)
+            best, best_mode = found, "per layer"
+            tried.append(_tried("per layer", found))
     for mode in auto if recompute == "auto" else [recompute]:
         if mode == "selective" and recompute == "auto" and selective == forced:
             continue  # no run pays in these blocks: the same as "none"
         above = best.search["objective_ps"] if best is not None else None
         try:
-            found = _plan_under(
+            found = plan_under(
                 hinted_ctx,
                 resolved,
                 cap,
@@ -369,14 +403,7 @@ def plan_from_context(
                 }
             )
             continue
-        tried.append(
-            {
-                "recompute": mode,
-                "feasible": True,
-                "total_s": found.cost["total_s"],
-                "per_device_bytes": found.memory["per_device_bytes"],
-            }
-        )
+        tried.append(_tried(mode, found))
         if best is None or found.cost["total_s"] < best.cost["total_s"]:
             best, best_mode = found, mode
     if best is None:
@@ -387,98 +414,33 @@ def plan_from_context(
                 failed.min_mem_bytes,
             ) from None
         raise failed
-    search = dict(best.search, recompute_mode=best_mode)
+    search = dict(best.search, **_layer_modes(best, regions, hinted_ctx.graph)) if regions else dict(best.search)
+    search["recompute_mode"] = search.get("recompute_mode") if best_mode == "per layer" else best_mode
     if len(tried) > 1:
         search["recompute_modes"] = tried
     return replace(best, settings=dict(best.settings, recompute=recompute), search=search)
 
 
-def _plan_under(
-    ctx: PlanningContext,
-    resolved: ResolvedHints,
-    cap: int | None,
-    regions: dict[int, str],
-    *,
-    solver: str,
-    compare_families: bool,
-    allow_state_sharding: bool,
-    family: str | None,
-    progress,
-    above: int | None = None,
-) -> Plan:
-    """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the ops of ``regions``
-    recomputed (none when empty).  ``above``: the objective of a plan met already (another recompute mode's);
-    ``BeatenError`` when a bound proves every plan here slower."""
-    t0 = time.perf_counter()
-    if regions:
-        ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
-    hinted = resolved.allowed(ctx.cand)
-    fam_node, allow_edge = family_restriction(ctx, family) if family else (None, None)
-    params = param_nodes(ctx)
+def _tried(mode: str, plan: Plan) -> dict[str, Any]:
+    return {
+        "recompute": mode,
+        "feasible": True,
+        "total_s": plan.cost["total_s"],
+        "per_device_bytes": plan.memory["per_device_bytes"],
+    }
 
-    def allow_node(i: int, s: int) -> bool:
-        if i in hinted and s not in hinted[i]:
-            return False
-        if not allow_state_sharding and i in params:
-            st = ctx.cand.strategies[i][s]
-            if st.state != st.placement:
-                return False
-        return fam_node is None or fam_node(i, s)
 
-    _check_family_keeps_hints(ctx, family, hinted, allow_node)
-    restricted = bool(hinted) or not allow_state_sharding or fam_node is not None  # else allow_node is always True
-
-    def search(bound: int | None):
-        """(solution, choice) under ``bound``; (None, the InfeasibleError, keep) when nothing fits."""
-        problem, keep = to_problem(
-            ctx.tables, bound, allow_node=allow_node if restricted else None, allow_edge=allow_edge
-        )
-        try:
-            sol = _solve(problem, solver, ctx.blocks, progress, above)
-        except InfeasibleError as e:
-            if e.min_mem_bytes is None and hinted:
-                raise _contradiction_error(ctx, resolved) from None
-            if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
-                raise no_plan_error(ctx, family, allow_state_sharding) from None
-            return None, e, keep
-        return sol, [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice), keep
-
-    parts: dict[tuple, dict] = {}  # choice -> its breakdown: the peak check's is the plan's
-
-    def peak_of(choice: list[int]) -> int:
-        parts[tuple(choice)] = breakdown(ctx, choice)
-        return parts[tuple(choice)]["memory"]["per_device_bytes"]
-
-    # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
-    # checked against the cap, and where it is above, the bound is tightened by the excess (doubled each
-    # time) and searched again; tightened past every plan, the least-memory plan is taken if its peak fits
-    bound = cap
-    for attempt in range(_PEAK_TRIES + 1):
-        sol, choice, keep = search(bound if attempt < _PEAK_TRIES else 0)
-        if sol is None:
-            err = choice
-            least = err.min_mem_solution
-            if attempt == 0 or least is None:
-                raise cap_error(ctx, cap, err, keep) from None
-            sol, choice = (
-                least,
-                [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice),
-            )
-            if peak_of(choice) > cap:
-                raise cap_error(ctx, cap, err, keep) from None
-            break
-        if cap is None:
-            break
-        peak = peak_of(choice)
-        if peak <= cap:
-            break
-        bound -= (peak - cap) << attempt
-    search_s = time.perf_counter() - t0
-    alternatives = _family_alternatives(ctx, cap, solver) if compare_families else []
-    timings = dict(ctx.timings, search_s=search_s)
-    settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
-    result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(tuple(choice)))
-    return replace(result, timings=timings, hints=dict(resolved.record))
+def _layer_modes(plan: Plan, blocks: dict[int, str], graph: OpGraph) -> dict[str, Any]:
+    """``recompute_mode`` (one mode, or ``"per layer"``) and ``recompute_layers`` (layers per mode) of a plan."""
+    names: dict[str, list[str]] = {}
+    for i, block in blocks.items():
+        names.setdefault(block, []).append(graph.nodes[i].name)
+    counts = {"none": 0, "selective": 0, "full": 0}
+    for block, ops in names.items():
+        marks = {plan.nodes[n].get("recompute") for n in ops if n in plan.nodes} - {None}
+        counts["none" if not marks else "full" if marks == {block} else "selective"] += 1
+    used = [m for m, c in counts.items() if c]
+    return {"recompute_mode": used[0] if len(used) == 1 else "per layer", "recompute_layers": counts}
 
 
 def _hinted_context(ctx: PlanningContext, hints, input_placements, output_placements, strict: bool):
@@ -500,77 +462,3 @@ def _hinted_context(ctx: PlanningContext, hints, input_placements, output_placem
         coster = Coster(cand, ctx.coster.settings)
         ctx = replace(ctx, cand=cand, coster=coster, tables=build_tables(cand, coster), hints=resolved)
     return ctx, resolved
-
-
-def _check_family_keeps_hints(ctx: PlanningContext, family: str | None, hinted: dict, allow_node) -> None:
-    if family is None:
-        return
-    for i, kept in hinted.items():
-        if not any(allow_node(i, s) for s in kept):
-            node = ctx.graph.nodes[i]
-            raise ValueError(
-                f"family {family!r} and the hints on {node.fqn or node.name} (shape {node.outputs[0].shape}) "
-                f"exclude each other on {ctx.mesh}: no strategy keeps both.\n"
-                "Fix: drop the family (family=None) to let the search complete the hints, or change the hints."
-            )
-
-
-def _contradiction_error(ctx: PlanningContext, resolved: ResolvedHints) -> ValueError:
-    labels = sorted({label for ls in resolved.labels.values() for label in ls})
-    return ValueError(
-        f"the hints {', '.join(labels)} together leave no valid plan of {ctx.graph.model_name} on {ctx.mesh}: "
-        "every plan needs a move between hinted placements that autopar cannot make.\n"
-        "Fix: hint fewer tensors, or placements that a collective can connect."
-    )
-
-
-def _solve(problem, solver: str, blocks: Blocks | None = None, progress=None, above: int | None = None) -> Solution:
-    """The exact optimum; ``above`` (a time met already) lets the chained search stop early (``BeatenError``)."""
-    if solver != "dp":
-        return solve_cpsat(problem)
-    if blocks is not None:
-        try:
-            return solve_chain(problem, [list(b) for b in blocks.nodes], progress=progress, above=above)
-        except ChainError as e:
-            log.info("the %d repeated blocks under %s do not chain (%s); solving flat", blocks.count, blocks.prefix, e)
-    return solve_dp(problem, progress=None if progress is None else lambda done, total: progress("search", done, total))
-
-
-# ---- families ---------------------------------------------------------------------------
-def _family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> list[dict[str, Any]]:
-    out = []
-    for family in FAMILIES:
-        allow_node, allow_edge = family_restriction(ctx, family)
-        problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
-        entry: dict[str, Any] = {"family": family}
-        try:
-            sol = _solve(problem, solver, ctx.blocks)
-            choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
-            entry.update(feasible=True, **_summary(ctx, choice))
-        except InfeasibleError as e:
-            entry.update(
-                feasible=False,
-                proven=not getattr(e, "approximate", False),
-                total_s=None,
-                compute_s=None,
-                comm_s=None,
-                per_device_bytes=None,
-                min_per_device_bytes=None if e.min_mem_bytes is None else int(e.min_mem_bytes),
-            )
-        out.append(entry)
-    return out
-
-
-def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
-    b = breakdown(ctx, choice)
-    return {
-        "total_s": b["cost"]["total_s"],
-        "compute_s": b["cost"]["compute_s"],
-        "comm_s": b["cost"]["comm_s"],
-        "per_device_bytes": b["memory"]["per_device_bytes"],
-        "terms": b["cost"]["terms"],
-    }
-
-
-def objective_seconds(sol: Solution) -> float:
-    return sol.time / PS_PER_S

@@ -7,31 +7,26 @@ backward runs the region's forward again before its own backward
 changes the search's terms as follows (``recomputed_tables``)::
 
     node i in a region:   time_i(s_i) += forward_i(s_i)      (roofline + forward collectives)
-                          mem_i(s_i)   = kept_i(s_i)         (what it still pays for, below)
-    node u outside:       mem_u(s_u)  += kept_u(s_u)         (storages it owns that a checkpoint keeps)
+                          mem_i(s_i)   = own_i(s_i)          (its outputs its own op keeps, read outside)
     edge u -> v, v in a   time(s_u, s_v) += move_uv(s_u, s_v) (the move into v runs again;
       region:                                                a gathered parameter v keeps is gathered once)
-                          mem(s_u, s_v) = 0                  (v keeps nothing: the checkpoint does)
-    edge u -> v, v in     mem(s_u, s_v) = 0 where v reads u's output unmoved and a node pays
-      no region:                                             its storage (``paid``: one storage, paid once)
+                          mem(s_u, s_v) = kept_uv(s_u)       (what v's checkpoint keeps of u's output, on
+                                                             the first edge of the region reading it; else 0)
+    node u outside the    mem_u(s_u)  += its storage          (a value two layers or more read: paid once)
+      layers, shared:
+    edge u -> v, u shared mem(s_u, s_v) = 0 where unmoved
 
-``kept_u`` (``checkpoint_outputs``) counts storages, not tensors: a checkpoint keeping
-a view keeps its base.  An op of a region pays its outputs another region reads (that
-region's checkpoint keeps them) or ops past its layer read, and those its own op kept
-anyway (their readers' edges price no share for them); what the other ops of its layer
-keep, their edges pay, moved (a copy) or not (their share).  A value a region reads
-from outside is paid by the op that owns its storage, unless that op keeps it itself
-anyway.  Every block then has the same tables, so the chained search still solves one
-block and chains it.
-
-The step's peak gains, during each region's backward, the activations it would have
-kept (``cost.peak_memory``'s ``reborn_at``), less the region inputs its recomputation
-reads as they are (the checkpoint's own storage); the outputs a checkpoint keeps die
-with that checkpoint's backward (``checkpoint_release``).  ``recompute="full"``
-recomputes every block, ``"selective"`` the selective regions of every block, ``"none"``
-nothing but the blocks a ``"recompute"`` hint names; ``"auto"`` (the default) searches
-the three under a cap and keeps the fastest plan (without a cap it never recomputes:
-that only adds time).  Not searched yet: a choice per block.
+Who pays for what is ``kept.py``'s rule, *the reader pays*: every term of a layer then
+depends on that layer's own choice only, so the chained search may let each layer
+choose (``solving.plan_under``'s ``per_layer``), and equal layers still have equal
+tables.  The step's peak gains, during each region's backward, the activations it
+would have kept (``cost.peak_memory``'s ``reborn_at``), less the region inputs its
+recomputation reads as they are; the inputs a checkpoint keeps die when its region's
+backward ends.  ``recompute="full"`` recomputes every block, ``"selective"`` the
+selective regions of every block, ``"none"`` nothing but the blocks a ``"recompute"``
+hint names; ``"auto"`` (the default), under a cap, lets each layer choose among the
+three (``pipeline.plan_from_context``; without a cap it never recomputes: that only
+adds time).
 """
 
 from __future__ import annotations
@@ -42,10 +37,10 @@ import numpy as np
 
 from autopar.search import INF
 
+from .kept import Keeping, keeping
 from .problem import ProblemTables, read_only, seconds_to_ps
-from .regions import block_regions
 
-__all__ = ["RECOMPUTE_OPTIONS", "checkpoint_outputs", "checkpoint_release", "paid", "recomputed_tables"]
+__all__ = ["RECOMPUTE_OPTIONS", "recomputed_tables"]
 
 #: What ``recompute=`` accepts.
 RECOMPUTE_OPTIONS = ("auto", "none", "selective", "full")
@@ -61,41 +56,40 @@ def recomputed_tables(ctx, regions: dict[int, str]) -> ProblemTables:
 
 def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
     tables, graph, cand, coster = ctx.tables, ctx.graph, ctx.cand, ctx.coster
+    keep = keeping(ctx, regions)
     node_time = list(tables.node_time_ps)
     node_mem = list(tables.node_mem)
     memo: dict = {}
-    kept = checkpoint_outputs(ctx, regions)
     for i in regions:
         node = graph.nodes[i]
-        key = ("node", id(cand.strategies[i]), id(tables.node_time_ps[i]), kept.get(i, ()))
+        key = ("node", id(cand.strategies[i]), id(tables.node_time_ps[i]), keep.own.get(i, ()))
         if key not in memo:
             forward = seconds_to_ps(np.array([coster.forward_time_s(node, s) for s in cand.strategies[i]]))
             memo[key] = (
                 read_only(_add_ps(tables.node_time_ps[i], forward)),
-                read_only(_kept_bytes(ctx, node, kept.get(i, ()))),
+                read_only(_kept_bytes(ctx, node, keep.own.get(i, ()))),
             )
         node_time[i], node_mem[i] = memo[key]
-    for u, outputs in kept.items():
-        if u not in regions:
-            node_mem[u] = read_only(tables.node_mem[u] + _kept_bytes(ctx, graph.nodes[u], outputs))
+    for u, o in keep.shared - coster.saved_outputs:  # paid once by its node: its readers' unmoved edges pay 0
+        node_mem[u] = read_only(node_mem[u] + _kept_bytes(ctx, graph.nodes[u], (o,)))
     edge_time = list(tables.edge_time_ps)
     edge_mem = list(tables.edge_mem)
     for e, (_, v) in enumerate(tables.edge_keys):
         refs = tables.edge_refs[e]
-        if v < len(graph.nodes) and v not in regions and all(paid(ctx, kept, (a, o)) for a, o, _, _ in refs):
-            # a value a checkpoint keeps, read as it is by an op that would keep it too: one storage, paid on a node
-            key = ("out", id(tables.edge_mem[e]), _refs_key(ctx, e))
-            if key not in memo:
-                memo[key] = read_only(np.where(_same_placement(ctx, e), 0, tables.edge_mem[e]))
-            edge_mem[e] = memo[key]
         if v not in regions:
+            if v < len(graph.nodes) and all(coster.storage_root((a, o)) in keep.shared for a, o, _, _ in refs):
+                key = ("shared", id(tables.edge_mem[e]), _refs_key(ctx, e))
+                if key not in memo:
+                    memo[key] = read_only(np.where(_same_placement(ctx, e), 0, tables.edge_mem[e]))
+                edge_mem[e] = memo[key]
             continue
-        key = ("edge", id(tables.edge_time_ps[e]), id(tables.edge_mem[e]), _refs_key(ctx, e))
+        pays = tuple((vv, pos) in keep.payers for _, _, vv, pos in refs)
+        key = ("edge", id(tables.edge_time_ps[e]), id(tables.edge_mem[e]), _refs_key(ctx, e), pays)
         if key not in memo:
-            moves = sum(_move_again_s(ctx, ref) for ref in tables.edge_refs[e])
+            moves = sum(_move_again_s(ctx, ref) for ref in refs)
             memo[key] = (
                 read_only(_add_ps(tables.edge_time_ps[e], seconds_to_ps(moves))),
-                read_only(np.zeros_like(tables.edge_mem[e])),
+                read_only(_checkpoint_inputs(ctx, keep, refs, tables.edge_mem[e].shape)),
             )
         edge_time[e], edge_mem[e] = memo[key]
     return replace(
@@ -109,60 +103,14 @@ def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
     )
 
 
-def checkpoint_outputs(ctx, regions: dict[int, str]) -> dict[int, tuple[int, ...]]:
-    """Node -> its outputs whose storage its own term pays under ``regions`` (``kept_u``, module docstring).
-
-    An op of a region pays its outputs another region or an op past its layer reads (the
-    next layer's checkpoint or first ops keep them: every layer's terms alike, as the
-    chained search needs), and those its own op kept without recomputation (their
-    readers' edges price a share of 0 for them); what the other ops of its layer keep of
-    them, their edges pay, moved (a copy) or not.
-    A value a region reads from outside is paid on the op that owns its storage (a
-    view's base: a checkpoint keeping a view keeps the base), unless that op keeps it
-    itself anyway; the unmoved edges of the other readers then pay nothing for it
-    (``paid``)."""
-    graph, coster = ctx.graph, ctx.coster
-    layer = block_regions(ctx)
-    out: dict[int, set[int]] = {}
-    consumers = graph.consumers()
-    for u in graph.nodes:
-        if u.kind == "param":
-            continue
-        home = regions.get(u.index)
-        for o in range(len(u.outputs)):
-            readers = {v for v, _, idx in consumers[u.index] if idx == o}
-            if home is not None:
-                others = {regions.get(v) for v in readers} - {home}
-                beyond = any(layer.get(v) != layer.get(u.index) for v in readers)  # read past its layer
-                if others - {None} or beyond or None in others and (u.index, o) in coster.saved_outputs:
-                    out.setdefault(u.index, set()).add(o)
-                continue  # else its layer's readers' edges pay what they keep (moved or not)
-            if not any(v in regions for v in readers):
-                continue
-            root = coster.storage_root((u.index, o))
-            if graph.nodes[root[0]].kind == "param" or root[0] in regions or root in coster.saved_outputs:
-                continue  # a weight's view (model state), or paid by its own region or its own op already
-            out.setdefault(root[0], set()).add(root[1])
-    return {u: tuple(sorted(os)) for u, os in out.items()}
-
-
-def paid(ctx, kept: dict[int, tuple[int, ...]], ref: tuple[int, int]) -> bool:
-    """Whether the storage of ``ref`` (node, output) is paid by a node term of ``kept`` (``checkpoint_outputs``)."""
-    for u, o in (ref, ctx.coster.storage_root(ref)):
-        if o in kept.get(u, ()):
-            return True
-    return False
-
-
-def checkpoint_release(ctx, regions: dict[int, str]) -> dict[int, int]:
-    """Op of a recomputed block -> the op whose backward frees its outputs a checkpoint keeps: its first reader
-    outside its block (backward reaches it last; the checkpoint holding them is released with it)."""
-    out: dict[int, int] = {}
-    for v in ctx.graph.nodes:
-        for u, _ in v.inputs:
-            home = regions.get(u)
-            if home is not None and regions.get(v.index) != home and v.index < out.get(u, len(ctx.graph.nodes)):
-                out[u] = v.index
+def _checkpoint_inputs(ctx, keep: Keeping, refs, shape: tuple[int, int]) -> np.ndarray:
+    """Over (u strategy, v strategy): the bytes a region's checkpoint keeps of the tensors on these edge refs
+    (those it pays for: ``Keeping.payers``), under u's placement (what u made, before any move)."""
+    out = np.zeros(shape, dtype=np.int64)
+    for u, o, v, pos in refs:
+        if (v, pos) in keep.payers:
+            col = [keep.root_bytes(ctx, (u, o), s.outputs[o]) for s in ctx.cand.strategies[u]]
+            out += np.array(col, dtype=np.int64)[:, None]
     return out
 
 

@@ -86,6 +86,13 @@ def describe_recompute(plan: Plan) -> str:
     if not regions:
         return f"recompute: none (recompute={asked}){compared}"
     shown = ", ".join(regions) if len(regions) <= 4 else f"{regions[0]} .. {regions[-1]}"
+    layers = plan.search.get("recompute_layers")
+    if plan.search.get("recompute_mode") == "per layer" and layers:
+        return (
+            f"recompute: per layer, {layers['full']} whole, {layers['selective']} selectively, {layers['none']} "
+            f"not ({len(regions)} regions: {shown}): forward run again in backward, only their inputs kept "
+            f"(recompute={asked}){compared}"
+        )
     what = "selective regions" if plan.search.get("recompute_mode") == "selective" else "blocks"
     return (
         f"recompute: {len(regions)} {what} ({shown}): forward run again in backward, only their inputs kept "

@@ -76,7 +76,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -127,13 +127,21 @@ def _csr(g: np.ndarray, n_entries: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.bincount(g, minlength=n_entries))])
 
 
-def _leaf(table: PortTable, tab) -> _Seg:
-    """The block's final Pareto table laid onto the state grid."""
-    ent = np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))
-    g = table.grid[ent]
-    o = np.lexsort((tab.t, g))
-    k2 = table.k_states**2
-    return _Seg(_csr(g, k2), tab.t[o], tab.m[o], 1, leaf=o)
+def _leaf(tables: list[PortTable], finals: list) -> tuple[_Seg, np.ndarray, np.ndarray]:
+    """The part's final Pareto tables, one per variant, laid onto the state grid as one segment (their union,
+    Pareto-filtered per state pair), with the variant and the final-table pair of each of its pairs (indexed
+    by ``leaf``)."""
+    gs, ts, ms, var, idx = [], [], [], [], []
+    for j, (table, tab) in enumerate(zip(tables, finals)):
+        gs.append(table.grid[np.repeat(np.arange(tab.off.size - 1), np.diff(tab.off))])
+        ts.append(tab.t)
+        ms.append(tab.m)
+        var.append(np.full(tab.t.size, j, np.int64))
+        idx.append(np.arange(tab.t.size, dtype=np.int64))
+    g, t, m = np.concatenate(gs), np.concatenate(ts), np.concatenate(ms)
+    o = np.lexsort((t, g)) if len(tables) == 1 else pareto_keep(g, t, m)
+    k2 = tables[0].k_states ** 2
+    return _Seg(_csr(g[o], k2), t[o], m[o], 1, leaf=o), np.concatenate(var), np.concatenate(idx)
 
 
 def _product(a: _Seg, b: _Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndarray) -> _Seg:
@@ -253,21 +261,46 @@ def _expand(seg: _Seg, a: int, c: int, pair: int) -> list[tuple[int, int, int]]:
 
 # ---- the solver ---------------------------------------------------------------------------
 class _Chain:
-    def __init__(self, problem: SearchProblem, blocks: list[list[int]]) -> None:
-        self.problem, self.blocks = problem, blocks
-        f_part, r_part, self.k, self.port = split_blocks(problem, blocks)
+    def __init__(self, problem: SearchProblem, blocks: list[list[int]], variants: tuple = ()) -> None:
+        self.problem, self.blocks, self.problems = problem, blocks, (problem, *variants)
+        splits = [split_blocks(p, blocks) for p in self.problems]
+        _, _, self.k, self.port = splits[0]
+        if any(s[2:] != splits[0][2:] for s in splits):
+            raise ChainError("the variants' blocks have different ports")
         self.n = len(blocks) - 1
-        self.ftab = PortTable(f_part, self.k, dp.WIDTH_BUDGET)
-        self.rtab = PortTable(r_part, self.k, dp.WIDTH_BUDGET)
+        self.ftabs = [PortTable(s[0], self.k, dp.WIDTH_BUDGET) for s in splits]
+        self.rtabs = [PortTable(s[1], self.k, dp.WIDTH_BUDGET) for s in splits]
+        self.ftab, self.rtab = self.ftabs[0], self.rtabs[0]  # the parts' node maps (alike in every variant)
         self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
         self._base: tuple | None = None
+
+    def minsum(self, w: np.ndarray) -> MinSumChain:
+        return MinSumChain(self.ftabs, self.rtabs, self.n, w)
 
     def base(self) -> tuple[MinSumChain, list]:
         """The min-sum of the time and the memory rows, and their plans (built once)."""
         if self._base is None:
-            sc = MinSumChain(self.ftab, self.rtab, self.n, np.array([[1.0, 0.0], [0.0, 1.0]]))
+            sc = self.minsum(np.array([[1.0, 0.0], [0.0, 1.0]]))
             self._base = (sc, self.scalar_plans(sc))
         return self._base
+
+    def evaluate(self, choice: tuple[int, ...], variants: tuple[int, ...]) -> tuple[int, int]:
+        """``(T, M)`` of a plan whose block i takes ``variants[i]``: each node's and each edge's terms from its
+        block's variant (an edge belongs to the node it enters; nodes outside the blocks are alike in all)."""
+        if len(self.problems) == 1 or not any(variants):
+            return self.problem.evaluate(choice)
+        owner = np.zeros(self.problem.n_nodes, np.int64)
+        for b, j in zip(self.blocks, variants):
+            owner[b] = j
+        ps = self.problems
+        mixed = replace(
+            self.problem,
+            node_time=tuple(ps[j].node_time[i] for i, j in enumerate(owner.tolist())),
+            node_mem=tuple(ps[j].node_mem[i] for i, j in enumerate(owner.tolist())),
+            edge_time=tuple(ps[owner[v]].edge_time[e] for e, (_, v) in enumerate(self.problem.edges)),
+            edge_mem=tuple(ps[owner[v]].edge_mem[e] for e, (_, v) in enumerate(self.problem.edges)),
+        )
+        return mixed.evaluate(choice)
 
     def assemble(
         self, rest_choice: tuple[int, ...], distinct: list[tuple[int, ...]], which: np.ndarray
@@ -288,19 +321,23 @@ class _Chain:
         choice[targets] = np.array(distinct, np.int64)[:, subs][which]
         return tuple(choice.tolist())
 
-    def scalar_plans(self, sc: MinSumChain) -> list[tuple[int, int, tuple[int, ...]]]:
+    def scalar_plans(self, sc: MinSumChain) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+        """Each row's min-sum plan: ``(T, M, choice, variant of each block)``."""
         out = []
         k = self.k
         for row in range(len(sc.w)):
             if not np.isfinite(sc.total[row]):
                 raise InfeasibleError(f"{self.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
             st = np.asarray(sc.states(row), np.int64)
-            rest = self.rtab.argmin_choice(sc.rargs, row, int(st[0] * k + st[-1]))
+            j = int(sc.rsel[row, st[0], st[-1]])
+            rest = self.rtabs[j].argmin_choice(sc.rv[j][1], row, int(st[0] * k + st[-1]))
             # blocks between equal states choose alike: one argmin walk per distinct state pair
             pairs, which = np.unique(st[:-1] * k + st[1:], return_inverse=True)
-            distinct = [self.ftab.argmin_choice(sc.fargs, row, int(pair)) for pair in pairs]
+            picks = [int(sc.fsel[row, p // k, p % k]) for p in pairs.tolist()]
+            distinct = [self.ftabs[v].argmin_choice(sc.fv[v][1], row, int(p)) for p, v in zip(pairs, picks)]
             choice = self.assemble(rest, distinct, which)
-            out.append((*self.problem.evaluate(choice), choice))
+            variants = (j, *(picks[w] for w in which.tolist()))
+            out.append((*self.evaluate(choice, variants), choice, variants))
         return out
 
 
@@ -309,7 +346,7 @@ def _lagrange_rows(chain: _Chain, fast, small, cap: int, seen: list) -> float:
     lam = 0.0
     for _ in range(64):
         lam = max(0.0, (small[0] - fast[0]) / max(fast[1] - small[1], 1))
-        p = chain.scalar_plans(MinSumChain(chain.ftab, chain.rtab, chain.n, np.array([[1.0, lam]])))[0]
+        p = chain.scalar_plans(chain.minsum(np.array([[1.0, lam]])))[0]
         seen.append(p)
         line = fast[0] + lam * fast[1]
         if p[0] + lam * p[1] >= line - tol(line):
@@ -324,11 +361,20 @@ def solve_chain(
     *,
     progress: Callable[[str, int, int], None] | None = None,
     above: int | None = None,
+    variants: tuple[SearchProblem, ...] = (),
 ) -> Solution:
     """Minimum time under the memory cap (ties broken by memory), exactly, solving the
     repeated block once (see the module docstring).  ``above``: a time the caller has met
     already; when the lower bound proves every plan slower, :class:`BeatenError` instead
     of the exact pass.
+
+    ``variants``: problems like ``problem`` (same nodes, strategies, edges and cap) whose
+    blocks' terms are alternatives: each block (B_0 with the rest) takes the terms of
+    the problem it picks, the nodes outside the blocks are priced alike in all, and an
+    edge belongs to the node it enters.  The block table is then the union of the
+    variants' (Pareto per state pair), the min-sum rows their least: the recurrence and
+    its proof are unchanged.  ``Solution.stats["block_variants"]`` says which each block
+    took (0: ``problem``).
 
     ``blocks[i][j]``: node of position j in block i, blocks in chain order.  Raises
     :class:`ChainError` when the blocks do not chain (solve flat then), and
@@ -339,9 +385,9 @@ def solve_chain(
     tick = progress or (lambda *_: None)
     # the block and rest tables and the time/memory min-sum do not depend on the cap: kept
     # with the problem's arrays, so another cap (SearchProblem.with_cap) starts from them
-    key = ("chain", tuple(map(tuple, blocks)))
+    key = ("chain", tuple(map(tuple, blocks)), tuple(id(v) for v in variants))
     reused = problem.memo_has(key)
-    chain = problem.memo(key, lambda: _Chain(problem, blocks))
+    chain = problem.memo(key, lambda: _Chain(problem, blocks, variants))
     cap = problem.mem_cap_bytes
     tick("block tables", 1, 4)
     w = np.array([[1.0, 0.0], [0.0, 1.0]])
@@ -349,22 +395,26 @@ def solve_chain(
     seen = list(seen)
     fast, small = seen
     if cap is not None and int(sc.total[1]) > cap:  # min-sum of memory is the exact least memory
-        raise InfeasibleError.over_cap(problem, _least_memory(problem, blocks, int(sc.total[1]), small[1]))
+        least = int(sc.total[1])
+        raise InfeasibleError.over_cap(problem, _least_memory(problem, blocks, least, small[1], variants))
     if cap is not None and fast[1] > cap:
         if small[1] > cap:  # float ties in the memory row: take a plan that fits
+            if variants:
+                raise ChainError("the memory row's plan misses the cap by float ties: solve each variant alone")
             exact = min_memory(problem)
-            small = (exact.time, exact.mem_bytes, exact.choice)
+            small = (exact.time, exact.mem_bytes, exact.choice, (0,) * len(blocks))
             seen.append(small)
         lam = _lagrange_rows(chain, fast, small, cap, seen)
         # lam* and the slopes around it (as dp's grid): a pair's completion trades at its own rate
         w = np.concatenate([w, [[1.0, lam]], [[1.0, lam * f] for f in LAMBDA_GRID]])
-        sc = MinSumChain(chain.ftab, chain.rtab, chain.n, w)
+        sc = chain.minsum(w)
         seen += chain.scalar_plans(sc)[2:]
     ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
     tick("bounds", 2, 4)
-    bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n
-        min_sum_bounds(chain.ftab.model, w, sc.fvals, chain.ftab.from_grid(sc.outside()[1].transpose(0, 2, 1))),
-        min_sum_bounds(chain.rtab.model, w, sc.rvals, chain.rtab.from_grid(sc.power())),
+    o1 = sc.outside()[1].transpose(0, 2, 1)
+    bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n (per variant)
+        [min_sum_bounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
+        [min_sum_bounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
     )
     stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
     stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
@@ -378,7 +428,9 @@ def solve_chain(
     found, pstats = _deepen(chain, sc, bounds, lb, ub, cap)
     stats.update(pstats, upper_bound=ub)
     cands = [p for p in seen if cap is None or p[1] <= cap] + found
-    t, m, choice = min(cands, key=lambda p: (p[0], p[1]))
+    t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))
+    if variants:
+        stats["block_variants"] = picked
     tick("done", 4, 4)
     elapsed = time.perf_counter() - start
     stats["solve_s"] = elapsed
@@ -395,12 +447,16 @@ def solve_chain(
     return Solution(tuple(choice), t, m, True, "chain", elapsed, stats)
 
 
-def _least_memory(problem: SearchProblem, blocks: list[list[int]], least: int, reached: int) -> Solution:
+def _least_memory(
+    problem: SearchProblem, blocks: list[list[int]], least: int, reached: int, variants: tuple = ()
+) -> Solution:
     """The least-memory plan, ties broken by time: the optimum under the cap ``least`` (the
     memory row's min-sum, exact in float64 below 2^53) when the memory row's plan reaches
     it (``reached``), so the chain answers in a pass; else :func:`.dp.min_memory` (flat)."""
     if least == reached and least < 2**53:
-        return solve_chain(problem.with_cap(least), blocks)
+        return solve_chain(problem.with_cap(least), blocks, variants=variants)
+    if variants:
+        raise ChainError("the least memory is not the memory row's plan's: solve each variant alone")
     return min_memory(problem)
 
 
@@ -428,32 +484,54 @@ def _deepen(chain: _Chain, sc: MinSumChain, bounds: tuple, lb: float, ub: int, c
 def _pass(chain: _Chain, sc: MinSumChain, bounds: tuple, ub: int, cap: int | None):
     """One exact Pareto pass under target ``ub`` (and the cap): the best plan with time <= ub,
     re-evaluated, or None when there is none."""
-    problem, k, w = chain.problem, chain.k, sc.w
+    k, w = chain.k, sc.w
     fb, rb = bounds
-    lim_rows = row_limits(fb, float(ub), cap)
+    lim_rows = row_limits(fb[0], float(ub), cap)
     lim = (lim_rows + tol(lim_rows))[:, None]
-    ftabs, fstats = pareto_pass(chain.ftab.model, fb, lim_rows)
-    leaf = _leaf(chain.ftab, ftabs[chain.ftab.model.final])
+    ftabs = [pareto_pass(t.model, fb[j], lim_rows)[0] for j, t in enumerate(chain.ftabs)]
+    leaf, fvar, fidx = _leaf(chain.ftabs, [tabs[t.model.final] for t, tabs in zip(chain.ftabs, ftabs)])
     g = _power(leaf, chain.n, k, w, sc.outside(), lim)
-    rtabs, rstats = pareto_pass(chain.rtab.model, rb, lim_rows)
-    rest = _leaf(chain.rtab, rtabs[chain.rtab.model.final])
+    rtabs = [pareto_pass(t.model, rb[j], lim_rows)[0] for j, t in enumerate(chain.rtabs)]
+    rest, rvar, ridx = _leaf(chain.rtabs, [tabs[t.model.final] for t, tabs in zip(chain.rtabs, rtabs)])
     stats = {"block_pairs": int(leaf.t.size), "chain_pairs": int(g.t.size), "rest_pairs": int(rest.t.size)}
     best = _finish(rest, g, k, cap)
     if best is None:
         return None, stats
     e, pr, pg = best
     y, z = divmod(e, k)
-    rest_choice = chain.rtab.pareto_choice(rtabs, int(rest.leaf[pr]), e)
+    at = int(rest.leaf[pr])
+    rest_var = int(rvar[at])
+    rest_choice = chain.rtabs[rest_var].pareto_choice(rtabs[rest_var], int(ridx[at]), e)
     per_block = np.array(_expand(g, y, z, pg), np.int64).reshape(-1, 3)  # (a, c, leaf pair) per block
+    if len(chain.ftabs) > 1:
+        per_block = _later_variants_first(per_block, fvar)
     # equal (leaf pair, states): equal block choice, walked back once
     keys, which = np.unique(per_block[:, 2] * (k * k) + per_block[:, 0] * k + per_block[:, 1], return_inverse=True)
-    distinct = [chain.ftab.pareto_choice(ftabs, int(key // (k * k)), int(key % (k * k))) for key in keys]
+    distinct = []
+    for key in keys.tolist():
+        at, pair = divmod(key, k * k)
+        j = int(fvar[at])
+        distinct.append(chain.ftabs[j].pareto_choice(ftabs[j], int(fidx[at]), pair))
     choice = chain.assemble(rest_choice, distinct, which)
-    t, m = problem.evaluate(choice)
+    variants = (rest_var, *(int(fvar[p]) for p in per_block[:, 2].tolist()))
+    t, m = chain.evaluate(choice, variants)
     want = (int(rest.t[pr] + g.t[pg]), int(rest.m[pr] + g.m[pg]))
     if (t, m) != want:
         raise AssertionError(f"solve_chain: plan re-evaluates to {(t, m)}, the chain said {want}")
-    return (t, m, choice), stats
+    return (t, m, choice, variants), stats
+
+
+def _later_variants_first(per_block: np.ndarray, fvar: np.ndarray) -> np.ndarray:
+    """The blocks' (a, c, leaf pair) rows with, among blocks between the same port states, the pairs of later
+    variants first.  Such blocks may swap choices without changing T or M (every term they share is the
+    same), so the order is free; the planner's variants run from saving to recomputing more, and a step's
+    peak comes as backward starts, at the last blocks: recomputation there would add to it."""
+    out = per_block.copy()
+    keys = per_block[:, 0] * (per_block[:, 1].max() + 1) + per_block[:, 1]
+    for key in np.unique(keys):
+        rows = np.flatnonzero(keys == key)
+        out[rows] = per_block[rows[np.argsort(-fvar[per_block[rows, 2]], kind="stable")]]
+    return out
 
 
 def _power(leaf: _Seg, n: int, k: int, w: np.ndarray, outs: dict[int, np.ndarray], lim: np.ndarray) -> _Seg:

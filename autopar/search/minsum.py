@@ -41,6 +41,14 @@ def halving(n: int) -> list[tuple[int, int, int]]:
     return [(length, length // 2, length - length // 2) for length in sorted(seen)]
 
 
+def _least(grids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The elementwise least of the variants' grids, and which variant gives it (the first on ties)."""
+    if len(grids) == 1:
+        return grids[0], np.zeros(grids[0].shape, np.int64)
+    stack = np.stack(grids)
+    return stack.min(axis=0), stack.argmin(axis=0)
+
+
 def minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """(rows, K, K) min-plus product ``out[r, a, c] = min_b x[r, a, b] + y[r, b, c]`` (the
     argmins, where needed, are taken along one path: :meth:`MinSumChain.states`).
@@ -59,13 +67,15 @@ def minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class MinSumChain:
     """Min-sum of the whole chain for rows of weights: tables, argmins, bounds."""
 
-    def __init__(self, ftab: PortTable, rtab: PortTable, n: int, w: np.ndarray) -> None:
-        """``ftab``/``rtab``: the block and rest tables (:class:`.tables.PortTable`); ``n`` blocks chained."""
+    def __init__(self, ftabs: list[PortTable], rtabs: list[PortTable], n: int, w: np.ndarray) -> None:
+        """``ftabs``/``rtabs``: the block's and the rest's tables (:class:`.tables.PortTable`), one per variant
+        (a block, and B_0 in the rest, may take any variant: ``f`` is the least over them, ``fsel`` which);
+        ``n`` blocks chained.  ``fv[j]``/``rv[j]``: variant j's (values, argmins) of :func:`.elimination.inside`."""
         self.w, self.n = w, n
-        self.fvals, self.fargs = inside(ftab.model, w)
-        self.rvals, self.rargs = inside(rtab.model, w)
-        self.f = ftab.to_grid(self.fvals[ftab.model.final])
-        self.r = rtab.to_grid(self.rvals[rtab.model.final])
+        self.fv = [inside(t.model, w) for t in ftabs]
+        self.rv = [inside(t.model, w) for t in rtabs]
+        self.f, self.fsel = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(ftabs, self.fv)])
+        self.r, self.rsel = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(rtabs, self.rv)])
         self._pow = {1: self.f}  # l -> f^l, built by halving (:meth:`fpow`)
         self._out: dict[int, np.ndarray] | None = None  # l -> O_l (:meth:`outside`)
         rows, k = len(w), self.f.shape[1]

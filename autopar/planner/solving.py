@@ -1,0 +1,252 @@
+"""Search one planning problem under a memory cap, check the step's peak, and assemble the plan.
+
+``plan_under`` is what ``plan_from_context`` runs per recompute mode: it restricts the
+strategies (hints, a forced family, state sharding off), solves exactly
+(``solve_problem``: the chained search over repeated layers, else the flat DP, or
+CP-SAT), checks the peak of the step (``cost.peak_memory``) against the cap and
+tightens the search's additive bound where the peak is above it, and assembles the
+``Plan``.  Given ``per_layer`` (the recompute regions of a few variants), every
+repeated layer takes the variant the chained search picks for it: recomputed or not,
+selectively or whole, per layer (``search.chain``'s variants; the planner's tables
+price each layer from its own choice alone, ``kept.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from autopar.capture import Blocks
+from autopar.search import ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
+
+from .assemble import assemble_plan, breakdown
+from .errors import cap_error, no_plan_error
+from .families import family_restriction, param_nodes
+from .hints import ResolvedHints
+from .problem import to_problem
+from .recompute import recomputed_tables
+from .schema import FAMILIES, Plan
+
+if TYPE_CHECKING:
+    from .pipeline import PlanningContext
+
+__all__ = ["family_alternatives", "plan_under", "solve_problem"]
+
+log = logging.getLogger(__name__)
+
+_PEAK_TRIES = 8
+
+
+def plan_under(
+    ctx: PlanningContext,
+    resolved: ResolvedHints,
+    cap: int | None,
+    regions: dict[int, str],
+    *,
+    solver: str,
+    compare_families: bool,
+    allow_state_sharding: bool,
+    family: str | None,
+    progress,
+    above: int | None = None,
+    per_layer: tuple[dict[int, str], ...] = (),
+) -> Plan:
+    """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the ops of ``regions``
+    recomputed (none when empty).  ``above``: the objective of a plan met already (another recompute mode's);
+    ``BeatenError`` when a bound proves every plan here slower.  ``per_layer``: region maps each repeated layer
+    chooses from (``regions`` is then the first's); ``ChainError`` when the layers do not chain."""
+    t0 = time.perf_counter()
+    base = ctx
+    variant_tables = [recomputed_tables(ctx, r) for r in per_layer]
+    if regions or per_layer:
+        ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
+    hinted = resolved.allowed(ctx.cand)
+    fam_node, allow_edge = family_restriction(ctx, family) if family else (None, None)
+    params = param_nodes(ctx)
+
+    def allow_node(i: int, s: int) -> bool:
+        if i in hinted and s not in hinted[i]:
+            return False
+        if not allow_state_sharding and i in params:
+            st = ctx.cand.strategies[i][s]
+            if st.state != st.placement:
+                return False
+        return fam_node is None or fam_node(i, s)
+
+    check_family_keeps_hints(ctx, family, hinted, allow_node)
+    restricted = bool(hinted) or not allow_state_sharding or fam_node is not None  # else allow_node is always True
+
+    def search(bound: int | None):
+        """(solution, choice) under ``bound``; (None, the InfeasibleError, keep) when nothing fits."""
+        allow = {"allow_node": allow_node if restricted else None, "allow_edge": allow_edge}
+        problem, keep = to_problem(variant_tables[0] if per_layer else ctx.tables, bound, **allow)
+        variants = tuple(to_problem(t, bound, **allow)[0] for t in variant_tables[1:])
+        try:
+            sol = solve_problem(problem, solver, ctx.blocks, progress, above, variants)
+        except InfeasibleError as e:
+            if e.min_mem_bytes is None and hinted:
+                raise contradiction_error(ctx, resolved) from None
+            if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
+                raise no_plan_error(ctx, family, allow_state_sharding) from None
+            return None, e, keep
+        return sol, [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice), keep
+
+    parts: dict[tuple, dict] = {}  # choice -> its breakdown: the peak check's is the plan's
+    contexts: dict[tuple, Any] = {}  # choice -> its context (per layer: the regions its layers chose)
+
+    def peak_of(sol: Solution, choice: list[int]) -> int:
+        here = ctx if not per_layer else _layers_chose(base, per_layer, sol, choice)
+        contexts[tuple(choice)] = here
+        parts[tuple(choice)] = breakdown(here, choice)
+        return parts[tuple(choice)]["memory"]["per_device_bytes"]
+
+    # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
+    # checked against the cap.  Where it is above, the bound is tightened by the excess (doubled each time) and
+    # searched again until a plan's peak fits; then the bound is bisected between the largest that fitted and
+    # the smallest that did not (how far the peak exceeds the bound differs from plan to plan), keeping the
+    # fastest plan that fits.  Tightened past every plan, the least-memory plan is taken if its peak fits.
+    bound, fits, over, best, searches = cap, None, None, None, 0
+    for attempt in range(_PEAK_TRIES + 1):
+        searches += 1
+        sol, choice, keep = search(bound if attempt < _PEAK_TRIES or best is not None else 0)
+        if sol is None:
+            err = choice
+            least = err.min_mem_solution
+            if best is not None:
+                break
+            if attempt == 0 or least is None:
+                raise cap_error(ctx, cap, err, keep) from None
+            sol, choice = (
+                least,
+                [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice),
+            )
+            if peak_of(sol, choice) > cap:
+                raise cap_error(ctx, cap, err, keep) from None
+            best = (sol, choice)
+            break
+        if cap is None:
+            if per_layer:
+                peak_of(sol, choice)
+            best = (sol, choice)
+            break
+        if peak_of(sol, choice) <= cap:
+            if best is None or (sol.time, sol.mem_bytes) < (best[0].time, best[0].mem_bytes):
+                best = (sol, choice)
+            fits = bound
+            if over is None:
+                break  # the bound's own optimum fits: nothing faster does
+        else:
+            over = bound
+        if best is None:
+            bound -= (parts[tuple(choice)]["memory"]["per_device_bytes"] - cap) << attempt
+        elif over - fits <= max(cap >> 8, 1 << 20) or attempt == _PEAK_TRIES - 1:
+            break
+        else:
+            bound = (fits + over) // 2
+    sol, choice = best
+    search_s = time.perf_counter() - t0
+    alternatives = family_alternatives(ctx, cap, solver) if compare_families else []
+    timings = dict(ctx.timings, search_s=search_s)
+    settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
+    ctx = contexts.get(tuple(choice), ctx)
+    result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(tuple(choice)))
+    search = dict(result.search, peak_searches=searches)  # > 1: the peak, not the bound, held the plan back
+    return replace(result, timings=timings, hints=dict(resolved.record), search=search)
+
+
+def _layers_chose(ctx, per_layer: tuple[dict[int, str], ...], sol: Solution, choice: list[int]):
+    """The context whose recompute regions are those each layer's variant has (``sol.stats["block_variants"]``);
+    AssertionError unless its tables price ``choice`` as the search did (each layer priced from its own choice)."""
+    picks = sol.stats.get("block_variants", (0,) * len(ctx.blocks.nodes))
+    inside = {i for nodes in ctx.blocks.nodes for i in nodes}
+    regions = {i: r for i, r in per_layer[0].items() if i not in inside}
+    for nodes, j in zip(ctx.blocks.nodes, picks):
+        regions.update((i, per_layer[j][i]) for i in nodes if i in per_layer[j])
+    mixed = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
+    got = mixed.tables.problem(None)[0].evaluate(choice)
+    if got != (sol.time, sol.mem_bytes):
+        raise AssertionError(
+            f"per-layer recomputation: the chosen layers price the plan at {got}, the search at "
+            f"{(sol.time, sol.mem_bytes)} (a layer's terms depend on another layer's choice)"
+        )
+    return mixed
+
+
+def check_family_keeps_hints(ctx: PlanningContext, family: str | None, hinted: dict, allow_node) -> None:
+    if family is None:
+        return
+    for i, kept in hinted.items():
+        if not any(allow_node(i, s) for s in kept):
+            node = ctx.graph.nodes[i]
+            raise ValueError(
+                f"family {family!r} and the hints on {node.fqn or node.name} (shape {node.outputs[0].shape}) "
+                f"exclude each other on {ctx.mesh}: no strategy keeps both.\n"
+                "Fix: drop the family (family=None) to let the search complete the hints, or change the hints."
+            )
+
+
+def contradiction_error(ctx: PlanningContext, resolved: ResolvedHints) -> ValueError:
+    labels = sorted({label for ls in resolved.labels.values() for label in ls})
+    return ValueError(
+        f"the hints {', '.join(labels)} together leave no valid plan of {ctx.graph.model_name} on {ctx.mesh}: "
+        "every plan needs a move between hinted placements that autopar cannot make.\n"
+        "Fix: hint fewer tensors, or placements that a collective can connect."
+    )
+
+
+def solve_problem(
+    problem, solver: str, blocks: Blocks | None = None, progress=None, above: int | None = None, variants=()
+) -> Solution:
+    """The exact optimum; ``above`` (a time met already) lets the chained search stop early (``BeatenError``).
+    ``variants`` (problems whose layers' terms are alternatives, ``search.chain``) need the chained search:
+    ``ChainError`` when it does not apply."""
+    if solver != "dp":
+        return solve_cpsat(problem)
+    if blocks is not None:
+        try:
+            return solve_chain(
+                problem, [list(b) for b in blocks.nodes], progress=progress, above=above, variants=variants
+            )
+        except ChainError as e:
+            if variants:
+                raise
+            log.info("the %d repeated blocks under %s do not chain (%s); solving flat", blocks.count, blocks.prefix, e)
+    return solve_dp(problem, progress=None if progress is None else lambda done, total: progress("search", done, total))
+
+
+# ---- families ---------------------------------------------------------------------------
+def family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> list[dict[str, Any]]:
+    out = []
+    for family in FAMILIES:
+        allow_node, allow_edge = family_restriction(ctx, family)
+        problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
+        entry: dict[str, Any] = {"family": family}
+        try:
+            sol = solve_problem(problem, solver, ctx.blocks)
+            choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
+            entry.update(feasible=True, **_summary(ctx, choice))
+        except InfeasibleError as e:
+            entry.update(
+                feasible=False,
+                proven=not getattr(e, "approximate", False),
+                total_s=None,
+                compute_s=None,
+                comm_s=None,
+                per_device_bytes=None,
+                min_per_device_bytes=None if e.min_mem_bytes is None else int(e.min_mem_bytes),
+            )
+        out.append(entry)
+    return out
+
+
+def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
+    b = breakdown(ctx, choice)
+    return {
+        "total_s": b["cost"]["total_s"],
+        "compute_s": b["cost"]["compute_s"],
+        "comm_s": b["cost"]["comm_s"],
+        "per_device_bytes": b["memory"]["per_device_bytes"],
+        "terms": b["cost"]["terms"],
+    }
