@@ -9,8 +9,8 @@ optimizer state (AdamW), seq 4096, global batch 8, the h100 profile, built on th
 device.  The mesh ``8`` is one axis of 8 devices; ``8x8`` is ``dp`` across nodes by ``tp``
 inside a node.  Per cap: the plan's predicted step time and per-device memory with
 ``recompute="auto"`` (the search may recompute, selectively or whole layers) and with
-``"none"``, what the plan recomputes (``sel`` selective regions, ``full`` whole layers,
-and how many), and per mode the smallest per-device memory any plan reaches (the
+``"none"``, what the plan recomputes (how many layers whole, ``full``, and
+selectively, ``sele``: each layer chooses), and per mode the smallest per-device memory any plan reaches (the
 smallest cap that has a plan: from the error of a cap no plan fits).
 
 ``--depths`` times the search (``plan_from_context`` with ``recompute="full"`` and with
@@ -47,11 +47,11 @@ def _row(ctx, cap: int, recompute: str) -> str:
     try:
         p = autopar.plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute=recompute)
     except autopar.MemoryCapError:
-        return f"{'no plan':>10} {'':>10} {'':>10}"
-    regions = len({e["recompute"] for e in p.nodes.values() if "recompute" in e})
-    what = {"selective": "sel", "full": "full"}.get(p.search.get("recompute_mode"), "") if regions else "-"
-    recomputed = f"{what} {regions}" if regions else what
-    return f"{p.cost['total_s'] * 1e3:>8.1f}ms {format_bytes(p.memory['per_device_bytes']):>10} {recomputed:>10}"
+        return f"{'no plan':>10} {'':>10} {'':>16}"
+    layers = p.search.get("recompute_layers") or {}
+    parts = [f"{layers[m]} {m[:4]}" for m in ("full", "selective") if layers.get(m)]
+    recomputed = " + ".join(parts) or "-"  # layers recomputed whole, and selectively
+    return f"{p.cost['total_s'] * 1e3:>8.1f}ms {format_bytes(p.memory['per_device_bytes']):>10} {recomputed:>16}"
 
 
 def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) -> None:
@@ -65,8 +65,8 @@ def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) 
             f"\n{model}, batch {batch}, seq {seq}, bf16, h100, mesh {text} "
             f"(prepared in {time.perf_counter() - t0:.1f} s)"
         )
-        print(f"{'cap':>8} | {'recompute allowed (auto)':^32} | {'recompute forbidden (none)':^32}")
-        head = f"{'step':>10} {'memory':>10} {'recomputes':>10}"
+        print(f"{'cap':>8} | {'recompute allowed (auto)':^38} | {'recompute forbidden (none)':^38}")
+        head = f"{'step':>10} {'memory':>10} {'layers recomputed':>16}"
         print(f"{'':>8} | {head} | {head}")
         for cap in caps:
             c = parse_bytes(cap)
