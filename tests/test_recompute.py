@@ -225,6 +225,13 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
             line = next(x for x in capped.table().splitlines() if x.startswith("recompute:"))
             assert line.startswith(f"recompute: per layer, {layers['full']} whole, {layers['selective']} selectively")
     assert mixed >= 2  # the caps between the modes' memory really mix them
+    # a cap nothing meets: the least memory named is that of recomputing every layer whole, priced as such
+    least = {}
+    for mode in ("auto", "full"):
+        with pytest.raises(autopar.MemoryCapError) as err:
+            autopar.plan_from_context(ctx, compare_families=False, mem_cap=1, recompute=mode)
+        least[mode] = err.value.min_mem_bytes
+    assert least["auto"] <= least["full"] < full.memory["per_device_bytes"]
 
 
 def test_layers_that_do_not_chain_search_one_mode_for_all(gpt2_context):

@@ -102,6 +102,14 @@ def plan_under(
         parts[tuple(choice)] = breakdown(here, choice)
         return parts[tuple(choice)]["memory"]["per_device_bytes"]
 
+    def error_context(err: InfeasibleError, keep):
+        """The context that prices the least-memory plan of ``err`` (per layer: with the regions it chose)."""
+        least = err.min_mem_solution
+        if not per_layer or least is None:
+            return ctx
+        choice = [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice)
+        return _layers_chose(base, per_layer, least, choice)
+
     # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
     # checked against the cap.  Where it is above, the bound is tightened by the excess (doubled each time) and
     # searched again until a plan's peak fits; then the bound is bisected between the largest that fitted and
@@ -117,13 +125,13 @@ def plan_under(
             if best is not None:
                 break
             if attempt == 0 or least is None:
-                raise cap_error(ctx, cap, err, keep) from None
+                raise cap_error(error_context(err, keep), cap, err, keep) from None
             sol, choice = (
                 least,
                 [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice),
             )
             if peak_of(sol, choice) > cap:
-                raise cap_error(ctx, cap, err, keep) from None
+                raise cap_error(contexts[tuple(choice)], cap, err, keep) from None
             best = (sol, choice)
             break
         if cap is None:
