@@ -319,6 +319,14 @@ class Coster:
         """The (node, output) owning the storage of ``ref`` (itself unless it is a view: ``saved.storage_roots``)."""
         return self._root.get(ref, ref)
 
+    def storage_bytes(self, ref: tuple[int, int], placements) -> int:
+        """Local bytes of the storage behind ``ref`` (node, output) read in ``placements``: a view keeps its whole
+        base, assumed split across ranks like the view."""
+        meta = self.graph.nodes[ref[0]].outputs[ref[1]]
+        root = self.storage_root(ref)
+        numel = self.graph.nodes[root[0]].outputs[root[1]].numel
+        return self.local_bytes(meta, placements) * numel // max(meta.numel, 1)
+
     def kept_by(self, node: OpNode) -> SavedForBackward:
         """What ``node``'s op keeps for backward at the captured (global) shapes: input positions, output
         indices and the bytes of its own tensors (``NOTHING_SAVED`` for a parameter or an op no grad reaches)."""
@@ -389,11 +397,10 @@ class Coster:
             return 0
         if src != dst or grad_moves:
             return self.local_bytes(u.outputs[out_idx], dst)
-        root_kept, k, n, root_numel = share
+        root_kept, k, n, _ = share
         if root_kept or prices_as_fused(v.fx_node, pos) and not fused_keeps(dst):  # fused: the log-softmax instead
             return 0
-        meta = u.outputs[out_idx]
-        nbytes = self.local_bytes(meta, src) * root_numel // max(meta.numel, 1)
+        nbytes = self.storage_bytes((u.index, out_idx), src)
         return nbytes // n + (nbytes % n if k == 0 else 0)
 
     def node_mem_bytes(self, node: OpNode, strategy) -> int:

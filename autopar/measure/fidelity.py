@@ -293,9 +293,9 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
     peaks = []  # per plan: (each measured step's largest rank peak, that rank's held bytes)
     for i, (_, sharded, opt) in enumerate(runs):
         steps, held_by = [], 0
+        held = [*sharded.parameters(), *(p.grad for p in sharded.parameters()), *sharded.buffers()]
+        held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]  # warm: state exists
         for _ in range(bench.memory_steps):  # the allocator timeline moves with the ranks' threads: a median
-            held = [*sharded.parameters(), *(p.grad for p in sharded.parameters()), *sharded.buffers()]
-            held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
             peak = step_peak_bytes(lambda i=i: step(i), held, torch.device("cpu"))
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, (peak.peak_bytes, peak.held_bytes))

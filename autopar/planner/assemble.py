@@ -145,7 +145,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 reborn[region] += edge_act
                 freed_at[n.index] = freed_at.get(n.index, 0) + edge_act
                 if (n.index, pos) in keep.payers:  # the checkpoint keeps what u made until the region's backward ends
-                    kept = keep.root_bytes(ctx, (u, o), src)
+                    kept = coster.storage_bytes((u, o), src)
                     mem["activations"] += kept
                     first = keep.first[region]
                     freed_at[first] = freed_at.get(first, 0) + kept

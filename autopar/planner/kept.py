@@ -49,14 +49,6 @@ class Keeping:
     first: dict[str, int]
     release: dict[int, int]
 
-    def root_bytes(self, ctx, ref: tuple[int, int], placements) -> int:
-        """Local bytes of the storage under ``ref`` (node, output) read in ``placements``: a view's whole base."""
-        coster, graph = ctx.coster, ctx.graph
-        meta = graph.nodes[ref[0]].outputs[ref[1]]
-        root = coster.storage_root(ref)
-        numel = graph.nodes[root[0]].outputs[root[1]].numel
-        return coster.local_bytes(meta, placements) * numel // max(meta.numel, 1)
-
 
 def keeping(ctx, regions: dict[int, str]) -> Keeping:
     """The ``Keeping`` of ``regions`` (op node -> region name)."""

@@ -51,9 +51,6 @@ __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context",
 log = logging.getLogger(__name__)
 
 
-#: how often the search is run again with a tighter bound when the chosen plan's peak exceeds the cap
-
-
 @dataclass
 class PlanningContext:
     """Everything computed before the search, reusable across caps and batch sizes (plan reuse).
@@ -339,31 +336,20 @@ def plan_from_context(
     auto = ["none", "selective", "full"] if cap is not None and unforced else ["none"]
     mode_regions = {"none": forced, "selective": selective, "full": regions}
     best, best_mode, failed, tried = None, None, None, []
+    common = {"solver": solver, "allow_state_sharding": allow_state_sharding, "family": family, "progress": progress}
     if recompute == "auto" and len(auto) > 1 and solver == "dp" and hinted_ctx.blocks is not None:
         # every layer picks its own: saved, selective or whole, in one chained search (a cap no choice meets
         # raises here: the search covered every mode of every layer).  Its optimum is the plan unless the
         # step's peak made the search tighten its bound (a heuristic): then one mode for all layers may do better
         layers = (forced, selective, regions) if selective != forced else (forced, regions)
-        common = {"solver": solver, "allow_state_sharding": allow_state_sharding, "family": family}
-        free = plan_under(hinted_ctx, resolved, None, forced, compare_families=False, progress=progress, **common)
+        free = plan_under(hinted_ctx, resolved, None, forced, compare_families=False, **common)
         if max(free.memory["per_device_bytes"], free.memory["search_bytes"]) <= cap:  # the fastest plan fits
-            found = plan_under(
-                hinted_ctx, resolved, cap, forced, compare_families=compare_families, progress=progress, **common
-            )
+            found = plan_under(hinted_ctx, resolved, cap, forced, compare_families=compare_families, **common)
             search = dict(found.search, **_layer_modes(found, regions, hinted_ctx.graph))
             return replace(found, settings=dict(found.settings, recompute=recompute), search=search)
         try:
             found = plan_under(
-                hinted_ctx,
-                resolved,
-                cap,
-                forced,
-                solver=solver,
-                compare_families=compare_families,
-                allow_state_sharding=allow_state_sharding,
-                family=family,
-                progress=progress,
-                per_layer=layers,
+                hinted_ctx, resolved, cap, forced, compare_families=compare_families, per_layer=layers, **common
             )
         except ChainError as e:  # the layers do not chain (hinted layers differ, say): one mode for all, below
             log.info("recompute per layer needs the chained search (%s): one mode for every layer", e)
@@ -379,16 +365,7 @@ def plan_from_context(
         above = best.search["objective_ps"] if best is not None else None
         try:
             found = plan_under(
-                hinted_ctx,
-                resolved,
-                cap,
-                mode_regions[mode],
-                solver=solver,
-                compare_families=compare_families,
-                allow_state_sharding=allow_state_sharding,
-                family=family,
-                progress=progress,
-                above=above,
+                hinted_ctx, resolved, cap, mode_regions[mode], compare_families=compare_families, above=above, **common
             )
         except BeatenError as e:  # a bound proves this mode slower than the plan in hand: not searched further
             tried.append({"recompute": mode, "feasible": None, "at_least_s": e.lower_bound_ps / PS_PER_S})

@@ -109,7 +109,7 @@ def _checkpoint_inputs(ctx, keep: Keeping, refs, shape: tuple[int, int]) -> np.n
     out = np.zeros(shape, dtype=np.int64)
     for u, o, v, pos in refs:
         if (v, pos) in keep.payers:
-            col = [keep.root_bytes(ctx, (u, o), s.outputs[o]) for s in ctx.cand.strategies[u]]
+            col = [ctx.coster.storage_bytes((u, o), s.outputs[o]) for s in ctx.cand.strategies[u]]
             out += np.array(col, dtype=np.int64)[:, None]
     return out
 

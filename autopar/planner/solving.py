@@ -59,7 +59,7 @@ def plan_under(
     chooses from (``regions`` is then the first's); ``ChainError`` when the layers do not chain."""
     t0 = time.perf_counter()
     base = ctx
-    variant_tables = [recomputed_tables(ctx, r) for r in per_layer]
+    variant_tables = [recomputed_tables(ctx, r) for r in per_layer[1:]]  # the first is ``regions``'
     if regions or per_layer:
         ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
     hinted = resolved.allowed(ctx.cand)
@@ -81,8 +81,8 @@ def plan_under(
     def search(bound: int | None):
         """(solution, choice) under ``bound``; (None, the InfeasibleError, keep) when nothing fits."""
         allow = {"allow_node": allow_node if restricted else None, "allow_edge": allow_edge}
-        problem, keep = to_problem(variant_tables[0] if per_layer else ctx.tables, bound, **allow)
-        variants = tuple(to_problem(t, bound, **allow)[0] for t in variant_tables[1:])
+        problem, keep = to_problem(ctx.tables, bound, **allow)
+        variants = tuple(to_problem(t, bound, **allow)[0] for t in variant_tables)
         try:
             sol = solve_problem(problem, solver, ctx.blocks, progress, above, variants)
         except InfeasibleError as e:
@@ -91,7 +91,11 @@ def plan_under(
             if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
                 raise no_plan_error(ctx, family, allow_state_sharding) from None
             return None, e, keep
-        return sol, [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice), keep
+        return sol, full_choice(sol, keep), keep
+
+    def full_choice(sol: Solution, keep) -> list[int]:
+        """``sol``'s choice as indices into every node's strategies (the restricted problem keeps some)."""
+        return [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice)
 
     parts: dict[tuple, dict] = {}  # choice -> its breakdown: the peak check's is the plan's
     contexts: dict[tuple, Any] = {}  # choice -> its context (per layer: the regions its layers chose)
@@ -107,8 +111,7 @@ def plan_under(
         least = err.min_mem_solution
         if not per_layer or least is None:
             return ctx
-        choice = [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice)
-        return _layers_chose(base, per_layer, least, choice)
+        return _layers_chose(base, per_layer, least, full_choice(least, keep))
 
     # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
     # checked against the cap.  Where it is above, the bound is tightened by the excess (doubled each time) and
@@ -126,10 +129,7 @@ def plan_under(
                 break
             if attempt == 0 or least is None:
                 raise cap_error(error_context(err, keep), cap, err, keep) from None
-            sol, choice = (
-                least,
-                [int(keep[i][c]) for i, c in enumerate(least.choice)] if restricted else list(least.choice),
-            )
+            sol, choice = least, full_choice(least, keep)
             if peak_of(sol, choice) > cap:
                 raise cap_error(contexts[tuple(choice)], cap, err, keep) from None
             best = (sol, choice)
