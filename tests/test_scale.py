@@ -283,6 +283,44 @@ def test_chain_equals_flat_dp_at_any_depth_under_tight_caps(n_blocks: int, seed:
         assert capped.evaluate(got.choice) == (got.time, got.mem_bytes)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 100, 101, 103])
+def test_chain_is_exact_whichever_bound_rows_the_products_test(monkeypatch, seed: int) -> None:
+    """The products test the first bound row on every combination and the others only where a sample says they
+    cut (``chain._survivors``).  With a sample of 4 and a row kept only when it cuts every sampled combination,
+    almost every row is skipped: the optimum must still be the flat DP's (skipping a row keeps pairs, never
+    loses one), and the lead row's prefixes (``chain._LeadOrder``) must not drop a pair it passes."""
+    from autopar.search import chain
+
+    monkeypatch.setattr(chain, "_SAMPLE", 4)
+    monkeypatch.setattr(chain, "_MIN_CUT", 1.0)
+    problem, blocks = _chain_case(seed)
+    fastest, low = solve_dp(problem.with_cap(None)), min_memory(problem).mem_bytes
+    for fraction in (0.0, 0.1, 0.5):
+        capped = problem.with_cap(int(low + fraction * (fastest.mem_bytes - low)))
+        want, got = solve_dp(capped), solve_chain(capped, blocks)
+        assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
+
+
+def test_lead_order_prefix_counts_the_pairs_within_the_slack() -> None:
+    """Per query, the pairs of its entry whose row value is <= the slack, against counting them directly."""
+    from autopar.search.chain import _LeadOrder
+
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 6, 20)
+    off = np.concatenate([[0], np.cumsum(counts)])
+    bval = rng.integers(0, 9, (3, int(off[-1]))).astype(float)
+    lead = _LeadOrder(off, bval, 1)
+    e = rng.integers(0, 20, 200)
+    s = rng.integers(-1, 10, 200).astype(float)
+    got = lead.prefix(e, s)
+    want = [int((bval[1, off[x] : off[x + 1]] <= y).sum()) for x, y in zip(e, s)]
+    assert got.tolist() == want
+    for x in range(20):  # the order lists the entry's pairs, by value
+        seg = lead.order[off[x] : off[x + 1]]
+        assert sorted(seg.tolist()) == list(range(off[x], off[x + 1]))
+        assert np.all(np.diff(bval[1, seg]) >= 0)
+
+
 def _with_folds(seed: int, n_blocks: int, *, differ: int | None = None):
     """chain_problem with a second one-strategy node ``C2`` feeding node 1 of every block
     (so node 1 folds two edges, C's and C2's, the second with a forbidden entry), every

@@ -44,7 +44,7 @@ from .problem import PS_PER_S, ProblemTables, build_tables
 from .recompute import RECOMPUTE_OPTIONS
 from .regions import block_regions, hinted_regions, selective_regions
 from .schema import FAMILIES, Plan
-from .solving import plan_under
+from .solving import family_alternatives, plan_under
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
 
@@ -342,11 +342,13 @@ def plan_from_context(
         # raises here: the search covered every mode of every layer).  Its optimum is the plan unless the
         # step's peak made the search tighten its bound (a heuristic): then one mode for all layers may do better
         layers = (forced, selective, regions) if selective != forced else (forced, regions)
-        free = plan_under(hinted_ctx, resolved, None, forced, compare_families=False, **common)
-        if max(free.memory["per_device_bytes"], free.memory["search_bytes"]) <= cap:  # the fastest plan fits
-            found = plan_under(hinted_ctx, resolved, cap, forced, compare_families=compare_families, **common)
-            search = dict(found.search, **_layer_modes(found, regions, hinted_ctx.graph))
-            return replace(found, settings=dict(found.settings, recompute=recompute), search=search)
+        free = plan_under(hinted_ctx, resolved, None, forced, compare_families=False, unless_over=cap, **common)
+        if free is not None and free.memory["per_device_bytes"] <= cap:  # the fastest plan fits: the optimum
+            alternatives = family_alternatives(hinted_ctx, cap, solver) if compare_families else []
+            settings = dict(free.settings, mem_cap_bytes=cap, recompute=recompute)
+            search = dict(free.search, **_layer_modes(free, regions, hinted_ctx.graph))
+            memory = dict(free.memory, cap_bytes=cap)
+            return replace(free, settings=settings, search=search, memory=memory, alternatives=alternatives)
         try:
             found = plan_under(
                 hinted_ctx, resolved, cap, forced, compare_families=compare_families, per_layer=layers, **common

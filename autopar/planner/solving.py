@@ -52,11 +52,14 @@ def plan_under(
     progress,
     above: int | None = None,
     per_layer: tuple[dict[int, str], ...] = (),
-) -> Plan:
+    unless_over: int | None = None,
+) -> Plan | None:
     """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the ops of ``regions``
     recomputed (none when empty).  ``above``: the objective of a plan met already (another recompute mode's);
     ``BeatenError`` when a bound proves every plan here slower.  ``per_layer``: region maps each repeated layer
-    chooses from (``regions`` is then the first's); ``ChainError`` when the layers do not chain."""
+    chooses from (``regions`` is then the first's); ``ChainError`` when the layers do not chain.
+    ``unless_over``: None instead of the plan when its searched (additive) memory is above it, before the plan
+    is assembled (the planner asks whether the fastest plan fits a cap)."""
     t0 = time.perf_counter()
     base = ctx
     variant_tables = [recomputed_tables(ctx, r) for r in per_layer[1:]]  # the first is ``regions``'
@@ -114,10 +117,12 @@ def plan_under(
         return _layers_chose(base, per_layer, least, full_choice(least, keep))
 
     # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
-    # checked against the cap.  Where it is above, the bound is tightened by the excess (doubled each time) and
-    # searched again until a plan's peak fits; then the bound is bisected between the largest that fitted and
-    # the smallest that did not (how far the peak exceeds the bound differs from plan to plan), keeping the
-    # fastest plan that fits.  Tightened past every plan, the least-memory plan is taken if its peak fits.
+    # checked against the cap.  Where it is above, the bound is set below that plan's searched memory by the
+    # excess (doubled each time) and searched again until a plan's peak fits; then the bound is bisected between
+    # the largest that fitted and the least searched memory of a plan that did not (any bound from a plan's
+    # memory up to the bound that found it finds it again; how far the peak exceeds the searched memory differs
+    # from plan to plan), keeping the fastest plan that fits.  Tightened past every plan, the least-memory plan
+    # is taken if its peak fits.
     bound, fits, over, best, searches = cap, None, None, None, 0
     for attempt in range(_PEAK_TRIES + 1):
         searches += 1
@@ -134,21 +139,24 @@ def plan_under(
                 raise cap_error(contexts[tuple(choice)], cap, err, keep) from None
             best = (sol, choice)
             break
+        if unless_over is not None and sol.mem_bytes > unless_over:
+            return None
         if cap is None:
             if per_layer:
                 peak_of(sol, choice)
             best = (sol, choice)
             break
-        if peak_of(sol, choice) <= cap:
+        peak = peak_of(sol, choice)
+        if peak <= cap:
             if best is None or (sol.time, sol.mem_bytes) < (best[0].time, best[0].mem_bytes):
                 best = (sol, choice)
             fits = bound
             if over is None:
                 break  # the bound's own optimum fits: nothing faster does
         else:
-            over = bound
+            over = sol.mem_bytes  # every bound from the plan's own memory up to this one gives it back
         if best is None:
-            bound -= (parts[tuple(choice)]["memory"]["per_device_bytes"] - cap) << attempt
+            bound = sol.mem_bytes - ((peak - cap) << attempt)
         elif over - fits <= max(cap >> 8, 1 << 20) or attempt == _PEAK_TRIES - 1:
             break
         else:

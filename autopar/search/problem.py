@@ -31,7 +31,8 @@ __all__ = ["INF", "SearchProblem", "Solution", "InfeasibleError", "solve_brute_f
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_OWN = frozenset({"flat", "edge array", "ks array"})  # memo keys of the problem's own indexes (kept by forget)
+# memo keys of the problem's own indexes (kept by forget)
+_OWN = frozenset({"flat", "edge array", "ks array", "arrays key"})
 
 #: Marks a forbidden choice (node_time) or pair (edge_time); a quarter of int64 max so
 #: that a few of them can be added without overflowing.
@@ -243,6 +244,12 @@ class SearchProblem:
         :meth:`edge_array`): the next solve starts cold, as a benchmark of a first plan wants."""
         for key in [k for k in self._memo if k not in _OWN]:
             del self._memo[key]
+
+    @property
+    def arrays_key(self) -> object:
+        """A hashable token for this problem's arrays, the same for every :meth:`with_cap` copy of it: for keying
+        what is derived from several problems (its own memo, unlike an ``id``, is never reused by another)."""
+        return self.memo("arrays key", object)
 
     def memo_has(self, key: object) -> bool:
         """Whether :meth:`memo` holds ``key`` (built for this problem or a cap copy of it)."""
