@@ -14,9 +14,10 @@ selectively, ``sele``: each layer chooses), and per mode the smallest per-device
 smallest cap that has a plan: from the error of a cap no plan fits).
 
 ``--depths`` times the search (``plan_from_context`` with ``recompute="full"`` and with
-``"auto"`` under a cap) on GPT-shaped models of that many layers (width 4096, seq 2048,
-batch 16, mesh 8x8): the time should stay flat in depth (the chained search solves one
-layer and chains it).  Timings are wall-clock on this machine.
+``"auto"`` under caps of ``--cap-fractions`` times the full plan's memory) on GPT-shaped
+models of that many layers (width 4096, seq 2048, batch 16, mesh 8x8): the time should stay
+flat in depth (the chained search solves one layer and chains it).  Timings are
+wall-clock on this machine; a cell shows what auto chose (none, sel, full, or mix: per layer).
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) 
         )
 
 
-def depths(layers: list[int]) -> None:
+def depths(layers: list[int], fractions: list[float]) -> None:
     import torch
     import transformers
 
-    print(f"\n{'layers':>6} {'full s':>8} {'auto s':>8}")
+    head = " ".join(f"{'auto ' + format(f, 'g') + 'x':>10}" for f in fractions)
+    print(f"\n{'layers':>6} {'full s':>8} {head}  (auto: caps x the full plan's memory)")
     for n in layers:
         config = transformers.GPT2Config(n_layer=n, n_embd=4096, n_head=32, n_positions=2048, vocab_size=50257)
         with torch.device("meta"):
@@ -92,12 +94,15 @@ def depths(layers: list[int]) -> None:
         )
         t0 = time.perf_counter()
         full = autopar.plan_from_context(ctx, compare_families=False, recompute="full")
-        t1 = time.perf_counter()
-        autopar.plan_from_context(
-            ctx, compare_families=False, recompute="auto", mem_cap=full.memory["per_device_bytes"]
-        )
-        t2 = time.perf_counter()
-        print(f"{n:>6} {t1 - t0:>8.2f} {t2 - t1:>8.2f}")
+        cells = [f"{time.perf_counter() - t0:>8.2f}"]
+        for f in fractions:
+            t1 = time.perf_counter()
+            p = autopar.plan_from_context(
+                ctx, compare_families=False, recompute="auto", mem_cap=int(f * full.memory["per_device_bytes"])
+            )
+            mode = {"none": "none", "selective": "sel", "full": "full", "per layer": "mix"}[p.search["recompute_mode"]]
+            cells.append(f"{time.perf_counter() - t1:>5.2f} {mode:>4}")
+        print(f"{n:>6} {' '.join(cells)}")
 
 
 def main() -> None:
@@ -108,11 +113,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--depths", nargs="*", type=int, default=[])
+    ap.add_argument("--cap-fractions", nargs="*", type=float, default=[1.0, 0.6, 0.4, 0.3])
     a = ap.parse_args()
     if a.meshes:
         table(a.meshes, a.caps, a.model, a.batch, a.seq)
     if a.depths:
-        depths(a.depths)
+        depths(a.depths, a.cap_fractions)
 
 
 if __name__ == "__main__":
