@@ -254,7 +254,7 @@ def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None
 
 @pytest.mark.parametrize("k", [1, 3, 7, 48])
 def test_triples_from_nonempty_entries_equal_the_dense_grid(k: int) -> None:
-    from autopar.search.chain import _triples
+    from autopar.search.segments import triples as _triples
 
     rng = np.random.default_rng(k)
     for density in (0.0, 0.05, 0.5, 1.0):
@@ -286,13 +286,13 @@ def test_chain_equals_flat_dp_at_any_depth_under_tight_caps(n_blocks: int, seed:
 @pytest.mark.parametrize("seed", [0, 1, 2, 100, 101, 103])
 def test_chain_is_exact_whichever_bound_rows_the_products_test(monkeypatch, seed: int) -> None:
     """The products test the first bound row on every combination and the others only where a sample says they
-    cut (``chain._survivors``).  With a sample of 4 and a row kept only when it cuts every sampled combination,
+    cut (``segments._survivors``).  With a sample of 4 and a row kept only when it cuts every sampled combination,
     almost every row is skipped: the optimum must still be the flat DP's (skipping a row keeps pairs, never
-    loses one), and the lead row's prefixes (``chain._LeadOrder``) must not drop a pair it passes."""
-    from autopar.search import chain
+    loses one), and the lead row's prefixes (``segments._LeadOrder``) must not drop a pair it passes."""
+    from autopar.search import segments
 
-    monkeypatch.setattr(chain, "_SAMPLE", 4)
-    monkeypatch.setattr(chain, "_MIN_CUT", 1.0)
+    monkeypatch.setattr(segments, "_SAMPLE", 4)
+    monkeypatch.setattr(segments, "_MIN_CUT", 1.0)
     problem, blocks = _chain_case(seed)
     fastest, low = solve_dp(problem.with_cap(None)), min_memory(problem).mem_bytes
     for fraction in (0.0, 0.1, 0.5):
@@ -303,7 +303,7 @@ def test_chain_is_exact_whichever_bound_rows_the_products_test(monkeypatch, seed
 
 def test_lead_order_prefix_counts_the_pairs_within_the_slack() -> None:
     """Per query, the pairs of its entry whose row value is <= the slack, against counting them directly."""
-    from autopar.search.chain import _LeadOrder
+    from autopar.search.segments import _LeadOrder
 
     rng = np.random.default_rng(7)
     counts = rng.integers(0, 6, 20)
