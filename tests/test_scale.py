@@ -254,7 +254,7 @@ def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None
 
 @pytest.mark.parametrize("k", [1, 3, 7, 48])
 def test_triples_from_nonempty_entries_equal_the_dense_grid(k: int) -> None:
-    from autopar.search.segments import triples as _triples
+    from autopar.search.segments import _triples
 
     rng = np.random.default_rng(k)
     for density in (0.0, 0.05, 0.5, 1.0):

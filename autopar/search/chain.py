@@ -86,8 +86,7 @@ from .lagrange import LAMBDA_GRID
 from .minsum import MinSumChain, halving
 from .pareto import min_sum_bounds, pareto_pass, row_limits, tol
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution
-from .segments import Seg, product
-from .segments import leaf as leaf_segment
+from .segments import Seg, leaf_segment, product
 from .split import ChainError, split_blocks
 from .tables import PortTable
 

@@ -19,7 +19,7 @@ import numpy as np
 from .pareto import ParetoTable, pair_window, pareto_keep
 from .tables import PortTable
 
-__all__ = ["Seg", "csr", "leaf", "product", "triples"]
+__all__ = ["Seg", "leaf_segment", "product"]
 
 _CHUNK = 1 << 22  # pair combinations formed at once in a product
 _SAMPLE = 2048  # survivors a row is tried on before it is tested on all (:func:`_survivors`)
@@ -51,11 +51,11 @@ class Seg:
         return out
 
 
-def csr(g: np.ndarray, n_entries: int) -> np.ndarray:
+def _csr(g: np.ndarray, n_entries: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.bincount(g, minlength=n_entries))])
 
 
-def leaf(tables: list[PortTable], finals: list) -> tuple[Seg, np.ndarray, np.ndarray]:
+def leaf_segment(tables: list[PortTable], finals: list) -> tuple[Seg, np.ndarray, np.ndarray]:
     """The part's final Pareto tables, one per variant, laid onto the state grid as one segment (their union,
     Pareto-filtered per state pair), with the variant and the final-table pair of each of its pairs (indexed
     by ``leaf``)."""
@@ -69,7 +69,7 @@ def leaf(tables: list[PortTable], finals: list) -> tuple[Seg, np.ndarray, np.nda
     g, t, m = np.concatenate(gs), np.concatenate(ts), np.concatenate(ms)
     o = np.lexsort((t, g)) if len(tables) == 1 else pareto_keep(g, t, m)
     k2 = tables[0].k_states ** 2
-    return Seg(csr(g[o], k2), t[o], m[o], 1, leaf=o), np.concatenate(var), np.concatenate(idx)
+    return Seg(_csr(g[o], k2), t[o], m[o], 1, leaf=o), np.concatenate(var), np.concatenate(idx)
 
 
 def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndarray) -> Seg:
@@ -77,7 +77,7 @@ def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndar
 
     ``out``: (rows, K*K) lower bound of everything outside the product, per (a, c)."""
     ca, cb = np.diff(a.off).reshape(k, k), np.diff(b.off).reshape(k, k)
-    ea, eb = triples(np.flatnonzero(ca.reshape(-1)), np.flatnonzero(cb.reshape(-1)), k)
+    ea, eb = _triples(np.flatnonzero(ca.reshape(-1)), np.flatnonzero(cb.reshape(-1)), k)
     ia_, ib_, ic_ = ea // k, ea % k, eb % k
     ec = ia_ * k + ic_
     bmin = b.entry_min(w)
@@ -109,7 +109,7 @@ def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndar
         lo, hi = pair_window(btab, eb[tri], qt, qm)
         # w (t_a + t_b, m_a + m_b) + out <= lim  as  w (t_b, m_b) <= slack of the pair of a.  The lead row
         # (the first of :func:`_row_order`, lam* when the cap binds: it cuts the most) picks, per pair of a, a
-        # prefix of its entry's pairs in that row's order (:func:`_lead_order`); of those, the pairs in the
+        # prefix of its entry's pairs in that row's order (:class:`_LeadOrder`); of those, the pairs in the
         # window are formed, and the other rows test them (:func:`_survivors`)
         slack = lim - (w[:, :1] * a.t[pa] + w[:, 1:] * a.m[pa] + out[:, g])
         cnt = lead.prefix(eb[tri], slack[lead.row])
@@ -131,10 +131,10 @@ def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndar
     g, t, m, mid, pa, pb = (np.concatenate(x) for x in zip(*parts))
     sel = pareto_keep(g, t, m) if len(parts) > 1 else np.arange(g.size)
     g, t, m, mid, pa, pb = g[sel], t[sel], m[sel], mid[sel], pa[sel], pb[sel]
-    return Seg(csr(g, k * k), t, m, a.blocks + b.blocks, halves=(a, b), bp=np.stack([mid, pa, pb], 1))
+    return Seg(_csr(g, k * k), t, m, a.blocks + b.blocks, halves=(a, b), bp=np.stack([mid, pa, pb], 1))
 
 
-def triples(ea: np.ndarray, eb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _triples(ea: np.ndarray, eb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Every (a, b) entry of ``ea`` with every (b, c) entry of ``eb`` sharing its b (entries
     raveled ``x * k + y``, both sorted), in (a, b, c) order: the nonempty triples, found from
     the nonempty entries rather than the K^3 grid."""
@@ -194,8 +194,9 @@ def _survivors(rows: int, n: int, ok: Callable[[int, np.ndarray], np.ndarray], t
     order = _row_order(rows)
     alive = np.arange(n)
     if tested is None:
-        alive = alive[ok(order[0], alive)]
-    rest = [r for r in order if r != (order[0] if tested is None else tested)]
+        tested = order[0]
+        alive = alive[ok(tested, alive)]
+    rest = [r for r in order if r != tested]
     if alive.size > _SAMPLE:
         sample = alive[:: alive.size // _SAMPLE]
         cut = {r: 1.0 - ok(r, sample).mean() for r in rest}
@@ -206,8 +207,8 @@ def _survivors(rows: int, n: int, ok: Callable[[int, np.ndarray], np.ndarray], t
 
 
 def _fits(w: np.ndarray, t: np.ndarray, m: np.ndarray, terms: list[tuple], lim: np.ndarray) -> np.ndarray:
-    """Mask of pairs with ``w_r (t, m) + rest_r <= lim_r`` on every row, testing the rows one
-    by one on the survivors (:func:`_row_order`).  ``rest_r`` is the sum of
+    """Mask of pairs with ``w_r (t, m) + rest_r <= lim_r`` on the rows :func:`_survivors` tests, one by one on
+    the survivors.  ``rest_r`` is the sum of
     ``table[r, index]`` over ``terms`` (tables (rows, entries), an entry per pair), gathered
     per row for the survivors only: the rows x pairs matrix is never formed."""
 
