@@ -42,6 +42,8 @@ __all__ = [
     "ShardedModule",
     "shard",
     "Layout",
+    "save",
+    "load",
 ]
 
 
@@ -59,6 +61,10 @@ def __getattr__(name: str):
         from . import compiled
 
         return getattr(compiled, name)
+    if name in ("save", "load"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
     if name == "Layout":
         from autopar.planner import Layout
 

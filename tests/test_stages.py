@@ -40,9 +40,10 @@ LAYERS = {
     "planner": 4,
     "lower": 5,
     "compiled": 6,
-    "launch": 7,
-    "measure": 8,
-    "api": 9,
+    "checkpoint": 7,
+    "launch": 8,
+    "measure": 9,
+    "api": 10,
 }
 API_MODULES = {"autopar", "autopar.__main__", "autopar.cli"}
 MAX_LINES = 600

@@ -8,6 +8,6 @@ optimizer, its gradients reduced and its ZeRO state gathered by the runtime.
 from __future__ import annotations
 
 from .build import compile, default_profile, training_precision
-from .module import NotCompiledError, ShardedModule
+from .module import LocalState, NotCompiledError, ShardedModule
 
-__all__ = ["NotCompiledError", "ShardedModule", "compile", "default_profile", "training_precision"]
+__all__ = ["LocalState", "NotCompiledError", "ShardedModule", "compile", "default_profile", "training_precision"]

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -61,12 +61,12 @@ from torch import nn
 from autopar.capture import OpGraph
 from autopar.layout import shard_tensor
 from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower
-from autopar.placement import Replicate
+from autopar.placement import Placement, Replicate
 from autopar.planner import Plan
 from autopar.runtime import DEFAULT_BUCKET_BYTES, GradBuckets, StateShards, bucketable, wait_pending
 from autopar.spec import TensorMeta, local_shape
 
-__all__ = ["ShardedModule", "NotCompiledError"]
+__all__ = ["ShardedModule", "NotCompiledError", "LocalState"]
 
 
 def _set_param(root: nn.Module, fqn: str, value: nn.Parameter) -> None:
@@ -174,6 +174,11 @@ class ShardedModule(nn.Module):
         """The Plan this module runs (NotCompiledError before the first call of a lazily compiled module)."""
         self._compiled("plan")
         return self._plan
+
+    @property
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate on ``self.mesh``."""
+        return self._coord
 
     @property
     def local_input_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -335,6 +340,53 @@ class ShardedModule(nn.Module):
             out[k] = self._gathered(*self._buffer_pieces[k]) if k in self._buffer_pieces else v.clone()
         return {k: out[k] for k in self._state_keys}
 
+    def local_state(self) -> dict[str, LocalState]:
+        """This rank's piece of every state-dict entry, tied aliases left out (``tied_aliases``).
+
+        Parameters are given at their state placement: the ``nn.Parameter`` the
+        optimizer updates (under ZeRO the state shard, a view into the piece forward
+        reads), so a parameter's optimizer state has the same layout.  Buffers forward
+        reads are its pieces (they hold running-statistics updates); others are whole.
+        The tensors are the live ones: writing into them (a checkpoint load) changes
+        the module; call ``after_load()`` once every rank has written.
+        """
+        self._compiled("local_state")
+        params = dict(self.named_parameters())
+        out: dict[str, LocalState] = {}
+        for key in self._state_keys:
+            if key in self._graph.tied:
+                continue
+            if key in params:
+                p = params[key]
+                node_state = self._param_state.get(key)
+                if node_state is None:  # a parameter no op reads: every rank keeps it whole
+                    out[key] = LocalState(p.detach(), self._replicated, tuple(p.shape))
+                else:
+                    node, placement = node_state
+                    out[key] = LocalState(p.detach(), tuple(placement), tuple(node.outputs[0].shape))
+            elif key in self._buffer_pieces:
+                piece, placement, shape = self._buffer_pieces[key]
+                out[key] = LocalState(piece, tuple(placement), tuple(shape))
+            else:
+                full = self._buffers_full[key]
+                out[key] = LocalState(full, self._replicated, tuple(full.shape))
+        return out
+
+    @property
+    def tied_aliases(self) -> dict[str, str]:
+        """Alias FQN -> canonical FQN of one parameter (GPT-2: ``lm_head.weight`` -> ``transformer.wte.weight``)."""
+        self._compiled("tied_aliases")
+        return {a: c for a, c in self._graph.tied.items() if a in self._state_keys}
+
+    def after_load(self) -> None:
+        """Make the module consistent after ``local_state()``'s tensors were written (collective: every rank).
+
+        Re-gathers every ZeRO parameter's buffer from its state shard, the step's
+        all-gather (``runtime/zero.py``), whether or not this rank's shard changed.
+        """
+        self._compiled("after_load")
+        self._zero.sync(self.collective_counter, force=True)
+
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """{original FQN: full gradient} (None where no gradient was computed)."""
         return {fqn: None if p.grad is None else self._full(p.grad, fqn) for fqn, p in self.named_parameters()}
@@ -361,6 +413,14 @@ class ShardedModule(nn.Module):
                 if torch.is_tensor(v) and v.shape == p.shape
             ),
         }
+
+
+class LocalState(NamedTuple):
+    """One state-dict entry on this rank: its piece (``local``) under ``placements`` of a ``shape`` tensor."""
+
+    local: torch.Tensor
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
 
 
 class NotCompiledError(RuntimeError):

@@ -202,16 +202,17 @@ class StateShards:
         return any(id(p) in mine for p in params)
 
     # ---- the step's all-gather ----------------------------------------------------------
-    def sync(self, counter: CollectiveCounter | None = None) -> int:
-        """All-gather every shard updated since the last sync into its buffer; return how many.
+    def sync(self, counter: CollectiveCounter | None = None, *, force: bool = False) -> int:
+        """All-gather every shard updated since the last sync (``force``: every shard) into its buffer; return how many.
 
         Records the plan's ``"optimizer"`` collectives.  Collective: every rank must
-        call it with the same shards updated.
+        call it with the same shards updated (``force`` after a checkpoint load,
+        which may leave a rank's empty shard untouched).
         """
         done = 0
         with torch.no_grad():
             for e in self._entries.values():
-                if e.shard._version == e.version:
+                if e.shard._version == e.version and not force:
                     continue
                 full = redistribute_local(
                     e.shard.detach(), e.meta, e.state, e.placement, self._groups, phase="optimizer", counter=counter
