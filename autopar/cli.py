@@ -5,7 +5,8 @@
         [--hint 'PATTERN=R,S(1)' ...] [--hints FILE.json|FILE.toml] [--strict-hints]
     autopar models          # the built-in model names
     autopar run MODEL --mesh 2x2 [--axis-names dp,tp] --steps 3 --check [--batch 4 --seq 32] \\
-        [--family auto|data-parallel|sharded-parameters|tensor-parallel] [--lr 1e-3]
+        [--family auto|data-parallel|sharded-parameters|tensor-parallel] [--lr 1e-3] \\
+        [--save DIR [--save-every N]] [--resume PATH]
 
 ``run`` trains on local CPU ranks it spawns (or, under torchrun, as this rank) and,
 with ``--check``, compares with one device (autopar/launch/); exit code 1 on FAIL.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import logging
 import os
@@ -272,6 +274,16 @@ def _add_run_parser(sub) -> None:
     r.add_argument(
         "--timeout", type=_positive_float, default=600.0, help="stop the ranks after this many seconds (default 600)"
     )
+    r.add_argument("--save", metavar="DIR", default=None, help="write checkpoints DIR/step-<n> (after the last step)")
+    r.add_argument(
+        "--save-every", metavar="N", type=_positive_int, default=None, help="with --save: also after every N-th step"
+    )
+    r.add_argument(
+        "--resume",
+        metavar="PATH",
+        default=None,
+        help="continue from a checkpoint, or the latest step-<n> in a --save directory, on this mesh and plan",
+    )
 
 
 def _mesh(shape: tuple[int, ...], axis_names: str | None, default: tuple[str, ...] | None) -> Mesh:
@@ -303,6 +315,31 @@ def _check_seq(model: str, seq: int | None) -> int:
     return seq
 
 
+def _save_every(args) -> int:
+    if args.save_every is not None and not args.save:
+        raise ValueError(f"--save-every {args.save_every}: checkpoints need a directory; add --save DIR")
+    return args.save_every or 0
+
+
+def _resume(given: str | None, config) -> str | None:
+    """``--resume``'s checkpoint, checked before any rank starts: complete, fewer steps done than ``--steps``,
+    and under ``--check`` trained as this command's one-device reference trains."""
+    if given is None:
+        return None
+    from autopar.launch import check_replayable, resolve_checkpoint, saved_step
+
+    path = resolve_checkpoint(given)
+    if config.check:
+        check_replayable(config, path)
+    done = saved_step(path)
+    if done >= config.steps:
+        raise ValueError(
+            f"--resume {given}: {path} has done {done} steps, --steps is {config.steps}; pass --steps larger "
+            f"than {done} (the total step count of the job)"
+        )
+    return str(path)
+
+
 def _cmd_run(args) -> int:
     from autopar.launch import LaunchError, RunConfig, render_report, run
 
@@ -321,7 +358,10 @@ def _cmd_run(args) -> int:
             lr=args.lr,
             seed=args.seed,
             timeout_s=args.timeout,
+            save_dir=args.save,
+            save_every=_save_every(args),
         )
+        config = dataclasses.replace(config, resume_dir=_resume(args.resume, config))
         report = run(config)
     except (ValueError, TypeError, LaunchError) as e:
         print(f"autopar: error: {e}", file=sys.stderr)

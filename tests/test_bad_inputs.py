@@ -20,6 +20,7 @@ from dist_utils import PARTITIONING_PROFILE, run_ranks
 
 import autopar
 from autopar.cli import build_parser, main
+from autopar.launch import render_report
 from autopar.launch import runner as launch
 from autopar.launch.models import default_seq, load_model
 from autopar.planner.report import _collective_module, _count, describe_plan, render_table
@@ -212,7 +213,7 @@ def test_forced_family_report_says_what_the_plan_does():
     record = launch.TrainRecord((2.0,), (0.1,))
     held = {"params": 48, "grads": 48, "optimizer": 96}
     ranks = tuple(launch.RankResult(r, (r,), "replicated", record, held, memory) for r in range(2))
-    text = " ".join(launch.render_report(launch.RunReport(config, "test", ranks, None, ())).split())
+    text = " ".join(render_report(launch.RunReport(config, "test", ranks, None, ())).split())
     assert (
         "plan: data parallel family, forced (parameters, gradients and optimizer state whole on every rank); "
         "its fastest plan splits no computation: every rank runs the whole step" in text

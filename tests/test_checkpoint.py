@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 
 import pytest
@@ -390,3 +391,58 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
     fresh = _gpt2()
     autopar.load(tmp_path / "a", fresh)
     assert torch.equal(fresh.transformer.wte.weight, model.transformer.wte.weight)
+
+
+# ---- autopar run --save / --resume ---------------------------------------------------------------------
+
+
+def test_autopar_run_saves_every_n_steps_and_a_run_on_another_mesh_resumes_like_one_device(tmp_path, capsys):
+    from autopar.cli import main
+
+    ckpt = str(tmp_path / "ckpt")
+    common = ["gpt2-tiny", "--steps", "2", "--batch", "4", "--seq", "16", "--check"]  # --check: dropout off
+    assert main(["run", *common, "--mesh", "2x2", "--axis-names", "dp,tp", "--save", ckpt, "--save-every", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"saved checkpoint {ckpt}/step-1" in out and f"saved checkpoint {ckpt}/step-2" in out
+    assert sorted(os.listdir(ckpt)) == ["step-1", "step-2"]
+    # 4 steps in all: the resumed run trains steps 2 and 3 on 4 ranks, tensor parallel, checked against one device
+    # trained 4 steps without a stop (losses, step-2 logits and gradients, parameters after step 3)
+    resumed = ["run", "gpt2-tiny", "--steps", "4", "--batch", "4", "--seq", "16", "--mesh", "4"]
+    assert main([*resumed, "--family", "tensor-parallel", "--resume", ckpt, "--check"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {ckpt}/step-2 with 2 steps done" in out and "check: PASS" in out, out
+    assert re.search(r"│\s+2 │ \d\.\d+ │\s+\d\.\d+ │", out) and "gradients (step 2)" in out, out
+    assert "parameters after step 3" in out
+
+
+def test_autopar_run_refuses_a_resume_it_cannot_continue_before_starting_ranks(tmp_path, capsys):
+    from autopar.cli import main
+
+    autopar.save(tmp_path / "ck" / "step-3", _gpt2(), extra={"train": {"step": 3}})
+    os.makedirs(tmp_path / "ck" / "step-5.partial")  # an interrupted save never counts
+    cases = [
+        (["--steps", "3", "--resume", str(tmp_path / "ck")], r"step-3 has done 3 steps, --steps is 3; pass --steps"),
+        (["--steps", "4", "--resume", str(tmp_path / "none")], r"neither a checkpoint .* nor a directory holding"),
+        (["--save-every", "2"], r"--save-every 2: checkpoints need a directory; add --save DIR"),
+    ]
+    autopar.save(
+        tmp_path / "drop" / "step-1",
+        _gpt2(),
+        extra={
+            "train": {
+                "step": 1,
+                "run": {"model": "gpt2-tiny", "seed": 0, "batch": 4, "seq": 32, "lr": 1e-3, "check": False},
+            }
+        },
+    )
+    cases += [
+        (
+            ["--steps", "3", "--check", "--resume", str(tmp_path / "drop")],
+            r"trained with check False \(now True\).*"
+            r"save with --check \(dropout off\)",
+        ),
+        (["--steps", "4", "--check", "--resume", str(tmp_path / "ck")], r"does not say how it was trained"),
+    ]
+    for flags, message in cases:
+        assert main(["run", "gpt2-tiny", *flags]) == 2
+        assert re.search(message, capsys.readouterr().err), flags

@@ -11,7 +11,7 @@ global offsets), so loading under another layout is DCP's own reshard.
 from __future__ import annotations
 
 from .piece import Box, PieceTensor, piece_boxes
-from .saving import INFO_FILE, CheckpointError, load, save
+from .saving import INFO_FILE, CheckpointError, load, load_extra, save
 from .state import ModelState, OptimizerState, init_optimizer_state, model_pieces, tied_aliases
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "PieceTensor",
     "init_optimizer_state",
     "load",
+    "load_extra",
     "model_pieces",
     "piece_boxes",
     "save",

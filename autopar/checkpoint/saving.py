@@ -50,7 +50,7 @@ from autopar.compiled import ShardedModule
 
 from .state import ModelState, OptimizerState, init_optimizer_state
 
-__all__ = ["save", "load", "CheckpointError", "INFO_FILE"]
+__all__ = ["save", "load", "load_extra", "CheckpointError", "INFO_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,29 @@ def load(
     with _one_process_is_meant():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=not _distributed())
     log.info("loaded checkpoint %s", path)
+
+
+def load_extra(path: str | os.PathLike, extra: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Fill ``extra`` (plain values or ``Stateful`` objects, as ``save`` took them) from the checkpoint, in place.
+
+    Reads nothing else, in this process alone (no collective): for what a launcher
+    needs to know before building the model, such as the step a job saved at.
+    Raises ``CheckpointError`` when the checkpoint is incomplete or lacks a key.
+    """
+    path = Path(path)
+    metadata = _read_metadata(path)
+    want: dict[str, Any] = {}
+    for k, v in extra.items():
+        _flat(k, v.state_dict() if hasattr(v, "state_dict") else v, want)
+    missing = sorted(k for k in want if k not in metadata.state_dict_metadata)
+    if missing:
+        raise CheckpointError(
+            f"{path}{_saved_by(path)} holds no {_few(missing)}: it was not saved with these extra entries; "
+            "pass the extra= keys the saving job used"
+        )
+    with _one_process_is_meant():
+        dcp.load(dict(extra), storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return extra
 
 
 def _read_metadata(path: Path) -> Metadata:

@@ -8,10 +8,13 @@ parameters with one device.
 from __future__ import annotations
 
 from .models import builtin_models, default_seq, load_model, max_positions, model_config
-from .runner import LaunchError, RunConfig, render_report, run
+from .report import render_report
+from .resume import check_replayable, resolve_checkpoint, saved_step
+from .runner import LaunchError, RunConfig, run
 
 __all__ = [
     "LaunchError",
+    "check_replayable",
     "RunConfig",
     "builtin_models",
     "default_seq",
@@ -19,5 +22,7 @@ __all__ = [
     "max_positions",
     "model_config",
     "render_report",
+    "resolve_checkpoint",
     "run",
+    "saved_step",
 ]

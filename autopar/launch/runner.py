@@ -2,7 +2,7 @@
 
     autopar run gpt2-tiny --mesh 2x2 --axis-names dp,tp --steps 3 --check
 
-``run(config)`` is the whole command; ``render_report`` turns its result into text.
+``run(config)`` is the whole command; ``report.render_report`` turns its result into text.
 
 * **Where it runs.** With no torchrun environment, ``run`` spawns ``mesh.size`` CPU
   processes (spawn context, gloo on 127.0.0.1 with a free port), each with a
@@ -10,6 +10,9 @@
   fails, so it never hangs; results come back as files (``torch.save``).  Under
   torchrun (``RANK`` and ``WORLD_SIZE`` set) this process *is* one rank
   (``runtime.init_distributed``), and rank 0 gathers the others' results.
+* **Checkpoints** (``resume.py``): ``save_dir`` writes ``step-<n>`` checkpoints,
+  ``resume_dir`` continues from one on any mesh; the check then compares with the
+  uninterrupted one-device run from the resumed step on.
 * **What a rank does** (``train_rank``): build the model (``build_model``: seeded
   random weights, dropout off under ``check``), ``autopar.compile`` it, train
   ``steps`` AdamW steps on the same global batch, and record the loss and time of
@@ -18,7 +21,7 @@
   counters included), beside the plan's ``memory`` figures.
 * **The check** (``reference_run``, ``compare``): the same model trained on one
   device.  The loss of every step on every rank, the other outputs (the logits)
-  and every gradient of step 0, and every parameter after the last step must pass
+  and every gradient of its first step, and every parameter after the last step must pass
   ``torch.isclose`` with ``RTOL``/``ATOL`` (the tolerances of tests/test_execution.py).
   Each quantity reports its largest absolute deviation and the worst tensor.
 
@@ -28,7 +31,6 @@ raises ``LaunchError`` carrying that rank's traceback.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
@@ -46,7 +48,8 @@ from torch.utils import _pytree as pytree
 from autopar.mesh import Mesh
 from autopar.planner import FAMILIES, Plan
 from autopar.runtime import RankError, spawn_ranks
-from autopar.units import format_bytes
+
+from .resume import resolve_checkpoint, resume, save_if_due, saved_step
 
 __all__ = [
     "RunConfig",
@@ -61,7 +64,6 @@ __all__ = [
     "build_model",
     "plan_once",
     "compare",
-    "render_report",
     "RTOL",
     "ATOL",
 ]
@@ -92,6 +94,9 @@ class RunConfig:
     lr: float = 1e-3
     seed: int = 0
     timeout_s: float = 600.0
+    save_dir: str | None = None  # write checkpoints DIR/step-<n> (resume.py)
+    save_every: int = 0  # and after every n-th step (0: after the last only)
+    resume_dir: str | None = None  # continue from this checkpoint (or the latest step-<n> in it)
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("steps", "batch", "seq") if getattr(self, k) < 1]
@@ -101,6 +106,11 @@ class RunConfig:
             raise ValueError(f"autopar run: lr={self.lr}: expected a positive learning rate, e.g. --lr 1e-3")
         if not self.timeout_s > 0:
             raise ValueError(f"autopar run: timeout_s={self.timeout_s}: expected a positive number of seconds")
+        if self.save_every < 0 or (self.save_every and not self.save_dir):
+            raise ValueError(
+                f"autopar run: save_every={self.save_every}: expected 0, or a positive step count with a save "
+                "directory, e.g. --save ckpt --save-every 100"
+            )
         if self.family is not None and self.family not in FAMILIES:
             raise ValueError(f"autopar run: family {self.family!r}: expected None (auto) or one of {FAMILIES}")
         self.mesh()  # validates the shape and the axis names
@@ -126,6 +136,8 @@ class TrainRecord:
     output_names: tuple[str, ...] = ()
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    first_step: int = 0  # the step it started from (a resumed run: the checkpoint's); losses[i] is step first_step + i
+    saved: tuple[str, ...] = ()  # the checkpoints it wrote
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +167,7 @@ class Deviation:
 
 @dataclass(frozen=True, slots=True)
 class RunReport:
-    """Everything ``render_report`` prints; ``passed`` is None without ``check``."""
+    """Everything ``report.render_report`` prints; ``passed`` is None without ``check``."""
 
     config: RunConfig
     launcher: str
@@ -233,28 +245,39 @@ def _loss_index(flat: list[tuple[str, Any]], where: str) -> int:
     )
 
 
-def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, where: str):
-    """(TrainRecord, held bytes after the last step) of ``steps`` AdamW steps of ``module``.
+def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, where: str, record_step: int = 0):
+    """(TrainRecord, held bytes after the last step) of AdamW steps of ``module`` up to ``config.steps``.
 
-    ``module.full_grads``/``full_state_dict`` (a ShardedModule) are collective, so every
-    rank calls them; only ``keep`` ones hold on to the result.
+    A sharded ``module`` resumes from ``config.resume_dir`` and saves to ``config.save_dir``
+    (``resume.py``), and records its first step's outputs and gradients; the one-device
+    reference trains from step 0 and records those of ``record_step`` (the step a
+    resumed run starts from).  ``module.full_grads``/``full_state_dict`` (a
+    ShardedModule) are collective, so every rank calls them; only ``keep`` ones hold
+    on to the result.
     """
     sharded = hasattr(module, "full_grads")
     opt = torch.optim.AdamW(module.parameters(), lr=config.lr)
-    losses, times, outputs, names, grads, held = [], [], (), (), {}, {}
+    first = resume(config, module, opt) if sharded else 0
+    if first >= config.steps:
+        raise ValueError(
+            f"{where}: the checkpoint in {config.resume_dir} has done {first} steps and --steps is {config.steps}; "
+            f"pass --steps larger than {first} to train on"
+        )
+    record_step = first if sharded else record_step
+    losses, times, outputs, names, grads, held, written = [], [], (), (), {}, {}, []
     saved = None  # what the first forward saved for backward (lower.SavedBytes; every step saves the same)
-    for step in range(config.steps):
+    for step in range(first, config.steps):
         if sharded:  # measured on the first step only: the instrumented graph costs a hook per op
-            module.measure_saved = step == 0
+            module.measure_saved = step == first
         t0 = time.perf_counter()
         flat = _flat(module(*args, **kwargs))
-        if sharded and step == 0:
+        if sharded and step == first:
             saved = module.saved_bytes
         loss_at = _loss_index(flat, where)
         loss = flat[loss_at][1]
         loss.backward()
         dt = time.perf_counter() - t0
-        if step == 0 and config.check:
+        if step == record_step and config.check:
             outputs = tuple(v.detach().cpu() for i, (_, v) in enumerate(flat) if i != loss_at)
             names = tuple(k for i, (k, _) in enumerate(flat) if i != loss_at)
             if sharded:
@@ -270,6 +293,8 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
             if saved is not None:  # measured by the executor's saved-tensor hook
                 held["activations"] = saved.total_bytes
         opt.zero_grad()
+        if sharded:
+            written.append(save_if_due(config, module, opt, step + 1))
     params = {}
     if config.check:
         params = (
@@ -278,7 +303,16 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
     if not keep:
         outputs, grads, params = (), {}, {}
     cpu = {k: None if v is None else v.cpu() for k, v in grads.items()}
-    record = TrainRecord(tuple(losses), tuple(times), outputs, names, cpu, {k: v.cpu() for k, v in params.items()})
+    record = TrainRecord(
+        tuple(losses),
+        tuple(times),
+        outputs,
+        names,
+        cpu,
+        {k: v.cpu() for k, v in params.items()},
+        first_step=first,
+        saved=tuple(p for p in written if p),
+    )
     return record, held
 
 
@@ -330,9 +364,14 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
 
 
 def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> TrainRecord:
-    """The same model, weights, batch and optimizer on one device."""
+    """The same model, weights, batch and optimizer on one device, every step from 0 (uninterrupted).
+
+    Under ``resume_dir`` it records the outputs and gradients of the step the
+    checkpoint resumes from, which the distributed run's first step is compared with.
+    """
+    start = saved_step(resolve_checkpoint(config.resume_dir)) if config.resume_dir else 0
     model, args, kwargs = build_model(config, device)
-    record, _ = _train(model, args, kwargs, config, keep=True, where=f"autopar run {config.model}")
+    record, _ = _train(model, args, kwargs, config, keep=True, where=f"autopar run {config.model}", record_step=start)
     return record
 
 
@@ -358,17 +397,22 @@ def _deviation(quantity: str, pairs: list[tuple[str, Any, Any]]) -> Deviation:
 def compare(ranks: tuple[RankResult, ...], reference: TrainRecord) -> list[Deviation]:
     """Losses of every rank and step, step-0 outputs and grads and final params of rank 0."""
     losses = [
-        (f"rank {r.rank} step {s}", torch.tensor(a), torch.tensor(b))
+        (f"rank {r.rank} step {s}", torch.tensor(a), torch.tensor(reference.losses[s]))
         for r in ranks
-        for s, (a, b) in enumerate(zip(r.record.losses, reference.losses))
+        for s, a in enumerate(r.record.losses, start=r.record.first_step)
     ]
     r0 = next(r for r in ranks if r.rank == 0).record
     devs = [_deviation("loss (every step, every rank)", losses)]
     if len(r0.outputs) != len(reference.outputs):
-        devs.append(Deviation("outputs (step 0)", len(reference.outputs), math.inf, "number of outputs differs", False))
+        devs.append(
+            Deviation(
+                f"outputs (step {r0.first_step})", len(reference.outputs), math.inf, "number of outputs differs", False
+            )
+        )
     elif reference.outputs:
         names = reference.output_names  # a sharded module returns a flat tuple: the reference names it
-        devs.append(_deviation(", ".join(names) + " (step 0)", list(zip(names, r0.outputs, reference.outputs))))
+        quantity = ", ".join(names) + f" (step {r0.first_step})"
+        devs.append(_deviation(quantity, list(zip(names, r0.outputs, reference.outputs))))
 
     def keyed(quantity: str, got: Mapping, want: Mapping) -> Deviation:
         if got.keys() != want.keys():
@@ -376,7 +420,7 @@ def compare(ranks: tuple[RankResult, ...], reference: TrainRecord) -> list[Devia
             return Deviation(quantity, len(want), math.inf, f"names differ: {odd[:3]}", False)
         return _deviation(quantity, [(k, got[k], want[k]) for k in want])
 
-    devs.append(keyed("gradients (step 0)", r0.grads, reference.grads))
+    devs.append(keyed(f"gradients (step {r0.first_step})", r0.grads, reference.grads))
     params = keyed(f"parameters after step {len(reference.losses) - 1}", r0.params, reference.params)
     if not params.ok and devs[-1].ok:
         params = replace(params, note=_adam_note(r0, reference))
@@ -504,96 +548,3 @@ def run(config: RunConfig) -> RunReport | None:
         launcher = "spawned local CPU processes, gloo"
     deviations = tuple(compare(ranks, reference)) if reference is not None else ()
     return RunReport(config, launcher, ranks, reference, deviations)
-
-
-# ---- report -----------------------------------------------------------------------------
-def render_report(report: RunReport, *, width: int = 140) -> str:
-    """The report as rich tables: losses per step, the check, memory per rank."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    from autopar.planner import describe_plan
-
-    buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
-    cfg, ref = report.config, report.reference
-    mesh = cfg.mesh()
-    r0 = next(r for r in report.ranks if r.rank == 0)
-    con.print(
-        escape(
-            f"autopar run: {cfg.model} on mesh {dict(zip(mesh.axis_names, mesh.shape))}, {len(report.ranks)} ranks "
-            f"({report.launcher}); batch {cfg.batch}, seq {cfg.seq}, {cfg.steps} AdamW "
-            f"step{'s' if cfg.steps != 1 else ''} (lr {cfg.lr:g}), "
-            f"dropout {'off' if cfg.check else 'as configured'}"
-        )
-    )
-    con.print(escape(describe_plan(r0.family, cfg.family)))
-    if r0.recompute_line:
-        con.print(escape(r0.recompute_line))
-
-    t = Table(title="training (rank 0)", title_justify="left")
-    for col in ("step", "loss", *(("one-device loss", "|Δ|") if ref else ()), "step time"):
-        t.add_column(col, justify="right")
-    for step, loss in enumerate(r0.record.losses):
-        cells = [str(step), f"{loss:.6f}"]
-        if ref:
-            cells += [f"{ref.losses[step]:.6f}", f"{abs(loss - ref.losses[step]):.2e}"]
-        t.add_row(*cells, f"{r0.record.step_times_s[step] * 1e3:.1f} ms")
-    con.print(t)
-
-    if ref is not None:
-        t = Table(title=f"check against one device (rtol {RTOL:g}, atol {ATOL:g})", title_justify="left")
-        for col, just in (
-            ("quantity", "left"),
-            ("tensors", "right"),
-            ("max |Δ|", "right"),
-            ("worst", "left"),
-            ("within tolerance", "left"),
-        ):
-            t.add_column(col, justify=just)
-        for d in report.deviations:
-            t.add_row(escape(d.quantity), str(d.tensors), f"{d.max_abs:.2e}", escape(d.worst), "yes" if d.ok else "NO")
-        con.print(t)
-        for d in report.deviations:
-            if d.note:
-                con.print(escape(f"note ({d.quantity}): {d.note}"))
-        worst = max(report.deviations, key=lambda d: d.max_abs)
-        con.print(
-            f"check: {'PASS' if report.passed else 'FAIL'} (largest deviation {worst.max_abs:.2e}, "
-            f"{escape(worst.quantity)})"
-        )
-
-    t = Table(title=f"memory per rank after step {cfg.steps - 1}: held vs the plan's figures", title_justify="left")
-    t.add_column("rank", justify="right")
-    t.add_column("coordinate", justify="right")
-    keys = ("params", "grads", "optimizer")
-    for k in (*keys, "total"):
-        t.add_column(f"{k} held", justify="right")
-        t.add_column("plan", justify="right")
-    for r in report.ranks:
-        plan = [r.plan_memory.get(k) for k in keys]
-        held = [r.held_bytes.get(k, 0) for k in keys]
-        plan.append(None if None in plan else sum(plan))
-        held.append(sum(held))
-        cells = [format_bytes(n) for pair in zip(held, plan) for n in pair]
-        t.add_row(str(r.rank), str(r.coordinate), *cells)
-    con.print(t)
-    con.print(
-        "held: each distinct storage behind the local parameters (a ZeRO shard is a view of its parameter), "
-        "their .grad, and every optimizer state tensor shaped like its parameter (AdamW's scalar step counters "
-        f"are not model state). The plan's per-device total is {format_bytes(r0.plan_memory.get('per_device_bytes'))}."
-    )
-    t = Table(title="activations saved for backward: measured vs plan", title_justify="left")
-    for col in ("rank", "measured", "plan", "plan error"):
-        t.add_column(col, justify="right")
-    for r in report.ranks:
-        saved, planned = r.held_bytes.get("activations"), r.plan_memory.get("activations")
-        error = f"{(planned - saved) / saved:+.1%}" if saved and planned is not None else "-"
-        t.add_row(str(r.rank), format_bytes(saved), format_bytes(planned), error)
-    con.print(t)
-    con.print(
-        "measured: the distinct storages the first forward packed for backward (saved-tensor hooks in the "
-        "executor; parameters excluded). The plan's figure is for the largest piece (coordinate 0)."
-    )
-    return buf.getvalue()
