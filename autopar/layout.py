@@ -2,8 +2,10 @@
 
 ``shard_tensor`` gives the local piece a mesh coordinate holds under a placement
 tuple (one placement per mesh axis); ``combine`` is its inverse over every
-coordinate.  The strategy validator uses both to simulate a whole mesh in one
-process; the execution engine uses ``shard_tensor`` to cut parameters and inputs.
+coordinate; ``piece_boxes`` describes a piece as the blocks of the global tensor it
+holds whole (checkpoints and cross-mesh reshards move boxes).  The strategy
+validator uses the first two to simulate a whole mesh in one process; the execution
+engine uses ``shard_tensor`` to cut parameters and inputs.
 
 Layout contract (nested, the one ``expand_to_mesh`` and ``spec.local_shape`` use):
 
@@ -28,12 +30,22 @@ import hashlib
 import itertools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from .placement import Partial, Placement, Replicate, Shard, shard_sizes
 
-__all__ = ["shard_tensor", "combine", "dim_index", "dim_ranges", "coordinates", "unlayable_reason"]
+__all__ = [
+    "Box",
+    "shard_tensor",
+    "combine",
+    "dim_index",
+    "dim_ranges",
+    "coordinates",
+    "piece_boxes",
+    "unlayable_reason",
+]
 
 
 def coordinates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -101,6 +113,47 @@ def dim_ranges(
         _runs(dim_index(size, _entries(d, placements, mesh_shape, coordinate), where=f"dim {d}: "))
         for d, size in enumerate(shape)
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A block of a global tensor held whole by one rank: its global ``offsets`` and ``sizes``, and where
+    it starts in that rank's local piece (``local_offsets``)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local_offsets: tuple[int, ...]
+
+
+def piece_boxes(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]
+) -> tuple[Box, ...]:
+    """The boxes the piece at mesh ``coordinate`` under ``placements`` consists of (module docstring).
+
+    Their union is the piece; over every coordinate, the boxes of distinct pieces
+    cover the tensor exactly once (replicas repeat the same boxes).  A tensor with
+    no elements is one empty box on every rank, so the checkpoint still records it.
+    """
+    shape = tuple(int(s) for s in shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"a tensor of shape {shape} is {p} on mesh axis {axis}: a partial value is not a piece of the "
+                "tensor, so it has no boxes; reduce it first (parameters and optimizer state never are partial)"
+            )
+    if any(s == 0 for s in shape):
+        return (Box((0,) * len(shape), shape, (0,) * len(shape)),)
+    per_dim = []
+    for runs in dim_ranges(shape, tuple(placements), tuple(mesh_shape), tuple(coordinate)):
+        local, entries = 0, []
+        for start, stop in runs:
+            entries.append((start, stop - start, local))
+            local += stop - start
+        per_dim.append(entries)
+    return tuple(
+        Box(tuple(e[0] for e in combo), tuple(e[1] for e in combo), tuple(e[2] for e in combo))
+        for combo in itertools.product(*per_dim)
+    )
 
 
 def unlayable_reason(

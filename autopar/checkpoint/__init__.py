@@ -10,7 +10,9 @@ global offsets), so loading under another layout is DCP's own reshard.
 
 from __future__ import annotations
 
-from .piece import Box, PieceTensor, piece_boxes
+from autopar.layout import Box, piece_boxes
+
+from .piece import PieceTensor
 from .saving import INFO_FILE, CheckpointError, load, load_extra, save
 from .state import ModelState, OptimizerState, init_optimizer_state, model_pieces, tied_aliases
 

@@ -11,7 +11,8 @@ wrapper subclass (``_make_wrapper_subclass``) that implements DCP's
   rank holds: a box is a product of one run of consecutive global indices per
   dim (``layout.dim_ranges``).  A plain or uneven shard is one box; a block-wise
   shard is one box per block; a replicated tensor is one box covering it all, on
-  every rank of the replicas, and DCP's ``dedup_save_plans`` writes it once.
+  every rank of the replicas, and DCP's ``dedup_save_plans`` writes it once
+  (``layout.piece_boxes``).
 - ``__create_chunk_list__`` lists the same boxes for loading: DCP's read planner
   intersects them with the chunks of the checkpoint, whatever layout wrote it, so
   loading under another plan, mesh or world size is a reshard.
@@ -28,60 +29,16 @@ Ops other than detaching, copying to a device and cloning raise
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from autopar.layout import dim_ranges
-from autopar.placement import Partial, Placement
+from autopar.layout import Box, piece_boxes
+from autopar.placement import Placement
 
 __all__ = ["Box", "PieceTensor", "piece_boxes"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True, slots=True)
-class Box:
-    """A block of a global tensor held whole by one rank: its global ``offsets`` and ``sizes``, and where
-    it starts in that rank's local piece (``local_offsets``)."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    local_offsets: tuple[int, ...]
-
-
-def piece_boxes(
-    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]
-) -> tuple[Box, ...]:
-    """The boxes the piece at mesh ``coordinate`` under ``placements`` consists of (module docstring).
-
-    Their union is the piece; over every coordinate, the boxes of distinct pieces
-    cover the tensor exactly once (replicas repeat the same boxes).  A tensor with
-    no elements is one empty box on every rank, so the checkpoint still records it.
-    """
-    shape = tuple(int(s) for s in shape)
-    for axis, p in enumerate(placements):
-        if isinstance(p, Partial):
-            raise ValueError(
-                f"a tensor of shape {shape} is {p} on mesh axis {axis}: a partial value is not a piece of the "
-                "tensor, so it cannot be checkpointed; reduce it first (parameters and optimizer state never are)"
-            )
-    if any(s == 0 for s in shape):
-        return (Box((0,) * len(shape), shape, (0,) * len(shape)),)
-    per_dim = []
-    for runs in dim_ranges(shape, tuple(placements), tuple(mesh_shape), tuple(coordinate)):
-        local, entries = 0, []
-        for start, stop in runs:
-            entries.append((start, stop - start, local))
-            local += stop - start
-        per_dim.append(entries)
-    return tuple(
-        Box(tuple(e[0] for e in combo), tuple(e[1] for e in combo), tuple(e[2] for e in combo))
-        for combo in itertools.product(*per_dim)
-    )
 
 
 class PieceTensor(torch.Tensor):
