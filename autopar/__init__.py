@@ -44,6 +44,7 @@ __all__ = [
     "Layout",
     "save",
     "load",
+    "reshard",
 ]
 
 
@@ -61,6 +62,10 @@ def __getattr__(name: str):
         from . import compiled
 
         return getattr(compiled, name)
+    if name == "reshard":
+        from autopar.runtime import reshard
+
+        return reshard
     if name in ("save", "load"):
         from . import checkpoint
 

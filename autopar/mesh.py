@@ -19,8 +19,12 @@ class Mesh:
     axes: a tuple of distinct, non-empty strings, or one string, which is one name
     (``"dp"``) or names joined by commas as the CLI's ``--axis-names`` takes them
     (``"dp,tp"``); default ``axis0, axis1, ...``.  ``ranks`` lists the global rank at
-    each mesh position in row-major order (default ``0..size-1``; any permutation is
-    allowed, so non-contiguous layouts such as MindSpore's work).
+    each mesh position in row-major order (default ``0..size-1``; any order is
+    allowed, so non-contiguous layouts such as MindSpore's work).  Distinct ranks
+    other than ``0..size-1`` make a sub-mesh of a larger world (Paddle's
+    ``ProcessMesh``): ``autopar.reshard`` moves tensors between sub-meshes, while
+    planning and ``compile`` run on a mesh over the whole world (``MeshGroups``
+    checks it).
     """
 
     shape: tuple[int, ...]
@@ -44,8 +48,11 @@ class Mesh:
             raise ValueError(f"Mesh axis_names {names}: names must be distinct; rename the repeated axis")
         size = math.prod(shape)
         rank_ids = tuple(range(size)) if ranks is None else tuple(_int(r, "Mesh ranks", ranks) for r in ranks)
-        if sorted(rank_ids) != list(range(size)):
-            raise ValueError(f"Mesh ranks {rank_ids}: expected a permutation of 0..{size - 1} for shape {shape}")
+        if len(rank_ids) != size or len(set(rank_ids)) != size or min(rank_ids) < 0:
+            raise ValueError(
+                f"Mesh ranks {rank_ids}: expected {size} distinct global ranks >= 0 for shape {shape}, one per mesh "
+                f"position in row-major order (e.g. a permutation of 0..{size - 1})"
+            )
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "ranks", rank_ids)
@@ -68,6 +75,10 @@ class Mesh:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    def is_world(self, world_size: int) -> bool:
+        """Whether the mesh holds every rank of a world of ``world_size`` (not a sub-mesh of it)."""
+        return sorted(self.ranks) == list(range(world_size))
 
     def axis_index(self, axis: int | str) -> int:
         """Index of an axis given by position or name; a clear error for unknown names."""

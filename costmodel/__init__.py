@@ -4,7 +4,7 @@
   which link a mesh axis uses.
 * ``flops``: flops and memory traffic of one ``OpCall`` on local shapes.
 * ``compute``: roofline time of an op.
-* ``comm``: ring-collective time (alpha-beta, NCCL bus-bandwidth factors).
+* ``comm``: ring-collective time (alpha-beta, NCCL bus-bandwidth factors) and point-to-point sends.
 * ``memory``: bytes of parameters, gradients, optimizer state and activations.
 
 Pure functions of data: no process group, no device, no real tensors.
@@ -12,7 +12,14 @@ Pure functions of data: no process group, no device, no real tensors.
 
 from __future__ import annotations
 
-from .comm import COLLECTIVES, bandwidth_factor, collective_time_on_axis_s, collective_time_s
+from .comm import (
+    COLLECTIVES,
+    bandwidth_factor,
+    collective_time_on_axis_s,
+    collective_time_s,
+    p2p_time_s,
+    transfers_time_s,
+)
 from .compute import call_time_s, op_time_s
 from .flops import backward_bytes_moved, backward_flops, bytes_moved, compute_dtype, forward_flops, is_matmul_like
 from .memory import (
@@ -54,6 +61,8 @@ __all__ = [
     "COLLECTIVES",
     "collective_time_s",
     "collective_time_on_axis_s",
+    "p2p_time_s",
+    "transfers_time_s",
     "TrainingPrecision",
     "OptimizerSpec",
     "ModelStateBytes",

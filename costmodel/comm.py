@@ -23,6 +23,13 @@ A group size between two measured ones interpolates the two times linearly; outs
 the measured range the nearest line fit is scaled as the ring scales (latency by
 the step count, the factor by ``(n-1)/n``).
 
+Point-to-point sends (a reshard between sub-meshes, ``autopar.reshard``): one message of
+``nbytes`` from rank ``a`` to rank ``b`` costs ``alpha + nbytes / B`` on the link between
+them (``DeviceProfile.link_between``).  A rank's sends go out one after another, and its
+receives come in one after another, while sending and receiving overlap (full-duplex
+links), so a set of transfers takes ``max over ranks r of max(sum of r's sends, sum of
+r's receives)`` (``transfers_time_s``); a rank's message to itself is a local copy, free.
+
 Emulated reduce-scatter: on a link whose backend has none
 (``LinkProfile.reduce_scatter == "all_reduce"``, e.g. the ``cpu`` profile: gloo,
 where autopar's runtime all-reduces the full input and keeps its slice), a
@@ -33,10 +40,18 @@ reduce-scatter is priced as the all-reduce of its ``nbytes`` that actually runs
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from .profiles import COLLECTIVES, DeviceProfile, LinkProfile
 
-__all__ = ["COLLECTIVES", "bandwidth_factor", "collective_time_s", "collective_time_on_axis_s"]
+__all__ = [
+    "COLLECTIVES",
+    "bandwidth_factor",
+    "collective_time_s",
+    "collective_time_on_axis_s",
+    "p2p_time_s",
+    "transfers_time_s",
+]
 
 
 # kind -> (bandwidth factor numerator in units of (n-1)/n, latency steps in units of (n-1))
@@ -100,6 +115,27 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfi
     bandwidth_s = bw_factor * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
     latency_s = steps * (n - 1) * link.latency_s
     return bandwidth_s + latency_s
+
+
+def p2p_time_s(nbytes: float, link: LinkProfile) -> float:
+    """Seconds one point-to-point message of ``nbytes`` takes on ``link`` (0.0 for no bytes)."""
+    if not (nbytes >= 0 and math.isfinite(nbytes)):
+        raise ValueError(f"send: nbytes must be a finite number >= 0, got {nbytes!r}")
+    return 0.0 if nbytes == 0 else link.latency_s + nbytes / link.bandwidth_bytes_per_s
+
+
+def transfers_time_s(transfers: Iterable[tuple[int, int, int]], profile: DeviceProfile) -> float:
+    """Seconds a set of ``(src rank, dst rank, nbytes)`` messages takes (module docstring: the busiest rank's
+    sends or receives, whichever is longer); messages a rank sends itself are free."""
+    sends: dict[int, float] = {}
+    recvs: dict[int, float] = {}
+    for a, b, nbytes in transfers:
+        if a == b:
+            continue
+        t = p2p_time_s(nbytes, profile.link_between(a, b))
+        sends[a] = sends.get(a, 0.0) + t
+        recvs[b] = recvs.get(b, 0.0) + t
+    return max([*sends.values(), *recvs.values()], default=0.0)
 
 
 def collective_time_on_axis_s(

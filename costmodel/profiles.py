@@ -276,6 +276,12 @@ class DeviceProfile:
         span = stride * (shape[axis] - 1) + 1
         return self.intra_node if span <= self.devices_per_node else self.inter_node
 
+    def link_between(self, rank_a: int, rank_b: int) -> LinkProfile:
+        """The link two global ranks talk over point to point: ``intra_node`` when both sit in the same
+        node of ``devices_per_node`` consecutive ranks, else ``inter_node``."""
+        same = rank_a // self.devices_per_node == rank_b // self.devices_per_node
+        return self.intra_node if same else self.inter_node
+
 
 def _check_positive(profile: str, key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):

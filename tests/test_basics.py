@@ -36,8 +36,12 @@ def test_mesh_validation_and_groups():
         mesh.axis_index("pp")
     with pytest.raises(ValueError, match="3 names but shape \\(2, 4\\) has 2 axes"):
         Mesh((2, 4), axis_names=("dp", "tp", "pp"))
-    with pytest.raises(ValueError, match="permutation"):
+    with pytest.raises(ValueError, match="expected 2 distinct global ranks >= 0"):
         Mesh((2,), ranks=(0, 0))
+    with pytest.raises(ValueError, match="expected 2 distinct global ranks >= 0"):
+        Mesh((2,), ranks=(-1, 0))
+    sub = Mesh((2,), ranks=(2, 3))  # a sub-mesh of a world of 4 (autopar.reshard)
+    assert sub.coordinate(3) == (1,) and not sub.is_world(4) and Mesh((2, 2)).is_world(4)
     # non-contiguous rank layouts
     m2 = Mesh((2, 2), axis_names=("a", "b"), ranks=(0, 2, 1, 3))
     assert m2.axis_groups("b") == [[0, 2], [1, 3]]

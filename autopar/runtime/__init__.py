@@ -5,6 +5,9 @@
 - ``redistribute``: ``redistribute_local`` runs ``transitions()``'s steps as
   collectives; ``Move`` is one edge's move resolved once (forward and gradient
   placements), ``Redistribute`` / ``redistribute`` its autograd function.
+- ``reshard``: ``reshard`` moves a tensor between (mesh, placements) layouts, sub-meshes
+  included (collectives on one world mesh, point-to-point sends otherwise);
+  ``reshard_cost`` says how and what it costs.
 - ``counter``: ``CollectiveCounter`` records what ran, to compare with the plan.
 - ``zero``: ``StateShards``, ZeRO-1/2 parameters (gradient and optimizer state
   sharded beyond the parameter) and the optimizer step's all-gather.
@@ -22,6 +25,7 @@ from .counter import CollectiveCounter, CollectiveRecord
 from .deferred import PendingLoss, defer_loss_tail, wait_pending
 from .groups import MeshGroups, init_distributed
 from .redistribute import Move, Redistribute, nesting_conflict, nesting_steps, redistribute, redistribute_local
+from .reshard import ReshardCost, TransferPlan, plan_transfers, reshard, reshard_cost
 from .spawn import RankError, spawn_ranks
 from .zero import StateShards, from_state_shard
 
@@ -41,6 +45,11 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "GradBuckets",
     "RankError",
+    "ReshardCost",
+    "TransferPlan",
+    "plan_transfers",
+    "reshard",
+    "reshard_cost",
     "bucketable",
     "clip_grad_norm_",
     "defer_loss_tail",

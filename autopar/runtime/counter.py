@@ -5,7 +5,9 @@ Each record is the *semantic* collective of one transition step (``transitions``
 plan charges for it.  A step the backend emulates (``reduce_scatter`` as all-reduce
 plus local slice on gloo) is still recorded once, as the planned collective with
 the planned bytes, so run-time counts equal plan counts whatever the backend.
-Free local steps (slice, mask) are not recorded.
+Free local steps (slice, mask) are not recorded.  A cross-mesh reshard
+(``reshard.py``) records each point-to-point message a rank sends as a ``"send"``
+on axis ``-1`` (between meshes), phase ``"reshard"``.
 """
 
 from __future__ import annotations

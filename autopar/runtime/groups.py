@@ -122,6 +122,12 @@ class MeshGroups:
                 f"{mesh.size} ranks (torchrun --nproc-per-node {mesh.size}) or use a mesh whose axis sizes "
                 f"multiply to {world}"
             )
+        if not mesh.is_world(world):
+            raise ValueError(
+                f"MeshGroups: mesh {mesh} has ranks {mesh.ranks}, a sub-mesh of the {world} ranks of the world; "
+                "planning and compile need a mesh over every rank (its ranks a permutation of 0..world size - 1). "
+                "Use autopar.reshard to move tensors between sub-meshes"
+            )
         self._mesh = mesh
         self._rank = dist.get_rank()
         self._backend = str(dist.get_backend())
