@@ -5,7 +5,7 @@
 - ``redistribute``: ``redistribute_local`` runs ``transitions()``'s steps as
   collectives; ``Move`` is one edge's move resolved once (forward and gradient
   placements), ``Redistribute`` / ``redistribute`` its autograd function.
-- ``reshard``: ``reshard`` moves a tensor between (mesh, placements) layouts, sub-meshes
+- ``resharding``: ``reshard`` moves a tensor between (mesh, placements) layouts, sub-meshes
   included (collectives on one world mesh, point-to-point sends otherwise);
   ``reshard_cost`` says how and what it costs.
 - ``counter``: ``CollectiveCounter`` records what ran, to compare with the plan.
@@ -25,7 +25,7 @@ from .counter import CollectiveCounter, CollectiveRecord
 from .deferred import PendingLoss, defer_loss_tail, wait_pending
 from .groups import MeshGroups, init_distributed
 from .redistribute import Move, Redistribute, nesting_conflict, nesting_steps, redistribute, redistribute_local
-from .reshard import ReshardCost, TransferPlan, plan_transfers, reshard, reshard_cost
+from .resharding import ReshardCost, TransferPlan, plan_transfers, reshard, reshard_cost
 from .spawn import RankError, spawn_ranks
 from .zero import StateShards, from_state_shard
 

@@ -6,7 +6,7 @@ plan charges for it.  A step the backend emulates (``reduce_scatter`` as all-red
 plus local slice on gloo) is still recorded once, as the planned collective with
 the planned bytes, so run-time counts equal plan counts whatever the backend.
 Free local steps (slice, mask) are not recorded.  A cross-mesh reshard
-(``reshard.py``) records each point-to-point message a rank sends as a ``"send"``
+(``resharding.py``) records each point-to-point message a rank sends as a ``"send"``
 on axis ``-1`` (between meshes), phase ``"reshard"``.
 """
 
