@@ -30,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopar
 from autopar.checkpoint import Box, ExportError, PieceTensor, export_safetensors, read_metadata
+from autopar.cli import main
 
 ALIAS, CANONICAL = "lm_head.weight", "transformer.wte.weight"
 
@@ -251,3 +252,68 @@ def test_bad_arguments_name_the_argument_and_the_fix(tmp_path):
     with pytest.raises(ExportError, match="out_dir: .* is the checkpoint itself"):
         export_safetensors(path, path)
     assert not (tmp_path / "out").exists()  # nothing is created before the arguments are checked
+
+
+# ---- (f) the CLI ---------------------------------------------------------------------------------------
+
+
+def test_cli_export_writes_shards_and_says_what_it_wrote(tmp_path, capsys):
+    model = _gpt2()
+    path = _saved(tmp_path, model)
+    out = tmp_path / "serve"
+    argv = ["export", path, "-o", str(out), "--max-shard-size", "8KiB", "--dtype", "bf16", "--include-tied"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert sorted(os.listdir(out)) == [*files, "model.safetensors.index.json"]
+    want = {k: v.to(torch.bfloat16) for k, v in _expected(model, include_tied=True).items()}
+    total = sum(v.nbytes for v in want.values())
+    assert [line.split(":")[0] for line in lines[:-2]] == [f"wrote {out / f}" for f in files]
+    assert lines[-2] == f"wrote {out / 'model.safetensors.index.json'}: weight_map of 17 tensors, total_size {total}"
+    assert lines[-1].startswith("exported 17 tensors, ") and f"({total} bytes), in {len(files)} files" in lines[-1]
+    got = {k: v for f in files for k, v in load_file(out / f).items()}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autopar: error: "), err
+    return err[0]
+
+
+def test_cli_export_errors_name_the_argument_and_write_nothing(tmp_path, capsys):
+    model = _gpt2()
+    path = _saved(tmp_path, model)
+    out = str(tmp_path / "out")
+
+    assert main(["export", str(tmp_path / "missing"), "-o", out]) == 2
+    assert "CHECKPOINT_DIR: no checkpoint at" in _error(capsys)
+
+    # an interrupted save: <path>.partial without .metadata, and no <path>
+    os.rename(path, path + ".partial")
+    os.remove(path + ".partial/.metadata")
+    assert main(["export", path, "-o", out]) == 2
+    assert "ckpt.partial holds an unfinished save" in _error(capsys)
+    assert main(["export", path + ".partial", "-o", out]) == 2
+    line = _error(capsys)
+    assert "is not a complete checkpoint: it has no .metadata" in line and line.startswith("autopar: error: CHECKPOINT")
+
+    path = _saved(tmp_path, model, "ckpt2")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("keep")
+    assert main(["export", path, "-o", str(tmp_path / "busy")]) == 2
+    assert "-o " in _error(capsys) and sorted(os.listdir(tmp_path / "busy")) == ["notes.txt"]
+
+    info = json.loads((tmp_path / "ckpt2" / "autopar.json").read_text())
+    del info["tied"]  # as a checkpoint saved before aliases were recorded
+    (tmp_path / "ckpt2" / "autopar.json").write_text(json.dumps(info))
+    assert main(["export", path, "-o", out, "--include-tied"]) == 2
+    assert _error(capsys).startswith("autopar: error: --include-tied: ")
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", path, "-o", out, "--max-shard-size", "lots"])
+    assert exit_info.value.code == 2 and "--max-shard-size" in capsys.readouterr().err
+    assert not os.path.exists(out)
+    assert main(["export", path, "-o", out]) == 0  # the same checkpoint exports without the aliases
+    assert len(load_file(os.path.join(out, "model.safetensors"))) == 16

@@ -212,7 +212,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
                 if path.name.endswith(".partial")
                 else ""
             )
-            + "; load the previous checkpoint instead"
+            + "; use the previous checkpoint instead"
         )
     return dcp.FileSystemReader(path).read_metadata()
 
