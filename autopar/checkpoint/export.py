@@ -85,7 +85,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # the size transformers sharded at by default until 4.x ("5GB")
+# 5 GiB: about transformers 4's save_pretrained default ("5GB", 5e9 bytes; transformers 5 writes "50GB" shards)
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 SINGLE_FILE = "model.safetensors"  # transformers.utils.SAFE_WEIGHTS_NAME
 INDEX_FILE = "model.safetensors.index.json"  # transformers.utils.SAFE_WEIGHTS_INDEX_NAME
 _SHARD = "model-{index:05d}-of-{count:05d}.safetensors"
