@@ -235,6 +235,26 @@ def test_each_rank_writes_only_chunks_of_its_own_pieces_and_each_element_once(sa
     assert checked > len(ranks[0]["pieces"])  # sharded tensors wrote several chunks
 
 
+def test_the_mesh_checkpoint_exports_for_serving_as_the_full_state_and_its_tied_alias(saved, tmp_path):
+    """``export_safetensors`` (tests/test_checkpoint_export.py) on chunks that four ranks wrote."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from autopar.checkpoint import export_safetensors, saved_info
+
+    path, ranks = saved
+    info = saved_info(path)
+    assert info["mesh"] == [2, 2] and info["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    result = export_safetensors(path, tmp_path / "out", include_tied=True, max_shard_bytes=64 * 1024)
+    full = ranks[0]["state"]["params"]
+    index = json.loads(result.index.read_text())
+    assert set(index["weight_map"]) == set(full) and result.tensors == len(full)
+    got = {k: v for f in result.files for k, v in load_file(f.path).items()}
+    for k, v in full.items():
+        assert torch.equal(got[k], v), k
+
+
 RESUMES = [
     ((4,), ("dp",), {"mem_cap": "cap"}),  # a capped plan on 4 ranks
     ((2,), ("dp",), {"family": "data parallel"}),

@@ -5,29 +5,39 @@
 (``state.py``) are the DCP ``Stateful`` state dicts they use, for a
 ``ShardedModule`` or a plain ``nn.Module``; ``PieceTensor`` (``piece.py``) is how
 one rank's piece of a sharded tensor is described to DCP (the boxes it holds, by
-global offsets), so loading under another layout is DCP's own reshard.
+global offsets), so loading under another layout is DCP's own reshard;
+``export_safetensors`` (``export.py``) writes a checkpoint's model as Hugging Face
+safetensors files for serving, one tensor in memory at a time.
 """
 
 from __future__ import annotations
 
 from autopar.layout import Box, piece_boxes
 
+from .export import DEFAULT_MAX_SHARD_BYTES, ExportedFile, ExportError, SafetensorsExport, export_safetensors
 from .piece import PieceTensor
-from .saving import INFO_FILE, CheckpointError, load, load_extra, save
+from .saving import INFO_FILE, CheckpointError, load, load_extra, read_metadata, save, saved_info
 from .state import ModelState, OptimizerState, init_optimizer_state, model_pieces, tied_aliases
 
 __all__ = [
     "Box",
     "CheckpointError",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "ExportError",
+    "ExportedFile",
     "INFO_FILE",
     "ModelState",
     "OptimizerState",
     "PieceTensor",
+    "SafetensorsExport",
+    "export_safetensors",
     "init_optimizer_state",
     "load",
     "load_extra",
     "model_pieces",
     "piece_boxes",
+    "read_metadata",
     "save",
+    "saved_info",
     "tied_aliases",
 ]

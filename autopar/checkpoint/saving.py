@@ -19,6 +19,9 @@ last, after every rank's data, and only then does rank 0 move the directory to
 save killed on any rank leaves ``<path>`` as it was and ``<path>.partial``
 without metadata, which ``load`` rejects by name.  The directory must be on a
 filesystem every rank sees (one machine, or a shared mount across nodes).
+Beside DCP's files rank 0 writes ``autopar.json`` (``INFO_FILE``): the model class,
+mesh, world size and plan family that saved it (for messages) and its tied aliases,
+``"tied": {alias FQN: the FQN its tensor is stored under}`` (for ``export.py``).
 
 Checks before any tensor is read (every rank, the same verdict): the checkpoint is
 complete; every model entry (and, with an optimizer, every optimizer entry) the
@@ -48,13 +51,23 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from autopar.compiled import ShardedModule
 
-from .state import ModelState, OptimizerState, init_optimizer_state
+from .state import ModelState, OptimizerState, init_optimizer_state, tied_aliases
 
-__all__ = ["save", "load", "load_extra", "CheckpointError", "INFO_FILE"]
+__all__ = [
+    "save",
+    "load",
+    "load_extra",
+    "CheckpointError",
+    "INFO_FILE",
+    "read_metadata",
+    "saved_info",
+    "one_process_is_meant",
+]
 
 log = logging.getLogger(__name__)
 
-INFO_FILE = "autopar.json"  # what saved the checkpoint (mesh, world size, model class): for messages only
+# what saved the checkpoint (mesh, world size, model class: for messages) and its tied aliases (for export)
+INFO_FILE = "autopar.json"
 _RESERVED = ("model", "optimizer")
 
 
@@ -76,7 +89,7 @@ def _barrier() -> None:
 
 
 @contextlib.contextmanager
-def _one_process_is_meant():
+def one_process_is_meant():
     """Without a process group DCP warns that it assumes one process: here that is the intent, not a guess."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -119,7 +132,7 @@ def save(
             shutil.rmtree(staging)  # a save that was interrupted: never a checkpoint
         staging.mkdir(parents=True)
     _barrier()
-    with _one_process_is_meant():
+    with one_process_is_meant():
         dcp.save(state, storage_writer=storage_writer or dcp.FileSystemWriter(staging), no_dist=not _distributed())
     if _rank() == 0:
         (staging / INFO_FILE).write_text(json.dumps(_info(module), indent=1, sort_keys=True) + "\n")
@@ -140,6 +153,7 @@ def _info(module: nn.Module) -> dict[str, Any]:
         info.update(mesh=list(module.mesh.shape), model=plan.model, family=plan.family)
     else:
         info.update(mesh=[], model=type(module).__name__, family="one process")
+    info["tied"] = tied_aliases(module)  # alias FQN -> the name its tensor is stored under (export writes both)
     return info
 
 
@@ -171,7 +185,7 @@ def load(
     dicts are filled in place.  Raises ``CheckpointError`` (module docstring).
     """
     path = Path(path)
-    metadata = _read_metadata(path)
+    metadata = read_metadata(path)
     if optimizer is not None:
         init_optimizer_state(optimizer)  # the template DCP loads into is the optimizer's own state
     state = _state(module, optimizer, extra)
@@ -182,7 +196,7 @@ def load(
     if problems:
         log.warning("%s", problems)
     planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
-    with _one_process_is_meant():
+    with one_process_is_meant():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=not _distributed())
     log.info("loaded checkpoint %s", path)
 
@@ -195,7 +209,7 @@ def load_extra(path: str | os.PathLike, extra: Mapping[str, Any]) -> Mapping[str
     Raises ``CheckpointError`` when the checkpoint is incomplete or lacks a key.
     """
     path = Path(path)
-    metadata = _read_metadata(path)
+    metadata = read_metadata(path)
     want: dict[str, Any] = {}
     for k, v in extra.items():
         _flat(k, v.state_dict() if hasattr(v, "state_dict") else v, want)
@@ -205,18 +219,22 @@ def load_extra(path: str | os.PathLike, extra: Mapping[str, Any]) -> Mapping[str
             f"{path}{_saved_by(path)} holds no {_few(missing)}: it was not saved with these extra entries; "
             "pass the extra= keys the saving job used"
         )
-    with _one_process_is_meant():
+    with one_process_is_meant():
         dcp.load(dict(extra), storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return extra
 
 
-def _read_metadata(path: Path) -> Metadata:
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """The DCP metadata of the complete checkpoint at ``path``; ``CheckpointError`` naming what is wrong otherwise."""
+    path = Path(path)
     if not path.is_dir():
         hint = ""
         partial = path.with_name(path.name + ".partial")
         if partial.is_dir():
             hint = f"; {partial} holds an unfinished save (interrupted before it completed), which is not loadable"
-        raise CheckpointError(f"no checkpoint at {path}: not a directory{hint}")
+        raise CheckpointError(
+            f"no checkpoint at {path}: not a directory{hint}; name a directory autopar.save completed"
+        )
     if not (path / ".metadata").is_file():
         raise CheckpointError(
             f"{path} is not a complete checkpoint: it has no .metadata, which torch.distributed.checkpoint writes "
@@ -226,7 +244,7 @@ def _read_metadata(path: Path) -> Metadata:
                 if path.name.endswith(".partial")
                 else ""
             )
-            + "; load the previous checkpoint instead"
+            + "; use the previous checkpoint instead"
         )
     return dcp.FileSystemReader(path).read_metadata()
 
@@ -287,10 +305,18 @@ def _few(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (f", ... ({len(keys) - 5} more)" if len(keys) > 5 else "")
 
 
-def _saved_by(path: Path) -> str:
+def saved_info(path: str | os.PathLike) -> dict[str, Any]:
+    """What ``autopar.json`` of the checkpoint at ``path`` records (the module docstring); {} without one."""
     try:
-        info = json.loads((path / INFO_FILE).read_text())
+        info = json.loads((Path(path) / INFO_FILE).read_text())
     except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _saved_by(path: Path) -> str:
+    info = saved_info(path)
+    if not info:
         return ""
     mesh = "x".join(map(str, info.get("mesh") or [])) or "one process"
     return f" (saved from {info.get('model')} on mesh {mesh})"
