@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from autopar.layout import Box, piece_boxes
 
+from .cli import add_export_parser, cmd_export
 from .export import DEFAULT_MAX_SHARD_BYTES, ExportedFile, ExportError, SafetensorsExport, export_safetensors
 from .piece import PieceTensor
 from .saving import INFO_FILE, CheckpointError, load, load_extra, read_metadata, save, saved_info
 from .state import ModelState, OptimizerState, init_optimizer_state, model_pieces, tied_aliases
 
 __all__ = [
+    "add_export_parser",
+    "cmd_export",
     "Box",
     "CheckpointError",
     "DEFAULT_MAX_SHARD_BYTES",
