@@ -2,7 +2,7 @@
 
     autopar plan MODEL --mesh 2x4 --axis-names dp,tp --mem-cap 40GiB --profile h100 \\
         --batch 8 --seq 1024 --dtype bf16 --format table|json [-o FILE] [--solver dp|ilp] [--timings] \\
-        [--hint 'PATTERN=R,S(1)' ...] [--hints FILE.json|FILE.toml] [--strict-hints]
+        [--devices-per-node N] [--hint 'PATTERN=R,S(1)' ...] [--hints FILE.json|FILE.toml] [--strict-hints]
     autopar models          # the built-in model names
     autopar run MODEL --mesh 2x2 [--axis-names dp,tp] --steps 3 --check [--batch 4 --seq 32] \\
         [--family auto|data-parallel|sharded-parameters|tensor-parallel] [--lr 1e-3] \\
@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="h100",
         metavar="PROFILE",
         help="device profile: a name from `configs/devices` (a100, cpu, h100, ...) or a .toml path (default h100)",
+    )
+    pl.add_argument(
+        "--devices-per-node",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="ranks per node of the job (default: the profile's); mesh axes spanning nodes use the inter-node link",
     )
     pl.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
     pl.add_argument(
@@ -419,6 +426,7 @@ def _cmd_plan(args) -> int:
             recompute=args.recompute,
             strict=args.strict_hints,
             progress=bar,
+            devices_per_node=args.devices_per_node,
         )
     except UnmatchedHintError as e:  # the API's fix says strict=False; here it is the flag
         bar.close()

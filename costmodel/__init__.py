@@ -38,6 +38,7 @@ from .profiles import (
     DeviceProfile,
     LinkProfile,
     available_profiles,
+    axis_crosses_nodes,
     config_dir,
     load_profile,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "DeviceProfile",
     "load_profile",
     "available_profiles",
+    "axis_crosses_nodes",
     "config_dir",
     "forward_flops",
     "backward_flops",

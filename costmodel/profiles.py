@@ -19,7 +19,7 @@ import importlib.resources
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ __all__ = [
     "DeviceProfile",
     "PEAK_FLOPS_KEYS",
     "ATTENTION_SAVES",
+    "axis_crosses_nodes",
     "REDUCE_SCATTER",
     "config_dir",
     "available_profiles",
@@ -272,15 +273,33 @@ class DeviceProfile:
                 f"pass an axis in [0, {len(shape) - 1}]"
             )
         axis %= len(shape)
-        stride = math.prod(shape[axis + 1 :])
-        span = stride * (shape[axis] - 1) + 1
-        return self.intra_node if span <= self.devices_per_node else self.inter_node
+        return self.inter_node if axis_crosses_nodes(shape, axis, self.devices_per_node) else self.intra_node
+
+    def with_devices_per_node(self, devices_per_node: int | None) -> DeviceProfile:
+        """This profile with the job's ranks per node (a launch may use fewer devices per node than a node has);
+        None keeps the profile's own figure."""
+        if devices_per_node is None or devices_per_node == self.devices_per_node:
+            return self
+        if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+            raise ValueError(f"devices_per_node {devices_per_node!r}: expected an int >= 1 (ranks on each node)")
+        return replace(self, devices_per_node=devices_per_node)
 
     def link_between(self, rank_a: int, rank_b: int) -> LinkProfile:
         """The link two global ranks talk over point to point: ``intra_node`` when both sit in the same
         node of ``devices_per_node`` consecutive ranks, else ``inter_node``."""
         same = rank_a // self.devices_per_node == rank_b // self.devices_per_node
         return self.intra_node if same else self.inter_node
+
+
+def axis_crosses_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> bool:
+    """Whether the ranks of one mesh axis group span more than one node of ``devices_per_node`` consecutive ranks.
+
+    The mesh is row-major, last axis innermost: an axis group's ranks are
+    ``stride = prod(mesh_shape[axis+1:])`` apart and span ``stride * (size - 1) + 1``
+    consecutive ranks (``DeviceProfile.link_for_axis``).
+    """
+    stride = math.prod(mesh_shape[axis + 1 :])
+    return stride * (mesh_shape[axis] - 1) + 1 > devices_per_node
 
 
 def _check_positive(profile: str, key: str, value: Any) -> None:

@@ -75,6 +75,7 @@ def compile(
     dtype: str | None = None,
     optimizer: str = "adamw",
     recompute: str = "auto",
+    devices_per_node: int | None = None,
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
@@ -108,12 +109,17 @@ def compile(
     state the plan's memory counts (``costmodel.OPTIMIZERS``: "adamw", "adam",
     "sgd", "sgd_momentum", "none"); any torch optimizer runs whatever it says.
 
+    ``devices_per_node``: the job's ranks per node, so axes whose ranks span nodes are
+    priced on the profile's inter-node link (``autopar.prepare``); None: torchrun's
+    ``LOCAL_WORLD_SIZE`` when the job spans nodes (``runtime.ranks_per_node``), else
+    the profile's figure.
+
     A ``plan=`` is checked against the model (mesh, parameter names and shapes,
     input shapes) before anything runs, on every rank alike.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopar.runtime import MeshGroups
+    from autopar.runtime import MeshGroups, ranks_per_node
 
     if isinstance(mesh, DeviceMesh):  # torch's, as DTensor users hold one
         mesh = Mesh.from_device_mesh(mesh)
@@ -154,6 +160,7 @@ def compile(
                 optimizer=optimizer,
                 grad_bucket_bytes=grad_bucket_bytes,
                 recompute=recompute,
+                devices_per_node=devices_per_node if devices_per_node is not None else ranks_per_node(),
                 hint_options={
                     "hints": hints,
                     "input_placements": input_placements,
@@ -222,6 +229,7 @@ def _plan_on_rank0(
     optimizer="adamw",
     grad_bucket_bytes=DEFAULT_BUCKET_BYTES,
     recompute="auto",
+    devices_per_node=None,
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
@@ -243,6 +251,7 @@ def _plan_on_rank0(
                 dtype=dtype,
                 optimizer=optimizer,
                 grad_bucket_bytes=grad_bucket_bytes,
+                devices_per_node=devices_per_node,
                 **(hint_options or {}),
             )
             graph = ctx.graph

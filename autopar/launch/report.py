@@ -37,6 +37,8 @@ def render_report(report: RunReport, *, width: int = 140) -> str:
         )
     )
     con.print(escape(describe_plan(r0.family, cfg.family)))
+    if r0.nodes_line:
+        con.print(escape(r0.nodes_line))
     if r0.recompute_line:
         con.print(escape(r0.recompute_line))
 

@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.mesh import Mesh
 from autopar.planner import FAMILIES, Plan
-from autopar.runtime import RankError, spawn_ranks
+from autopar.runtime import RankError, ranks_per_node, spawn_ranks
 
 from .resume import resolve_checkpoint, resume, save_if_due, saved_step
 
@@ -151,6 +151,7 @@ class RankResult:
     held_bytes: dict[str, int]
     plan_memory: dict[str, int | None]
     recompute_line: str = ""  # the plan's "recompute:" line (planner.report.describe_recompute)
+    nodes_line: str = ""  # which mesh axes span nodes (planner.report.describe_nodes), '' on one node
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,7 +329,15 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     from autopar.planner import plan_from_context, prepare
 
     model, args, kwargs = build_model(config, "cpu")
-    ctx = prepare(model, config.mesh(), example_inputs=args, example_kwargs=kwargs, profile=profile, dtype="fp32")
+    ctx = prepare(
+        model,
+        config.mesh(),
+        example_inputs=args,
+        example_kwargs=kwargs,
+        profile=profile,
+        dtype="fp32",
+        devices_per_node=ranks_per_node(),  # under torchrun across nodes: the axes that cross them use that link
+    )
     return plan_from_context(ctx, compare_families=False, family=config.family, recompute=config.recompute)
 
 
@@ -355,12 +364,12 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
     del model
     where = f"autopar run {config.model}, rank {rank}"
     record, held = _train(sharded, args, kwargs, config, keep=rank == 0, where=where)
-    from autopar.planner import describe_recompute
+    from autopar.planner import describe_nodes, describe_recompute
 
     plan = sharded.plan
-    return RankResult(
-        rank, tuple(mesh.coordinate(rank)), plan.family, record, held, dict(plan.memory), describe_recompute(plan)
-    )
+    coord = tuple(mesh.coordinate(rank))
+    memory = dict(plan.memory)
+    return RankResult(rank, coord, plan.family, record, held, memory, describe_recompute(plan), describe_nodes(plan))
 
 
 def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> TrainRecord:

@@ -16,7 +16,7 @@ from .hint_forms import Layout
 from .hints import UnmatchedHintError
 from .pipeline import PlanningContext, plan, plan_from_context, prepare, rebatch
 from .recompute import RECOMPUTE_OPTIONS
-from .report import describe_plan, describe_recompute, render_table
+from .report import describe_nodes, describe_plan, describe_recompute, render_table
 from .schema import FAMILIES, Plan, check_writable
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "RECOMPUTE_OPTIONS",
     "UnmatchedHintError",
     "check_writable",
+    "describe_nodes",
     "describe_plan",
     "describe_recompute",
     "plan",

@@ -94,6 +94,7 @@ def prepare(
     strict: bool = False,
     reuse_batch: bool = False,
     grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    devices_per_node: int | None = None,
 ) -> PlanningContext:
     """Capture the model and price every candidate (the part of planning independent of the cap).
 
@@ -110,10 +111,18 @@ def prepare(
     about 2.5x at 96 on a loaded machine) so that
     ``ctx.at_batch(b)`` re-plans at another batch without tracing the model again
     (``autopar.capture.batch``).  Without it, ``at_batch`` captures the model again.
+
+    ``devices_per_node``: the job's ranks per node when it uses fewer devices per node
+    than the profile's node has (two nodes of 2 ranks: 2), so mesh axes whose ranks
+    span nodes are priced on the profile's inter-node link (``DeviceProfile.link_for_axis``);
+    None keeps the profile's figure.  The plan's settings record it.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))")
     settings = {"profile": profile, "dtype": dtype, "optimizer": optimizer, "grad_bucket_bytes": grad_bucket_bytes}
+    if devices_per_node is not None:
+        load_profile(profile).with_devices_per_node(devices_per_node)  # checks the value before the capture
+        settings["devices_per_node"] = devices_per_node
     hint_args = {
         "hints": hints,
         "input_placements": input_placements,
@@ -168,7 +177,7 @@ def _price(graph: OpGraph, mesh: Mesh, settings: dict, hint_args: dict, timings:
     """Candidates, hints, cost tables and blocks of a captured graph."""
     t1 = time.perf_counter()
     training = TrainingSettings(
-        load_profile(settings["profile"]),
+        load_profile(settings["profile"]).with_devices_per_node(settings.get("devices_per_node")),
         precision(settings["dtype"]),
         optimizer_spec(settings["optimizer"]),
         settings.get("grad_bucket_bytes", DEFAULT_BUCKET_BYTES),
@@ -247,6 +256,7 @@ def plan(
     output_placements=None,
     strict: bool = False,
     recompute: str = "auto",
+    devices_per_node: int | None = None,
 ) -> Plan:
     """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
 
@@ -265,6 +275,7 @@ def plan(
     ``recompute``: ``"auto"`` (recompute in backward where that makes the fastest plan
     that fits the cap), ``"none"``, ``"selective"`` (each repeated block's attention core
     and activations) or ``"full"`` (whole blocks); ``planner.recompute``.
+    ``devices_per_node``: the job's ranks per node (``prepare``).
     """
     if progress is not None:
         progress("capture + strategies", 0, 1)
@@ -280,6 +291,7 @@ def plan(
         input_placements=input_placements,
         output_placements=output_placements,
         strict=strict,
+        devices_per_node=devices_per_node,
     )
     return plan_from_context(
         ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families, progress=progress, recompute=recompute

@@ -122,6 +122,27 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+def describe_nodes(plan: Plan) -> str:
+    """Which mesh axes span nodes (their collectives priced on the inter-node link), or '' on one node."""
+    from costmodel import axis_crosses_nodes, load_profile
+
+    s = plan.settings
+    try:
+        profile = load_profile(s["profile"]).with_devices_per_node(s.get("devices_per_node"))
+    except ValueError:  # a profile file of another machine: nothing to read the links from
+        return ""
+    shape, names = plan.mesh.shape, plan.mesh.axis_names
+    crossing = [n for a, n in enumerate(names) if axis_crosses_nodes(shape, a, profile.devices_per_node)]
+    if not crossing:
+        return ""
+    within = [n for n in names if n not in crossing]
+    return (
+        f"nodes of {profile.devices_per_node} rank(s): axis {', '.join(crossing)} crosses nodes "
+        f"({profile.inter_node.name} link)"
+        + (f", {', '.join(within)} stays within a node ({profile.intra_node.name})" if within else "")
+    )
+
+
 def render_table(plan: Plan, *, width: int = 130) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
@@ -132,6 +153,8 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
         f"solver {s['solver']} ({_optimality(plan.search)})"
     )
     con.print(describe_plan(plan.family))
+    if nodes := describe_nodes(plan):
+        con.print(nodes)
     con.print(describe_recompute(plan))
     if plan.hints:
         h = plan.hints

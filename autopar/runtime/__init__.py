@@ -23,7 +23,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
 from .clip import clip_grad_norm_
 from .counter import CollectiveCounter, CollectiveRecord
 from .deferred import PendingLoss, defer_loss_tail, wait_pending
-from .groups import MeshGroups, init_distributed
+from .groups import MeshGroups, init_distributed, ranks_per_node
 from .redistribute import Move, Redistribute, nesting_conflict, nesting_steps, redistribute, redistribute_local
 from .resharding import ReshardCost, TransferPlan, plan_transfers, reshard, reshard_cost
 from .spawn import RankError, spawn_ranks
@@ -35,6 +35,7 @@ __all__ = [
     "PendingLoss",
     "MeshGroups",
     "init_distributed",
+    "ranks_per_node",
     "Move",
     "Redistribute",
     "nesting_conflict",

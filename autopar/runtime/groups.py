@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from autopar.mesh import Mesh
 
-__all__ = ["MeshGroups", "init_distributed"]
+__all__ = ["MeshGroups", "init_distributed", "ranks_per_node"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,18 @@ def init_distributed(backend: str | None = None, *, timeout: timedelta | None = 
     dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     logger.info("initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
     return str(dist.get_backend())
+
+
+def ranks_per_node() -> int | None:
+    """The ranks torchrun started on each node (``LOCAL_WORLD_SIZE``) when the job spans several nodes, else None.
+
+    torchrun numbers ranks node by node, so node ``k`` holds ranks ``k*L .. k*L + L - 1``:
+    the layout ``DeviceProfile.link_for_axis`` assumes with ``devices_per_node = L``.
+    """
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local and world and int(local) < int(world):
+        return int(local)
+    return None
 
 
 class MeshGroups:
