@@ -104,7 +104,7 @@ def test_version_and_every_option_has_help(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"autopar {autopar.__version__}"
     parser = build_parser()
     subs = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(subs) == {"plan", "run", "models", "calibrate", "fidelity"}
+    assert set(subs) == {"plan", "run", "models", "export", "calibrate", "fidelity"}
     missing = [
         f"{name} {'/'.join(a.option_strings) or a.dest}"
         for name, sub in subs.items()

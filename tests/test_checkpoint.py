@@ -109,10 +109,22 @@ def _state_of(module, opt) -> dict:
     }
 
 
+# GPT-2's fused q, k, v weight split block-wise on tp (each rank holds whole heads of q, of k and of v): the
+# checkpoint must store block-wise pieces as the boxes they are
+BLOCKWISE_QKV = {"transformer.h.*.attn.c_attn.weight": ["R", "S(1)[3]"]}
+
+
 def _save_rank(rank, world, path):
     model, args, kwargs = _model("gpt2-tiny")
     mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
-    sharded = autopar.compile(model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE)
+    sharded = autopar.compile(
+        model,
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        profile=PARTITIONING_PROFILE,
+        hints=BLOCKWISE_QKV,
+    )
     opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
     sched = _scheduler(opt)
     _steps(sharded, opt, sched, args, kwargs, STEPS)
@@ -185,7 +197,11 @@ def test_the_saved_checkpoint_is_the_models_full_state_read_by_dcps_own_tools(sa
 
     path, ranks = saved
     assert "tensor parallel" in ranks[0]["family"]  # a real sharded plan, block-wise c_attn and an uneven vocab
-    assert any(any(isinstance(p, Shard) for p in pl) for pl, _ in ranks[0]["pieces"].values())
+    pieces = ranks[0]["pieces"]
+    assert pieces["transformer.h.0.attn.c_attn.weight"][0][1] == Shard(1, 3)  # block-wise
+    uneven = [k for k, (pl, local) in pieces.items() if any(isinstance(p, Shard) for p in pl) and 1001 in
+              [s * 2 - 1 for s in local]]  # fmt: skip
+    assert uneven, pieces  # vocab 1001 split in two: 501 + 500
     dcp_to_torch_save(path, tmp_path / "full.pt")
     loaded = torch.load(tmp_path / "full.pt", weights_only=False)
     full = ranks[0]["state"]["params"]
