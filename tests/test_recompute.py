@@ -454,3 +454,83 @@ def test_a_plan_recomputing_per_layer_trains_like_one_device(name):
         assert records == planned, f"{where}: the collectives run differ from the plan's"
         activations = plan["memory"]["activations"]
         assert abs(saved - activations) <= 0.10 * activations, f"{where}: saved {saved} B, planned {activations} B"
+
+
+# ---- the rest of the graph (planner/regions.py: rest_regions) --------------------------------------------------
+
+
+def test_the_rest_of_the_graph_is_recomputed_where_the_layers_alone_cannot_meet_the_cap(gpt2_context):
+    """Outside the layers, the part before them (embeddings) and the part after (final norm, head, loss) may be
+    recomputed too, chosen with the first layer in the same chained search: the least memory any plan reaches
+    is below that of recomputing every layer whole, and a cap between the two is met by recomputing the rest."""
+    import autopar
+
+    ctx = gpt2_context
+    least = {}
+    for mode in ("auto", "full"):
+        with pytest.raises(autopar.MemoryCapError) as err:
+            autopar.plan_from_context(ctx, compare_families=False, mem_cap=1, recompute=mode)
+        least[mode] = err.value.min_mem_bytes
+    assert least["auto"] < 0.97 * least["full"], least
+    cap = (least["auto"] + least["full"]) // 2
+    with pytest.raises(autopar.MemoryCapError):
+        autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="full")
+    plan = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
+    rest = plan.search["recompute_rest"]
+    assert plan.memory["per_device_bytes"] <= cap and rest, plan.search
+    assert set(rest) <= {"before transformer.h", "after transformer.h"}
+    outside = {n for n, e in plan.nodes.items() if e.get("recompute") in rest}
+    assert outside and all(not n.startswith("transformer_h_") for n in outside)  # no op of a layer
+    line = next(x for x in plan.table().splitlines() if x.startswith("recompute:"))
+    assert f"and outside the layers {' and '.join(rest)}" in line, line
+
+
+def _rest_plan(name: str, world: int):
+    """A plan of ``name`` on ``world`` devices recomputing every layer whole and the rest of the graph (each part
+    that pays: before the layers, after them), priced and listed by the planner, as JSON; and the rest's regions."""
+    from test_execution import _model
+
+    import autopar
+    from autopar.planner.regions import block_regions, rest_regions
+    from autopar.planner.solving import plan_under
+
+    model, args, kwargs = _model(name)
+    mesh = autopar.Mesh((world,), axis_names=("x",))
+    ctx = autopar.prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE)
+    blocks = block_regions(ctx)
+    rest = {i: r for part in rest_regions(ctx, blocks) for i, r in part.items()}
+    plan = plan_under(
+        ctx,
+        ctx.hints or autopar.planner.hints.resolve_hints(ctx.graph, ctx.mesh),
+        None,
+        {**blocks, **rest},
+        solver="dp",
+        compare_families=False,
+        allow_state_sharding=True,
+        family=None,
+        progress=None,
+    )
+    return plan.to_json(), set(rest.values())
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_a_plan_recomputing_the_rest_of_the_graph_trains_like_one_device(name):
+    """The embeddings and the head run under their own checkpoints: training equals one device, the ranks send
+    the plan's collectives (the recomputed rest's forward moves again), and what one forward keeps is the plan's
+    activations within 10%."""
+    import json
+
+    from test_execution import _assert_trains_alike, _reference
+
+    text, rest = _rest_plan(name, 2)
+    plan = json.loads(text)
+    regions = {e["recompute"] for e in plan["nodes"].values() if "recompute" in e}
+    assert rest and rest <= regions and any(r.startswith("after") for r in rest), regions
+    planned = sorted((c["kind"], c["axis"], c["phase"], c["bytes"]) for c in plan["collectives"])
+    want = _reference(name)
+    for rank, (got, records, saved) in enumerate(run_ranks(_per_layer_rank_fn, 2, name, text, timeout_s=600)):
+        where = f"{name} with {sorted(rest)} recomputed, rank {rank}"
+        _assert_trains_alike(got, want, where)
+        assert records == planned, f"{where}: the collectives run differ from the plan's"
+        activations = plan["memory"]["activations"]
+        assert abs(saved - activations) <= 0.10 * activations, f"{where}: saved {saved} B, planned {activations} B"

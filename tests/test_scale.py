@@ -447,6 +447,80 @@ def test_chain_with_variants_picks_each_blocks_variant_as_brute_force_does() -> 
     assert mixes >= 4  # the optimum really mixes the variants across blocks, not only all of one
 
 
+def _rest_variant(problem, blocks: list[list[int]], seed: int):
+    """``problem`` with the terms outside its blocks changed as recomputing the rest of the graph changes them
+    (time up, memory down): every node outside the blocks, and every edge entering one."""
+    rng = np.random.default_rng(seed + 1000)
+    extra, share = int(rng.integers(5, 40)), int(rng.integers(2, 5))
+    inside = {v for b in blocks for v in b}
+
+    def moved(arr, kind):
+        if arr is None:
+            return None
+        return np.where(arr >= INF, INF, arr + extra) if kind == "t" else arr // share
+
+    return dataclasses.replace(
+        problem,
+        node_time=tuple(a if i in inside else moved(a, "t") for i, a in enumerate(problem.node_time)),
+        node_mem=tuple(a if i in inside else moved(a, "m") for i, a in enumerate(problem.node_mem)),
+        edge_time=tuple(a if v in inside else moved(a, "t") for a, (_, v) in zip(problem.edge_time, problem.edges)),
+        edge_mem=tuple(a if v in inside else moved(a, "m") for a, (_, v) in zip(problem.edge_mem, problem.edges)),
+    )
+
+
+def test_chain_with_rest_variants_picks_the_rest_and_each_block_as_brute_force_does() -> None:
+    """The rest of the graph may be recomputed too (its own terms change) while each block picks its variant:
+    the chain's optimum equals the best flat optimum over every assignment of a rest option and a variant per
+    block, its plan re-evaluates to it, and a rest variant that changes the blocks is refused."""
+    used_rest = 0
+    for seed, fraction in itertools.product(range(6), (0.15, 0.5)):
+        problem, blocks = chain_problem(seed, n_blocks=3, block_nodes=3, max_k=3, cap_quantile=None)
+        other = _variant(problem, blocks, seed)
+        by_rest = [problem, other, _rest_variant(problem, blocks, seed), _rest_variant(other, blocks, seed)]
+        least = min(min_memory(p).mem_bytes for p in by_rest)
+        cap = int(least + fraction * (solve_dp(problem).mem_bytes - least))
+        best = None
+        for rest, *picks in itertools.product((0, 1), repeat=len(blocks) + 1):
+            # the rest and B_0 from one problem, blocks 1.. each from its own variant
+            mixed = _owned(by_rest, blocks, (2 * rest + picks[0], *picks[1:])).with_cap(cap)
+            try:
+                sol = solve_dp(mixed)
+            except InfeasibleError:
+                continue
+            if best is None or (sol.time, sol.mem_bytes) < best[:2]:
+                best = (sol.time, sol.mem_bytes, rest, picks)
+        got = solve_chain(
+            problem.with_cap(cap),
+            blocks,
+            variants=(other.with_cap(cap),),
+            rest_variants=tuple(p.with_cap(cap) for p in by_rest[2:]),
+        )
+        picks = got.stats["block_variants"]
+        where = f"seed {seed}, cap at {fraction}: chain {picks}, brute force {best}"
+        assert (got.time, got.mem_bytes) == best[:2], where
+        assert _owned(by_rest, blocks, picks).evaluate(got.choice) == best[:2], where
+        used_rest += picks[0] >= 2
+    assert used_rest >= 3  # the optimum recomputes the rest in some cases, not in all
+    problem, blocks = chain_problem(0, n_blocks=3, block_nodes=3, max_k=3, cap_quantile=None)
+    changes_blocks = _variant(_rest_variant(problem, blocks, 0), blocks, 7)
+    with pytest.raises(ChainError, match="rest variant 0 changes the terms of blocks 1"):
+        solve_chain(problem, blocks, rest_variants=(changes_blocks,))
+
+
+def _owned(problems, blocks, picks):
+    """The problem whose nodes outside the blocks and block 0 take ``problems[picks[0]]``'s terms and block
+    i >= 1 ``problems[picks[i]]``'s (an edge: its entered node's)."""
+    owner = dict.fromkeys(range(problems[0].n_nodes), picks[0])
+    owner.update({v: p for b, p in zip(blocks[1:], picks[1:]) for v in b})
+    return dataclasses.replace(
+        problems[0],
+        node_time=tuple(problems[owner[i]].node_time[i] for i in range(problems[0].n_nodes)),
+        node_mem=tuple(problems[owner[i]].node_mem[i] for i in range(problems[0].n_nodes)),
+        edge_time=tuple(problems[owner[v]].edge_time[e] for e, (_, v) in enumerate(problems[0].edges)),
+        edge_mem=tuple(problems[owner[v]].edge_mem[e] for e, (_, v) in enumerate(problems[0].edges)),
+    )
+
+
 def _mixed(problem, other, blocks, picks):
     """The problem whose block i takes ``other``'s terms where ``picks[i]`` is 1 (an edge: its entered node's)."""
     owner = {v: p for b, p in zip(blocks, picks) for v in b}

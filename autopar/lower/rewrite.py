@@ -247,9 +247,10 @@ def lower(
             regather.append(((moved, value), step.move))
         return moved
 
-    def fused_node(name: str, target, *args):
-        if instrument:  # measured and traced like every op of the instrumented program
-            return g.create_node("call_function", OpStep(name, state, target, instrument=True), args, name=name)
+    def fused_node(name: str, target, *args, measure: bool = True):
+        if instrument:  # measured and traced like every op of the instrumented program (in a region: traced only)
+            step = OpStep(name, state, target, instrument=True, measure=measure)
+            return g.create_node("call_function", step, args, name=name)
         return g.create_node("call_function", target, args, name=name)
 
     def identity_edge(opnode, ex: NodeExec, pos: int) -> bool:  # (no bucket or ZeRO read: fused inputs are no params)
@@ -282,7 +283,9 @@ def lower(
                 x, index, valid = (fused_inputs[k] for k in group.inputs())
                 if instrument:
                     g.call_function(TraceDecomposed(f"trace_{group.part.group}", state, group), (x, index, valid))
-                env[fxn] = emit_fused_loss(group, x, index, valid, fused_node)
+                measure = region_of.get(fxn) is None  # in a recompute region the checkpoint keeps what is saved
+                node = lambda name, target, *args: fused_node(name, target, *args, measure=measure)  # noqa: E731
+                env[fxn] = emit_fused_loss(group, x, index, valid, node)
             return
         flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))
         pos, new_flat, regather = 0, [], []
@@ -340,10 +343,12 @@ def lower(
             while node is not g._root:
                 regions.setdefault(region_of[fxn], []).append(node)
                 node = node.next
-    outline_regions(g, regions, graph.gm, state)
     out_fx = next(n for n in graph.gm.graph.nodes if n.op == "output")
     outs = _lower_outputs(xplan, groups, state, g, env, out_fx)
-    g.output(tuple(outs))
+    output = g.output(tuple(outs))
+    # after the outputs: a region whose values the model returns (the head's logits) hands them out
+    outline_regions(g, regions, graph.gm, state)
+    outs = list(output.args[0])
     if not instrument and graph.loss_output is not None:  # the loss's last collective, started without waiting
         loss = outs[next(j for j, leaf in enumerate(graph.call.outputs) if leaf.index == graph.loss_output)]
         node_idx, out_idx = graph.outputs[graph.loss_output]

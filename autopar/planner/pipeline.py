@@ -42,7 +42,7 @@ from .errors import MemoryCapError
 from .hints import ResolvedHints, resolve_hints
 from .problem import PS_PER_S, ProblemTables, build_tables
 from .recompute import RECOMPUTE_OPTIONS
-from .regions import block_regions, hinted_regions, selective_regions
+from .regions import block_regions, hinted_regions, rest_regions, selective_regions
 from .schema import FAMILIES, Plan
 from .solving import family_alternatives, plan_under
 
@@ -346,7 +346,12 @@ def plan_from_context(
     # recomputation only adds time: without a cap (or without more to recompute) "auto" never needs more than
     # the hints; its modes go from the most memory to the least
     auto = ["none", "selective", "full"] if cap is not None and unforced else ["none"]
+    rest_parts = rest_regions(hinted_ctx, regions) if recompute == "auto" and cap is not None else []
+    rest = {i: r for part in rest_parts for i, r in part.items()}
     mode_regions = {"none": forced, "selective": selective, "full": regions}
+    if rest and unforced:  # one mode for all layers: the rest recomputed too, with whole layers (the least)
+        auto.append("full+rest")
+        mode_regions["full+rest"] = {**regions, **rest}
     best, best_mode, failed, tried = None, None, None, []
     common = {"solver": solver, "allow_state_sharding": allow_state_sharding, "family": family, "progress": progress}
     if recompute == "auto" and len(auto) > 1 and solver == "dp" and hinted_ctx.blocks is not None:
@@ -354,6 +359,9 @@ def plan_from_context(
         # raises here: the search covered every mode of every layer).  Its optimum is the plan unless the
         # step's peak made the search tighten its bound (a heuristic): then one mode for all layers may do better
         layers = (forced, selective, regions) if selective != forced else (forced, regions)
+        # the rest of the graph at block granularity (its parts recomputed together: one more choice, made with
+        # the first layer's, each crossing costs the chain a rest table)
+        rests = tuple({**layer, **rest} for layer in layers) if rest else ()
         free = plan_under(hinted_ctx, resolved, None, forced, compare_families=False, unless_over=cap, **common)
         if free is not None and free.memory["per_device_bytes"] <= cap:  # the fastest plan fits: the optimum
             alternatives = family_alternatives(hinted_ctx, cap, solver) if compare_families else []
@@ -363,7 +371,14 @@ def plan_from_context(
             return replace(free, settings=settings, search=search, memory=memory, alternatives=alternatives)
         try:
             found = plan_under(
-                hinted_ctx, resolved, cap, forced, compare_families=compare_families, per_layer=layers, **common
+                hinted_ctx,
+                resolved,
+                cap,
+                forced,
+                compare_families=compare_families,
+                per_layer=layers,
+                per_rest=rests,
+                **common,
             )
         except ChainError as e:  # the layers do not chain (hinted layers differ, say): one mode for all, below
             log.info("recompute per layer needs the chained search (%s): one mode for every layer", e)
@@ -406,7 +421,8 @@ def plan_from_context(
             ) from None
         raise failed
     search = dict(best.search, **_layer_modes(best, regions, hinted_ctx.graph)) if regions else dict(best.search)
-    search["recompute_mode"] = search.get("recompute_mode") if best_mode == "per layer" else best_mode
+    if best_mode != "per layer":
+        search["recompute_mode"] = "full" if best_mode == "full+rest" else best_mode
     if len(tried) > 1:
         search["recompute_modes"] = tried
     return replace(best, settings=dict(best.settings, recompute=recompute), search=search)
@@ -422,7 +438,8 @@ def _tried(mode: str, plan: Plan) -> dict[str, Any]:
 
 
 def _layer_modes(plan: Plan, blocks: dict[int, str], graph: OpGraph) -> dict[str, Any]:
-    """``recompute_mode`` (one mode, or ``"per layer"``) and ``recompute_layers`` (layers per mode) of a plan."""
+    """``recompute_mode`` (one mode, or ``"per layer"``), ``recompute_layers`` (layers per mode) and
+    ``recompute_rest`` (the regions recomputed outside the layers, ``regions.rest_regions``) of a plan."""
     names: dict[str, list[str]] = {}
     for i, block in blocks.items():
         names.setdefault(block, []).append(graph.nodes[i].name)
@@ -431,7 +448,14 @@ def _layer_modes(plan: Plan, blocks: dict[int, str], graph: OpGraph) -> dict[str
         marks = {plan.nodes[n].get("recompute") for n in ops if n in plan.nodes} - {None}
         counts["none" if not marks else "full" if marks == {block} else "selective"] += 1
     used = [m for m, c in counts.items() if c]
-    return {"recompute_mode": used[0] if len(used) == 1 else "per layer", "recompute_layers": counts}
+    inside = {graph.nodes[i].name for i in blocks}
+    rest = sorted(
+        {e["recompute"] for n, e in plan.nodes.items() if "recompute" in e and n not in inside},
+        key=lambda r: (not r.startswith("before"), r),  # in graph order: before the layers, after them
+    )
+    return {"recompute_mode": used[0] if len(used) == 1 else "per layer", "recompute_layers": counts} | (
+        {"recompute_rest": rest} if rest else {}
+    )
 
 
 def _hinted_context(ctx: PlanningContext, hints, input_placements, output_placements, strict: bool):

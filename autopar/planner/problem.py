@@ -43,6 +43,8 @@ class ProblemTables:
     _whole: tuple | None = field(default=None, repr=False)  # (problem, keep): unrestricted, no cap
     # these tables with blocks recomputed, by the recomputed nodes (planner.recompute builds them once)
     recomputed: dict = field(default_factory=dict, repr=False)
+    # the recomputed terms of single nodes and edges, shared by every region map over these tables
+    recomputed_terms: dict = field(default_factory=dict, repr=False)
 
     def problem(self, mem_cap_bytes: int | None) -> tuple[SearchProblem, list[np.ndarray]]:
         """:func:`to_problem` unrestricted.  Built and checked once; each cap is then a

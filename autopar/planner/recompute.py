@@ -59,7 +59,9 @@ def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
     keep = keeping(ctx, regions)
     node_time = list(tables.node_time_ps)
     node_mem = list(tables.node_mem)
-    memo: dict = {}
+    # a node's or an edge's recomputed terms depend on what its key names only, not on the other regions: one
+    # memo for every region map over these tables (the per-layer variants share all but their own layers')
+    memo = tables.recomputed_terms
     for i in regions:
         node = graph.nodes[i]
         key = ("node", id(cand.strategies[i]), id(tables.node_time_ps[i]), keep.own.get(i, ()))
@@ -100,6 +102,7 @@ def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
         edge_mem=edge_mem,
         _whole=None,
         recomputed={},
+        recomputed_terms={},
     )
 
 

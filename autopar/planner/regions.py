@@ -19,6 +19,16 @@ program, ``lower/recompute.py``); the planner maps each op node to its region's 
   smaller than the input the checkpoint would keep stays saved.  Regions are named
   after the modules their ops share (``model.layers.3.mlp.act``; ``#2`` ... when a
   name repeats).
+* ``rest_regions``: the rest of the graph at block granularity: the ops before the
+  first op of the repeated blocks (embeddings, masks, rotary tables) and the ops after
+  the last (final norm, head, loss), each part one region where it pays as a selective
+  run must (``_pays``), named ``before <blocks>`` / ``after <blocks>`` (``after
+  transformer.h``).  Both are convex: nothing before the blocks reads what the blocks
+  make, and nothing after them feeds the head.  Ops between the blocks that belong to
+  none stay saved.  Whether recomputing a part pays at the step's peak is the search's
+  and the peak check's to say: backward starts with the head, so its activations are
+  made again at once, but the end of forward (the loss's temporaries over everything
+  saved) may be the peak, and that it lowers.
 * ``hinted_regions``: the blocks a ``"recompute"`` hint names.
 """
 
@@ -31,7 +41,7 @@ from autopar.capture import find_blocks
 
 from .hints import module_matches
 
-__all__ = ["block_regions", "hinted_regions", "selective_regions"]
+__all__ = ["block_regions", "hinted_regions", "rest_regions", "selective_regions"]
 
 
 def block_regions(ctx) -> dict[int, str]:
@@ -87,6 +97,24 @@ def selective_regions(ctx, blocks: dict[int, str]) -> dict[int, str]:
                 names[name] = names.get(name, 0) + 1
                 out.update((i, name if names[name] == 1 else f"{name}#{names[name]}") for i in run)
     return out
+
+
+def rest_regions(ctx, blocks: dict[int, str]) -> list[dict[int, str]]:
+    """The parts of the graph outside ``blocks`` (``block_regions``' map) recomputing which pays: the ops before
+    the first op of the blocks, and those after the last, each an op node -> region map (module docstring)."""
+    if not blocks:
+        return []
+    graph = ctx.graph
+    first, last = min(blocks), max(blocks)
+    prefix = blocks[first].rsplit(".", 1)[0]
+    ops = [n.index for n in graph.nodes if n.kind == "op" and n.index not in blocks]
+    keepers = _keepers(ctx)
+    parts = (([i for i in ops if i < first], "before"), ([i for i in ops if i > last], "after"))
+    return [
+        dict.fromkeys(part, f"{where} {prefix}")
+        for part, where in parts
+        if part and _pays(graph, ctx.coster, part, keepers)
+    ]
 
 
 def _weight_values(graph) -> set[int]:

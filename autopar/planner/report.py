@@ -80,23 +80,25 @@ def _optimality(search: dict) -> str:
 
 def describe_recompute(plan: Plan) -> str:
     """The ``recompute:`` line: what backward recomputes (``planner.recompute``: blocks, or selective regions)."""
-    regions = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e}, key=_natural)
+    rest = plan.search.get("recompute_rest", [])
+    regions = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e} - set(rest), key=_natural)
     asked = plan.settings.get("recompute", "auto")
     compared = _recompute_compared(plan)
-    if not regions:
+    also = f", and outside the layers {' and '.join(rest)}" if rest else ""
+    if not regions and not rest:
         return f"recompute: none (recompute={asked}){compared}"
     shown = ", ".join(regions) if len(regions) <= 4 else f"{regions[0]} .. {regions[-1]}"
     layers = plan.search.get("recompute_layers")
     if plan.search.get("recompute_mode") == "per layer" and layers:
         return (
             f"recompute: per layer, {layers['full']} whole, {layers['selective']} selectively, {layers['none']} "
-            f"not ({len(regions)} regions: {shown}): forward run again in backward, only their inputs kept "
+            f"not ({len(regions)} regions: {shown}){also}: forward run again in backward, only their inputs kept "
             f"(recompute={asked}){compared}"
         )
     what = "selective regions" if plan.search.get("recompute_mode") == "selective" else "blocks"
     return (
-        f"recompute: {len(regions)} {what} ({shown}): forward run again in backward, only their inputs kept "
-        f"(recompute={asked}){compared}"
+        f"recompute: {len(regions)} {what} ({shown}){also}: forward run again in backward, only their inputs "
+        f"kept (recompute={asked}){compared}"
     )
 
 

@@ -52,17 +52,21 @@ def plan_under(
     progress,
     above: int | None = None,
     per_layer: tuple[dict[int, str], ...] = (),
+    per_rest: tuple[dict[int, str], ...] = (),
     unless_over: int | None = None,
 ) -> Plan | None:
     """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the ops of ``regions``
     recomputed (none when empty).  ``above``: the objective of a plan met already (another recompute mode's);
     ``BeatenError`` when a bound proves every plan here slower.  ``per_layer``: region maps each repeated layer
-    chooses from (``regions`` is then the first's); ``ChainError`` when the layers do not chain.
-    ``unless_over``: None instead of the plan when its searched (additive) memory is above it, before the plan
-    is assembled (the planner asks whether the fastest plan fits a cap)."""
+    chooses from (``regions`` is then the first's); ``ChainError`` when the layers do not chain.  ``per_rest``:
+    more region maps, each one of ``per_layer``'s with the rest of the graph recomputed too, which the rest with
+    the first layer may take instead (the rest's choice and the first layer's made together: ``search.chain``'s
+    ``rest_variants``).  ``unless_over``: None instead of the plan when its searched (additive) memory is above
+    it, before the plan is assembled (the planner asks whether the fastest plan fits a cap)."""
     t0 = time.perf_counter()
     base = ctx
     variant_tables = [recomputed_tables(ctx, r) for r in per_layer[1:]]  # the first is ``regions``'
+    rest_tables = [recomputed_tables(ctx, r) for r in per_rest]
     if regions or per_layer:
         ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
     hinted = resolved.allowed(ctx.cand)
@@ -86,8 +90,9 @@ def plan_under(
         allow = {"allow_node": allow_node if restricted else None, "allow_edge": allow_edge}
         problem, keep = to_problem(ctx.tables, bound, **allow)
         variants = tuple(to_problem(t, bound, **allow)[0] for t in variant_tables)
+        rests = tuple(to_problem(t, bound, **allow)[0] for t in rest_tables)
         try:
-            sol = solve_problem(problem, solver, ctx.blocks, progress, above, variants)
+            sol = solve_problem(problem, solver, ctx.blocks, progress, above, variants, rests)
         except InfeasibleError as e:
             if e.min_mem_bytes is None and hinted:
                 raise contradiction_error(ctx, resolved) from None
@@ -100,21 +105,26 @@ def plan_under(
         """``sol``'s choice as indices into every node's strategies (the restricted problem keeps some)."""
         return [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice)
 
-    parts: dict[tuple, dict] = {}  # choice -> its breakdown: the peak check's is the plan's
-    contexts: dict[tuple, Any] = {}  # choice -> its context (per layer: the regions its layers chose)
+    # (choice, the variant each layer took) -> the breakdown (the peak check's is the plan's) and the context (per
+    # layer: the regions its layers chose).  One choice of strategies may come back with other variants.
+    parts: dict[tuple, dict] = {}
+    contexts: dict[tuple, Any] = {}
+
+    def key(sol: Solution, choice: list[int]) -> tuple:
+        return tuple(choice), tuple(sol.stats.get("block_variants", ()))
 
     def peak_of(sol: Solution, choice: list[int]) -> int:
-        here = ctx if not per_layer else _layers_chose(base, per_layer, sol, choice)
-        contexts[tuple(choice)] = here
-        parts[tuple(choice)] = breakdown(here, choice)
-        return parts[tuple(choice)]["memory"]["per_device_bytes"]
+        here = ctx if not per_layer else _layers_chose(base, per_layer, per_rest, sol, choice)
+        contexts[key(sol, choice)] = here
+        parts[key(sol, choice)] = breakdown(here, choice)
+        return parts[key(sol, choice)]["memory"]["per_device_bytes"]
 
     def error_context(err: InfeasibleError, keep):
         """The context that prices the least-memory plan of ``err`` (per layer: with the regions it chose)."""
         least = err.min_mem_solution
         if not per_layer or least is None:
             return ctx
-        return _layers_chose(base, per_layer, least, full_choice(least, keep))
+        return _layers_chose(base, per_layer, per_rest, least, full_choice(least, keep))
 
     # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
     # checked against the cap.  Where it is above, the bound is set below that plan's searched memory by the
@@ -136,7 +146,7 @@ def plan_under(
                 raise cap_error(error_context(err, keep), cap, err, keep) from None
             sol, choice = least, full_choice(least, keep)
             if peak_of(sol, choice) > cap:
-                raise cap_error(contexts[tuple(choice)], cap, err, keep) from None
+                raise cap_error(contexts[key(sol, choice)], cap, err, keep) from None
             best = (sol, choice)
             break
         if unless_over is not None and sol.mem_bytes > unless_over:
@@ -166,20 +176,25 @@ def plan_under(
     alternatives = family_alternatives(ctx, cap, solver) if compare_families else []
     timings = dict(ctx.timings, search_s=search_s)
     settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
-    ctx = contexts.get(tuple(choice), ctx)
-    result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(tuple(choice)))
+    ctx = contexts.get(key(sol, choice), ctx)
+    result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(key(sol, choice)))
     search = dict(result.search, peak_searches=searches)  # > 1: the peak, not the bound, held the plan back
     return replace(result, timings=timings, hints=dict(resolved.record), search=search)
 
 
-def _layers_chose(ctx, per_layer: tuple[dict[int, str], ...], sol: Solution, choice: list[int]):
-    """The context whose recompute regions are those each layer's variant has (``sol.stats["block_variants"]``);
-    AssertionError unless its tables price ``choice`` as the search did (each layer priced from its own choice)."""
+def _layers_chose(
+    ctx, per_layer: tuple[dict[int, str], ...], per_rest: tuple[dict[int, str], ...], sol: Solution, choice: list[int]
+):
+    """The context whose recompute regions are those each layer's variant has (``sol.stats["block_variants"]``;
+    the first layer's indexes ``per_layer + per_rest``, and the rest's regions come with it); AssertionError
+    unless its tables price ``choice`` as the search did (each layer priced from its own choice)."""
     picks = sol.stats.get("block_variants", (0,) * len(ctx.blocks.nodes))
     inside = {i for nodes in ctx.blocks.nodes for i in nodes}
-    regions = {i: r for i, r in per_layer[0].items() if i not in inside}
-    for nodes, j in zip(ctx.blocks.nodes, picks):
-        regions.update((i, per_layer[j][i]) for i in nodes if i in per_layer[j])
+    first = (*per_layer, *per_rest)[picks[0]]
+    regions = {i: r for i, r in first.items() if i not in inside}
+    for b, (nodes, j) in enumerate(zip(ctx.blocks.nodes, picks)):
+        chosen = first if b == 0 else per_layer[j]
+        regions.update((i, chosen[i]) for i in nodes if i in chosen)
     mixed = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
     got = mixed.tables.problem(None)[0].evaluate(choice)
     if got != (sol.time, sol.mem_bytes):
@@ -213,20 +228,31 @@ def contradiction_error(ctx: PlanningContext, resolved: ResolvedHints) -> ValueE
 
 
 def solve_problem(
-    problem, solver: str, blocks: Blocks | None = None, progress=None, above: int | None = None, variants=()
+    problem,
+    solver: str,
+    blocks: Blocks | None = None,
+    progress=None,
+    above: int | None = None,
+    variants=(),
+    rest_variants=(),
 ) -> Solution:
     """The exact optimum; ``above`` (a time met already) lets the chained search stop early (``BeatenError``).
-    ``variants`` (problems whose layers' terms are alternatives, ``search.chain``) need the chained search:
-    ``ChainError`` when it does not apply."""
+    ``variants`` (problems whose layers' terms are alternatives) and ``rest_variants`` (alternatives of the rest
+    with the first layer; ``search.chain``) need the chained search: ``ChainError`` when it does not apply."""
     if solver != "dp":
         return solve_cpsat(problem)
     if blocks is not None:
         try:
             return solve_chain(
-                problem, [list(b) for b in blocks.nodes], progress=progress, above=above, variants=variants
+                problem,
+                [list(b) for b in blocks.nodes],
+                progress=progress,
+                above=above,
+                variants=variants,
+                rest_variants=rest_variants,
             )
         except ChainError as e:
-            if variants:
+            if variants or rest_variants:
                 raise
             log.info("the %d repeated blocks under %s do not chain (%s); solving flat", blocks.count, blocks.prefix, e)
     return solve_dp(problem, progress=None if progress is None else lambda done, total: progress("search", done, total))

@@ -120,14 +120,21 @@ def _expand(seg: Seg, a: int, c: int, pair: int) -> list[tuple[int, int, int]]:
 
 # ---- the solver ---------------------------------------------------------------------------
 class _Chain:
-    def __init__(self, problem: SearchProblem, blocks: list[list[int]], variants: tuple = ()) -> None:
+    def __init__(
+        self, problem: SearchProblem, blocks: list[list[int]], variants: tuple = (), rest_variants: tuple = ()
+    ) -> None:
         self.problem, self.blocks, self.problems = problem, blocks, (problem, *variants)
-        splits = [split_blocks(p, blocks) for p in self.problems]
+        self.rproblems = (*self.problems, *rest_variants)  # what B_0 with the rest may take
+        splits = [split_blocks(p, blocks) for p in self.rproblems]
         _, _, self.k, self.port = splits[0]
         if any(s[2:] != splits[0][2:] for s in splits):
             raise ChainError("the variants' blocks have different ports")
+        blocks_of = [s[0].problem for s in splits[: len(self.problems)]]
+        for j, s in enumerate(splits[len(self.problems) :]):
+            if not any(_same_terms(s[0].problem, f) for f in blocks_of):
+                raise ChainError(f"rest variant {j} changes the terms of blocks 1.. (only the rest and B_0 may)")
         self.n = len(blocks) - 1
-        self.ftabs = [PortTable(s[0], self.k, dp.WIDTH_BUDGET) for s in splits]
+        self.ftabs = [PortTable(s[0], self.k, dp.WIDTH_BUDGET) for s in splits[: len(self.problems)]]
         self.rtabs = [PortTable(s[1], self.k, dp.WIDTH_BUDGET) for s in splits]
         self.ftab, self.rtab = self.ftabs[0], self.rtabs[0]  # the parts' node maps (alike in every variant)
         self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
@@ -144,14 +151,15 @@ class _Chain:
         return self._base
 
     def evaluate(self, choice: tuple[int, ...], variants: tuple[int, ...]) -> tuple[int, int]:
-        """``(T, M)`` of a plan whose block i takes ``variants[i]``: each node's and each edge's terms from its
-        block's variant (an edge belongs to the node it enters; nodes outside the blocks are alike in all)."""
-        if len(self.problems) == 1 or not any(variants):
+        """``(T, M)`` of a plan whose block i >= 1 takes ``variants[i]`` and whose rest, with B_0, takes
+        ``rproblems[variants[0]]``: each node's and each edge's terms from its part's variant (an edge belongs
+        to the node it enters)."""
+        if len(self.rproblems) == 1 or not any(variants):
             return self.problem.evaluate(choice)
-        owner = np.zeros(self.problem.n_nodes, np.int64)
-        for b, j in zip(self.blocks, variants):
+        owner = np.full(self.problem.n_nodes, variants[0], np.int64)
+        for b, j in zip(self.blocks[1:], variants[1:]):
             owner[b] = j
-        ps = self.problems
+        ps = self.rproblems
         mixed = replace(
             self.problem,
             node_time=tuple(ps[j].node_time[i] for i, j in enumerate(owner.tolist())),
@@ -200,6 +208,22 @@ class _Chain:
         return out
 
 
+def _same_terms(a: SearchProblem, b: SearchProblem) -> bool:
+    """Whether two parts have the same nodes, edges and terms (arrays compared by value; None as zeros)."""
+    if a.edges != b.edges or a.num_choices != b.num_choices:
+        return False
+
+    def same(x, y) -> bool:
+        if x is y:
+            return True
+        x = np.zeros_like(y) if x is None else x
+        y = np.zeros_like(x) if y is None else y
+        return np.array_equal(x, y)
+
+    pairs = zip((a.node_time, a.node_mem, a.edge_time, a.edge_mem), (b.node_time, b.node_mem, b.edge_time, b.edge_mem))
+    return all(same(x, y) for xs, ys in pairs for x, y in zip(xs, ys, strict=True))
+
+
 def _lagrange_rows(chain: _Chain, fast, small, cap: int, seen: list) -> float:
     """Eisner-Severance on the hull (as :func:`.lagrange.lagrange_slope`), with the chain's min-sum."""
     lam = 0.0
@@ -221,6 +245,7 @@ def solve_chain(
     progress: Callable[[str, int, int], None] | None = None,
     above: int | None = None,
     variants: tuple[SearchProblem, ...] = (),
+    rest_variants: tuple[SearchProblem, ...] = (),
 ) -> Solution:
     """Minimum time under the memory cap (ties broken by memory), exactly, solving the
     repeated block once (see the module docstring).  ``above``: a time the caller has met
@@ -233,7 +258,12 @@ def solve_chain(
     edge belongs to the node it enters.  The block table is then the union of the
     variants' (Pareto per state pair), the min-sum rows their least: the recurrence and
     its proof are unchanged.  ``Solution.stats["block_variants"]`` says which each block
-    took (0: ``problem``).
+    took (0: ``problem``).  ``rest_variants``: more problems B_0 with the rest may take
+    (besides ``problem`` and ``variants``), whose terms outside the blocks differ too
+    (the rest recomputed); blocks 1.. of each must be priced as in one of ``variants``
+    (:class:`ChainError` otherwise).  The rest's table is the union over all of them, so
+    the rest's choice and B_0's are made together; ``block_variants[0]`` indexes
+    ``(problem, *variants, *rest_variants)``.
 
     ``blocks[i][j]``: node of position j in block i, blocks in chain order.  Raises
     :class:`ChainError` when the blocks do not chain (solve flat then), and
@@ -244,9 +274,10 @@ def solve_chain(
     tick = progress or (lambda *_: None)
     # the block and rest tables and the time/memory min-sum do not depend on the cap: kept
     # with the problem's arrays, so another cap (SearchProblem.with_cap) starts from them
-    key = ("chain", tuple(map(tuple, blocks)), tuple(v.arrays_key for v in variants))
+    keys = (tuple(v.arrays_key for v in variants), tuple(v.arrays_key for v in rest_variants))
+    key = ("chain", tuple(map(tuple, blocks)), *keys)
     reused = problem.memo_has(key)
-    chain = problem.memo(key, lambda: _Chain(problem, blocks, variants))
+    chain = problem.memo(key, lambda: _Chain(problem, blocks, variants, rest_variants))
     cap = problem.mem_cap_bytes
     tick("block tables", 1, 4)
     w = np.array([[1.0, 0.0], [0.0, 1.0]])
@@ -255,10 +286,11 @@ def solve_chain(
     fast, small = seen
     if cap is not None and int(sc.total[1]) > cap:  # min-sum of memory is the exact least memory
         least = int(sc.total[1])
-        raise InfeasibleError.over_cap(problem, _least_memory(problem, blocks, least, small[1], variants))
+        least_plan = _least_memory(problem, blocks, least, small[1], variants, rest_variants)
+        raise InfeasibleError.over_cap(problem, least_plan)
     if cap is not None and fast[1] > cap:
         if small[1] > cap:  # float ties in the memory row: take a plan that fits
-            if variants:
+            if variants or rest_variants:
                 raise ChainError("the memory row's plan misses the cap by float ties: solve each variant alone")
             exact = min_memory(problem)
             small = (exact.time, exact.mem_bytes, exact.choice, (0,) * len(blocks))
@@ -288,7 +320,7 @@ def solve_chain(
     stats.update(pstats, upper_bound=ub)
     cands = [p for p in seen if cap is None or p[1] <= cap] + found
     t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))
-    if variants:
+    if variants or rest_variants:
         stats["block_variants"] = picked
     tick("done", 4, 4)
     elapsed = time.perf_counter() - start
@@ -307,14 +339,19 @@ def solve_chain(
 
 
 def _least_memory(
-    problem: SearchProblem, blocks: list[list[int]], least: int, reached: int, variants: tuple = ()
+    problem: SearchProblem,
+    blocks: list[list[int]],
+    least: int,
+    reached: int,
+    variants: tuple = (),
+    rest_variants: tuple = (),
 ) -> Solution:
     """The least-memory plan, ties broken by time: the optimum under the cap ``least`` (the
     memory row's min-sum, exact in float64 below 2^53) when the memory row's plan reaches
     it (``reached``), so the chain answers in a pass; else :func:`.dp.min_memory` (flat)."""
     if least == reached and least < 2**53:
-        return solve_chain(problem.with_cap(least), blocks, variants=variants)
-    if variants:
+        return solve_chain(problem.with_cap(least), blocks, variants=variants, rest_variants=rest_variants)
+    if variants or rest_variants:
         raise ChainError("the least memory is not the memory row's plan's: solve each variant alone")
     return min_memory(problem)
 
