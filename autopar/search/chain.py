@@ -84,7 +84,7 @@ from . import dp
 from .dp import min_memory
 from .lagrange import LAMBDA_GRID
 from .minsum import MinSumChain, halving
-from .pareto import min_sum_bounds, pareto_pass, row_limits, tol
+from .pareto import Bounds, ParetoTable, min_sum_bounds, pareto_pass, row_limits, tol
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution
 from .segments import Seg, leaf_segment, product
 from .split import ChainError, split_blocks
@@ -304,8 +304,8 @@ def solve_chain(
     tick("bounds", 2, 4)
     o1 = sc.outside()[1].transpose(0, 2, 1)
     bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n (per variant)
-        [min_sum_bounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
-        [min_sum_bounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
+        [_VariantBounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
+        [_VariantBounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
     )
     stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
     stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
@@ -382,13 +382,13 @@ def _pass(chain: _Chain, sc: MinSumChain, bounds: tuple, ub: int, cap: int | Non
     re-evaluated, or None when there is none."""
     k, w = chain.k, sc.w
     fb, rb = bounds
-    lim_rows = row_limits(fb[0], float(ub), cap)
+    lim_rows = row_limits(fb[0].rows, float(ub), cap)
     lim = (lim_rows + tol(lim_rows))[:, None]
-    ftabs = [pareto_pass(t.model, fb[j], lim_rows)[0] for j, t in enumerate(chain.ftabs)]
-    leaf, fvar, fidx = leaf_segment(chain.ftabs, [tabs[t.model.final] for t, tabs in zip(chain.ftabs, ftabs)])
+    ftabs = [_variant_pass(t.model, fb[j], lim_rows, lim) for j, t in enumerate(chain.ftabs)]
+    leaf, fvar, fidx = leaf_segment(chain.ftabs, [_final(t, tabs) for t, tabs in zip(chain.ftabs, ftabs)])
     g = _power(leaf, chain.n, k, w, sc.outside(), lim)
-    rtabs = [pareto_pass(t.model, rb[j], lim_rows)[0] for j, t in enumerate(chain.rtabs)]
-    rest, rvar, ridx = leaf_segment(chain.rtabs, [tabs[t.model.final] for t, tabs in zip(chain.rtabs, rtabs)])
+    rtabs = [_variant_pass(t.model, rb[j], lim_rows, lim) for j, t in enumerate(chain.rtabs)]
+    rest, rvar, ridx = leaf_segment(chain.rtabs, [_final(t, tabs) for t, tabs in zip(chain.rtabs, rtabs)])
     stats = {"block_pairs": int(leaf.t.size), "chain_pairs": int(g.t.size), "rest_pairs": int(rest.t.size)}
     best = _finish(rest, g, k, cap)
     if best is None:
@@ -415,6 +415,42 @@ def _pass(chain: _Chain, sc: MinSumChain, bounds: tuple, ub: int, cap: int | Non
     if (t, m) != want:
         raise AssertionError(f"solve_chain: plan re-evaluates to {(t, m)}, the chain said {want}")
     return (t, m, choice, variants), stats
+
+
+class _VariantBounds:
+    """One variant table's bound rows (:func:`.pareto.min_sum_bounds`), its outside values built on first use:
+    a variant no pass reaches never needs them.  ``rows`` carries only the weights (for the limits)."""
+
+    def __init__(self, model, w: np.ndarray, vals: list, final_out: np.ndarray) -> None:
+        self.model, self.w, self.vals, self.final_out = model, w, vals, final_out
+        self.rows = Bounds(w[:, :1].astype(float), w[:, 1:2].astype(float), [], [])
+        self._full: Bounds | None = None
+
+    def final_lower(self) -> np.ndarray:
+        """(rows, entries): a lower bound on each row's w (T, M) of any plan through each final entry."""
+        inside = self.vals[self.model.final]
+        return (inside + np.broadcast_to(self.final_out, inside.shape)).reshape(len(self.w), -1)
+
+    def full(self) -> Bounds:
+        if self._full is None:
+            self._full = min_sum_bounds(self.model, self.w, self.vals, self.final_out)
+        return self._full
+
+
+def _variant_pass(model, bnd: _VariantBounds, lim_rows: np.ndarray, lim: np.ndarray) -> list | None:
+    """:func:`.pareto.pareto_pass` of one variant's table, or None when no entry of its final table can be in a
+    plan within the limits: every entry's lower bound (inside plus outside, per row) is above a limit, as
+    ``pareto_pass`` would find step by step (a variant no plan near the target takes, skipped whole)."""
+    if not (bnd.final_lower() <= lim).all(axis=0).any():
+        return None
+    return pareto_pass(model, bnd.full(), lim_rows)[0]
+
+
+def _final(table: PortTable, tabs: list | None) -> ParetoTable:
+    """The final Pareto table of a variant's pass (an empty one for a variant skipped whole)."""
+    if tabs is None:
+        return ParetoTable(np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+    return tabs[table.model.final]
 
 
 def _later_variants_first(per_block: np.ndarray, fvar: np.ndarray) -> np.ndarray:
