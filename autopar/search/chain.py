@@ -69,6 +69,15 @@ optimal.  The last pass's slack is at most twice the optimum's ``T* - lb``, and 
 with less slack prunes more, so the failed passes before it typically cost less than it
 (96 layers at a 20 GiB cap: 4 passes, 2.4 s in all).  Every pass is exact for its
 target: no heuristic, no thinning.
+
+Variants (recomputation, per layer).  A block may take the terms of any of several
+problems (``variants``), and B_0 with the rest those of more (``rest_variants``: the rest
+of the graph recomputed too).  F is then the union of the variants' block tables and Rest
+of theirs (Pareto per state pair; the min-sum rows the least), so the recurrence and the
+proof above hold unchanged.  In a pass, a variant none of whose final entries can lie in a
+plan within the target (each entry's lower bound, inside plus outside, above a row's
+limit) is skipped whole (:func:`_variant_pass`): :func:`.pareto.pareto_pass` would drop
+each of its pairs, so skipping it drops nothing a plan within the target can use.
 """
 
 from __future__ import annotations
