@@ -104,6 +104,7 @@ __all__ = ["ChainError", "solve_chain"]
 logger = logging.getLogger(__name__)
 
 _DEEPEN_FIRST = 2.0**-12  # first target lb + (ub - lb) x this, then the slack doubles (:func:`_deepen`)
+_FEW_PAIRS, _DEEPEN_FAST = 16, 8  # ... or grows 8x after a pass whose chain kept at most 16 pairs
 
 
 def _expand(seg: Seg, a: int, c: int, pair: int) -> list[tuple[int, int, int]]:
@@ -374,8 +375,9 @@ def _deepen(chain: _Chain, sc: MinSumChain, bounds: tuple, lb: float, ub: int, c
     passes, slack = 0, (ub - lb) * _DEEPEN_FIRST
     while True:
         target = ub if ub - lb <= tol(ub) else min(ub, int(lb + slack))
-        passes, slack = passes + 1, 2 * slack
         found, stats = _pass(chain, sc, bounds, target, cap)
+        # a pass that kept a handful of pairs was far from the sizes that cost: the next one steps further
+        passes, slack = passes + 1, slack * (_DEEPEN_FAST if stats["chain_pairs"] <= _FEW_PAIRS else 2)
         if found is not None:
             plans.append(found)
             if found[0] <= target:
