@@ -10,8 +10,8 @@ device.  The mesh ``8`` is one axis of 8 devices; ``8x8`` is ``dp`` across nodes
 inside a node.  Per cap: the plan's predicted step time and per-device memory with
 ``recompute="auto"`` (the search may recompute, selectively or whole layers) and with
 ``"none"``, what the plan recomputes (how many layers whole, ``full``, and
-selectively, ``sele``: each layer chooses), and per mode the smallest per-device memory any plan reaches (the
-smallest cap that has a plan: from the error of a cap no plan fits).
+selectively, ``sele``: each layer chooses; ``+ rest``: the rest of the graph too), and per mode the smallest
+per-device memory any plan reaches (the smallest cap that has a plan: from the error of a cap no plan fits).
 
 ``--depths`` times the search (``plan_from_context`` with ``recompute="full"`` and with
 ``"auto"`` under caps of ``--cap-fractions`` times the full plan's memory) on GPT-shaped
@@ -51,7 +51,8 @@ def _row(ctx, cap: int, recompute: str) -> str:
         return f"{'no plan':>10} {'':>10} {'':>16}"
     layers = p.search.get("recompute_layers") or {}
     parts = [f"{layers[m]} {m[:4]}" for m in ("full", "selective") if layers.get(m)]
-    recomputed = " + ".join(parts) or "-"  # layers recomputed whole, and selectively
+    parts += ["rest"] if p.search.get("recompute_rest") else []
+    recomputed = " + ".join(parts) or "-"  # layers recomputed whole, and selectively; the rest of the graph
     return f"{p.cost['total_s'] * 1e3:>8.1f}ms {format_bytes(p.memory['per_device_bytes']):>10} {recomputed:>16}"
 
 
@@ -73,7 +74,8 @@ def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) 
             c = parse_bytes(cap)
             print(f"{cap:>8} | {_row(ctx, c, 'auto')} | {_row(ctx, c, 'none')}")
         print(
-            f"smallest feasible cap: {format_bytes(_smallest(ctx, 'full'))} recomputing whole layers, "
+            f"smallest feasible cap: {format_bytes(_smallest(ctx, 'auto'))} each layer and the rest of the graph "
+            f"choosing, {format_bytes(_smallest(ctx, 'full'))} recomputing whole layers, "
             f"{format_bytes(_smallest(ctx, 'selective'))} selectively, {format_bytes(_smallest(ctx, 'none'))} without"
         )
 
