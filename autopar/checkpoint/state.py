@@ -143,12 +143,10 @@ class OptimizerState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # DCP has written every tensor of the template in place; set the rest by parameter object
-        names = _named_params(self.module)
-        by_fqn = {}
-        for group, fqns in _param_groups(self.optimizer, names):
-            by_fqn.update(zip(fqns, group["params"], strict=True))
+        pairs = list(_param_groups(self.optimizer, _named_params(self.module)))
+        by_fqn = {f: p for group, fqns in pairs for f, p in zip(fqns, group["params"], strict=True)}
         saved_groups = state_dict["param_groups"]
-        current = [fqns for _, fqns in _param_groups(self.optimizer, names)]
+        current = [fqns for _, fqns in pairs]
         if [list(g["params"]) for g in saved_groups] != current:
             raise ValueError(
                 "the checkpoint's optimizer has param groups of parameters "

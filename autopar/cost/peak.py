@@ -17,7 +17,9 @@ topological order (the order autograd runs it) and takes the larger of::
 float inputs on this rank's pieces; for a parameter it reads gathered (FSDP), the
 gathered copy its backward gathers again (the unreduced full-size gradient is that
 input gradient); and the buffers of the largest gradient move out of it (the
-runtime's redistribution copies: ``_MOVE_BUFFERS``).  A parameter's gradient (its state shard) is counted from the
+runtime's redistribution copies: ``_MOVE_BUFFERS``); at the last op of a recomputed
+region, also the region's outputs its recomputation makes again (``remade_at``).  A
+parameter's gradient (its state shard) is counted from the
 backward of its last reader in forward order.  ``T_optimizer`` is the optimizer's
 temporaries on the largest state shard (``OptimizerSpec.temporaries``: AdamW's
 ``sqrt(v)`` and its quotient).  The planner keeps the search's additive bound and
@@ -36,7 +38,12 @@ __all__ = ["peak_memory"]
 
 
 def peak_memory(
-    ctx, strat: list, mem: dict[str, int], freed_at: dict[int, int], reborn_at: dict[int, int] | None = None
+    ctx,
+    strat: list,
+    mem: dict[str, int],
+    freed_at: dict[int, int],
+    reborn_at: dict[int, int] | None = None,
+    remade_at: dict[int, int] | None = None,
 ) -> dict[str, Any]:
     """``{"per_device_bytes", "transient_bytes", "peak_phase"}`` of the plan whose strategies are ``strat``.
 
@@ -44,9 +51,11 @@ def peak_memory(
     bytes; ``freed_at`` maps a node to the activation bytes its backward frees (its
     own saved tensors and those kept on its input edges).  ``reborn_at`` maps the last op
     of a recomputed block to the activations its recomputation makes again when backward
-    reaches it (then freed op by op, as ``freed_at`` says).
+    reaches it (then freed op by op, as ``freed_at`` says); ``remade_at`` to the block's
+    outputs, which the recomputation makes again too and drops once it ends (a transient of
+    that op's backward: the whole region runs again, ``lower/recompute.py``).
     """
-    reborn_at = reborn_at or {}
+    reborn_at, remade_at = reborn_at or {}, remade_at or {}
     coster, graph = ctx.coster, ctx.graph
     static = mem["params"] + mem["optimizer"]
     grad_of = {n.index: coster.param_state_bytes(n, strat[n.index]).grads for n in graph.params()}
@@ -57,7 +66,7 @@ def peak_memory(
             continue
         for u, _ in v.inputs:  # the last reader of a parameter in forward starts its gradient
             grads += grad_of.pop(u, 0)
-        t = _working_set(coster, graph, strat, v)
+        t = _working_set(coster, graph, strat, v) + remade_at.get(v.index, 0)
         if static + alive + grads + t > worst:
             worst, worst_t = static + alive + grads + t, t
         alive -= freed_at.get(v.index, 0)

@@ -62,7 +62,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
     regions = ctx.recompute  # op node -> its recompute region (planner.recompute)
     reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
+    remade: dict[str, int] = {}  # region -> its outputs, made again by the recomputation and dropped after it
     keep = keeping(ctx, regions) if regions else None  # who pays what the checkpoints keep (planner.kept)
+    consumers = graph.consumers() if regions else {}
 
     def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False):
         nonlocal comm_s
@@ -108,6 +110,11 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
         if region is not None:  # what it keeps for its backward is made again by the recomputation
             again = coster.activation_bytes(n, s)
             reborn[region] = reborn.get(region, 0) + again
+            remade[region] = remade.get(region, 0) + sum(
+                coster.local_bytes(meta, s.outputs[o])
+                for o, meta in enumerate(n.outputs)
+                if any(regions.get(c) != region for c, _, out in consumers[n.index] if out == o)
+            )
             freed_at[n.index] = freed_at.get(n.index, 0) + again
             if node_act:  # outputs it still pays: read outside its region, freed with their first reader
                 frees = keep.release.get(n.index, n.index)
@@ -173,7 +180,9 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             "terms": _terms(coster, graph, strat, compute_s, collectives),
         },
         "memory": dict(
-            mem, search_bytes=search_bytes, **peak_memory(ctx, strat, mem, freed_at, _reborn_at(ctx, reborn))
+            mem,
+            search_bytes=search_bytes,
+            **peak_memory(ctx, strat, mem, freed_at, _reborn_at(ctx, reborn), _reborn_at(ctx, remade)),
         ),
         "collectives": collectives,
         "strategies": strat,
