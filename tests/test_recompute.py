@@ -440,16 +440,25 @@ def test_a_plan_recomputing_per_layer_trains_like_one_device(name):
     the ranks send the plan's collectives, and what one forward keeps is the plan's activations within 10%."""
     import json
 
-    from test_execution import _assert_trains_alike, _reference
-
     text, first = _per_layer_plan(name, 2)
     plan = json.loads(text)
     regions = {e["recompute"] for e in plan["nodes"].values() if "recompute" in e}
     assert first in regions and any(not r.startswith(first) for r in regions), regions  # whole; selective
+    _assert_runs_as_planned(name, text, f"{name} per layer {sorted(regions)}")
+
+
+def _assert_runs_as_planned(name: str, text: str, label: str) -> None:
+    """The plan (JSON) on 2 ranks trains like one device, sends the plan's collectives, and what one forward keeps
+    is the plan's activations within 10%."""
+    import json
+
+    from test_execution import _assert_trains_alike, _reference
+
+    plan = json.loads(text)
     planned = sorted((c["kind"], c["axis"], c["phase"], c["bytes"]) for c in plan["collectives"])
     want = _reference(name)
     for rank, (got, records, saved) in enumerate(run_ranks(_per_layer_rank_fn, 2, name, text, timeout_s=600)):
-        where = f"{name} per layer {sorted(regions)}, rank {rank}"
+        where = f"{label}, rank {rank}"
         _assert_trains_alike(got, want, where)
         assert records == planned, f"{where}: the collectives run differ from the plan's"
         activations = plan["memory"]["activations"]
@@ -520,17 +529,8 @@ def test_a_plan_recomputing_the_rest_of_the_graph_trains_like_one_device(name):
     activations within 10%."""
     import json
 
-    from test_execution import _assert_trains_alike, _reference
-
     text, rest = _rest_plan(name, 2)
     plan = json.loads(text)
     regions = {e["recompute"] for e in plan["nodes"].values() if "recompute" in e}
     assert rest and rest <= regions and any(r.startswith("after") for r in rest), regions
-    planned = sorted((c["kind"], c["axis"], c["phase"], c["bytes"]) for c in plan["collectives"])
-    want = _reference(name)
-    for rank, (got, records, saved) in enumerate(run_ranks(_per_layer_rank_fn, 2, name, text, timeout_s=600)):
-        where = f"{name} with {sorted(rest)} recomputed, rank {rank}"
-        _assert_trains_alike(got, want, where)
-        assert records == planned, f"{where}: the collectives run differ from the plan's"
-        activations = plan["memory"]["activations"]
-        assert abs(saved - activations) <= 0.10 * activations, f"{where}: saved {saved} B, planned {activations} B"
+    _assert_runs_as_planned(name, text, f"{name} with {sorted(rest)} recomputed")
