@@ -16,11 +16,12 @@ from .batch import BatchTemplate, capture_template, specialize, static_template
 from .blocks import block_hints
 from .call_spec import CallSpec, InputMismatchError, bind_call, register_dataclasses
 from .decompose import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
-from .export import CaptureError, capture
+from .export import CaptureError, canonical_param_names, capture
 from .graph import OpCall, OpGraph, OpNode
 from .repeat import Blocks, find_blocks
 
 __all__ = [
+    "canonical_param_names",
     "BatchTemplate",
     "Blocks",
     "CallSpec",

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.capture import canonical_param_names
 from autopar.compiled import LocalState, ShardedModule
 
 from .piece import PieceTensor
@@ -46,13 +47,7 @@ def tied_aliases(module: nn.Module) -> dict[str, str]:
     """Alias FQN -> canonical FQN of every tied parameter of ``module`` in its state dict."""
     if isinstance(module, ShardedModule):
         return module.tied_aliases
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        canon = first.setdefault(id(p), name)
-        if canon != name:
-            out[name] = canon
-    return out
+    return {alias: canon for alias, canon in canonical_param_names(module).items() if alias != canon}
 
 
 def model_pieces(module: nn.Module) -> dict[str, LocalState]:

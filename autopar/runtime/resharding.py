@@ -175,17 +175,16 @@ def plan_transfers(shape: tuple[int, ...], src: Layout, dst: Layout) -> Transfer
     geometry = tuple(Replicate() if isinstance(p, Partial) else p for p in spl)
     # source ranks by (their piece, their addend): the ranks of one group are replicas of each other
     groups: dict[tuple, list[int]] = {}
-    for coord in coordinates(smesh.shape):
+    for coord, rank in zip(coordinates(smesh.shape), smesh.ranks, strict=True):  # both row-major
         piece = tuple(c for c, p in zip(coord, spl, strict=True) if isinstance(p, Shard))
         addend = tuple(c for c, p in zip(coord, spl, strict=True) if isinstance(p, Partial))
-        groups.setdefault((piece, addend), []).append(smesh.ranks[_flat_index(coord, smesh.shape)])
+        groups.setdefault((piece, addend), []).append(rank)
     boxes = {
         key: piece_boxes(shape, geometry, smesh.shape, smesh.coordinate(ranks[0])) for key, ranks in groups.items()
     }
     assigned: dict[int, int] = {}
     regions: list[Region] = []
-    for d_coord in coordinates(dmesh.shape):
-        d = dmesh.ranks[_flat_index(d_coord, dmesh.shape)]
+    for d_coord, d in zip(coordinates(dmesh.shape), dmesh.ranks, strict=True):
         for dbox in piece_boxes(shape, dpl, dmesh.shape, d_coord):
             for key in sorted(groups):
                 replicas = groups[key]
@@ -210,13 +209,6 @@ def plan_transfers(shape: tuple[int, ...], src: Layout, dst: Layout) -> Transfer
                     )
     addends = math.prod(n for n, p in zip(smesh.shape, spl, strict=True) if isinstance(p, Partial))
     return TransferPlan(tuple(regions), addends, op)
-
-
-def _flat_index(coord: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    index = 0
-    for c, n in zip(coord, shape, strict=True):
-        index = index * n + c
-    return index
 
 
 def uses_collectives(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout, world_size: int) -> bool:
