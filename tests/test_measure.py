@@ -98,6 +98,32 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     )
 
 
+def test_calibrate_on_one_rank_keeps_the_base_profiles_links(tmp_path):
+    """One rank (a 1-GPU job) has no group to time: no collective fits, the profile keeps the base's links."""
+    from autopar.measure.calibrate import calibrate, render_calibration, write_profile
+    from costmodel import load_profile
+
+    cal = calibrate(ranks=1, trials=1, quick=True)
+    assert cal.collectives == {} and cal.overlap is None and cal.forward_op_s > 0
+    assert "one rank, nothing to measure" in render_calibration(cal)
+    path = tmp_path / "one.toml"
+    write_profile(cal, str(path))
+    prof, base = load_profile(str(path)), load_profile("cpu")
+    assert prof.intra_node.bandwidth_bytes_per_s == base.intra_node.bandwidth_bytes_per_s
+    assert prof.peak_flops["float32"] == pytest.approx(cal.matmul["float32"].rate)
+
+
+def test_benchmark_variants_force_recomputation():
+    from autopar.measure.benchmark import BenchModel, Variant
+
+    model = BenchModel("gpt2-tiny", 2, 8, {})
+    assert Variant("recompute:selective").plan_options(model, 100.0) == {"recompute": "selective"}
+    Variant("recompute:full").validate("here")
+    for bad in ("recompute:sometimes", "full"):
+        with pytest.raises(ValueError, match="recompute:<none | selective | full>"):
+            Variant(bad).validate("here")
+
+
 def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     """``autopar fidelity`` end to end on 2 ranks: a tiny benchmark, every figure present and consistent."""
     from autopar.cli import main

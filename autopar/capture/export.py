@@ -233,13 +233,18 @@ def lean_export():
         lazy = contextlib.nullcontext()
     else:
         lazy = _use_lazy_graph_module(True)
-    before = fx.config.do_not_emit_stack_traces
-    fx.config.do_not_emit_stack_traces = True
+    config = getattr(fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):  # torch < 2.12 has no such switch
+        with lazy:
+            yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
     try:
         with lazy:
             yield
     finally:
-        fx.config.do_not_emit_stack_traces = before
+        config.do_not_emit_stack_traces = before
 
 
 @contextlib.contextmanager

@@ -286,9 +286,15 @@ def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> 
             "weights_from_rank0=True with real weights on rank 0"
         )
     if weights_from_rank0:
+        # the broadcast runs on the backend's device: the rank's GPU on nccl, the CPU on gloo
+        nccl = dist.get_backend() == "nccl"
+        comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         out = {}
         for k, p in params.items():
-            t = p.detach().clone() if dist.get_rank() == 0 else torch.empty(p.shape, dtype=p.dtype)
+            if dist.get_rank() == 0:
+                t = p.detach().to(comm, copy=True)
+            else:
+                t = torch.empty(p.shape, dtype=p.dtype, device=comm)
             dist.broadcast(t, src=0)
             out[k] = t.requires_grad_(p.requires_grad)
         return out

@@ -504,6 +504,21 @@ def _profile(device: torch.device) -> str:
     return default_profile(SimpleNamespace(device=device))  # what compile picks for this rank's device
 
 
+def _deterministic_gpu_kernels() -> None:
+    """``--check`` on GPUs: deterministic kernels for the ranks and the one-device reference alike.
+
+    Some CUDA kernels sum in a run-dependent order (memory-efficient attention's
+    backward, cuBLAS with a split workspace, atomics in index/scatter backward), so two
+    runs of one model differ in the last bits; AdamW turns such a difference in a
+    gradient near its ``eps`` into an lr-sized step, and the check would report
+    rounding as a deviation.  Must run before the first cuBLAS call of the process.
+    """
+    if not torch.cuda.is_available():
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)  # an op with no such kernel warns, not fails
+
+
 def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None, torch.device]:
     from autopar.runtime import init_distributed
 
@@ -515,6 +530,8 @@ def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None,
             f"autopar run under torchrun: WORLD_SIZE={world} but mesh {dims} = {mesh.size}; "
             f"launch torchrun --nproc-per-node {mesh.size} or pass a --mesh of {world} devices"
         )
+    if config.check:
+        _deterministic_gpu_kernels()
     backend = init_distributed(timeout=timedelta(seconds=config.timeout_s))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if "nccl" in backend else torch.device("cpu")
     try:
@@ -548,7 +565,7 @@ def run(config: RunConfig) -> RunReport | None:
         if ranks is None:
             return None
         reference = reference_run(config, device) if config.check else None
-        launcher = "torchrun"
+        launcher = f"torchrun, nccl on {device}" if device.type == "cuda" else "torchrun, gloo"
     else:
         plan = plan_once(config)  # gloo ranks: compile's own choice of profile is "cpu"
         # the parent is idle while the ranks capture and train: it runs the reference meanwhile

@@ -299,6 +299,8 @@ def lower(
         if ex.recompute is not None:  # a recomputed op keeps nothing: backward gathers its parameters anew anyway
             regather = []
         args, kwargs = pytree.tree_unflatten(new_flat, spec)
+        if dev.type != "cpu":  # capture traced on the CPU: a factory's device=cpu (arange, zeros, ...) is the rank's
+            args, kwargs = pytree.tree_map(lambda v: dev if isinstance(v, torch.device) else v, (args, kwargs))
         shapes = [local_shape(m.shape, p, xplan.mesh_shape, coord) for m, p in zip(opnode.outputs, ex.outputs)]
         args, kwargs = localize_size_args(fxn.target, tuple(args), dict(kwargs), shapes)
         fn = _kernel(xplan, opnode, ex, coord)

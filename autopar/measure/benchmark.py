@@ -31,7 +31,8 @@ class BenchModel:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One way to plan: ``auto``, ``family:<name>``, ``no state sharding``, ``cap:<fraction>``, ``poor hint``."""
+    """One way to plan: ``auto``, ``family:<name>``, ``no state sharding``, ``cap:<fraction>``, ``poor hint``,
+    ``recompute:<none|selective|full>`` (activation recomputation forced in every layer)."""
 
     label: str
 
@@ -56,6 +57,8 @@ class Variant:
             return {"mem_cap": int(least_bytes + self.cap_fraction * (auto_bytes - least_bytes))}
         if self.label == "poor hint":
             return {"hints": dict(model.poor_hint)}
+        if self.label.startswith("recompute:"):
+            return {"recompute": self.label.removeprefix("recompute:")}
         raise AssertionError(f"variant {self.label!r} passed validation but has no options")
 
     def validate(self, where: str) -> None:
@@ -63,12 +66,17 @@ class Variant:
             self.label in ("auto", "no state sharding", "poor hint")
             or (self.label.startswith("family:") and self.label.removeprefix("family:") in FAMILIES)
             or (self.label.startswith("cap:") and _fraction(self.label.removeprefix("cap:")))
+            or (self.label.startswith("recompute:") and self.label.removeprefix("recompute:") in _FORCED_RECOMPUTE)
         )
         if not ok:
             raise ValueError(
                 f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(FAMILIES)}>', "
-                "'no state sharding', 'cap:<fraction in [0, 1]>', 'poor hint'; fix the variants list"
+                "'no state sharding', 'cap:<fraction in [0, 1]>', 'poor hint', "
+                f"'recompute:<{' | '.join(_FORCED_RECOMPUTE)}>'; fix the variants list"
             )
+
+
+_FORCED_RECOMPUTE = ("none", "selective", "full")
 
 
 def _fraction(text: str) -> bool:

@@ -53,13 +53,18 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: message sizes (the cost model's nbytes of each kind, costmodel/comm.py)
 SIZES_BYTES = (16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# (m, k, n) of a transformer layer's GEMMs at d = 256 and 512 on 512 and 2048 tokens: x @ W (up and down
-# projections) and the weight gradient x^T @ dy
-_GEMMS = tuple(
-    shape
-    for tokens, d in ((512, 256), (2048, 256), (512, 512), (2048, 512))
-    for shape in ((tokens, d, 4 * d), (tokens, 4 * d, d), (d, tokens, 4 * d))
-)
+
+
+def _layer_gemms(sizes) -> tuple[tuple[int, int, int], ...]:
+    """(m, k, n) of a transformer layer's GEMMs for each (tokens, d): x @ W (up and down projections)
+    and the weight gradient x^T @ dy."""
+    return tuple(shape for tokens, d in sizes for shape in ((tokens, d, 4 * d), (tokens, 4 * d, d), (d, tokens, 4 * d)))
+
+
+# CPU ranks train small models (d = 256, 512 on 512 and 2048 tokens); a GPU's rate is only reached by the
+# GEMMs of the models it trains (d = 1024 .. 4096 on 4096 and 8192 tokens): smaller ones are launch-bound
+_GEMMS = _layer_gemms(((512, 256), (2048, 256), (512, 512), (2048, 512)))
+_GPU_GEMMS = _layer_gemms(((4096, 1024), (8192, 1024), (4096, 4096), (8192, 4096)))
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,7 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
             for n, points in per_size.items()
         }
         for kind, per_size in raw["collectives"].items()
+        if per_size  # one rank: no group to measure, the base profile's links stay
     }
     return Calibration(
         machine=raw["machine"],
@@ -230,7 +236,8 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         tick(f"matmul {str(dtype).removeprefix('torch.')}")
         # float16 has no fast CPU path (about 1 GFLOP/s): its three smallest shapes say enough there
         slow = quick or (dtype == torch.float16 and device.type == "cpu")
-        shapes = _GEMMS[:3] if slow else _GEMMS
+        gemms = _GPU_GEMMS if device.type == "cuda" else _GEMMS
+        shapes = gemms[:3] if slow else gemms
         out["matmul"][str(dtype).removeprefix("torch.")] = _gemm_rates(dtype, device, trials, shapes)
     tick("memory bandwidth")
     out["bandwidth"] = _bandwidth(device, trials)
@@ -289,7 +296,7 @@ def _slowest_median(fn, device: torch.device, trials: int, *, budget_s: float = 
     t0 = time.perf_counter()
     fn()
     _sync(device)
-    once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)  # nccl: on the GPU
     dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs the same number of calls
     reps = max(1, min(200, int(budget_s / max(float(once), 1e-7))))
     times = []
@@ -299,7 +306,7 @@ def _slowest_median(fn, device: torch.device, trials: int, *, budget_s: float = 
         for _ in range(reps):
             fn()
         _sync(device)
-        t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64)
+        t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(float(t))
     return statistics.median(times)
@@ -316,7 +323,7 @@ def _gemm_rates(dtype: torch.dtype, device: torch.device, trials: int, shapes) -
 
 
 def _bandwidth(device: torch.device, trials: int) -> list[tuple[str, float]]:
-    numel = 8 << 20  # 32 MiB per float32 tensor: past the caches
+    numel = (8 << 20) if device.type == "cpu" else (64 << 20)  # 32 / 256 MiB per tensor: past the caches
     src, other, dst = (torch.randn(numel, device=device) for _ in range(3))
     copy_s = _slowest_median(lambda: dst.copy_(src), device, trials, budget_s=0.1)
     add_s = _slowest_median(lambda: torch.add(src, other, out=dst), device, trials, budget_s=0.1)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU-only checks, in one go on a machine with one CUDA GPU (a lent `device`, or your own):
+#   1. `autopar calibrate` on a 1-rank nccl job -> $OUT/gpu.toml (compare it with configs/devices/h100.toml)
+#   2. tests/test_gpu.py: compiled models on a 1-rank nccl mesh against one GPU; a checkpoint from GPU memory
+#   3. `autopar fidelity` on one GPU (configs/benchmarks/fidelity_gpu.toml) with the calibrated profile
+# Every step's output goes to $OUT (default ./gpu-check); a failing step does not stop the others.
+# Python packages autopar needs that the machine lacks can be put in .whl/ (installed to /tmp/site).
+set -u
+OUT=${OUT:-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD AUTOPAR_CONFIG_DIR=$PWD/configs
+else
+  export PYTHONPATH=$PWD AUTOPAR_CONFIG_DIR=$PWD/configs
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+run1() { python3 -m torch.distributed.run --nproc-per-node 1 -m autopar.cli "$@"; }
+step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name: rc $rc, $((SECONDS - t0)) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
+step calibrate timeout 120 bash -c "$(declare -f run1); run1 calibrate --ranks 1 -o $OUT/gpu.toml"
+step tests timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q tests/test_gpu.py
+TAIL=20 step fidelity timeout "${FIDELITY_TIMEOUT:-300}" bash -c \
+  "$(declare -f run1); run1 fidelity --ranks 1 --profile $OUT/gpu.toml --benchmark configs/benchmarks/fidelity_gpu.toml --json $OUT/fidelity.json ${FIDELITY_ARGS:-}"
