@@ -1,14 +1,20 @@
 """Compute time of one op on one device: the roofline model.
 
-An op takes the longer of its math time and its memory time, plus a fixed
-per-op overhead (launch and dispatch)::
+An op's kernel takes the longer of its math time and its memory time.  Where the
+host runs the kernel itself (CPU), the host's per-op overhead (dispatch) adds to
+it.  Where the host queues kernels on a stream and runs ahead (GPUs:
+``host_runs_ahead``), the host's overhead overlaps the kernels queued before, and
+the device pays only its own gap between kernels (``kernel_overhead_s``, the
+launch latency): the op takes the longer of the device's and the host's time::
 
-    time_s = max(flops / (peak_flops(dtype) * eff), bytes / (mem_bw * memory_efficiency))
-             + overhead (kernel_overhead_s, or the measured forward / backward one)
+    kernel_s = max(flops / (peak_flops(dtype) * eff), bytes / (mem_bw * memory_efficiency))
+    time_s   = kernel_s + host_s                              (host_runs_ahead false)
+             = max(kernel_s + kernel_overhead_s, host_s)      (host_runs_ahead true)
 
-where ``eff`` is ``matmul_efficiency`` for matmul-like ops and 1 otherwise (an
-elementwise op's flops never bind before its bytes do, so its peak needs no
-derating).  All rates come from a ``DeviceProfile`` (``configs/devices/*.toml``).
+with ``host_s`` the profile's measured forward / backward overhead of the runtime
+(``op_overhead_s``), or ``kernel_overhead_s`` where none was measured.
+
+All rates come from a ``DeviceProfile`` (``configs/devices/*.toml``).
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ def op_time_s(
     matmul: bool,
     backward: bool = False,
 ) -> float:
-    """Roofline seconds of one op: math or memory bound, plus the per-op overhead (``op_overhead_s``:
-    ``kernel_overhead_s``, or the measured forward or ``backward`` overhead of a calibrated profile).
+    """Roofline seconds of one op: math or memory bound, with the host's per-op overhead
+    (``op_overhead_s``: ``kernel_overhead_s``, or the measured forward or ``backward`` overhead of
+    a calibrated profile) added, or overlapped where the host runs ahead of the device (module
+    docstring).
 
     An op with no flops and no bytes (a view) launches no kernel, but a runtime
     that dispatches ops one by one on the host still pays for calling it:
@@ -49,7 +57,10 @@ def op_time_s(
     efficiency = profile.matmul_efficiency if matmul else 1.0
     math_s = flops / (profile.peak_flops_for(dtype) * efficiency)
     memory_s = bytes_moved / (profile.mem_bandwidth_bytes_per_s * profile.memory_efficiency)
-    return max(math_s, memory_s) + profile.op_overhead_s(backward=backward)
+    kernel_s, host_s = max(math_s, memory_s), profile.op_overhead_s(backward=backward)
+    if profile.host_runs_ahead:
+        return max(kernel_s + profile.kernel_overhead_s, host_s)
+    return kernel_s + host_s
 
 
 def call_time_s(call: Any, profile: DeviceProfile, *, backward: bool = False) -> float:

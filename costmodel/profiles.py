@@ -175,6 +175,11 @@ class DeviceProfile:
     parameters at once (torch.optim's foreach path, its default for CUDA tensors),
     so no per-parameter kernel overhead is charged; False (CPU tensors) charges
     ``OptimizerSpec.ops_per_param`` overheads per parameter.
+    ``host_runs_ahead``: the host queues kernels and goes on (CUDA streams), so an
+    op's host overhead overlaps the device's work and the op takes the longer of
+    its kernel plus ``kernel_overhead_s`` (then the device's own gap between
+    kernels) and the host's overhead; False (CPU: the host runs the kernel itself)
+    adds them (``costmodel.compute``).
     ``grad_reduce_overlap`` is the fraction of the time of collectives that reduce
     *parameter gradients* in backward that is hidden behind backward compute (DDP
     and FSDP bucket them and overlap them with the rest of backward); collectives on
@@ -208,6 +213,7 @@ class DeviceProfile:
     backward_op_overhead_s: float | None = None
     view_op_overhead_s: float = 0.0
     optimizer_foreach: bool = False
+    host_runs_ahead: bool = False
 
     def op_overhead_s(self, *, backward: bool = False) -> float:
         """Fixed seconds per op call: the measured forward/backward overhead, else ``kernel_overhead_s``."""
@@ -425,9 +431,10 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     overheads = {
         k: data.pop(k) for k in ("forward_op_overhead_s", "backward_op_overhead_s", "view_op_overhead_s") if k in data
     }
-    foreach = data.pop("optimizer_foreach", False)
-    if not isinstance(foreach, bool):
-        raise ValueError(f"{where}: optimizer_foreach must be true or false, got {foreach!r}")
+    switches = {k: data.pop(k, False) for k in ("optimizer_foreach", "host_runs_ahead")}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
     for key, value in overheads.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: {key} must be a number of seconds, got {value!r}")
@@ -454,7 +461,7 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         dropout_mask_bytes=mask_bytes,
         attention_saves=attention,
         **{k: float(v) for k, v in overheads.items()},
-        optimizer_foreach=foreach,
+        **switches,
     )
 
 

@@ -464,6 +464,35 @@ def test_roofline_picks_the_bound(h100):
         cm.op_time_s(-1, 0, h100, torch.float32, matmul=False)
 
 
+def test_a_host_that_runs_ahead_overlaps_its_overhead_with_the_kernels(h100):
+    """GPU: an op takes max(kernel + the device's gap, the host's overhead); CPU: kernel + host overhead."""
+    from dataclasses import replace
+
+    gap, host = h100.kernel_overhead_s, 40e-6
+    gpu = replace(h100, forward_op_overhead_s=host, backward_op_overhead_s=2 * host)
+    assert gpu.host_runs_ahead
+    small_bytes = 3 * 2**16 * 4  # an add of 64 Ki floats: ~0.1 us of memory time, the host binds
+    kernel = small_bytes / (h100.mem_bandwidth_bytes_per_s * h100.memory_efficiency)
+    assert cm.op_time_s(2**16, small_bytes, gpu, torch.float32, matmul=False) == pytest.approx(host)
+    assert cm.op_time_s(2**16, small_bytes, gpu, torch.float32, matmul=False, backward=True) == pytest.approx(2 * host)
+    n = 8192  # a large matmul: the kernel binds, the host's overhead is hidden, the gap is not
+    flops = 2 * n**3
+    big = flops / (989e12 * h100.matmul_efficiency)
+    assert cm.op_time_s(flops, 3 * n * n * 2, gpu, torch.bfloat16, matmul=True) == pytest.approx(big + gap)
+    cpu = replace(gpu, host_runs_ahead=False)
+    assert cm.op_time_s(2**16, small_bytes, cpu, torch.float32, matmul=False) == pytest.approx(kernel + host)
+
+
+def test_profile_switches_must_be_booleans(tmp_path):
+    from costmodel import load_profile
+
+    text = (cm.config_dir() / "devices" / "h100.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("host_runs_ahead = true", 'host_runs_ahead = "yes"'))
+    with pytest.raises(ValueError, match="host_runs_ahead must be true or false"):
+        load_profile(str(bad))
+
+
 def test_call_time_uses_call_dtype_and_family(h100):
     mm = make_call(aten.mm.default, meta(4096, 4096, dtype=torch.bfloat16), meta(4096, 4096, dtype=torch.bfloat16))
     want = 2 * 4096**3 / (989e12 * h100.matmul_efficiency) + h100.kernel_overhead_s

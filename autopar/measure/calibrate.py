@@ -106,9 +106,11 @@ class Calibration:
         prof["memory_efficiency"] = 1.0
         prof["forward_op_overhead_s"] = self.forward_op_s
         prof["backward_op_overhead_s"] = self.backward_op_s
-        prof["kernel_overhead_s"] = (self.forward_op_s + self.backward_op_s) / 2
+        if self.backend != "nccl":  # a GPU's gap between queued kernels is not the host's overhead: the base's
+            prof["kernel_overhead_s"] = (self.forward_op_s + self.backward_op_s) / 2
         prof["view_op_overhead_s"] = self.view_op_s
         prof["optimizer_foreach"] = self.backend == "nccl"  # torch.optim's default: foreach for CUDA tensors
+        prof["host_runs_ahead"] = self.backend == "nccl"  # a CUDA stream: the host's overhead overlaps kernels
         if self.overlap is not None:  # the measured hidden fraction, kept in the profile's range [0, 1)
             prof["grad_reduce_overlap"] = min(max(self.overlap["hidden"], 0.0), 0.95)
         if self.collectives:
