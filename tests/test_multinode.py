@@ -99,7 +99,7 @@ def test_two_torchrun_agents_posing_as_nodes_train_save_and_resume_like_one_devi
     ckpt = tmp_path / "ckpt"
     out = _two_agents(["--steps", "2", "--check", "--family", "tensor-parallel", "--save", str(ckpt),
                        "--save-every", "1"])  # fmt: skip
-    assert "4 ranks (torchrun)" in out and "check: PASS" in out, out
+    assert "4 ranks (torchrun, gloo)" in out and "check: PASS" in out, out
     assert "axis node crosses nodes" in out, out  # torchrun's LOCAL_WORLD_SIZE: 2 ranks per node
     assert sorted(os.listdir(ckpt)) == ["step-1", "step-2"]
     out = _two_agents(["--steps", "3", "--check", "--family", "tensor-parallel", "--resume", str(ckpt)])
