@@ -298,6 +298,14 @@ def plan(
     )
 
 
+def _regions_once(ctx: PlanningContext, kind: str, blocks: dict[int, str], find):
+    """``find(ctx, blocks)`` (``planner.regions``), found once per context and kind: it does not depend on the cap."""
+    key = (kind, tuple(sorted(blocks.items())))
+    if key not in ctx.tables.regions:
+        ctx.tables.regions[key] = find(ctx, blocks)
+    return ctx.tables.regions[key]
+
+
 def plan_from_context(
     ctx: PlanningContext,
     *,
@@ -342,11 +350,17 @@ def plan_from_context(
         )
     forced = hinted_regions(hinted_ctx, regions, resolved.recompute)  # the layers recompute hints name
     unforced = {i: r for i, r in regions.items() if i not in forced}
-    selective = {**selective_regions(hinted_ctx, unforced), **forced} if recompute in ("auto", "selective") else {}
+    selective = (
+        {**_regions_once(hinted_ctx, "selective", unforced, selective_regions), **forced}
+        if recompute in ("auto", "selective")
+        else {}
+    )
     # recomputation only adds time: without a cap (or without more to recompute) "auto" never needs more than
     # the hints; its modes go from the most memory to the least
     auto = ["none", "selective", "full"] if cap is not None and unforced else ["none"]
-    rest_parts = rest_regions(hinted_ctx, regions) if recompute == "auto" and cap is not None else []
+    rest_parts = (
+        _regions_once(hinted_ctx, "rest", regions, rest_regions) if recompute == "auto" and cap is not None else []
+    )
     rest = {i: r for part in rest_parts for i, r in part.items()}
     mode_regions = {"none": forced, "selective": selective, "full": regions}
     if rest and unforced:  # one mode for all layers: the rest recomputed too, with whole layers (the least)

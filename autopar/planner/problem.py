@@ -45,6 +45,9 @@ class ProblemTables:
     recomputed: dict = field(default_factory=dict, repr=False)
     # the recomputed terms of single nodes and edges, shared by every region map over these tables
     recomputed_terms: dict = field(default_factory=dict, repr=False)
+    # region maps found over these tables' graph (planner.regions: the selective runs, the rest's parts), by
+    # what they were asked for: cap-free, so every plan of a context finds them once
+    regions: dict = field(default_factory=dict, repr=False)
 
     def problem(self, mem_cap_bytes: int | None) -> tuple[SearchProblem, list[np.ndarray]]:
         """:func:`to_problem` unrestricted.  Built and checked once; each cap is then a

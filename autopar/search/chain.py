@@ -207,11 +207,11 @@ class _Chain:
                 raise InfeasibleError(f"{self.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
             st = np.asarray(sc.states(row), np.int64)
             j = int(sc.rsel[row, st[0], st[-1]])
-            rest = self.rtabs[j].argmin_choice(sc.rv[j][1], row, int(st[0] * k + st[-1]))
+            rest = self.rtabs[j].argmin_choice(sc.rv[j][0], row, int(st[0] * k + st[-1]))
             # blocks between equal states choose alike: one argmin walk per distinct state pair
             pairs, which = np.unique(st[:-1] * k + st[1:], return_inverse=True)
             picks = [int(sc.fsel[row, p // k, p % k]) for p in pairs.tolist()]
-            distinct = [self.ftabs[v].argmin_choice(sc.fv[v][1], row, int(p)) for p, v in zip(pairs, picks)]
+            distinct = [self.ftabs[v].argmin_choice(sc.fv[v][0], row, int(p)) for p, v in zip(pairs, picks)]
             choice = self.assemble(rest, distinct, which)
             variants = (j, *(picks[w] for w in which.tolist()))
             out.append((*self.evaluate(choice, variants), choice, variants))

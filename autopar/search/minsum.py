@@ -70,10 +70,11 @@ class MinSumChain:
     def __init__(self, ftabs: list[PortTable], rtabs: list[PortTable], n: int, w: np.ndarray) -> None:
         """``ftabs``/``rtabs``: the block's and the rest's tables (:class:`.tables.PortTable`), one per variant
         (a block, and B_0 in the rest, may take any variant: ``f`` is the least over them, ``fsel`` which);
-        ``n`` blocks chained.  ``fv[j]``/``rv[j]``: variant j's (values, argmins) of :func:`.elimination.inside`."""
+        ``n`` blocks chained.  ``fv[j]``/``rv[j]``: variant j's (values, {}) of :func:`.elimination.inside`
+        (no argmins: :meth:`.tables.PortTable.argmin_choice` decodes a plan from the values)."""
         self.w, self.n = w, n
-        self.fv = [inside(t.model, w) for t in ftabs]
-        self.rv = [inside(t.model, w) for t in rtabs]
+        self.fv = [inside(t.model, w, argmins=False) for t in ftabs]
+        self.rv = [inside(t.model, w, argmins=False) for t in rtabs]
         self.f, self.fsel = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(ftabs, self.fv)])
         self.r, self.rsel = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(rtabs, self.rv)])
         self._pow = {1: self.f}  # l -> f^l, built by halving (:meth:`fpow`)

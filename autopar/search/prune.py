@@ -36,24 +36,33 @@ from .problem import INF, SearchProblem
 __all__ = ["prune_dominated"]
 
 _BIG = np.iinfo(np.int64).max  # memory where the dominated side's pair is forbidden: anything fits below
+_CHUNK = 1 << 22  # elements of one (a, b, column) comparison block in :func:`_dominated`
 
 
 def _dominated(dom: np.ndarray, sub: np.ndarray) -> np.ndarray:
     """Mask of rows b of ``sub`` with some row a != b of ``dom`` with ``dom[a] <= sub[b]``
-    everywhere and (not ``dom[b] <= sub[a]`` or a < b); ``dom[i] <= sub[i]`` holds for all i."""
-    k = dom.shape[0]
-    out = np.zeros(k, bool)
-    for a in range(k):
-        if out[a]:  # some c > a, and c > a >= b: c (or its maximal dominator) marks a's b's
-            continue
-        ge = (dom[a] <= sub).all(axis=1)  # b with a >= b
-        ge[a] = False
-        if not ge.any():
-            continue
-        b = np.flatnonzero(ge)
-        back = (dom[b] <= sub[a]).all(axis=1)  # b >= a too: equal, the lower index stays
-        out[b[~back | (b > a)]] = True
-    return out
+    everywhere and (not ``dom[b] <= sub[a]`` or a < b); ``dom[i] <= sub[i]`` holds for all i.
+
+    All pairs at once: ``ge[a, b]`` is ``a >= b``, and b goes when some a has ``a > b``
+    (``ge[a, b]`` and not ``ge[b, a]``, or equal and a < b), in row chunks that keep the
+    (a, b, column) comparison within ``_CHUNK`` elements."""
+    k, cols = dom.shape
+    if k <= 1:
+        return np.zeros(k, bool)
+    ge = np.empty((k, k), bool)
+    step = max(1, _CHUNK // max(k * cols, 1))
+    for lo in range(0, k, step):
+        ge[lo : lo + step] = (dom[lo : lo + step, None, :] <= sub[None, :, :]).all(axis=2)
+    np.fill_diagonal(ge, False)
+    strict = ge & (~ge.T | np.tri(k, k, -1, dtype=bool).T)  # a > b: not b >= a, or equal with a < b
+    return strict.any(axis=0)
+
+
+def _rows_cols(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``a[np.ix_(rows, cols)]``, without the index grids where a side keeps every index (sorted, unique)."""
+    if rows.size < a.shape[0]:
+        a = a[rows]
+    return a if cols.size == a.shape[1] else a[:, cols]
 
 
 def prune_dominated(
@@ -76,11 +85,11 @@ def prune_dominated(
         sub = list(dom)
         for e, w, flip in incident[v]:
             t, m = problem.edge_time[e], problem.edge_mem[e]
-            t = (t.T if flip else t)[np.ix_(al, alive[w])]
+            t = _rows_cols(t.T if flip else t, al, alive[w])
             dom.append(t)
             sub.append(t)
             if m is not None:  # None: zeros, never decides
-                m = (m.T if flip else m)[np.ix_(al, alive[w])]
+                m = _rows_cols(m.T if flip else m, al, alive[w])
                 dom.append(m)
                 sub.append(np.where(t >= INF, _BIG, m))
         gone = _dominated(np.concatenate(dom, axis=1), np.concatenate(sub, axis=1))

@@ -9,7 +9,7 @@ entry of that final table to its state pair::
     state(a, b) = a * K + b,   a = ravel(left ports' choices),  b = ravel(right ports' choices)
 
 (:meth:`PortTable.to_grid` / :meth:`PortTable.from_grid`, ``inf`` where a pair has no
-entry).  It also decodes plans: from min-sum argmins (:meth:`PortTable.argmin_choice`,
+entry).  It also decodes plans: from min-sum inside values (:meth:`PortTable.argmin_choice`,
 for :mod:`.minsum`) and from Pareto tables (:meth:`PortTable.pareto_choice`, for
 :func:`.pareto.pareto_pass`'s back-pointers), with the ports set for a state pair.
 """
@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from .elimination import EliminationModel
+from .elimination import EliminationModel, argmin_at
 from .split import Part
 
 __all__ = ["PortTable"]
@@ -67,12 +67,17 @@ class PortTable:
                 red[v] = c
         return red
 
-    def argmin_choice(self, args: dict, row: int, state_pair: int) -> tuple[int, ...]:
-        red = self.reduced(state_pair)
-        for st in reversed(self.model.steps):
-            if st.var >= 0:
-                red[st.var] = args[st.out][(row,) + tuple(red[v] for v in st.scope)]
-        return self.model.original_choice(red)
+    def argmin_choice(self, vals: list, row: int, state_pair: int) -> tuple[int, ...]:
+        """Row ``row``'s min-sum plan of the part with the ports at ``state_pair``, decoded from the inside
+        values (:func:`.elimination.inside` without argmins) in reverse elimination order
+        (:func:`.elimination.argmin_at`: the same sums, so the same argmins as the joint tables')."""
+        model = self.model
+        one = [None if v is None else v[row : row + 1] for v in vals]
+        red = self.reduced(state_pair)[None, :]
+        for var in reversed(model.buckets):
+            if var >= 0:
+                red[:, var] = argmin_at(model, var, one, red)
+        return model.original_choice(red[0])
 
     def pareto_choice(self, tabs: list, pair: int, state_pair: int) -> tuple[int, ...]:
         red = self.reduced(state_pair)
