@@ -2,7 +2,9 @@
 # The GPU-only checks, in one go on a machine with one CUDA GPU (a lent `device`, or your own):
 #   1. `autopar calibrate` on a 1-rank nccl job -> $OUT/gpu.toml (compare it with configs/devices/h100.toml)
 #   2. tests/test_gpu.py: compiled models on a 1-rank nccl mesh against one GPU; a checkpoint from GPU memory
-#   3. `autopar fidelity` on one GPU (configs/benchmarks/fidelity_gpu.toml) with the calibrated profile
+#   4. `autopar fidelity` on one GPU (configs/benchmarks/fidelity_gpu.toml) with the calibrated profile
+#   3. scripts/peak_composition.py: GPT-2 small's peak taken apart, saving everything and recomputing whole
+#      layers (the plan whose measured peak was furthest above the plan's on the H200, 2026-11-26)
 # Every step's output goes to $OUT (default ./gpu-check); a failing step does not stop the others.
 # Python packages autopar needs that the machine lacks can be put in .whl/ (installed to /tmp/site).
 set -u
@@ -24,5 +26,9 @@ step() { local name=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$name.log" 2>&1; l
   echo "== $name: rc $rc, $((SECONDS - t0)) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"; }
 step calibrate timeout 120 bash -c "$(declare -f run1); run1 calibrate --ranks 1 -o $OUT/gpu.toml"
 step tests timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q tests/test_gpu.py
+for mode in full none; do
+  TAIL=30 step "peak-$mode" timeout 150 python3 -m torch.distributed.run --nproc-per-node 1 \
+    scripts/peak_composition.py gpt2 --batch 8 --seq 1024 --recompute "$mode" --profile "$OUT/gpu.toml"
+done
 TAIL=20 step fidelity timeout "${FIDELITY_TIMEOUT:-300}" bash -c \
   "$(declare -f run1); run1 fidelity --ranks 1 --profile $OUT/gpu.toml --benchmark configs/benchmarks/fidelity_gpu.toml --json $OUT/fidelity.json ${FIDELITY_ARGS:-}"

@@ -71,6 +71,28 @@ def test_peak_memory_of_a_step_counts_what_it_allocates_on_top_of_what_is_held()
     assert held_bytes([base, base[10:], None]) == 4000
 
 
+def test_peak_composition_takes_apart_the_peak_the_fidelity_harness_measures():
+    """A log-softmax head at its backward: three (N, C) buffers live at the peak, each named by its op."""
+    from autopar.measure.memory import peak_composition, step_peak_bytes
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 4096)
+    x, target = torch.randn(64, 16), torch.randint(0, 4096, (64,))
+
+    def step():
+        torch.nn.functional.cross_entropy(head(x), target).backward()
+        head.zero_grad(set_to_none=True)
+
+    step()
+    parts = peak_composition(step, torch.device("cpu"))
+    peak = step_peak_bytes(step, [], torch.device("cpu"))
+    assert parts.rise_bytes == peak.peak_bytes
+    assert sum(parts.by_category.values()) == parts.rise_bytes
+    rows = 64 * 4096 * 4
+    big = [(n, op) for n, _, op in parts.largest if n == rows]
+    assert len(big) == 3 and any(op == "LogSoftmaxBackward0" for _, op in big), parts.largest
+
+
 def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     """A quick calibration on 2 gloo ranks: every key measured, the TOML loads, comm.py uses the fits."""
     from autopar.measure.calibrate import calibrate, render_calibration, write_profile

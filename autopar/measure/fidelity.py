@@ -48,7 +48,7 @@ from torch import nn
 from . import stats
 from .benchmark import Benchmark, BenchModel, Variant, load_benchmark, mesh_axis_names
 
-__all__ = ["PlanResult", "CaseResult", "FidelityRun", "run_fidelity", "summarize"]
+__all__ = ["PlanResult", "CaseResult", "FidelityRun", "loss_model", "run_fidelity", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ class _LossOnly(nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def _build(model: BenchModel, device: str) -> tuple[nn.Module, tuple]:
+def loss_model(model: BenchModel, device: str) -> tuple[nn.Module, tuple]:
+    """The benchmark model as the ranks train it: a module returning only the loss, and its (ids, labels)."""
     from autopar.launch import load_model
 
     torch.manual_seed(0)
@@ -219,7 +220,7 @@ def _plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profi
     from autopar.mesh import Mesh
     from autopar.planner import MemoryCapError, plan_from_context, prepare
 
-    net, (ids, labels) = _build(model, "cpu")  # as the ranks run it: the traced graph depends on the device
+    net, (ids, labels) = loss_model(model, "cpu")  # as the ranks run it: the traced graph depends on the device
     amesh = Mesh(mesh, axis_names=mesh_axis_names(mesh))
     ctx = prepare(net, amesh, example_inputs=(ids, labels), profile=profile, dtype="fp32", optimizer="adamw")
     auto = plan_from_context(ctx, compare_families=False)
@@ -262,7 +263,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
 
     from .memory import step_peak_bytes
 
-    net, inputs = _build(model, "cpu")
+    net, inputs = loss_model(model, "cpu")
     amesh = Mesh(mesh, axis_names=mesh_axis_names(mesh))
     runs = []
     for _, text in plans:
@@ -270,6 +271,8 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
         sharded = compiled.compile(net, amesh, example_inputs=inputs, plan=plan)
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
         runs.append((plan, sharded, opt))
+
+    device = next(runs[0][1].parameters()).device  # the rank's: cuda:LOCAL_RANK under nccl
 
     def step(i: int) -> None:
         _, sharded, opt = runs[i]
@@ -288,6 +291,8 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
             t0 = time.perf_counter()
             for _ in range(bench.steps_per_round):
                 step(i)
+            if device.type == "cuda":  # the kernels queued, not only launched
+                torch.cuda.synchronize(device)
             dist.barrier()
             times[i].append((time.perf_counter() - t0) / bench.steps_per_round)
     peaks = []  # per plan: (each measured step's largest rank peak, that rank's held bytes)
@@ -296,7 +301,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
         held = [*sharded.parameters(), *(p.grad for p in sharded.parameters()), *sharded.buffers()]
         held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]  # warm: state exists
         for _ in range(bench.memory_steps):  # the allocator timeline moves with the ranks' threads: a median
-            peak = step_peak_bytes(lambda i=i: step(i), held, torch.device("cpu"))
+            peak = step_peak_bytes(lambda i=i: step(i), held, device)
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, (peak.peak_bytes, peak.held_bytes))
             top, held_by = max(every)

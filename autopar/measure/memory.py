@@ -6,9 +6,10 @@ of the tensors that live across steps, parameters, gradients kept between steps,
 optimizer state and buffers) plus the largest rise of allocated bytes during the
 step.
 
-* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``
-  (the caching allocator's own count; ``held`` is then only reported, the peak
-  already includes it).
+* CUDA: the rise of ``torch.cuda.max_memory_allocated`` (after
+  ``reset_peak_memory_stats``) above ``torch.cuda.memory_allocated`` as the step
+  began: the caching allocator's own count, of this step only (other tensors on
+  the device, such as another plan's compiled model, are not this rank's step).
 * CPU: PyTorch's profiler with ``profile_memory=True`` records every allocation
   and free of the CPU allocator during the step; its memory timeline
   (``torch.profiler._memory_profiler.MemoryProfile``, what
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MemoryPeak", "held_bytes", "step_peak_bytes"]
+__all__ = ["MemoryPeak", "PeakComposition", "held_bytes", "peak_composition", "step_peak_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +60,10 @@ def step_peak_bytes(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         step()
         torch.cuda.synchronize(device)
-        return MemoryPeak(base, int(torch.cuda.max_memory_allocated(device)))
+        return MemoryPeak(base, base + int(torch.cuda.max_memory_allocated(device)) - before)
     return MemoryPeak(base, base + _cpu_rise_bytes(step))
 
 
@@ -79,6 +81,67 @@ def _cpu_rise_bytes(step: Callable[[], object]) -> int:
             level -= size
         peak = max(peak, level)
     return peak
+
+
+@dataclass(frozen=True, slots=True)
+class PeakComposition:
+    """What one step holds at its peak, of what it allocated itself (the profiler's memory timeline).
+
+    ``rise_bytes``: the peak of the running sum of the step's allocations and frees;
+    ``by_category``: those live at that moment by the profiler's category (activation,
+    gradient, temporary, autograd_detail, optimizer_state, parameter, input, or unknown);
+    ``largest``: the largest of them as (bytes, category, the op that allocated it)."""
+
+    rise_bytes: int
+    by_category: dict[str, int]
+    largest: tuple[tuple[int, str, str], ...]
+
+
+def peak_composition(step: Callable[[], object], device: torch.device, top: int = 12) -> PeakComposition:
+    """Run ``step()`` once under the profiler (CPU, and CUDA on a GPU) and take apart the peak on ``device``.
+
+    For finding which term of the cost model's peak (``autopar.cost.peak``) is off where
+    ``autopar fidelity``'s measured peak and the plan's differ; it uses the profiler's own
+    tensor categories, not the cost model."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with _quiet_native_output(), profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    mem = MemoryProfile(prof.profiler.kineto_results)
+    made_by = {
+        key: node._event.name
+        for node in mem._data_flow_graph.flow_nodes
+        for key, edge in node._edges.items()
+        if edge.is_allocation
+    }
+    live: dict = {}  # key -> (bytes, version)
+    level = peak = 0
+    at_peak: dict = {}
+    for _, action, (key, version), size in mem.timeline:
+        if key.device != device and not (key.device.type == device.type == "cpu"):
+            continue
+        if action == Action.CREATE:
+            live[key], level = (size, version), level + size
+        elif action == Action.DESTROY:
+            live.pop(key, None)
+            level -= size
+        elif action == Action.INCREMENT_VERSION and key in live:
+            live[key] = (live[key][0], version)
+        if level > peak:
+            peak, at_peak = level, dict(live)
+    by_category: dict[str, int] = {}
+    rows = []
+    for key, (size, version) in at_peak.items():
+        category = mem._categories.get(key, version)
+        name = category.name.lower() if category is not None else "unknown"
+        by_category[name] = by_category.get(name, 0) + size
+        rows.append((size, name, made_by.get(key, "?")))
+    rows.sort(reverse=True)
+    return PeakComposition(peak, dict(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]))
 
 
 @contextlib.contextmanager
