@@ -2,9 +2,9 @@
 # The GPU-only checks, in one go on a machine with one CUDA GPU (a lent `device`, or your own):
 #   1. `autopar calibrate` on a 1-rank nccl job -> $OUT/gpu.toml (compare it with configs/devices/h100.toml)
 #   2. tests/test_gpu.py: compiled models on a 1-rank nccl mesh against one GPU; a checkpoint from GPU memory
-#   4. `autopar fidelity` on one GPU (configs/benchmarks/fidelity_gpu.toml) with the calibrated profile
 #   3. scripts/peak_composition.py: GPT-2 small's peak taken apart, saving everything and recomputing whole
 #      layers (the plan whose measured peak was furthest above the plan's on the H200, 2026-11-26)
+#   4. `autopar fidelity` on one GPU (configs/benchmarks/fidelity_gpu.toml) with the calibrated profile
 # Every step's output goes to $OUT (default ./gpu-check); a failing step does not stop the others.
 # Python packages autopar needs that the machine lacks can be put in .whl/ (installed to /tmp/site).
 set -u
