@@ -9,12 +9,17 @@ ranks than cores the contention is part of every number, as it is in the job):
 
 * **matmul rates** per dtype (float32, bfloat16, float16) on GEMMs shaped like
   a transformer layer's (tokens x d x 4d, tokens x 4d x d, their weight-gradient
-  transposes), summarized by the median (``peak_flops``); each shape's ratio to it
-  is printed as a residual;
-* **memory bandwidth** of a large copy and a large add (read + write bytes / s);
+  transposes; d = 256, 512 on CPU ranks, 1024, 4096 on GPUs, where smaller ones are
+  launch-bound), summarized by the median (``peak_flops``); each shape's ratio to
+  it is printed as a residual;
+* **memory bandwidth** of a large copy and a large add (read + write bytes / s;
+  32 MiB tensors on CPU, 256 MiB on GPUs: past the caches);
 * **per-op overhead of autopar's runtime**: a small model of many tiny ops through
   ``autopar.compile`` under an all-replicated plan (no collective), forward per op
   and backward per op (``forward_op_overhead_s``, ``backward_op_overhead_s``);
+  on a GPU this is the host's time per op (``host_runs_ahead``: it overlaps the
+  kernels), and the base profile's ``kernel_overhead_s`` stays the device's gap
+  between kernels;
 * **collectives**, every kind the runtime issues (all_reduce, all_gather,
   reduce_scatter as the runtime runs it on the backend, all_to_all), for each
   group size (2, 4, ... up to the world; the world's ranks split into groups of
