@@ -94,7 +94,7 @@ from .dp import min_memory
 from .lagrange import LAMBDA_GRID
 from .minsum import MinSumChain, halving
 from .pareto import Bounds, ParetoTable, min_sum_bounds, pareto_pass, row_limits, tol
-from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution
+from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, exact_sums
 from .segments import Seg, leaf_segment, product
 from .split import ChainError, split_blocks
 from .tables import PortTable
@@ -170,6 +170,17 @@ class _Chain:
         for b, j in zip(self.blocks[1:], variants[1:]):
             owner[b] = j
         ps = self.rproblems
+        # each term from its owner's problem (gathered by its flat index), summed in int64 where that is exact
+        owners = np.concatenate([owner, owner[self.problem.edge_array()[:, 1]]])
+        c = np.asarray(choice, np.int64)
+        t, m = np.empty(owners.size, np.int64), np.empty(owners.size, np.int64)
+        for j in np.unique(owners).tolist():
+            tj, mj = ps[j].flat().terms(c)
+            mine = owners == j
+            t[mine], m[mine] = tj[mine], mj[mine]
+        sums = exact_sums(t, m)
+        if sums is not None:
+            return sums[0], self.problem.base_mem_bytes + sums[1]
         mixed = replace(
             self.problem,
             node_time=tuple(ps[j].node_time[i] for i, j in enumerate(owner.tolist())),

@@ -386,16 +386,26 @@ class _Flat:
         self.m, (self.nm, self.em) = _flatten([problem.node_mem, edge_mem])
         self.has_m = np.array([a is not None for a in problem.edge_mem], np.int64)
 
-    def evaluate(self, c: np.ndarray) -> tuple[int, int] | None:
-        """(T, M - base) for choice ``c``, or None when int64 might not hold the sums exactly
-        (a forbidden entry, or values too large), for the caller's Python-int path."""
+    def terms(self, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Choice ``c``'s time and memory terms, one per node and then one per edge (memory without the base)."""
         pair = c[self.u] * self.kv + c[self.v]
         t = np.concatenate([self.t[self.nt + c], self.t[self.et + pair]])
         m = np.concatenate([self.m[self.nm + c], self.m[self.em + pair * self.has_m]])
-        big = max(int(np.abs(t).max(initial=0)), int(np.abs(m).max(initial=0)))
-        if big >= INF or big * (t.size + 1) >= 2**62:
-            return None
-        return int(t.sum()), int(m.sum())
+        return t, m
+
+    def evaluate(self, c: np.ndarray) -> tuple[int, int] | None:
+        """(T, M - base) for choice ``c``, or None when int64 might not hold the sums exactly
+        (a forbidden entry, or values too large), for the caller's Python-int path."""
+        return exact_sums(*self.terms(c))
+
+
+def exact_sums(t: np.ndarray, m: np.ndarray) -> tuple[int, int] | None:
+    """``(t.sum(), m.sum())`` as ints, or None where int64 might not hold them exactly (a forbidden
+    entry, or values too large): the caller then sums in Python ints."""
+    big = max(int(np.abs(t).max(initial=0)), int(np.abs(m).max(initial=0)))
+    if big >= INF or big * (t.size + 1) >= 2**62:
+        return None
+    return int(t.sum()), int(m.sum())
 
 
 def _flatten(groups: list) -> tuple[np.ndarray, list[np.ndarray]]:
