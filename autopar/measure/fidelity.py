@@ -48,7 +48,7 @@ from torch import nn
 from . import stats
 from .benchmark import Benchmark, BenchModel, Variant, load_benchmark, mesh_axis_names
 
-__all__ = ["PlanResult", "CaseResult", "FidelityRun", "loss_model", "run_fidelity", "summarize"]
+__all__ = ["PlanResult", "CaseResult", "FidelityRun", "loss_model", "plan_variants", "run_fidelity", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _plans_from_rank0(rank, model: BenchModel, mesh, variants: tuple[Variant, ..
     box: list = [None]
     if rank == 0:
         try:
-            box[0] = _plan_variants(model, mesh, variants, profile)
+            box[0] = plan_variants(model, mesh, variants, profile)
         except Exception as e:  # tell the other ranks instead of leaving them waiting
             box[0] = e
     dist.broadcast_object_list(box, src=0)
@@ -216,7 +216,7 @@ def _plans_from_rank0(rank, model: BenchModel, mesh, variants: tuple[Variant, ..
     return box[0]
 
 
-def _plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profile: str):
+def plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profile: str):
     from autopar.mesh import Mesh
     from autopar.planner import MemoryCapError, plan_from_context, prepare
 

@@ -1,0 +1,58 @@
+"""Price a measured fidelity run again with other device profiles: predicted vs measured, without the hardware.
+
+    python scripts/reprice_fidelity.py f.json --benchmark configs/benchmarks/fidelity_gpu.toml --profiles h100 gpu.toml
+
+``f.json`` is what ``autopar fidelity --json`` wrote on the machine (its measured step
+times and peaks per plan variant).  Each case's variants are planned here with each
+profile (``autopar.measure.fidelity.plan_variants``, as the harness plans them) and the
+plan of each variant is priced against the time and peak measured for that variant.
+A profile that chooses another plan for a variant than the measured run did is priced
+on its own plan, against the measured plan's numbers: the table says so (``plan differs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from autopar.measure.benchmark import load_benchmark
+from autopar.measure.fidelity import plan_variants
+from autopar.planner import Plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="autopar fidelity --json output (the measured run)")
+    ap.add_argument("--benchmark", default=None, help="the benchmark TOML the run used (default the fixed one)")
+    ap.add_argument("--profiles", nargs="+", required=True, help="device profiles: names or TOML paths")
+    a = ap.parse_args()
+    with open(a.json) as fh:
+        measured = json.load(fh)["cases"]
+    bench = load_benchmark(a.benchmark)
+    by_name = {m.name: m for m in bench.models}
+    for profile in a.profiles:
+        errors = []
+        print(f"\nprofile {profile}")
+        for case, data in measured.items():
+            name, mesh_text = case.rsplit(" ", 1)
+            mesh = tuple(int(x) for x in mesh_text.split("x"))
+            plans, _ = plan_variants(by_name[name], mesh, bench.variants, profile)
+            planned = {label: Plan.from_json(text) for labels, text in plans for label in labels}
+            keys = {label: labels for labels, _ in plans for label in labels}
+            for row in data["plans"]:
+                label = row["variants"][0]
+                plan = planned[label]
+                t, m = plan.cost["total_s"], plan.memory["per_device_bytes"]
+                same = set(keys[label]) == set(row["variants"])
+                errors.append(t / row["measured_s"] - 1)
+                print(
+                    f"  {case:18s} {label:22s} predicted {t * 1e3:8.1f} ms  measured {row['measured_s'] * 1e3:8.1f} ms"
+                    f"  time {t / row['measured_s'] - 1:+6.1%}  memory {m / row['peak_bytes'] - 1:+6.1%}"
+                    + ("" if same else "  (plan differs)")
+                )
+        errors.sort(key=abs)
+        print(f"  |time error|: median {abs(errors[len(errors) // 2]):.1%}, worst {abs(errors[-1]):.1%}")
+
+
+if __name__ == "__main__":
+    main()
