@@ -85,7 +85,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 
@@ -170,7 +169,8 @@ class _Chain:
         for b, j in zip(self.blocks[1:], variants[1:]):
             owner[b] = j
         ps = self.rproblems
-        # each term from its owner's problem (gathered by its flat index), summed in int64 where that is exact
+        # each term from its owner's problem (gathered by its flat index); summed in int64 where that is exact,
+        # else in Python ints (a forbidden entry: T >= INF, as SearchProblem.evaluate gives it)
         owners = np.concatenate([owner, owner[self.problem.edge_array()[:, 1]]])
         c = np.asarray(choice, np.int64)
         t, m = np.empty(owners.size, np.int64), np.empty(owners.size, np.int64)
@@ -178,17 +178,8 @@ class _Chain:
             tj, mj = ps[j].flat().terms(c)
             mine = owners == j
             t[mine], m[mine] = tj[mine], mj[mine]
-        sums = exact_sums(t, m)
-        if sums is not None:
-            return sums[0], self.problem.base_mem_bytes + sums[1]
-        mixed = replace(
-            self.problem,
-            node_time=tuple(ps[j].node_time[i] for i, j in enumerate(owner.tolist())),
-            node_mem=tuple(ps[j].node_mem[i] for i, j in enumerate(owner.tolist())),
-            edge_time=tuple(ps[owner[v]].edge_time[e] for e, (_, v) in enumerate(self.problem.edges)),
-            edge_mem=tuple(ps[owner[v]].edge_mem[e] for e, (_, v) in enumerate(self.problem.edges)),
-        )
-        return mixed.evaluate(choice)
+        sums = exact_sums(t, m) or (sum(t.tolist()), sum(m.tolist()))
+        return sums[0], self.problem.base_mem_bytes + sums[1]
 
     def assemble(
         self, rest_choice: tuple[int, ...], distinct: list[tuple[int, ...]], which: np.ndarray

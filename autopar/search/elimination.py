@@ -264,6 +264,15 @@ def argmin_at(model: EliminationModel, var: int, vals: list, red: np.ndarray) ->
     return np.broadcast_to(acc, (red.shape[0], model.k[var])).argmin(axis=-1)
 
 
+def decode(model: EliminationModel, vals: list, red: np.ndarray) -> np.ndarray:
+    """``red`` (rows, nodes; the kept nodes already set) with every eliminated node set to its argmin, in
+    reverse elimination order (:func:`argmin_at`; row r reads row r of ``vals``): each row's min-sum plan."""
+    for var in reversed(model.buckets):
+        if var >= 0:
+            red[:, var] = argmin_at(model, var, vals, red)
+    return red
+
+
 def outside(model: EliminationModel, vals: list, final_out: np.ndarray | None = None) -> list:
     """Outside value of every eliminated table (the reverse pass of the docstring);
     ``final_out`` (rows, *final scope): a lower bound on what lies outside the model."""

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .elimination import EliminationModel, argmin_at, inside
+from .elimination import EliminationModel, decode, inside
 from .pareto import tol
 from .problem import InfeasibleError
 
@@ -51,10 +51,7 @@ def argmin_plans(model: EliminationModel, w: np.ndarray) -> tuple[list[Point], l
     vals, _ = inside(model, w, argmins=False)
     if not np.isfinite(vals[model.final]).all():
         raise InfeasibleError(f"{model.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
-    red = np.zeros((len(w), len(model.k)), np.int64)
-    for var in reversed(model.buckets):
-        if var >= 0:
-            red[:, var] = argmin_at(model, var, vals, red)
+    red = decode(model, vals, np.zeros((len(w), len(model.k)), np.int64))
     choices = [model.original_choice(r) for r in red]
     return [Point(*model.problem.evaluate(c), c) for c in choices], vals
 

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from .elimination import EliminationModel, argmin_at
+from .elimination import EliminationModel, decode
 from .split import Part
 
 __all__ = ["PortTable"]
@@ -70,14 +70,9 @@ class PortTable:
     def argmin_choice(self, vals: list, row: int, state_pair: int) -> tuple[int, ...]:
         """Row ``row``'s min-sum plan of the part with the ports at ``state_pair``, decoded from the inside
         values (:func:`.elimination.inside` without argmins) in reverse elimination order
-        (:func:`.elimination.argmin_at`: the same sums, so the same argmins as the joint tables')."""
-        model = self.model
+        (:func:`.elimination.decode`: the same sums, so the same argmins as the joint tables')."""
         one = [None if v is None else v[row : row + 1] for v in vals]
-        red = self.reduced(state_pair)[None, :]
-        for var in reversed(model.buckets):
-            if var >= 0:
-                red[:, var] = argmin_at(model, var, one, red)
-        return model.original_choice(red[0])
+        return self.model.original_choice(decode(self.model, one, self.reduced(state_pair)[None, :])[0])
 
     def pareto_choice(self, tabs: list, pair: int, state_pair: int) -> tuple[int, ...]:
         red = self.reduced(state_pair)
