@@ -109,15 +109,18 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     prof = load_profile(str(path))
     assert prof.name == "mine" and prof.peak_flops["float32"] == pytest.approx(cal.matmul["float32"].rate)
     assert prof.op_overhead_s(backward=True) == pytest.approx(cal.backward_op_s)
-    fit = cal.collectives["all_reduce"][2]
-    nbytes = 1 << 20
-    factor = 2 * (2 - 1) / 2
-    want = fit.latency_s + factor * nbytes / fit.bandwidth_bytes_per_s
-    assert collective_time_s("all_reduce", nbytes, 2, prof.intra_node) == pytest.approx(want, rel=1e-9)
+    # the profile follows the measured points (CollectiveFit.time_s): at each measured size the running maximum
+    # of the measured times, half-way between two sizes the mean of theirs, past the last its segment extended
+    points = cal.collective_points["all_reduce"][2]
+    (x0, t0), (x1, t1) = points  # quick: two sizes
+    t1 = max(t0, t1)
+    price = lambda nbytes: collective_time_s("all_reduce", nbytes, 2, prof.intra_node)  # noqa: E731
+    assert price(x0) == pytest.approx(t0, rel=1e-9) and price(x1) == pytest.approx(t1, rel=1e-9)
+    assert price(x0 / 2) == pytest.approx(t0, rel=1e-9)  # below the smallest size: latency-bound
+    assert price((x0 + x1) / 2) == pytest.approx((t0 + t1) / 2, rel=1e-9)
+    assert price(2 * x1 - x0) == pytest.approx(2 * t1 - t0, rel=1e-9)
     # a group size beyond the measured ones scales the nearest fit as the ring does
-    assert collective_time_s("all_reduce", nbytes, 4, prof.intra_node) > collective_time_s(
-        "all_reduce", nbytes, 2, prof.intra_node
-    )
+    assert collective_time_s("all_reduce", x1, 4, prof.intra_node) > price(x1)
 
 
 def test_calibrate_on_one_rank_keeps_the_base_profiles_links(tmp_path):
