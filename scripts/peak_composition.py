@@ -3,17 +3,22 @@
     python -m torch.distributed.run --nproc-per-node 1 scripts/peak_composition.py gpt2 --batch 8 --seq 1024 \\
         --recompute full                                       # a GPU: one nccl rank
     python -m torch.distributed.run --nproc-per-node 1 scripts/peak_composition.py gpt2-tiny --recompute full
+    python -m torch.distributed.run --nproc-per-node 4 scripts/peak_composition.py t5-tiny --mesh 4 \
+        --benchmark configs/benchmarks/fidelity_unseen.toml --variant "family:sharded parameters"
 
 For finding which term of the peak model (``autopar/cost/peak.py``) is off where
 ``autopar fidelity`` reports a memory error: the model (trained as the fidelity benchmark
-trains it, loss only, dropout off) is planned on one device with ``--recompute``,
+trains it, loss only, dropout off; with ``--benchmark``, at that file's batch, sequence and
+config of the model) is planned on ``--mesh`` (one rank per device; the plan of a fidelity
+``--variant``, e.g. ``cap:0.1`` or ``family:tensor parallel``, else ``--recompute``),
 compiled, warmed up, and one step is measured twice: its peak as ``autopar fidelity``
 measures it (held bytes plus the step's rise: the CUDA allocator's on a GPU, the
 profiler's timeline on CPU) and the tensors live at the peak by the profiler's category
 (activation, gradient, autograd_detail: what backward allocates, temporary, ...) with the
 largest of them and the op that made each.  The plan's side: parameters, gradients,
 optimizer state, saved activations, the backward working set at its peak (transient) and
-the phase the peak falls in.
+the phase the peak falls in.  Every rank measures; the rank with the largest peak (the one
+``autopar fidelity`` compares) is printed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import argparse
 import torch
 
 import autopar
-from autopar.measure.benchmark import BenchModel
+from autopar.measure.benchmark import BenchModel, Variant, load_benchmark, mesh_axis_names
 from autopar.measure.fidelity import loss_model
 from autopar.measure.memory import held_bytes, peak_composition, step_peak_bytes
 from autopar.runtime import init_distributed
@@ -38,13 +43,24 @@ def main() -> None:
     ap.add_argument("--recompute", default="none", choices=("none", "selective", "full", "auto"))
     ap.add_argument("--profile", default=None, help="device profile (default h100 on a GPU, cpu otherwise)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--mesh", default="1", help="mesh shape, e.g. 4 or 2x2 (as many torchrun processes)")
+    ap.add_argument("--benchmark", default=None, help="a fidelity benchmark file: its batch, seq and config")
+    ap.add_argument("--variant", default=None, help="a fidelity variant (cap:0.1, family:..., ...): its plan")
     a = ap.parse_args()
-    backend = init_distributed()  # torchrun's environment: one rank
+    backend = init_distributed()  # torchrun's environment: one process per device of the mesh
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     profile = a.profile or ("h100" if device.type == "cuda" else "cpu")
-    net, inputs = loss_model(BenchModel(a.model, a.batch, a.seq, {}), "cpu")
-    mesh = autopar.Mesh((1,))
-    plan = autopar.plan(net, mesh, example_inputs=inputs, profile=profile, recompute=a.recompute)
+    model = BenchModel(a.model, a.batch, a.seq, {})
+    if a.benchmark:
+        model = next((m for m in load_benchmark(a.benchmark).models if m.name == a.model), None)
+        if model is None:
+            raise SystemExit(f"{a.model} is not a model of {a.benchmark}")
+    net, inputs = loss_model(model, "cpu")
+    shape = tuple(int(x) for x in a.mesh.split("x"))
+    mesh = autopar.Mesh(shape, axis_names=mesh_axis_names(shape))
+    ctx = autopar.prepare(net, mesh, example_inputs=inputs, profile=profile, dtype="fp32", optimizer="adamw")
+    plan = _variant_plan(ctx, model, a.variant) if a.variant else None
+    plan = plan or autopar.plan_from_context(ctx, compare_families=False, recompute=a.recompute)
     sharded = autopar.compile(net, mesh, example_inputs=inputs, plan=plan)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
@@ -59,8 +75,15 @@ def main() -> None:
     held += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     peak = step_peak_bytes(step, held, device)
     parts = peak_composition(step, device)
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, (peak.peak_bytes, torch.distributed.get_rank()))
+    if max(every)[1] != torch.distributed.get_rank():
+        torch.distributed.destroy_process_group()
+        return
     m = plan.memory
-    print(f"{a.model} batch {a.batch} seq {a.seq}, recompute {a.recompute}, profile {profile}, on {device}")
+    how = f"variant {a.variant}" if a.variant else f"recompute {a.recompute}"
+    print(f"{model.name} batch {model.batch} seq {model.seq} on mesh {a.mesh}, {how}, profile {profile}")
+    print(f"family: {plan.family}; rank {max(every)[1]} (the largest peak; on {device})")
     print("plan (the cost model):")
     for key in ("params", "grads", "optimizer", "activations", "transient_bytes", "per_device_bytes"):
         print(f"  {key:18s} {format_bytes(m[key]):>12}")
@@ -78,6 +101,20 @@ def main() -> None:
     for nbytes, category, op in parts.largest:
         print(f"    {format_bytes(nbytes):>12}  {category:16s} {op}")
     torch.distributed.destroy_process_group()
+
+
+def _variant_plan(ctx, model: BenchModel, label: str):
+    """The plan ``autopar fidelity`` measures for ``label`` (caps placed as it places them)."""
+    variant = Variant(label)
+    variant.validate("--variant")
+    auto = autopar.plan_from_context(ctx, compare_families=False)
+    try:
+        autopar.plan_from_context(ctx, compare_families=False, mem_cap=1)
+        least = 0
+    except autopar.MemoryCapError as e:
+        least = e.min_mem_bytes
+    options = variant.plan_options(model, auto.memory["per_device_bytes"], least)
+    return autopar.plan_from_context(ctx, compare_families=False, **options) if options else auto
 
 
 if __name__ == "__main__":

@@ -40,3 +40,57 @@ def test_pool_reruns_from_a_fresh_state_and_a_failing_rank_stops_the_run_fast():
         assert [r[0] for r in pool.run(_sum_of_ranks)[0]] == [1.0, 1.0]  # new ranks after the failure
     finally:
         pool.close()
+
+
+def _report_pid_and_wait(rank, world, folder):
+    import os
+    from pathlib import Path
+
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+_KILLED_PARENT = """
+import sys
+from autopar.runtime.spawn import spawn_ranks
+from tests.test_spawn import _report_pid_and_wait
+spawn_ranks(_report_pid_and_wait, 2, sys.argv[1], timeout_s=300.0)
+"""
+
+
+def test_ranks_die_with_a_parent_killed_by_a_signal(tmp_path):
+    """A parent stopped by SIGKILL (a CI timeout, ``kill -9``) runs no cleanup: its ranks must not outlive it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT, str(tmp_path)], cwd=root)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        # a zombie (dead, not yet reaped by init) counts as gone
+        stat = Path(f"/proc/{pid}/stat")
+        return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [p for p in pids if alive(p)]
+    for p in survivors:
+        os.kill(p, signal.SIGKILL)
+    assert not survivors, f"ranks {survivors} outlived their killed parent"

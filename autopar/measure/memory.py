@@ -107,11 +107,17 @@ def peak_composition(step: Callable[[], object], device: torch.device, top: int 
     from torch.profiler._memory_profiler import Action, MemoryProfile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with _quiet_native_output(), profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    mem = MemoryProfile(prof.profiler.kineto_results)
+    mem = None
+    for shapes in (True, False):  # the categories need the shapes, whose data flow some collectives break
+        with _quiet_native_output(), profile(activities=activities, profile_memory=True, record_shapes=shapes) as prof:
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        try:
+            mem = MemoryProfile(prof.profiler.kineto_results)
+            break
+        except AssertionError:  # "version mismatch": an in-place collective on a recorded input
+            continue
     made_by = {
         key: node._event.name
         for node in mem._data_flow_graph.flow_nodes

@@ -333,8 +333,9 @@ def plan_from_context(
     weightless runs of each repeated block that pay (``planner.regions``) or whole
     blocks; ``"auto"``, under a cap, lets each layer choose among the three in one
     chained search (``solving.plan_under``'s ``per_layer``).  Where the layers do not
-    chain, or the step's peak held the per-layer plan back, it also searches each mode
-    for every layer alike and keeps the fastest plan (``search["recompute_modes"]``).
+    chain, or the step's peak held the per-layer plan back by more than 2^-8 of the step,
+    it also searches each mode for every layer alike and keeps the fastest plan
+    (``search["recompute_modes"]``).
     """
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
     if solver not in ("dp", "ilp"):
@@ -397,7 +398,10 @@ def plan_from_context(
         except ChainError as e:  # the layers do not chain (hinted layers differ, say): one mode for all, below
             log.info("recompute per layer needs the chained search (%s): one mode for every layer", e)
         else:
-            if found.search["peak_searches"] == 1:
+            # one mode for every layer is a plan of this search too: it can beat the plan found only where the
+            # peak held that back, and by at most the gap to the optimum at the cap (solving.plan_under)
+            gap = found.search["objective_ps"] - found.search.get("peak_lower_ps", found.search["objective_ps"])
+            if found.search["peak_searches"] == 1 or gap <= found.search["objective_ps"] >> 8:
                 search = dict(found.search, **_layer_modes(found, regions, hinted_ctx.graph))
                 return replace(found, settings=dict(found.settings, recompute=recompute), search=search)
             best, best_mode = found, "per layer"

@@ -158,10 +158,12 @@ def _pays(graph, coster, run: list[int], keepers: dict) -> bool:
         return meta.numel * meta.dtype.itemsize
 
     freed = sum(coster.kept_by(graph.nodes[i]).internal_bytes for i in run)
-    freed += sum(
+    freed += sum(  # the roots the run makes whose every keeper is in it
         nbytes(root)
-        for root, ops in keepers.items()
-        if root[0] in inside and ops & inside and not ops - inside and graph.nodes[root[0]].kind != "param"
+        for i in inside
+        if graph.nodes[i].kind != "param"
+        for root in ((i, o) for o in range(len(graph.nodes[i].outputs)))
+        if (ops := keepers.get(root)) and not ops - inside
     )
     roots_in = {
         coster.storage_root(ref)

@@ -128,12 +128,20 @@ def plan_under(
 
     # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
     # checked against the cap.  Where it is above, the bound is set below that plan's searched memory by the
-    # excess (doubled each time) and searched again until a plan's peak fits; then the bound is bisected between
-    # the largest that fitted and the least searched memory of a plan that did not (any bound from a plan's
-    # memory up to the bound that found it finds it again; how far the peak exceeds the searched memory differs
-    # from plan to plan), keeping the fastest plan that fits.  Tightened past every plan, the least-memory plan
-    # is taken if its peak fits.
+    # excess (doubled each time) and 2^-8 of the cap, and searched again until a plan's peak fits; then the
+    # bound is bisected between the largest that fitted and the least searched memory of a plan that did not
+    # (any bound from a plan's memory up to the bound that found it finds it again; how far the peak exceeds
+    # the searched memory differs from plan to plan), keeping the fastest plan that fits.  Tightened past every
+    # plan, the least-memory plan is taken if its peak fits.
+    #
+    # What the bisection can still gain is bounded: the optimum under a bound b is non-increasing in b, so every
+    # bound between ``fits`` and ``over`` gives a plan with time in [t(over), t(best)] (``t(over)``: the time of
+    # the plan searched at the bound that found ``over``).  It stops once that gap, or the bounds' gap, is at
+    # most 2^-8 of the step (of the cap).  ``lower``, the optimum at the cap itself, bounds every plan any
+    # bound <= cap gives (Plan.search["peak_lower_ps"]: the planner's other recompute modes need not be
+    # searched when the plan is within the tolerance of it).
     bound, fits, over, best, searches = cap, None, None, None, 0
+    lower, over_time = None, None
     for attempt in range(_PEAK_TRIES + 1):
         searches += 1
         sol, choice, keep = search(bound if attempt < _PEAK_TRIES or best is not None else 0)
@@ -157,6 +165,16 @@ def plan_under(
             best = (sol, choice)
             break
         peak = peak_of(sol, choice)
+        log.debug(
+            "peak search %d: bound %s, searched memory %d, peak %d, cap %d, time %d ps",
+            attempt,
+            bound,
+            sol.mem_bytes,
+            peak,
+            cap,
+            sol.time,
+        )
+        lower = sol.time if lower is None else lower
         if peak <= cap:
             if best is None or (sol.time, sol.mem_bytes) < (best[0].time, best[0].mem_bytes):
                 best = (sol, choice)
@@ -164,10 +182,14 @@ def plan_under(
             if over is None:
                 break  # the bound's own optimum fits: nothing faster does
         else:
-            over = sol.mem_bytes  # every bound from the plan's own memory up to this one gives it back
-        if best is None:
-            bound = sol.mem_bytes - ((peak - cap) << attempt)
-        elif over - fits <= max(cap >> 8, 1 << 20) or attempt == _PEAK_TRIES - 1:
+            over, over_time = sol.mem_bytes, sol.time  # every bound from its memory up to this one gives it back
+        if best is None:  # below by the excess, doubled each time, and the tolerance (the excess varies a little)
+            bound = sol.mem_bytes - ((peak - cap) << attempt) - (cap >> 8)
+        elif (
+            over - fits <= max(cap >> 8, 1 << 20)
+            or best[0].time - over_time <= best[0].time >> 8
+            or attempt == _PEAK_TRIES - 1
+        ):
             break
         else:
             bound = (fits + over) // 2
@@ -179,6 +201,8 @@ def plan_under(
     ctx = contexts.get(key(sol, choice), ctx)
     result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(key(sol, choice)))
     search = dict(result.search, peak_searches=searches)  # > 1: the peak, not the bound, held the plan back
+    if lower is not None:
+        search["peak_lower_ps"] = int(lower)
     return replace(result, timings=timings, hints=dict(resolved.record), search=search)
 
 

@@ -87,8 +87,31 @@ def _run_task(task: _Task, rank: int, world_size: int) -> bool:
             dist.destroy_process_group()
 
 
-def _child(task: _Task, rank: int, world_size: int, threads: int, env: dict[str, str]) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this rank when the process that started it dies (Linux ``PR_SET_PDEATHSIG``).
+
+    Without it, a parent stopped by a signal it does not handle (``kill``, a CI
+    timeout) leaves its ranks running, stuck in a collective or holding the cores.
+    Elsewhere a no-op: the parent's ``_stop`` is then the only guard.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took hold
+        os._exit(1)
+
+
+def _child(task: _Task, rank: int, world_size: int, threads: int, env: dict[str, str], parent: int) -> None:
     """A ``spawn_ranks`` rank: one run, then exit (1 if ``fn`` raised)."""
+    _die_with_parent(parent)
     for key, value in env.items():
         os.environ.setdefault(key, value)
     torch.set_num_threads(threads)  # the ranks share this machine's cores
@@ -178,7 +201,14 @@ def spawn_ranks(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(_Task(fn, port, tmp, args, init, collective_timeout_s), r, world_size, threads, dict(env or {})),
+                args=(
+                    _Task(fn, port, tmp, args, init, collective_timeout_s),
+                    r,
+                    world_size,
+                    threads,
+                    dict(env or {}),
+                    os.getpid(),
+                ),
                 daemon=True,
             )
             for r in range(world_size)
@@ -197,8 +227,9 @@ def spawn_ranks(
         return _results(tmp, fn, world_size, timeout_s, failed, hung, lambda r: procs[r].exitcode), extra
 
 
-def _pool_worker(rank: int, world_size: int, tasks, finished, threads: int) -> None:
+def _pool_worker(rank: int, world_size: int, tasks, finished, threads: int, parent: int) -> None:
     """A ``RankPool`` rank: runs the tasks it is sent, one after another, each from the state it started in."""
+    _die_with_parent(parent)
     torch.set_num_threads(threads)
     rng = torch.random.get_rng_state()
     environ = dict(os.environ)
@@ -241,7 +272,7 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_pool_worker,
-                args=(r, self.world_size, self._tasks[r], self._finished, self.threads),
+                args=(r, self.world_size, self._tasks[r], self._finished, self.threads, os.getpid()),
                 daemon=True,
             )
             for r in range(self.world_size)

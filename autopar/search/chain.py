@@ -48,7 +48,11 @@ P_l; a pair of P_l at ``(a, c)`` goes when ``w (t, m) + O_l(c, a) > B``.  The bl
 (P_1 = F) is bounded by ``O_1``, the rest by ``f^n``.  The lengths are at most two per
 level, so all of it is O(log n) min-plus products (:meth:`.minsum.MinSumChain.outside`).
 Rows: time, memory, and when the cap binds the Lagrange slope lam*
-(Eisner-Severance as :func:`.lagrange.lagrange_slope`) and lam* x 2^-4..2^4.  Windows
+(Eisner-Severance as :func:`.lagrange.lagrange_slope`).  Not the slopes around lam* that
+:mod:`.dp` adds (``LAMBDA_GRID``): each row costs the chain's min-sum and outside values
+again (linear in rows), and measured on GPT-shaped chains (24 and 96 layers, caps from the
+free plan's memory down to the least; the Llama-7B recompute table) they cut too few pairs
+to pay: every search ran faster without them, to the same plans.  Windows
 (:func:`.pareto.pair_window`) skip the pairs of the second factor that the time and memory rows
 already rule out.
 
@@ -90,7 +94,6 @@ import numpy as np
 
 from . import dp
 from .dp import min_memory
-from .lagrange import LAMBDA_GRID
 from .minsum import MinSumChain, halving
 from .pareto import Bounds, ParetoTable, min_sum_bounds, pareto_pass, row_limits, tol
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, exact_sums
@@ -308,8 +311,8 @@ def solve_chain(
             small = (exact.time, exact.mem_bytes, exact.choice, (0,) * len(blocks))
             seen.append(small)
         lam = _lagrange_rows(chain, fast, small, cap, seen)
-        # lam* and the slopes around it (as dp's grid): a pair's completion trades at its own rate
-        w = np.concatenate([w, [[1.0, lam]], [[1.0, lam * f] for f in LAMBDA_GRID]])
+        # lam* only: the slopes around it (dp's LAMBDA_GRID) cost a min-sum row each here and cut few more pairs
+        w = np.concatenate([w, [[1.0, lam]]])
         sc = chain.minsum(w)
         seen += chain.scalar_plans(sc)[2:]
     ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
