@@ -196,15 +196,17 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
     # a cap the saved plan meets: auto keeps everything (recomputing only adds time)
     roomy = autopar.plan_from_context(ctx, compare_families=False, mem_cap=saved.memory["per_device_bytes"])
     assert _recomputed_blocks(roomy) == set() and "recompute: none" in roomy.table()
-    # under caps between the two, each layer chooses (saved, selective or whole) in one search; the plan fits,
-    # and is at least as fast as the best plan recomputing every layer alike (selective or whole), faster than
-    # recomputing them all whole; no plan saves everything
+    # under caps between the full plan's memory and the least any plan saving everything reaches, each layer
+    # chooses (saved, selective or whole) in one search; the plan fits, is as fast as the best plan recomputing
+    # every layer alike (selective or whole) within the peak search's tolerance (2^-8: solving.plan_under),
+    # and faster than recomputing them all whole
+    with pytest.raises(autopar.MemoryCapError) as err:
+        autopar.plan_from_context(ctx, compare_families=False, mem_cap=1, recompute="none")
+    least_saving = err.value.min_mem_bytes
+    assert full.memory["per_device_bytes"] < least_saving <= saved.memory["per_device_bytes"]
     mixed = 0
-    for fraction in (0.8, 0.5, 0.3):
-        cap = int(
-            full.memory["per_device_bytes"]
-            + fraction * (saved.memory["per_device_bytes"] - full.memory["per_device_bytes"])
-        )
+    for fraction in (0.9, 0.6, 0.3):
+        cap = int(full.memory["per_device_bytes"] + fraction * (least_saving - full.memory["per_device_bytes"]))
         with pytest.raises(autopar.MemoryCapError, match="recompute 'auto' tries it"):
             autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="none")
         capped = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
@@ -219,7 +221,7 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
             except autopar.MemoryCapError:
                 continue
         assert "full" in uniform and capped.cost["total_s"] < uniform["full"].cost["total_s"], where
-        assert all(capped.cost["total_s"] <= p.cost["total_s"] * (1 + 1e-12) for p in uniform.values()), where
+        assert all(capped.cost["total_s"] <= p.cost["total_s"] * (1 + 2**-8) for p in uniform.values()), where
         if capped.search["recompute_mode"] == "per layer":
             mixed += 1
             line = next(x for x in capped.table().splitlines() if x.startswith("recompute:"))
@@ -468,10 +470,16 @@ def _assert_runs_as_planned(name: str, text: str, label: str) -> None:
 # ---- the rest of the graph (planner/regions.py: rest_regions) --------------------------------------------------
 
 
-def test_the_rest_of_the_graph_is_recomputed_where_the_layers_alone_cannot_meet_the_cap(gpt2_context):
+def test_the_rest_of_the_graph_is_a_choice_of_the_same_search(gpt2_context):
     """Outside the layers, the part before them (embeddings) and the part after (final norm, head, loss) may be
-    recomputed too, chosen with the first layer in the same chained search: the least memory any plan reaches
-    is below that of recomputing every layer whole, and a cap between the two is met by recomputing the rest."""
+    recomputed too, chosen with the first layer in the same chained search, so the least memory "auto" reaches
+    is at most that of recomputing every layer whole, and at that cap its plan is as fast (within the peak
+    search's tolerance).
+
+    For GPT-2 recomputing the rest does not lower the least *peak*: the part after the layers is the first
+    that backward reaches, so what it saves comes back at the step's peak, with the tied embedding its head
+    gathers again (``cost.peak``: a recomputed op keeps what the recomputation gathered).  Plans that recompute
+    the rest are run and checked on ranks by the tests below (``_rest_plan``)."""
     import autopar
 
     ctx = gpt2_context
@@ -480,18 +488,17 @@ def test_the_rest_of_the_graph_is_recomputed_where_the_layers_alone_cannot_meet_
         with pytest.raises(autopar.MemoryCapError) as err:
             autopar.plan_from_context(ctx, compare_families=False, mem_cap=1, recompute=mode)
         least[mode] = err.value.min_mem_bytes
-    assert least["auto"] < 0.97 * least["full"], least
-    cap = (least["auto"] + least["full"]) // 2
-    with pytest.raises(autopar.MemoryCapError):
-        autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="full")
-    plan = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
-    rest = plan.search["recompute_rest"]
-    assert plan.memory["per_device_bytes"] <= cap and rest, plan.search
-    assert set(rest) <= {"before transformer.h", "after transformer.h"}
-    outside = {n for n, e in plan.nodes.items() if e.get("recompute") in rest}
-    assert outside and all(not n.startswith("transformer_h_") for n in outside)  # no op of a layer
-    line = next(x for x in plan.table().splitlines() if x.startswith("recompute:"))
-    assert f"and outside the layers {' and '.join(rest)}" in line, line
+    assert least["auto"] <= least["full"], least
+    full = autopar.plan_from_context(ctx, compare_families=False, mem_cap=least["full"], recompute="full")
+    chosen = autopar.plan_from_context(ctx, compare_families=False, mem_cap=least["full"])
+    assert chosen.memory["per_device_bytes"] <= least["full"]
+    assert chosen.cost["total_s"] <= full.cost["total_s"] * (1 + 2**-8), (chosen.search, full.search)
+    for plan in (full, chosen):  # what the table says is recomputed outside the layers is what the plan marks
+        rest = plan.search.get("recompute_rest", [])
+        assert set(rest) <= {"before transformer.h", "after transformer.h"}
+        outside = {n for n, e in plan.nodes.items() if e.get("recompute") in rest}
+        assert all(not n.startswith("transformer_h_") for n in outside)  # no op of a layer
+        assert bool(outside) == bool(rest)
 
 
 def _rest_plan(name: str, world: int):

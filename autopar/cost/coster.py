@@ -202,10 +202,28 @@ class Coster:
             return [(None, math.inf)]  # the runtime cannot run this move on the nested layout: forbidden
         steps = [t for t in all_steps if t.kind is not None]
         bucket = self.settings.grad_bucket_bytes
-        if producer.kind == "param" and bucket and len(steps) == 1 and steps[0].kind == "all_reduce":
+        if self._bucketed(producer, steps):
             (t,) = steps
             return [(t, self.comm_time_s(t.kind, bucket, t.axis) * t.bytes / bucket)]
         return [(t, self.comm_time_s(t.kind, t.bytes, t.axis)) for t in steps]
+
+    def _bucketed(self, producer: OpNode, steps: list) -> bool:
+        """Whether the runtime's gradient buckets reduce this move of ``producer``'s gradient (its collectives)."""
+        return bool(
+            producer.kind == "param"
+            and self.settings.grad_bucket_bytes
+            and len(steps) == 1
+            and steps[0].kind == "all_reduce"
+        )
+
+    def bucketed_grad_bytes(self, producer: OpNode, meta: TensorMeta, src, dst) -> int:
+        """Bytes of ``producer``'s gradient that go into a gradient bucket when it moves from ``src`` to ``dst``
+        (0: the move is not bucketed, ``grad_move_steps``): the bucket's flat copy holds them until reduced."""
+        if producer.kind != "param" or not self.settings.grad_bucket_bytes or src == dst:
+            return 0
+        all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
+        steps = [t for t in all_steps if t.kind is not None]
+        return steps[0].bytes if conflict is None and self._bucketed(producer, steps) else 0
 
     def transition_time_s(self, meta: TensorMeta, src, dst) -> float:
         key = (meta, src, dst)

@@ -11,13 +11,18 @@ topological order (the order autograd runs it) and takes the larger of::
                                + activations kept for the backward of v and of every op before v
                                + gradients of the parameters whose last reader comes after v
                                + T(v)
+    end of backward          = params + optimizer state + gradients + the largest gradient bucket
     optimizer step           = params + optimizer state + gradients + T_optimizer
 
 ``T(v)``, op v's backward working set, is the gradient of its outputs and of its
-float inputs on this rank's pieces; for a parameter it reads gathered (FSDP), the
-gathered copy its backward gathers again (the unreduced full-size gradient is that
-input gradient); and the buffers of the largest gradient move out of it (the
-runtime's redistribution copies: ``_MOVE_BUFFERS``); at the last op of a recomputed
+float inputs on this rank's pieces, and the larger of two: for a parameter it reads
+gathered (FSDP), the gathered copy its backward gathers again (the unreduced
+full-size gradient is that input gradient), freed when its backward ends; the
+buffers of the largest gradient move out of it (the runtime's redistribution
+copies: ``_MOVE_BUFFERS``), which runs after it; a gradient the runtime's buckets
+reduce has no move of its own: the bucket's flat copy is made when its last gradient
+arrives (at most ``grad_bucket_bytes``; the last bucket as backward ends, with every
+gradient born: the end-of-backward term).  At the last op of a recomputed
 region, also the region's outputs its recomputation makes again (``remade_at``).  A
 parameter's gradient (its state shard) is counted from the
 backward of its last reader in forward order.  ``T_optimizer`` is the optimizer's
@@ -44,6 +49,8 @@ def peak_memory(
     freed_at: dict[int, int],
     reborn_at: dict[int, int] | None = None,
     remade_at: dict[int, int] | None = None,
+    recomputed: frozenset[int] = frozenset(),
+    bucket_bytes: int = 0,
 ) -> dict[str, Any]:
     """``{"per_device_bytes", "transient_bytes", "peak_phase"}`` of the plan whose strategies are ``strat``.
 
@@ -53,7 +60,11 @@ def peak_memory(
     of a recomputed block to the activations its recomputation makes again when backward
     reaches it (then freed op by op, as ``freed_at`` says); ``remade_at`` to the block's
     outputs, which the recomputation makes again too and drops once it ends (a transient of
-    that op's backward: the whole region runs again, ``lower/recompute.py``).
+    that op's backward: the whole region runs again, ``lower/recompute.py``).  ``recomputed``:
+    the ops of those regions, whose backward reads the parameters the recomputation
+    gathered (in ``reborn_at``) instead of gathering them again.  ``bucket_bytes``: the largest
+    flat copy of the gradient buckets (``runtime/buckets.py``), made when a bucket's last
+    gradient arrives: the last, as backward ends, beside every gradient.
     """
     reborn_at, remade_at = reborn_at or {}, remade_at or {}
     coster, graph = ctx.coster, ctx.graph
@@ -66,10 +77,12 @@ def peak_memory(
             continue
         for u, _ in v.inputs:  # the last reader of a parameter in forward starts its gradient
             grads += grad_of.pop(u, 0)
-        t = _working_set(coster, graph, strat, v) + remade_at.get(v.index, 0)
+        t = _working_set(coster, graph, strat, v, v.index not in recomputed) + remade_at.get(v.index, 0)
         if static + alive + grads + t > worst:
             worst, worst_t = static + alive + grads + t, t
         alive -= freed_at.get(v.index, 0)
+    if static + mem["grads"] + bucket_bytes > worst:  # the last bucket's flat copy, as backward ends
+        worst, worst_t = static + mem["grads"] + bucket_bytes, bucket_bytes
     t_optimizer = _optimizer_transient(ctx, strat)
     step = static + mem["grads"] + t_optimizer
     if worst >= step:
@@ -83,23 +96,35 @@ def peak_memory(
 _MOVE_BUFFERS = {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 2, "all_to_all": 3}
 
 
-def _working_set(coster, graph, strat: list, v) -> int:
+def _working_set(coster, graph, strat: list, v, regathers: bool = True) -> int:
+    """``T(v)``: op v's output gradients and the input gradients it makes, with the larger of the parameters
+    its backward gathers again (FSDP; not a recomputed op, ``regathers`` False: it kept what the recomputation
+    gathered) and the buffers of the largest gradient move out of it.  The moves run after v's backward, when
+    the gathered copies are gone; its output gradients may live on (a residual's gradient is shared by both
+    branches), so they are counted with either.
+    """
     s = strat[v.index]
-    need = sum(coster.local_bytes(meta, s.outputs[o]) for o, meta in enumerate(v.outputs) if meta.is_float)
+    out_grads = sum(coster.local_bytes(meta, s.outputs[o]) for o, meta in enumerate(v.outputs) if meta.is_float)
+    in_grads = gathered = 0
     moving = 0  # the largest gradient move out of v's backward: its buffers, one move at a time
     for pos, (u, o) in enumerate(v.inputs):
         producer = graph.nodes[u]
         meta = producer.outputs[o]
         if not (producer.requires_grad and meta.is_float):
             continue
-        need += coster.local_bytes(meta, s.inputs[pos])  # its gradient, in the placement v read it
-        if producer.kind == "param" and strat[u].placement != s.inputs[pos] and pos in coster.saved_inputs(v):
-            need += coster.local_bytes(meta, s.inputs[pos])  # FSDP: gathered again for this backward
+        in_grads += coster.local_bytes(meta, s.inputs[pos])  # its gradient, in the placement v read it
+        if (
+            regathers
+            and producer.kind == "param"
+            and strat[u].placement != s.inputs[pos]
+            and pos in coster.saved_inputs(v)
+        ):
+            gathered += coster.local_bytes(meta, s.inputs[pos])  # FSDP: gathered again for this backward
         target = strat[u].output_grad(o)
-        if s.input_grad(pos) != target:
+        if s.input_grad(pos) != target and not coster.bucketed_grad_bytes(producer, meta, s.input_grad(pos), target):
             steps = transitions(coster.compute_meta(meta), s.input_grad(pos), target, coster.mesh_shape)
             moving = max([moving] + [t.bytes * _MOVE_BUFFERS.get(t.kind, 0) for t in steps if t.kind])
-    return need + moving
+    return out_grads + in_grads + max(gathered, moving)
 
 
 def _optimizer_transient(ctx, strat: list) -> int:

@@ -65,6 +65,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     remade: dict[str, int] = {}  # region -> its outputs, made again by the recomputation and dropped after it
     keep = keeping(ctx, regions) if regions else None  # who pays what the checkpoints keep (planner.kept)
     consumers = graph.consumers() if regions else {}
+    bucketed: dict[int, int] = {}  # parameter -> its gradient bytes the runtime's buckets reduce
 
     def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False):
         nonlocal comm_s
@@ -100,6 +101,8 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             for axis, kind, nbytes in step:
                 add(kind, axis, "optimizer", nbytes, n, n.fqn)
             acc = coster.accumulated_steps(n, s)
+            if s.accumulated_grad is not None:  # the summed partial gradients, reduced once (maybe in a bucket)
+                bucketed[n.index] = coster.bucketed_grad_bytes(n, n.outputs[0], *s.accumulated_grad)
             compute_s -= sum(whole for _, whole in acc) * coster.grad_exposed(n)
             for t, whole in acc:  # the summed partial gradients of all uses, reduced once
                 add(t.kind, t.axis, "backward", t.bytes, n, n.name, t.reduce_op, coster.grad_exposed(n), whole)
@@ -149,6 +152,10 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             if region is not None:  # what n keeps of this input is made again by the recomputation
                 if regions.get(u) != region and src == dst and g == target:
                     edge_act = 0  # the checkpoint's own input, read as it is: one storage, paid as kept
+                if un.kind == "param" and src != dst and pos in saves:
+                    # FSDP: the recomputed op keeps the parameter the recomputation gathered (lower/rewrite.py:
+                    # no re-gather for recomputed ops) until its backward
+                    edge_act = coster.local_bytes(un.outputs[o], dst)
                 reborn[region] += edge_act
                 freed_at[n.index] = freed_at.get(n.index, 0) + edge_act
                 if (n.index, pos) in keep.payers:  # the checkpoint keeps what u made until the region's backward ends
@@ -162,6 +169,8 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 mem["activations"] += edge_act
                 freed_at[n.index] = freed_at.get(n.index, 0) + edge_act  # kept for n's backward
             if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
+                if un.kind == "param":  # its uses' gradients are summed into the bucket once
+                    bucketed[u] = max(bucketed.get(u, 0), coster.bucketed_grad_bytes(un, un.outputs[o], g, target))
                 if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
                     for t, whole in coster.grad_move_steps(un, un.outputs[o], g, target):
                         exposed = coster.grad_exposed(un)
@@ -182,7 +191,16 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
         "memory": dict(
             mem,
             search_bytes=search_bytes,
-            **peak_memory(ctx, strat, mem, freed_at, _reborn_at(ctx, reborn), _reborn_at(ctx, remade)),
+            **peak_memory(
+                ctx,
+                strat,
+                mem,
+                freed_at,
+                _reborn_at(ctx, reborn),
+                _reborn_at(ctx, remade),
+                frozenset(regions),
+                min(coster.settings.grad_bucket_bytes or 0, sum(bucketed.values())),
+            ),
         ),
         "collectives": collectives,
         "strategies": strat,

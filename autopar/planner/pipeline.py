@@ -359,8 +359,10 @@ def plan_from_context(
     # recomputation only adds time: without a cap (or without more to recompute) "auto" never needs more than
     # the hints; its modes go from the most memory to the least
     auto = ["none", "selective", "full"] if cap is not None and unforced else ["none"]
-    rest_parts = (
-        _regions_once(hinted_ctx, "rest", regions, rest_regions) if recompute == "auto" and cap is not None else []
+    rest_parts = (  # the part before the layers only: recomputing the part after them never lowers the peak
+        _regions_once(hinted_ctx, "rest", regions, lambda c, b: rest_regions(c, b, ("before",)))
+        if recompute == "auto" and cap is not None
+        else []
     )
     rest = {i: r for part in rest_parts for i, r in part.items()}
     mode_regions = {"none": forced, "selective": selective, "full": regions}
@@ -397,6 +399,9 @@ def plan_from_context(
             )
         except ChainError as e:  # the layers do not chain (hinted layers differ, say): one mode for all, below
             log.info("recompute per layer needs the chained search (%s): one mode for every layer", e)
+        except MemoryCapError as e:  # no plan's peak fits: the error names the least peak the modes know, below
+            failed = e
+            tried.append({"recompute": "per layer", "feasible": False, "min_per_device_bytes": e.min_mem_bytes})
         else:
             # one mode for every layer is a plan of this search too: it can beat the plan found only where the
             # peak held that back, and by at most the gap to the optimum at the cap (solving.plan_under)
@@ -417,8 +422,10 @@ def plan_from_context(
         except BeatenError as e:  # a bound proves this mode slower than the plan in hand: not searched further
             tried.append({"recompute": mode, "feasible": None, "at_least_s": e.lower_bound_ps / PS_PER_S})
             continue
-        except MemoryCapError as e:  # the last mode's error names the least memory of all (recomputed)
-            failed = e
+        except MemoryCapError as e:  # the least-memory plan of each search is its least additive memory's: the
+            # error names the one whose peak is the least
+            if failed is None or e.min_mem_bytes < failed.min_mem_bytes:
+                failed = e
             tried.append(
                 {
                     "recompute": mode,

@@ -47,7 +47,8 @@ RECOMPUTE_OPTIONS = ("auto", "none", "selective", "full")
 
 
 def recomputed_tables(ctx, regions: dict[int, str]) -> ProblemTables:
-    """``ctx.tables`` with the nodes of ``regions`` recomputed (the terms in the module docstring), built once."""
+    """``ctx.tables`` with the nodes of ``regions`` recomputed (the terms in the module docstring), built once.
+    No regions is not ``ctx.tables``: a value several layers read is paid once by its node (``kept.py``)."""
     key = tuple(sorted(regions.items()))
     if key not in ctx.tables.recomputed:
         ctx.tables.recomputed[key] = _recomputed(ctx, regions)

@@ -25,10 +25,12 @@ program, ``lower/recompute.py``); the planner maps each op node to its region's 
   run must (``_pays``), named ``before <blocks>`` / ``after <blocks>`` (``after
   transformer.h``).  Both are convex: nothing before the blocks reads what the blocks
   make, and nothing after them feeds the head.  Ops between the blocks that belong to
-  none stay saved.  Whether recomputing a part pays at the step's peak is the search's
-  and the peak check's to say: backward starts with the head, so its activations are
-  made again at once, but the end of forward (the loss's temporaries over everything
-  saved) may be the peak, and that it lowers.
+  none stay saved.  The planner's ``"auto"`` offers only the part before the blocks:
+  backward starts with the part after them, so what it saves is made again at once,
+  as the step's peak comes (``cost.peak``: at the start of backward everything saved is
+  alive), and recomputing it never lowers the peak, only adds the forward again (and
+  the parameters its recomputation gathers).  The part before stays recomputed
+  through all of backward until its own, at the end.
 * ``hinted_regions``: the blocks a ``"recompute"`` hint names.
 """
 
@@ -99,9 +101,10 @@ def selective_regions(ctx, blocks: dict[int, str]) -> dict[int, str]:
     return out
 
 
-def rest_regions(ctx, blocks: dict[int, str]) -> list[dict[int, str]]:
+def rest_regions(ctx, blocks: dict[int, str], parts: tuple[str, ...] = ("before", "after")) -> list[dict[int, str]]:
     """The parts of the graph outside ``blocks`` (``block_regions``' map) recomputing which pays: the ops before
-    the first op of the blocks, and those after the last, each an op node -> region map (module docstring)."""
+    the first op of the blocks, and those after the last, each an op node -> region map (module docstring);
+    ``parts``: which of the two to consider."""
     if not blocks:
         return []
     graph = ctx.graph
@@ -109,11 +112,11 @@ def rest_regions(ctx, blocks: dict[int, str]) -> list[dict[int, str]]:
     prefix = blocks[first].rsplit(".", 1)[0]
     ops = [n.index for n in graph.nodes if n.kind == "op" and n.index not in blocks]
     keepers = _keepers(ctx)
-    parts = (([i for i in ops if i < first], "before"), ([i for i in ops if i > last], "after"))
+    sides = (([i for i in ops if i < first], "before"), ([i for i in ops if i > last], "after"))
     return [
         dict.fromkeys(part, f"{where} {prefix}")
-        for part, where in parts
-        if part and _pays(graph, ctx.coster, part, keepers)
+        for part, where in sides
+        if where in parts and part and _pays(graph, ctx.coster, part, keepers)
     ]
 
 

@@ -132,7 +132,8 @@ def plan_under(
     # bound is bisected between the largest that fitted and the least searched memory of a plan that did not
     # (any bound from a plan's memory up to the bound that found it finds it again; how far the peak exceeds
     # the searched memory differs from plan to plan), keeping the fastest plan that fits.  Tightened past every
-    # plan, the least-memory plan is taken if its peak fits.
+    # plan (a bound with no plan at all, ``under``, is bisected with the plan over it first), the least-memory
+    # plan is taken if its peak fits.
     #
     # What the bisection can still gain is bounded: the optimum under a bound b is non-increasing in b, so every
     # bound between ``fits`` and ``over`` gives a plan with time in [t(over), t(best)] (``t(over)``: the time of
@@ -141,7 +142,8 @@ def plan_under(
     # bound <= cap gives (Plan.search["peak_lower_ps"]: the planner's other recompute modes need not be
     # searched when the plan is within the tolerance of it).
     bound, fits, over, best, searches = cap, None, None, None, 0
-    lower, over_time = None, None
+    lower, over_time, under = None, None, None
+    tolerance = max(cap >> 8, 1 << 20) if cap is not None else 0
     for attempt in range(_PEAK_TRIES + 1):
         searches += 1
         sol, choice, keep = search(bound if attempt < _PEAK_TRIES or best is not None else 0)
@@ -152,6 +154,10 @@ def plan_under(
                 break
             if attempt == 0 or least is None:
                 raise cap_error(error_context(err, keep), cap, err, keep) from None
+            under = bound  # no plan's searched memory is this small: bisect towards the plan that was over
+            if over - under > tolerance and attempt < _PEAK_TRIES - 1:
+                bound = (under + over) // 2
+                continue
             sol, choice = least, full_choice(least, keep)
             if peak_of(sol, choice) > cap:
                 raise cap_error(contexts[key(sol, choice)], cap, err, keep) from None
@@ -166,13 +172,14 @@ def plan_under(
             break
         peak = peak_of(sol, choice)
         log.debug(
-            "peak search %d: bound %s, searched memory %d, peak %d, cap %d, time %d ps",
+            "peak search %d: bound %s, searched memory %d, peak %d, cap %d, time %d ps (%s)",
             attempt,
             bound,
             sol.mem_bytes,
             peak,
             cap,
             sol.time,
+            parts[key(sol, choice)]["memory"],
         )
         lower = sol.time if lower is None else lower
         if peak <= cap:
@@ -184,12 +191,10 @@ def plan_under(
         else:
             over, over_time = sol.mem_bytes, sol.time  # every bound from its memory up to this one gives it back
         if best is None:  # below by the excess, doubled each time, and the tolerance (the excess varies a little)
-            bound = sol.mem_bytes - ((peak - cap) << attempt) - (cap >> 8)
-        elif (
-            over - fits <= max(cap >> 8, 1 << 20)
-            or best[0].time - over_time <= best[0].time >> 8
-            or attempt == _PEAK_TRIES - 1
-        ):
+            bound = sol.mem_bytes - ((peak - cap) << attempt) - tolerance
+            if under is not None:  # not past a bound that had no plan
+                bound = max(bound, (under + sol.mem_bytes) // 2)
+        elif over - fits <= tolerance or best[0].time - over_time <= best[0].time >> 8 or attempt == _PEAK_TRIES - 1:
             break
         else:
             bound = (fits + over) // 2

@@ -105,6 +105,7 @@ class _Bucket:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     work: object = None
     flat: torch.Tensor | None = None
+    packed: list[tuple[str, torch.Size]] = field(default_factory=list)  # (name, shape) in the flat, in order
 
 
 class _Round:
@@ -130,6 +131,8 @@ class _Round:
             return
         names = [n for n in b.names if n in b.grads]
         b.flat = torch.cat([b.grads[n].reshape(-1) for n in names])
+        b.packed = [(n, b.grads[n].shape) for n in names]
+        b.grads.clear()  # the flat copy is the only one kept: the gradients are held once, as the plan counts
         b.work = dist.all_reduce(b.flat, group=self.owner.groups.axis_group(b.axis), async_op=True)
         if self.counter is not None:
             for n in names:
@@ -149,15 +152,13 @@ class _Round:
                 continue
             b.work.wait()
             offset = 0
-            for n in b.names:
-                if n not in b.grads:
-                    continue
-                g = b.grads[n]
-                reduced = b.flat[offset : offset + g.numel()].view_as(g)
-                offset += g.numel()
+            for n, shape in b.packed:
+                numel = shape.numel()
+                reduced = b.flat[offset : offset + numel].view(shape)
+                offset += numel
                 p = self.params[n]
                 p.grad = reduced if p.grad is None else p.grad.add_(reduced)  # a view of this round's flat
-            b.grads.clear()
+            b.packed = []
             b.flat = b.work = None
 
 

@@ -137,7 +137,10 @@ class _Chain:
     ) -> None:
         self.problem, self.blocks, self.problems = problem, blocks, (problem, *variants)
         self.rproblems = (*self.problems, *rest_variants)  # what B_0 with the rest may take
-        splits = [split_blocks(p, blocks) for p in self.rproblems]
+        # a problem's split and tables depend on its arrays and the blocks only: kept with the problem, so a
+        # chain over other variants of the same problems (the planner's probe without variants) shares them
+        key = tuple(map(tuple, blocks))
+        splits = [p.memo(("split", key), lambda p=p: split_blocks(p, blocks)) for p in self.rproblems]
         _, _, self.k, self.port = splits[0]
         if any(s[2:] != splits[0][2:] for s in splits):
             raise ChainError("the variants' blocks have different ports")
@@ -146,8 +149,14 @@ class _Chain:
             if not any(_same_terms(s[0].problem, f) for f in blocks_of):
                 raise ChainError(f"rest variant {j} changes the terms of blocks 1.. (only the rest and B_0 may)")
         self.n = len(blocks) - 1
-        self.ftabs = [PortTable(s[0], self.k, dp.WIDTH_BUDGET) for s in splits[: len(self.problems)]]
-        self.rtabs = [PortTable(s[1], self.k, dp.WIDTH_BUDGET) for s in splits]
+        self.ftabs = [
+            p.memo(("block table", key), lambda s=s: PortTable(s[0], self.k, dp.WIDTH_BUDGET))
+            for p, s in zip(self.problems, splits)
+        ]
+        self.rtabs = [
+            p.memo(("rest table", key), lambda s=s: PortTable(s[1], self.k, dp.WIDTH_BUDGET))
+            for p, s in zip(self.rproblems, splits)
+        ]
         self.ftab, self.rtab = self.ftabs[0], self.rtabs[0]  # the parts' node maps (alike in every variant)
         self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
         self._base: tuple | None = None
