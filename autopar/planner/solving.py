@@ -191,7 +191,7 @@ def plan_under(
         else:
             over, over_time = sol.mem_bytes, sol.time  # every bound from its memory up to this one gives it back
         if best is None:  # below by the excess, doubled each time, and the tolerance (the excess varies a little)
-            bound = sol.mem_bytes - ((peak - cap) << attempt) - tolerance
+            bound = sol.mem_bytes - ((peak - cap) << attempt) - (cap >> 8)
             if under is not None:  # not past a bound that had no plan
                 bound = max(bound, (under + sol.mem_bytes) // 2)
         elif over - fits <= tolerance or best[0].time - over_time <= best[0].time >> 8 or attempt == _PEAK_TRIES - 1:
