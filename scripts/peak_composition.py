@@ -95,6 +95,8 @@ def main() -> None:
         f"{m['per_device_bytes'] / peak.peak_bytes - 1:+.1%})"
     )
     print(f"  the step's rise    {format_bytes(parts.rise_bytes):>12}  (profiler timeline), live at its peak:")
+    if not parts.by_category:
+        print("    (not attributed: the profiler refuses this step's data flow, its collectives work in place)")
     for category, nbytes in parts.by_category.items():
         print(f"    {category:16s} {format_bytes(nbytes):>12}")
     print("  largest live at the peak:")

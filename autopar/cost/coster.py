@@ -196,16 +196,20 @@ class Coster:
         not once per parameter).  Any other move costs its collectives one by one.
         The exposed part is ``grad_exposed`` of this.
         """
-        # the runtime's step list (local steps included) and whether it runs on the nested layout
-        all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
-        if conflict is not None:
+        steps = self._collective_steps(meta, src, dst)
+        if steps is None:
             return [(None, math.inf)]  # the runtime cannot run this move on the nested layout: forbidden
-        steps = [t for t in all_steps if t.kind is not None]
         bucket = self.settings.grad_bucket_bytes
         if self._bucketed(producer, steps):
             (t,) = steps
             return [(t, self.comm_time_s(t.kind, bucket, t.axis) * t.bytes / bucket)]
         return [(t, self.comm_time_s(t.kind, t.bytes, t.axis)) for t in steps]
+
+    def _collective_steps(self, meta: TensorMeta, src, dst) -> list | None:
+        """The collectives of the runtime's step list from ``src`` to ``dst`` (local steps dropped); None where
+        the runtime cannot run the move on the nested layout."""
+        all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
+        return None if conflict is not None else [t for t in all_steps if t.kind is not None]
 
     def _bucketed(self, producer: OpNode, steps: list) -> bool:
         """Whether the runtime's gradient buckets reduce this move of ``producer``'s gradient (its collectives)."""
@@ -221,9 +225,8 @@ class Coster:
         (0: the move is not bucketed, ``grad_move_steps``): the bucket's flat copy holds them until reduced."""
         if producer.kind != "param" or not self.settings.grad_bucket_bytes or src == dst:
             return 0
-        all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
-        steps = [t for t in all_steps if t.kind is not None]
-        return steps[0].bytes if conflict is None and self._bucketed(producer, steps) else 0
+        steps = self._collective_steps(meta, src, dst)
+        return steps[0].bytes if steps is not None and self._bucketed(producer, steps) else 0
 
     def transition_time_s(self, meta: TensorMeta, src, dst) -> float:
         key = (meta, src, dst)

@@ -90,7 +90,10 @@ class PeakComposition:
     ``rise_bytes``: the peak of the running sum of the step's allocations and frees;
     ``by_category``: those live at that moment by the profiler's category (activation,
     gradient, temporary, autograd_detail, optimizer_state, parameter, input, or unknown);
-    ``largest``: the largest of them as (bytes, category, the op that allocated it)."""
+    ``largest``: the largest of them as (bytes, category, the op that allocated it).  Both
+    are empty where the profiler cannot attribute the tensors (a step with in-place
+    collectives on inputs it recorded: torch's data-flow analysis refuses it), the rise
+    still measured."""
 
     rise_bytes: int
     by_category: dict[str, int]
@@ -107,7 +110,6 @@ def peak_composition(step: Callable[[], object], device: torch.device, top: int 
     from torch.profiler._memory_profiler import Action, MemoryProfile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    mem = None
     for shapes in (True, False):  # the categories need the shapes, whose data flow some collectives break
         with _quiet_native_output(), profile(activities=activities, profile_memory=True, record_shapes=shapes) as prof:
             step()
@@ -117,7 +119,8 @@ def peak_composition(step: Callable[[], object], device: torch.device, top: int 
             mem = MemoryProfile(prof.profiler.kineto_results)
             break
         except AssertionError:  # "version mismatch": an in-place collective on a recorded input
-            continue
+            if not shapes:
+                raise
     made_by = {
         key: node._event.name
         for node in mem._data_flow_graph.flow_nodes
@@ -141,6 +144,8 @@ def peak_composition(step: Callable[[], object], device: torch.device, top: int 
             peak, at_peak = level, dict(live)
     by_category: dict[str, int] = {}
     rows = []
+    if not shapes:  # without the shapes the live set is not attributed (nor whole): the rise only
+        return PeakComposition(peak, {}, ())
     for key, (size, version) in at_peak.items():
         category = mem._categories.get(key, version)
         name = category.name.lower() if category is not None else "unknown"

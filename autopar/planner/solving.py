@@ -171,16 +171,17 @@ def plan_under(
             best = (sol, choice)
             break
         peak = peak_of(sol, choice)
-        log.debug(
-            "peak search %d: bound %s, searched memory %d, peak %d, cap %d, time %d ps (%s)",
-            attempt,
-            bound,
-            sol.mem_bytes,
-            peak,
-            cap,
-            sol.time,
-            parts[key(sol, choice)]["memory"],
-        )
+        if log.isEnabledFor(logging.DEBUG):  # the memory breakdown's key walks the whole choice
+            log.debug(
+                "peak search %d: bound %s, searched memory %d, peak %d, cap %d, time %d ps (%s)",
+                attempt,
+                bound,
+                sol.mem_bytes,
+                peak,
+                cap,
+                sol.time,
+                parts[key(sol, choice)]["memory"],
+            )
         lower = sol.time if lower is None else lower
         if peak <= cap:
             if best is None or (sol.time, sol.mem_bytes) < (best[0].time, best[0].mem_bytes):
