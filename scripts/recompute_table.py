@@ -3,6 +3,7 @@
     python scripts/recompute_table.py                          # Llama-7B-shaped on 8 and 8x8, caps 80/40/24 GiB
     python scripts/recompute_table.py --meshes 8 --caps 80GiB 40GiB
     python scripts/recompute_table.py --depths 24 48 96        # search seconds of GPT-shaped models at depth
+    python scripts/recompute_table.py --meshes --depths 24 48 96 --sweep   # ... over 31 caps, 0.25x to 1.0x
 
 Each mesh: Llama-7B-shaped (``configs/models/llama-7b-shaped.toml``), bf16 with fp32
 optimizer state (AdamW), seq 4096, global batch 8, the h100 profile, built on the meta
@@ -23,6 +24,7 @@ wall-clock on this machine; a cell shows what auto chose (none, sel, full, or mi
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import autopar
@@ -80,20 +82,45 @@ def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) 
         )
 
 
-def depths(layers: list[int], fractions: list[float]) -> None:
+def _gpt_context(n: int):
+    """A GPT-shaped model of ``n`` layers (width 4096, seq 2048, batch 16) prepared on 8x8, bf16, h100."""
     import torch
     import transformers
 
+    config = transformers.GPT2Config(n_layer=n, n_embd=4096, n_head=32, n_positions=2048, vocab_size=50257)
+    with torch.device("meta"):
+        net = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(16, 2048, dtype=torch.long, device="meta")
+    return autopar.prepare(
+        net, _mesh("8x8"), example_inputs=(ids,), example_kwargs={"labels": ids}, profile="h100", dtype="bf16"
+    )
+
+
+def sweep(layers: list[int], fractions: list[float]) -> None:
+    """Per depth: the seconds of ``recompute="auto"`` over every cap (fractions of the full plan's memory), the
+    slowest cap, and how many searches stopped within the planner's gap rather than proving the optimum."""
+    print(f"\n{'layers':>6} {'caps':>5} {'median s':>9} {'max s':>7} {'at':>7} {'within gap':>11}")
+    for n in layers:
+        ctx = _gpt_context(n)
+        full = autopar.plan_from_context(ctx, compare_families=False, recompute="full").memory["per_device_bytes"]
+        seconds, gapped = [], 0
+        for f in fractions:
+            t0 = time.perf_counter()
+            p = autopar.plan_from_context(ctx, compare_families=False, recompute="auto", mem_cap=int(f * full))
+            seconds.append(time.perf_counter() - t0)
+            gapped += not p.search["optimal"]
+        worst = max(range(len(seconds)), key=seconds.__getitem__)
+        print(
+            f"{n:>6} {len(seconds):>5} {statistics.median(seconds):>9.2f} {seconds[worst]:>7.2f} "
+            f"{format(fractions[worst], 'g') + 'x':>7} {gapped:>11}"
+        )
+
+
+def depths(layers: list[int], fractions: list[float]) -> None:
     head = " ".join(f"{'auto ' + format(f, 'g') + 'x':>10}" for f in fractions)
     print(f"\n{'layers':>6} {'full s':>8} {head}  (auto: caps x the full plan's memory)")
     for n in layers:
-        config = transformers.GPT2Config(n_layer=n, n_embd=4096, n_head=32, n_positions=2048, vocab_size=50257)
-        with torch.device("meta"):
-            net = transformers.GPT2LMHeadModel(config)
-        ids = torch.zeros(16, 2048, dtype=torch.long, device="meta")
-        ctx = autopar.prepare(
-            net, _mesh("8x8"), example_inputs=(ids,), example_kwargs={"labels": ids}, profile="h100", dtype="bf16"
-        )
+        ctx = _gpt_context(n)
         t0 = time.perf_counter()
         full = autopar.plan_from_context(ctx, compare_families=False, recompute="full")
         cells = [f"{time.perf_counter() - t0:>8.2f}"]
@@ -116,10 +143,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--depths", nargs="*", type=int, default=[])
     ap.add_argument("--cap-fractions", nargs="*", type=float, default=[1.0, 0.6, 0.4, 0.3])
+    ap.add_argument("--sweep", action="store_true", help="with --depths: every cap from 0.25x to 1.0x by 0.025")
     a = ap.parse_args()
     if a.meshes:
         table(a.meshes, a.caps, a.model, a.batch, a.seq)
-    if a.depths:
+    if a.depths and a.sweep:
+        sweep(a.depths, [round(0.25 + 0.025 * i, 3) for i in range(31)])
+    elif a.depths:
         depths(a.depths, a.cap_fractions)
 
 

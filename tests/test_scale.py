@@ -19,7 +19,7 @@ from autopar.planner.pipeline import prepare
 from autopar.planner.problem import to_problem
 from autopar.search import BeatenError, InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
-from autopar.search.generate import chain_problem
+from autopar.search.generate import chain_problem, transformer_like_problem
 from autopar.search.problem import INF
 
 
@@ -107,6 +107,43 @@ def test_chain_equals_flat_dp_and_cpsat_on_random_chains(seed: int) -> None:
     if seed % 6 == 0 and seed < 100:
         ref = solve_cpsat(problem, time_limit_s=30)
         assert ref.optimal and ref.time == got.time
+
+
+@pytest.mark.parametrize("seed", [2, 7, 104])
+def test_chain_is_exact_at_every_cap_of_a_sweep(seed: int) -> None:
+    """Caps in random order on one problem (``with_cap`` shares the chain, and the Lagrange rows start from the
+    plans earlier caps met): each the flat DP's optimum at that cap."""
+    problem, blocks = _chain_case(seed)
+    least, most = min_memory(problem).mem_bytes, solve_dp(problem.with_cap(None)).mem_bytes
+    caps = np.random.default_rng(seed).permutation(np.linspace(least, most, 9).astype(int))
+    for cap in caps.tolist():
+        got, want = solve_chain(problem.with_cap(cap), blocks), solve_dp(problem.with_cap(cap))
+        assert got.optimal and (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
+
+
+@pytest.mark.parametrize("rel_gap", [0.01, 0.05])
+def test_a_search_with_a_gap_returns_a_plan_proven_within_it(rel_gap: float) -> None:
+    """``rel_gap`` (the planner's PLAN_GAP): the plan is real, fits, and its time is within the gap of the exact
+    optimum, which the reported lower bound does not pass; where the search stopped early it says so."""
+    stopped = 0
+    cases = [_chain_case(seed) for seed in range(30)]
+    cases += [(transformer_like_problem(4, 4, seed=seed, cap_fraction=0.3), None) for seed in range(4)]
+    for problem, blocks in cases:
+        try:
+            exact = solve_dp(problem)
+        except InfeasibleError:
+            continue
+        got = solve_chain(problem, blocks, rel_gap=rel_gap) if blocks else solve_dp(problem, rel_gap=rel_gap)
+        assert problem.evaluate(got.choice) == (got.time, got.mem_bytes)
+        assert got.mem_bytes <= problem.mem_cap_bytes
+        assert got.time_lower_bound <= exact.time <= got.time
+        assert got.time - got.time_lower_bound <= rel_gap * got.time
+        if got.optimal:
+            assert (got.time, got.mem_bytes) == (exact.time, exact.mem_bytes)
+        else:
+            stopped += 1
+            assert got.stats["gap"] == pytest.approx((got.time - got.stats["lower_bound"]) / got.time)
+    assert stopped >= 5  # the gap did stop searches early (else this test checks nothing)
 
 
 def test_chain_rejects_blocks_that_differ() -> None:
@@ -223,6 +260,29 @@ def test_breakdown_reads_the_search_tables(gpt2_tiny_4_ctx, gpt2_tiny_4) -> None
         terms = problem.n_nodes + len(problem.edges)
         assert abs(b["cost"]["total_s"] * 1e12 - sol.time) <= 0.5 * terms
         assert b["cost"]["comm_s"] >= 0 and b["cost"]["compute_s"] > 0
+
+
+def test_a_plan_stopped_within_the_planners_gap_says_how_close(gpt2_tiny_4_ctx, monkeypatch) -> None:
+    """planner.solving.PLAN_GAP: a search stopped once its plan is proven close reports that bound, in the plan
+    and its table, and the plan is within it of the exact optimum (PLAN_GAP 0)."""
+    from autopar.planner import solving
+    from autopar.planner.pipeline import plan_from_context
+    from autopar.planner.report import render_table
+
+    ctx = gpt2_tiny_4_ctx
+    free = plan_from_context(ctx, compare_families=False, recompute="none")
+    cap = int(free.memory["per_device_bytes"] * 0.8)
+    monkeypatch.setattr(solving, "PLAN_GAP", 0.0)
+    exact = plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute="none")
+    assert exact.search["optimal"] and "gap" not in exact.search
+    monkeypatch.setattr(solving, "PLAN_GAP", 0.25)
+    near = plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute="none")
+    s = near.search
+    assert not s["optimal"] and 0 < s["gap"] <= 0.25
+    assert s["lower_bound_ps"] <= exact.search["objective_ps"] <= s["objective_ps"]
+    assert s["gap"] == pytest.approx(1 - s["lower_bound_ps"] / s["objective_ps"])
+    assert near.memory["per_device_bytes"] <= cap
+    assert f"within {100 * s['gap']:.3f}% of the optimum" in " ".join(render_table(near).split())
 
 
 def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None:

@@ -278,12 +278,9 @@ def assemble_plan(
         "num_choices": int(sum(len(t) for t in ctx.tables.node_time_ps)),
     }
     if sol.stats.get("approximate"):  # past the width budget (search/minibucket.py): a bound, not a proof
-        search.update(
-            approximate=True,
-            why=str(sol.stats.get("why", "")),
-            lower_bound_ps=int(sol.stats.get("lower_bound", 0)),
-            gap=float(sol.stats.get("gap", 0.0)),
-        )
+        search.update(approximate=True, why=str(sol.stats.get("why", "")))
+    if "gap" in sol.stats:  # approximate, or stopped once proven within planner.solving.PLAN_GAP of the optimum
+        search.update(lower_bound_ps=int(sol.stats.get("lower_bound", 0)), gap=float(sol.stats["gap"]))
     return Plan(
         model=graph.model_name,
         mesh=ctx.mesh,

@@ -75,6 +75,8 @@ def _optimality(search: dict) -> str:
         return "approximate search, its plan proven fastest by its lower bound"
     if search.get("approximate"):
         return f"approximate search, within {100 * search['gap']:.2f}% of its lower bound"
+    if not search["optimal"] and "gap" in search:  # stopped once proven close (planner.solving.PLAN_GAP)
+        return f"within {100 * search['gap']:.3f}% of the optimum (proven by its lower bound)"
     return "optimal" if search["optimal"] else "not proven optimal"
 
 

@@ -19,8 +19,10 @@ Schema (placements in the printed form, one entry per mesh axis)::
     family, alternatives [{family, feasible, total_s, compute_s, comm_s, per_device_bytes}]
            (an infeasible family also says whether that is ``proven`` and its ``min_per_device_bytes``),
     search {solver, optimal, objective_ps, num_nodes, num_choices,
-            and when the problem was too wide to search exactly (``search/minibucket.py``):
-            approximate: true, why, lower_bound_ps, gap ((plan time - bound) / plan time)},
+            lower_bound_ps, gap ((plan time - bound) / plan time) when optimal is false and a bound is
+            known: the search stopped once its plan was proven within ``planner.solving.PLAN_GAP`` of the
+            optimum, or the problem was too wide to search exactly (``search/minibucket.py``, with
+            approximate: true, why)},
     hints {params {FQN: placements}, inputs {name: placements},
            ops {fx name: {inputs {pos: placements}, outputs {index: placements}}}, replicate [patterns]}
            (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``)

@@ -150,8 +150,13 @@ def solve_dp(
     frontier: bool = False,
     width_budget: int | None = None,
     thinned_only: bool = False,
+    rel_gap: float = 0.0,
 ) -> Solution:
     """Minimum time under the memory cap, exactly (ties broken by memory).
+
+    ``rel_gap`` > 0: when the best plan the bounds and thinned passes met is proven within
+    ``rel_gap`` of the optimum by the Lagrange bound, it is returned without the exact pass
+    (``optimal=False``, ``stats["lower_bound"]`` and ``stats["gap"]`` as :mod:`.minibucket`'s).
 
     Past the width budget (the largest joint table over ``width_budget`` cells per weight
     row, ``WIDTH_BUDGET`` unless given) the search is approximate instead
@@ -211,9 +216,13 @@ def solve_dp(
             ub = seen[-1].time
         if ub <= lb + tol(lb) or (grid != _THIN_GRIDS[0] and not better):
             break
-    if thinned_only:  # the best plan met; optimal only when it meets the bound
+    low = int(lb - tol(lb))  # lb in integers (it is a float sum)
+    close = rel_gap > 0 and not frontier and tol(ub) < ub - lb and ub - low <= rel_gap * ub
+    if thinned_only or close:  # the best plan met; optimal only when it meets the bound
         best = min((p for p in seen if cap is None or p.mem <= cap), key=lambda p: (p.time, p.mem))
         optimal = not frontier and (cap is None or fast.mem <= cap)  # the min-sum's plan is then the optimum
+        if close:
+            stats.update(lower_bound=low, gap=(best.time - low) / best.time)
         return Solution(best.choice, best.time, best.mem, optimal, "dp", time.perf_counter() - start, stats)
     tabs, pstats = pareto_pass(model, bnd, row_limits(bnd, ub, cap), progress=progress)
     return _finish(model, tabs, seen, {**stats, **pstats, "upper_bound": ub}, start)

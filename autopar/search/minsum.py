@@ -49,6 +49,10 @@ def _least(grids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return stack.min(axis=0), stack.argmin(axis=0)
 
 
+def _join(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return np.concatenate([x, y])
+
+
 def minplus(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """(rows, K, K) min-plus product ``out[r, a, c] = min_b x[r, a, b] + y[r, b, c]`` (the
     argmins, where needed, are taken along one path: :meth:`MinSumChain.states`).
@@ -83,6 +87,25 @@ class MinSumChain:
         whole = (self.r + self.fpow(n)).reshape(rows, -1)  # (a, z): the rest plus n blocks
         self.total = whole.min(axis=1)
         self.ends = np.stack(np.unravel_index(whole.argmin(axis=1), (k, k)), axis=1)  # (a_0, a_n) per row
+
+    def stacked(self, other: MinSumChain) -> MinSumChain:
+        """The min-sum of ``self``'s rows then ``other``'s (same tables and chain): every array joined along
+        the rows, the powers both have kept, so a row solved once is not solved again."""
+        out = object.__new__(MinSumChain)
+        out.w, out.n = np.concatenate([self.w, other.w]), self.n
+
+        def rows(a: list, b: list) -> list:
+            return [(list(map(_join, va, vb)), {}) for (va, _), (vb, _) in zip(a, b)]
+
+        out.fv, out.rv = rows(self.fv, other.fv), rows(self.rv, other.rv)
+        out.f, out.fsel, out.r, out.rsel = (_join(x, y) for x, y in zip(self._grids(), other._grids()))
+        out._pow = {n: _join(p, other._pow[n]) for n, p in self._pow.items() if n in other._pow}
+        out._out = None
+        out.total, out.ends = _join(self.total, other.total), _join(self.ends, other.ends)
+        return out
+
+    def _grids(self) -> tuple[np.ndarray, ...]:
+        return self.f, self.fsel, self.r, self.rsel
 
     def fpow(self, length: int) -> np.ndarray:
         """``f^length`` (rows, K, K), memoized: ``f^l = f^(l//2) (x) f^(l - l//2)``, so the

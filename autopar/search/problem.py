@@ -440,6 +440,12 @@ class Solution:
     solve_s: float
     stats: dict = field(default_factory=dict)
 
+    @property
+    def time_lower_bound(self) -> int:
+        """A proven lower bound on the optimum's time: the plan's own when it is optimal, else the search's
+        ``stats["lower_bound"]`` (an approximate search's, or one stopped within its ``rel_gap``), else 0."""
+        return self.time if self.optimal else int(self.stats.get("lower_bound", 0))
+
 
 class BeatenError(Exception):
     """The search stopped early: a lower bound proves no plan under the cap is faster than ``above`` (the
