@@ -80,10 +80,15 @@ def min_sum_bounds(model: EliminationModel, w: np.ndarray, vals: list, final_out
 
 def pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Indices of the Pareto pairs of each group g (minimize primary p, then secondary s),
-    ordered by (g, p).  Segmented running minimum of s via a per-group offset."""
+    ordered by (g, p); of equal pairs, the first.  Segmented running minimum of s via a
+    per-group offset, over one candidate per (g, p): its least s (:func:`_least_per_key`)."""
     if g.size == 0:
         return g
-    o = np.lexsort((s, p, g))
+    least = _least_per_key(g, p, s)
+    if least is None:  # (g, p) does not fit one int64 key: every pair a candidate, in (g, p, s, index) order
+        o = np.lexsort((s, p, g))
+    else:
+        o = least
     g2, s2 = g[o], s[o]
     new = np.empty(g2.size, bool)
     new[0], new[1:] = True, g2[1:] != g2[:-1]
@@ -98,6 +103,28 @@ def pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
     keep = np.empty(g2.size, bool)
     keep[0], keep[1:] = True, sv[1:] < np.minimum.accumulate(sv)[:-1]
     return o[keep]
+
+
+def _least_per_key(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray | None:
+    """Per distinct (g, p), ascending, the index of its pair with the least s (the first such): the only pair
+    of that key the staircase can keep.  One unstable argsort of the int64 key ``g span + p`` and two
+    segmented minima, about half the time of a lexsort of (s, p, g) on the millions of pairs a product forms,
+    most of them repeats (equal sums of other halves); None where the key would not fit."""
+    lo = int(p.min())
+    span = int(p.max()) - lo + 1
+    if int(g.min()) < 0 or span * (int(g.max()) + 1) >= 2**62:
+        return None
+    key = g * span + (p - lo)
+    o = np.argsort(key)
+    k = key[o]
+    start = np.empty(k.size, bool)
+    start[0] = True
+    np.not_equal(k[1:], k[:-1], out=start[1:])
+    at = np.flatnonzero(start)
+    so = s[o]
+    least = np.minimum.reduceat(so, at)
+    run = np.cumsum(start) - 1
+    return np.minimum.reduceat(np.where(so == least[run], o, np.iinfo(np.int64).max), at)
 
 
 @dataclass(slots=True)
