@@ -11,6 +11,6 @@ search's additive bound only approximates.
 from __future__ import annotations
 
 from .coster import Coster, TrainingSettings
-from .peak import peak_memory
+from .peak import BackwardMemory, peak_memory
 
-__all__ = ["Coster", "TrainingSettings", "peak_memory"]
+__all__ = ["BackwardMemory", "Coster", "TrainingSettings", "peak_memory"]

@@ -34,39 +34,44 @@ the search run again when the peak exceeds it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.strategies import SourceStrategy
 from autopar.transitions import transitions
 
-__all__ = ["peak_memory"]
+__all__ = ["BackwardMemory", "peak_memory"]
 
 
-def peak_memory(
-    ctx,
-    strat: list,
-    mem: dict[str, int],
-    freed_at: dict[int, int],
-    reborn_at: dict[int, int] | None = None,
-    remade_at: dict[int, int] | None = None,
-    recomputed: frozenset[int] = frozenset(),
-    bucket_bytes: int = 0,
-) -> dict[str, Any]:
-    """``{"per_device_bytes", "transient_bytes", "peak_phase"}`` of the plan whose strategies are ``strat``.
+@dataclass(frozen=True)
+class BackwardMemory:
+    """What one plan's step holds and frees, as the walk of :func:`peak_memory` reads it.
 
-    ``mem`` holds the plan's ``params``, ``grads``, ``optimizer`` and ``activations``
-    bytes; ``freed_at`` maps a node to the activation bytes its backward frees (its
-    own saved tensors and those kept on its input edges).  ``reborn_at`` maps the last op
-    of a recomputed block to the activations its recomputation makes again when backward
-    reaches it (then freed op by op, as ``freed_at`` says); ``remade_at`` to the block's
-    outputs, which the recomputation makes again too and drops once it ends (a transient of
-    that op's backward: the whole region runs again, ``lower/recompute.py``).  ``recomputed``:
-    the ops of those regions, whose backward reads the parameters the recomputation
-    gathered (in ``reborn_at``) instead of gathering them again.  ``bucket_bytes``: the largest
-    flat copy of the gradient buckets (``runtime/buckets.py``), made when a bucket's last
-    gradient arrives: the last, as backward ends, beside every gradient.
-    """
-    reborn_at, remade_at = reborn_at or {}, remade_at or {}
+    ``mem``: the plan's ``params``, ``grads``, ``optimizer`` and ``activations`` bytes.
+    ``freed_at``: node -> the activation bytes its backward frees (its own saved tensors
+    and those kept on its input edges).  ``reborn_at``: the last op of a recomputed block
+    -> the activations its recomputation makes again when backward reaches it (then freed
+    op by op, as ``freed_at`` says); ``remade_at``: that op -> the block's outputs, which
+    the recomputation makes again too and drops once it ends (a transient of that op's
+    backward: the whole region runs again, ``lower/recompute.py``).  ``recomputed``: the
+    ops of those regions, whose backward reads the parameters the recomputation gathered
+    (in ``reborn_at``) instead of gathering them again.  ``bucket_bytes``: the largest flat
+    copy of the gradient buckets (``runtime/buckets.py``), made when a bucket's last
+    gradient arrives: the last, as backward ends, beside every gradient."""
+
+    mem: dict[str, int]
+    freed_at: dict[int, int]
+    reborn_at: dict[int, int] = field(default_factory=dict)
+    remade_at: dict[int, int] = field(default_factory=dict)
+    recomputed: frozenset[int] = frozenset()
+    bucket_bytes: int = 0
+
+
+def peak_memory(ctx, strat: list, step: BackwardMemory) -> dict[str, Any]:
+    """``{"per_device_bytes", "transient_bytes", "peak_phase"}`` of the plan whose strategies are ``strat``
+    and whose step holds and frees what ``step`` says (the module docstring's walk)."""
+    mem, freed_at, reborn_at, remade_at = step.mem, step.freed_at, step.reborn_at, step.remade_at
+    recomputed, bucket_bytes = step.recomputed, step.bucket_bytes
     coster, graph = ctx.coster, ctx.graph
     static = mem["params"] + mem["optimizer"]
     grad_of = {n.index: coster.param_state_bytes(n, strat[n.index]).grads for n in graph.params()}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.cost import peak_memory
+from autopar.cost import BackwardMemory, peak_memory
 from autopar.placement import Replicate, Shard, format_placements
 from autopar.spec import local_shape
 from autopar.transitions import transitions
@@ -194,12 +194,14 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
             **peak_memory(
                 ctx,
                 strat,
-                mem,
-                freed_at,
-                _reborn_at(ctx, reborn),
-                _reborn_at(ctx, remade),
-                frozenset(regions),
-                min(coster.settings.grad_bucket_bytes or 0, sum(bucketed.values())),
+                BackwardMemory(
+                    mem,
+                    freed_at,
+                    reborn_at=_reborn_at(ctx, reborn),
+                    remade_at=_reborn_at(ctx, remade),
+                    recomputed=frozenset(regions),
+                    bucket_bytes=min(coster.settings.grad_bucket_bytes or 0, sum(bucketed.values())),
+                ),
             ),
         ),
         "collectives": collectives,
