@@ -109,7 +109,7 @@ import numpy as np
 from . import dp
 from .dp import min_memory
 from .minsum import MinSumChain, halving
-from .pareto import Bounds, ParetoTable, min_sum_bounds, pareto_pass, row_limits, tol
+from .pareto import Bounds, ParetoTable, min_sum_bounds, pareto_pass, proven_within, row_limits, tol
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, exact_sums
 from .segments import Seg, leaf_segment, product
 from .split import ChainError, split_blocks
@@ -431,13 +431,14 @@ def _deepen(
     plans: list = []
     passes, slack, proven, stats = 0, (ub - lb) * _DEEPEN_FIRST, lb, {"chain_pairs": 0}
     while True:
-        low = int(proven - tol(proven))  # proven in integers (lb is a float sum)
-        if rel_gap > 0 and tol(ub) < ub - proven and ub - low <= rel_gap * ub:  # (within tol: a pass settles ties)
+        low = proven_within(ub, proven, rel_gap)
+        if low is not None:
             return plans, dict(stats, passes=passes, proven_lower=low)
         target = ub if ub - lb <= tol(ub) else min(ub, int(lb + slack))
-        closing = int(ub - rel_gap * ub + tol(ub)) + 2  # past it, in integers as ``low`` reads it, the gap holds
-        if rel_gap > 0 and target > closing > proven:  # a pass there ends it: the optimum, or the gap closed
-            target = closing
+        if rel_gap > 0:  # past ``closing`` the gap holds (in integers, as proven_within reads it)
+            closing = int(ub - rel_gap * ub + tol(ub)) + 2
+            if target > closing > proven:  # a pass there ends it: it finds the optimum, or the gap closed
+                target = closing
         found, stats = _pass(chain, sc, bounds, target, cap)
         # a pass that kept a handful of pairs was far from the sizes that cost: the next one steps further
         passes, slack = passes + 1, slack * (_DEEPEN_FAST if stats["chain_pairs"] <= _FEW_PAIRS else 2)

@@ -51,7 +51,7 @@ import numpy as np
 from .elimination import EliminationModel
 from .lagrange import GRID_GAP, LAMBDA_GRID, Point, argmin_plans, lagrange_slope
 from .minibucket import approx_min_memory, solve_approx
-from .pareto import ParetoTable, backtrack, min_sum_bounds, pareto_keep, pareto_pass, row_limits, tol
+from .pareto import ParetoTable, backtrack, min_sum_bounds, pareto_keep, pareto_pass, proven_within, row_limits, tol
 from .problem import InfeasibleError, SearchProblem, Solution
 
 __all__ = ["WIDTH_BUDGET", "solve_dp", "min_memory"]
@@ -216,12 +216,11 @@ def solve_dp(
             ub = seen[-1].time
         if ub <= lb + tol(lb) or (grid != _THIN_GRIDS[0] and not better):
             break
-    low = int(lb - tol(lb))  # lb in integers (it is a float sum)
-    close = rel_gap > 0 and not frontier and tol(ub) < ub - lb and ub - low <= rel_gap * ub
-    if thinned_only or close:  # the best plan met; optimal only when it meets the bound
+    low = None if frontier else proven_within(ub, lb, rel_gap)
+    if thinned_only or low is not None:  # the best plan met; optimal only when it meets the bound
         best = min((p for p in seen if cap is None or p.mem <= cap), key=lambda p: (p.time, p.mem))
         optimal = not frontier and (cap is None or fast.mem <= cap)  # the min-sum's plan is then the optimum
-        if close:
+        if low is not None:
             stats.update(lower_bound=low, gap=(best.time - low) / best.time)
         return Solution(best.choice, best.time, best.mem, optimal, "dp", time.perf_counter() - start, stats)
     tabs, pstats = pareto_pass(model, bnd, row_limits(bnd, ub, cap), progress=progress)

@@ -92,20 +92,16 @@ class MinSumChain:
         """The min-sum of ``self``'s rows then ``other``'s (same tables and chain): every array joined along
         the rows, the powers both have kept, so a row solved once is not solved again."""
         out = object.__new__(MinSumChain)
-        out.w, out.n = np.concatenate([self.w, other.w]), self.n
+        out.n, out._out = self.n, None
+        for name in ("w", "f", "fsel", "r", "rsel", "total", "ends"):
+            setattr(out, name, _join(getattr(self, name), getattr(other, name)))
 
         def rows(a: list, b: list) -> list:
             return [(list(map(_join, va, vb)), {}) for (va, _), (vb, _) in zip(a, b)]
 
         out.fv, out.rv = rows(self.fv, other.fv), rows(self.rv, other.rv)
-        out.f, out.fsel, out.r, out.rsel = (_join(x, y) for x, y in zip(self._grids(), other._grids()))
         out._pow = {n: _join(p, other._pow[n]) for n, p in self._pow.items() if n in other._pow}
-        out._out = None
-        out.total, out.ends = _join(self.total, other.total), _join(self.ends, other.ends)
         return out
-
-    def _grids(self) -> tuple[np.ndarray, ...]:
-        return self.f, self.fsel, self.r, self.rsel
 
     def fpow(self, length: int) -> np.ndarray:
         """``f^length`` (rows, K, K), memoized: ``f^l = f^(l//2) (x) f^(l - l//2)``, so the

@@ -49,6 +49,7 @@ __all__ = [
     "pair_window",
     "pareto_keep",
     "pareto_pass",
+    "proven_within",
     "row_limits",
     "tol",
 ]
@@ -58,6 +59,15 @@ def tol(bound: float | np.ndarray) -> float | np.ndarray:
     """Float slack for pruning: well above the rounding of sums of int64 costs, so a float
     test never drops a pair that the exact integer test would keep."""
     return 1e-9 * np.abs(bound) + 1.0
+
+
+def proven_within(ub: int, lower: float, rel_gap: float) -> int | None:
+    """``lower`` (a float lower bound on the optimum) in integers, past its float slack, when it proves the
+    plan of time ``ub`` within ``rel_gap`` of the optimum; None when it does not, when ``rel_gap`` is 0, or
+    when ``ub`` is within that slack of ``lower`` (the plan is then the optimum's time, and the exact pass
+    there, cheap, settles ties by memory)."""
+    low = int(lower - tol(lower))
+    return low if rel_gap > 0 and tol(ub) < ub - lower and ub - low <= rel_gap * ub else None
 
 
 @dataclass(slots=True)
@@ -84,11 +94,9 @@ def pareto_keep(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
     per-group offset, over one candidate per (g, p): its least s (:func:`_least_per_key`)."""
     if g.size == 0:
         return g
-    least = _least_per_key(g, p, s)
-    if least is None:  # (g, p) does not fit one int64 key: every pair a candidate, in (g, p, s, index) order
+    o = _least_per_key(g, p, s)
+    if o is None:  # (g, p) does not fit one int64 key: every pair a candidate, in (g, p, s, index) order
         o = np.lexsort((s, p, g))
-    else:
-        o = least
     g2, s2 = g[o], s[o]
     new = np.empty(g2.size, bool)
     new[0], new[1:] = True, g2[1:] != g2[:-1]
