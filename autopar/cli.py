@@ -77,7 +77,7 @@ def _bytes_arg(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from autopar.planner import RECOMPUTE_OPTIONS
+    from autopar.planner import RECOMPUTE_OPTIONS, SEARCH_BUDGET_S
     from costmodel import OPTIMIZERS
 
     p = argparse.ArgumentParser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=RECOMPUTE_OPTIONS,
         help="recompute in backward: auto (where the fastest plan under the cap needs it; the default), none, "
         "selective (each layer's attention core and activations), full (whole layers)",
+    )
+    pl.add_argument(
+        "--search-budget",
+        type=_positive_float,
+        default=SEARCH_BUDGET_S,
+        metavar="SECONDS",
+        help=f"stop the search after this long with the best plan met and its proven gap (default {SEARCH_BUDGET_S:g})",
     )
     pl.add_argument(
         "--format",
@@ -427,6 +434,7 @@ def _cmd_plan(args) -> int:
             strict=args.strict_hints,
             progress=bar,
             devices_per_node=args.devices_per_node,
+            search_budget_s=args.search_budget,
         )
     except UnmatchedHintError as e:  # the API's fix says strict=False; here it is the flag
         bar.close()

@@ -3,13 +3,13 @@ against the flat DP and CP-SAT, to the picosecond."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 import torch
 import transformers
+from chain_cases import mixed, owned, rest_variant, variant
 
 from autopar.capture.export import capture
 from autopar.capture.repeat import find_blocks
@@ -285,6 +285,24 @@ def test_a_plan_stopped_within_the_planners_gap_says_how_close(gpt2_tiny_4_ctx, 
     assert f"within {100 * s['gap']:.3f}% of the optimum" in " ".join(render_table(near).split())
 
 
+def test_a_plan_past_its_search_budget_says_so(gpt2_tiny_4_ctx) -> None:
+    """search_budget_s: a budget spent before the first search still gives a plan under the cap (the searches
+    return the plans they hold), marked in the plan and its table, no faster than the exact plan."""
+    from autopar.planner.pipeline import plan_from_context
+    from autopar.planner.report import render_table
+
+    ctx = gpt2_tiny_4_ctx
+    free = plan_from_context(ctx, compare_families=False, recompute="none")
+    cap = int(free.memory["per_device_bytes"] * 0.8)
+    exact = plan_from_context(ctx, mem_cap=cap, compare_families=False)
+    rushed = plan_from_context(ctx, mem_cap=cap, compare_families=False, search_budget_s=1e-9)
+    assert rushed.search["budget_hit"] and rushed.search["budget_s"] == 1e-9
+    assert rushed.memory["per_device_bytes"] <= cap
+    assert rushed.search["objective_ps"] >= exact.search["objective_ps"] * (1 - 2.0**-12)
+    assert "the search stopped at its time budget (1e-09 s)" in " ".join(render_table(rushed).split())
+    assert "budget_hit" not in exact.search
+
+
 def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None:
     """Issue 5, done-when 3: lowering the cap step by step (the prepared context reused)
     gives plans no faster and no larger, each within its cap, until no plan fits; the
@@ -450,50 +468,19 @@ def test_minplus_equals_the_dense_product(k: int) -> None:
     assert np.array_equal(minplus(x, y), dense)
 
 
-def _variant(problem, blocks: list[list[int]], seed: int):
-    """``problem`` with its blocks' terms changed as recomputing a layer changes them (time up, memory down):
-    every block node's, and every edge's entering one; shared arrays stay shared (the blocks stay equal)."""
-    rng = np.random.default_rng(seed)
-    extra, share = int(rng.integers(5, 40)), int(rng.integers(2, 5))  # equal arrays stay equal
-    inside = {v for b in blocks for v in b}
-    memo: dict = {}
-
-    def moved(arr, kind):
-        if arr is None:
-            return None
-        key = (id(arr), kind)
-        if key not in memo:
-            memo[key] = np.where(arr >= INF, INF, arr + extra) if kind == "t" else arr // share
-        return memo[key]
-
-    def node(arrs, kind):
-        return tuple(moved(a, kind) if i in inside else a for i, a in enumerate(arrs))
-
-    def edge(arrs, kind):
-        return tuple(moved(a, kind) if v in inside else a for a, (_, v) in zip(arrs, problem.edges))
-
-    return dataclasses.replace(
-        problem,
-        node_time=node(problem.node_time, "t"),
-        node_mem=node(problem.node_mem, "m"),
-        edge_time=edge(problem.edge_time, "t"),
-        edge_mem=edge(problem.edge_mem, "m"),
-    )
-
-
 def test_chain_with_variants_picks_each_blocks_variant_as_brute_force_does() -> None:
     """Each block may take the terms of either problem (recompute a layer or not, per layer): the chain's optimum
     equals the best flat optimum over every assignment of variants to blocks, and its plan re-evaluates to it."""
     mixes = 0
     for seed, fraction in itertools.product(range(6), (0.2, 0.5)):
         problem, blocks = chain_problem(seed, n_blocks=3, block_nodes=3, max_k=3, cap_quantile=None)
-        other = _variant(problem, blocks, seed)
+        other = variant(problem, blocks, seed)
         least = min(min_memory(problem).mem_bytes, min_memory(other).mem_bytes)
         capped = problem.with_cap(int(least + fraction * (solve_dp(problem).mem_bytes - least)))
         best = None
         for picks in itertools.product((0, 1), repeat=len(blocks)):
             try:
-                sol = solve_dp(_mixed(capped, other, blocks, picks))
+                sol = solve_dp(mixed(capped, other, blocks, picks))
             except InfeasibleError:
                 continue
             if best is None or (sol.time, sol.mem_bytes) < best[:2]:
@@ -502,30 +489,9 @@ def test_chain_with_variants_picks_each_blocks_variant_as_brute_force_does() -> 
         where = f"seed {seed}, cap at {fraction}: chain {got.stats['block_variants']}, brute force {best}"
         assert (got.time, got.mem_bytes) == best[:2], where
         picks = got.stats["block_variants"]
-        assert _mixed(capped, other, blocks, picks).evaluate(got.choice) == (got.time, got.mem_bytes), where
+        assert mixed(capped, other, blocks, picks).evaluate(got.choice) == (got.time, got.mem_bytes), where
         mixes += len(set(picks)) > 1
     assert mixes >= 4  # the optimum really mixes the variants across blocks, not only all of one
-
-
-def _rest_variant(problem, blocks: list[list[int]], seed: int):
-    """``problem`` with the terms outside its blocks changed as recomputing the rest of the graph changes them
-    (time up, memory down): every node outside the blocks, and every edge entering one."""
-    rng = np.random.default_rng(seed + 1000)
-    extra, share = int(rng.integers(5, 40)), int(rng.integers(2, 5))
-    inside = {v for b in blocks for v in b}
-
-    def moved(arr, kind):
-        if arr is None:
-            return None
-        return np.where(arr >= INF, INF, arr + extra) if kind == "t" else arr // share
-
-    return dataclasses.replace(
-        problem,
-        node_time=tuple(a if i in inside else moved(a, "t") for i, a in enumerate(problem.node_time)),
-        node_mem=tuple(a if i in inside else moved(a, "m") for i, a in enumerate(problem.node_mem)),
-        edge_time=tuple(a if v in inside else moved(a, "t") for a, (_, v) in zip(problem.edge_time, problem.edges)),
-        edge_mem=tuple(a if v in inside else moved(a, "m") for a, (_, v) in zip(problem.edge_mem, problem.edges)),
-    )
 
 
 def test_chain_with_rest_variants_picks_the_rest_and_each_block_as_brute_force_does() -> None:
@@ -535,14 +501,14 @@ def test_chain_with_rest_variants_picks_the_rest_and_each_block_as_brute_force_d
     used_rest = 0
     for seed, fraction in itertools.product(range(6), (0.15, 0.5)):
         problem, blocks = chain_problem(seed, n_blocks=3, block_nodes=3, max_k=3, cap_quantile=None)
-        other = _variant(problem, blocks, seed)
-        by_rest = [problem, other, _rest_variant(problem, blocks, seed), _rest_variant(other, blocks, seed)]
+        other = variant(problem, blocks, seed)
+        by_rest = [problem, other, rest_variant(problem, blocks, seed), rest_variant(other, blocks, seed)]
         least = min(min_memory(p).mem_bytes for p in by_rest)
         cap = int(least + fraction * (solve_dp(problem).mem_bytes - least))
         best = None
         for rest, *picks in itertools.product((0, 1), repeat=len(blocks) + 1):
             # the rest and B_0 from one problem, blocks 1.. each from its own variant
-            mixed = _owned(by_rest, blocks, (2 * rest + picks[0], *picks[1:])).with_cap(cap)
+            mixed = owned(by_rest, blocks, (2 * rest + picks[0], *picks[1:])).with_cap(cap)
             try:
                 sol = solve_dp(mixed)
             except InfeasibleError:
@@ -558,37 +524,10 @@ def test_chain_with_rest_variants_picks_the_rest_and_each_block_as_brute_force_d
         picks = got.stats["block_variants"]
         where = f"seed {seed}, cap at {fraction}: chain {picks}, brute force {best}"
         assert (got.time, got.mem_bytes) == best[:2], where
-        assert _owned(by_rest, blocks, picks).evaluate(got.choice) == best[:2], where
+        assert owned(by_rest, blocks, picks).evaluate(got.choice) == best[:2], where
         used_rest += picks[0] >= 2
     assert used_rest >= 3  # the optimum recomputes the rest in some cases, not in all
     problem, blocks = chain_problem(0, n_blocks=3, block_nodes=3, max_k=3, cap_quantile=None)
-    changes_blocks = _variant(_rest_variant(problem, blocks, 0), blocks, 7)
+    changes_blocks = variant(rest_variant(problem, blocks, 0), blocks, 7)
     with pytest.raises(ChainError, match="rest variant 0 changes the terms of blocks 1"):
         solve_chain(problem, blocks, rest_variants=(changes_blocks,))
-
-
-def _owned(problems, blocks, picks):
-    """The problem whose nodes outside the blocks and block 0 take ``problems[picks[0]]``'s terms and block
-    i >= 1 ``problems[picks[i]]``'s (an edge: its entered node's)."""
-    owner = dict.fromkeys(range(problems[0].n_nodes), picks[0])
-    owner.update({v: p for b, p in zip(blocks[1:], picks[1:]) for v in b})
-    return dataclasses.replace(
-        problems[0],
-        node_time=tuple(problems[owner[i]].node_time[i] for i in range(problems[0].n_nodes)),
-        node_mem=tuple(problems[owner[i]].node_mem[i] for i in range(problems[0].n_nodes)),
-        edge_time=tuple(problems[owner[v]].edge_time[e] for e, (_, v) in enumerate(problems[0].edges)),
-        edge_mem=tuple(problems[owner[v]].edge_mem[e] for e, (_, v) in enumerate(problems[0].edges)),
-    )
-
-
-def _mixed(problem, other, blocks, picks):
-    """The problem whose block i takes ``other``'s terms where ``picks[i]`` is 1 (an edge: its entered node's)."""
-    owner = {v: p for b, p in zip(blocks, picks) for v in b}
-    ps = (problem, other)
-    return dataclasses.replace(
-        problem,
-        node_time=tuple(ps[owner.get(i, 0)].node_time[i] for i in range(problem.n_nodes)),
-        node_mem=tuple(ps[owner.get(i, 0)].node_mem[i] for i in range(problem.n_nodes)),
-        edge_time=tuple(ps[owner.get(v, 0)].edge_time[e] for e, (_, v) in enumerate(problem.edges)),
-        edge_mem=tuple(ps[owner.get(v, 0)].edge_mem[e] for e, (_, v) in enumerate(problem.edges)),
-    )

@@ -32,7 +32,7 @@ from torch import nn
 
 from autopar.capture import OpGraph, capture
 from autopar.mesh import Mesh
-from autopar.planner import Plan
+from autopar.planner import SEARCH_BUDGET_S, Plan
 from autopar.runtime import DEFAULT_BUCKET_BYTES
 from costmodel import optimizer_spec, precision
 
@@ -76,6 +76,7 @@ def compile(
     optimizer: str = "adamw",
     recompute: str = "auto",
     devices_per_node: int | None = None,
+    search_budget_s: float | None = SEARCH_BUDGET_S,
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
@@ -101,6 +102,7 @@ def compile(
     mode, passed to the planner as in ``autopar.plan`` (ignored with ``plan=``).
     ``recompute`` (``"auto"``, ``"none"``, ``"selective"``, ``"full"``): what backward
     recomputes, as in ``autopar.plan`` (ignored with ``plan=``: the plan says).
+    ``search_budget_s``: the search's wall-clock budget, as in ``autopar.plan``.
 
     ``dtype``: the training precision the plan prices (``costmodel.PRECISIONS``);
     None: the one the model's parameters are in (``training_precision``): float32
@@ -160,6 +162,7 @@ def compile(
                 optimizer=optimizer,
                 grad_bucket_bytes=grad_bucket_bytes,
                 recompute=recompute,
+                search_budget_s=search_budget_s,
                 devices_per_node=devices_per_node if devices_per_node is not None else ranks_per_node(),
                 hint_options={
                     "hints": hints,
@@ -229,6 +232,7 @@ def _plan_on_rank0(
     optimizer="adamw",
     grad_bucket_bytes=DEFAULT_BUCKET_BYTES,
     recompute="auto",
+    search_budget_s=SEARCH_BUDGET_S,
     devices_per_node=None,
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
@@ -262,6 +266,7 @@ def _plan_on_rank0(
                 allow_state_sharding=allow_state_sharding,
                 family=family,
                 recompute=recompute,
+                search_budget_s=search_budget_s,
             ).to_json()
         except Exception as e:  # tell the other ranks instead of leaving them waiting
             box[0] = e

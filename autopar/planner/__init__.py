@@ -18,6 +18,7 @@ from .pipeline import PlanningContext, plan, plan_from_context, prepare, rebatch
 from .recompute import RECOMPUTE_OPTIONS
 from .report import describe_nodes, describe_plan, describe_recompute, render_table
 from .schema import FAMILIES, Plan, check_writable
+from .solving import SEARCH_BUDGET_S
 
 __all__ = [
     "FAMILIES",
@@ -26,6 +27,7 @@ __all__ = [
     "Plan",
     "PlanningContext",
     "RECOMPUTE_OPTIONS",
+    "SEARCH_BUDGET_S",
     "UnmatchedHintError",
     "check_writable",
     "describe_nodes",

@@ -33,7 +33,7 @@ from autopar.capture import (
 from autopar.cost import Coster, TrainingSettings
 from autopar.mesh import Mesh
 from autopar.runtime import DEFAULT_BUCKET_BYTES
-from autopar.search import BeatenError, ChainError
+from autopar.search import BeatenError, ChainError, Deadline
 from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
 from autopar.units import parse_bytes
 from costmodel import load_profile, optimizer_spec, precision
@@ -44,7 +44,7 @@ from .problem import PS_PER_S, ProblemTables, build_tables
 from .recompute import RECOMPUTE_OPTIONS
 from .regions import block_regions, hinted_regions, rest_regions, selective_regions
 from .schema import FAMILIES, Plan
-from .solving import family_alternatives, plan_under
+from .solving import SEARCH_BUDGET_S, family_alternatives, plan_under
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
 
@@ -257,6 +257,7 @@ def plan(
     strict: bool = False,
     recompute: str = "auto",
     devices_per_node: int | None = None,
+    search_budget_s: float | None = SEARCH_BUDGET_S,
 ) -> Plan:
     """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
 
@@ -276,6 +277,7 @@ def plan(
     that fits the cap), ``"none"``, ``"selective"`` (each repeated block's attention core
     and activations) or ``"full"`` (whole blocks); ``planner.recompute``.
     ``devices_per_node``: the job's ranks per node (``prepare``).
+    ``search_budget_s``: the search's wall-clock budget (``plan_from_context``).
     """
     if progress is not None:
         progress("capture + strategies", 0, 1)
@@ -294,7 +296,13 @@ def plan(
         devices_per_node=devices_per_node,
     )
     return plan_from_context(
-        ctx, mem_cap=mem_cap, solver=solver, compare_families=compare_families, progress=progress, recompute=recompute
+        ctx,
+        mem_cap=mem_cap,
+        solver=solver,
+        compare_families=compare_families,
+        progress=progress,
+        recompute=recompute,
+        search_budget_s=search_budget_s,
     )
 
 
@@ -320,6 +328,7 @@ def plan_from_context(
     strict: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
     recompute: str = "auto",
+    search_budget_s: float | None = SEARCH_BUDGET_S,
 ) -> Plan:
     """Search a prepared context under a cap (re-planning with another cap reuses the context).
 
@@ -336,7 +345,11 @@ def plan_from_context(
     chain, or the step's peak held the per-layer plan back by more than 2^-8 of the step,
     it also searches each mode for every layer alike and keeps the fastest plan
     (``search["recompute_modes"]``).
+    ``search_budget_s`` (None: no budget): past it the searches stop with the best plan they have met and
+    the bound they proved (``search["budget_hit"]``, ``gap``), the peak loop keeps the fastest plan that fits
+    so far, and the recomputation modes not yet searched are not (``recompute_modes``).
     """
+    deadline = Deadline.after(search_budget_s)
     cap = parse_bytes(mem_cap) if mem_cap is not None else None
     if solver not in ("dp", "ilp"):
         raise ValueError(f"solver {solver!r}: expected 'dp' (dynamic programming) or 'ilp' (CP-SAT)")
@@ -370,7 +383,13 @@ def plan_from_context(
         auto.append("full+rest")
         mode_regions["full+rest"] = {**regions, **rest}
     best, best_mode, failed, tried = None, None, None, []
-    common = {"solver": solver, "allow_state_sharding": allow_state_sharding, "family": family, "progress": progress}
+    common = {
+        "solver": solver,
+        "allow_state_sharding": allow_state_sharding,
+        "family": family,
+        "progress": progress,
+        "deadline": deadline,
+    }
     if recompute == "auto" and len(auto) > 1 and solver == "dp" and hinted_ctx.blocks is not None:
         # every layer picks its own: saved, selective or whole, in one chained search (a cap no choice meets
         # raises here: the search covered every mode of every layer).  Its optimum is the plan unless the
@@ -415,6 +434,9 @@ def plan_from_context(
         if mode == "selective" and recompute == "auto" and selective == forced:
             continue  # no run pays in these blocks: the same as "none"
         above = best.search["objective_ps"] if best is not None else None
+        if best is not None and deadline is not None and deadline.passed():
+            tried.append({"recompute": mode, "feasible": None, "skipped": "search budget"})
+            continue
         try:
             found = plan_under(
                 hinted_ctx, resolved, cap, mode_regions[mode], compare_families=compare_families, above=above, **common

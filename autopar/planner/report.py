@@ -75,6 +75,15 @@ def _optimality(search: dict) -> str:
         return "approximate search, its plan proven fastest by its lower bound"
     if search.get("approximate"):
         return f"approximate search, within {100 * search['gap']:.2f}% of its lower bound"
+    if search.get("budget_hit"):
+        if "gap" in search:
+            proven = f"within {100 * search['gap']:.3f}% of the optimum (proven by its lower bound)"
+        else:
+            proven = "optimal under its memory bound" if search["optimal"] else "not proven optimal"
+        return (
+            f"{proven}; the search stopped at its time budget ({search['budget_s']:g} s): "
+            "a larger search_budget_s may find a faster plan"
+        )
     if not search["optimal"] and "gap" in search:  # stopped once proven close (planner.solving.PLAN_GAP)
         return f"within {100 * search['gap']:.3f}% of the optimum (proven by its lower bound)"
     return "optimal" if search["optimal"] else "not proven optimal"

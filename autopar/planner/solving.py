@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from autopar.capture import Blocks
-from autopar.search import ChainError, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
+from autopar.search import ChainError, Deadline, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
 
 from .assemble import assemble_plan, breakdown
 from .errors import cap_error, no_plan_error
@@ -32,7 +32,7 @@ from .schema import FAMILIES, Plan
 if TYPE_CHECKING:
     from .pipeline import PlanningContext
 
-__all__ = ["family_alternatives", "plan_under", "solve_problem"]
+__all__ = ["PLAN_GAP", "SEARCH_BUDGET_S", "family_alternatives", "plan_under", "solve_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,15 @@ _PEAK_TRIES = 8
 #: GPT (8x8, per-layer recompute at a binding cap): proving the last 0.02% was 5 of the search's 7 s, over
 #: near-equal mixes of saved, selective and whole layers.
 PLAN_GAP = 2.0**-12
+#: The searches of the peak loop (``plan_under``) stop within this share of their optimum: the loop decides
+#: between bounds at 2^-8 of the step, so finer probes buy nothing; the plan it keeps is searched again at
+#: ``PLAN_GAP`` (its bound's optimum, as every other plan's).
+PROBE_GAP = 2.0**-9
+#: The default wall-clock budget of a plan's search (``plan(search_budget_s=...)``): past it the planner returns
+#: the fastest plan it has met with the bound it proved.  Measured over ``scripts/sweep_search.py``'s 50
+#: configurations the slowest search took 14 s, so the budget is a guard for shapes nobody has tried, not a
+#: setting that changes ordinary plans.
+SEARCH_BUDGET_S = 30.0
 
 
 def plan_under(
@@ -60,6 +69,7 @@ def plan_under(
     per_layer: tuple[dict[int, str], ...] = (),
     per_rest: tuple[dict[int, str], ...] = (),
     unless_over: int | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan | None:
     """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the ops of ``regions``
     recomputed (none when empty).  ``above``: the objective of a plan met already (another recompute mode's);
@@ -68,7 +78,8 @@ def plan_under(
     more region maps, each one of ``per_layer``'s with the rest of the graph recomputed too, which the rest with
     the first layer may take instead (the rest's choice and the first layer's made together: ``search.chain``'s
     ``rest_variants``).  ``unless_over``: None instead of the plan when its searched (additive) memory is above
-    it, before the plan is assembled (the planner asks whether the fastest plan fits a cap)."""
+    it, before the plan is assembled (the planner asks whether the fastest plan fits a cap).  ``deadline``: the
+    searches stop there (``search.deadline``) and so does the peak loop, keeping the fastest plan that fits."""
     t0 = time.perf_counter()
     base = ctx
     variant_tables = [recomputed_tables(ctx, r) for r in per_layer[1:]]  # the first is ``regions``'
@@ -91,14 +102,17 @@ def plan_under(
     check_family_keeps_hints(ctx, family, hinted, allow_node)
     restricted = bool(hinted) or not allow_state_sharding or fam_node is not None  # else allow_node is always True
 
-    def search(bound: int | None):
-        """(solution, choice) under ``bound``; (None, the InfeasibleError, keep) when nothing fits."""
+    def search(bound: int | None, gap: float | None = PROBE_GAP):
+        """(solution, choice) under ``bound``, within ``gap`` of its optimum; (None, the InfeasibleError, keep)
+        when nothing fits."""
         allow = {"allow_node": allow_node if restricted else None, "allow_edge": allow_edge}
         problem, keep = to_problem(ctx.tables, bound, **allow)
         variants = tuple(to_problem(t, bound, **allow)[0] for t in variant_tables)
         rests = tuple(to_problem(t, bound, **allow)[0] for t in rest_tables)
         try:
-            sol = solve_problem(problem, solver, ctx.blocks, progress, above, variants, rests)
+            sol = solve_problem(
+                problem, solver, ctx.blocks, progress, above, variants, rests, rel_gap=gap, deadline=deadline
+            )
         except InfeasibleError as e:
             if e.min_mem_bytes is None and hinted:
                 raise contradiction_error(ctx, resolved) from None
@@ -149,11 +163,14 @@ def plan_under(
     # gives (Plan.search["peak_lower_ps"]: the planner's other recompute modes need not be
     # searched when the plan is within the tolerance of it).
     bound, fits, over, best, searches = cap, None, None, None, 0
-    lower, over_time, under = None, None, None
+    lower, over_time, under, best_bound = None, None, None, None
+    probe = max(PROBE_GAP, PLAN_GAP) if cap is not None else None  # never finer than the plan's own search
     tolerance = max(cap >> 8, 1 << 20) if cap is not None else 0
     for attempt in range(_PEAK_TRIES + 1):
+        if best is not None and deadline is not None and deadline.passed():
+            break  # out of time: the fastest plan that fits so far
         searches += 1
-        sol, choice, keep = search(bound if attempt < _PEAK_TRIES or best is not None else 0)
+        sol, choice, keep = search(bound if attempt < _PEAK_TRIES or best is not None else 0, probe)
         if sol is None:
             err = choice
             least = err.min_mem_solution
@@ -192,7 +209,7 @@ def plan_under(
         lower = sol.time_lower_bound if lower is None else lower
         if peak <= cap:
             if best is None or (sol.time, sol.mem_bytes) < (best[0].time, best[0].mem_bytes):
-                best = (sol, choice)
+                best, best_bound = (sol, choice), bound
             fits = bound
             if over is None:
                 break  # the bound's own optimum fits: nothing faster does
@@ -207,6 +224,13 @@ def plan_under(
         else:
             bound = (fits + over) // 2
     sol, choice = best
+    late = deadline is not None and deadline.passed()
+    if best_bound is not None and not late and sol.time - sol.time_lower_bound > sol.time * PLAN_GAP:
+        # the probe's plan at its bound, searched again at PLAN_GAP: kept if it is faster and its peak fits
+        searches += 1
+        finer, finer_choice, _ = search(best_bound, None)
+        if finer is not None and finer.time <= sol.time and peak_of(finer, finer_choice) <= cap:
+            sol, choice = finer, finer_choice
     search_s = time.perf_counter() - t0
     alternatives = family_alternatives(ctx, cap, solver) if compare_families else []
     timings = dict(ctx.timings, search_s=search_s)
@@ -214,6 +238,8 @@ def plan_under(
     ctx = contexts.get(key(sol, choice), ctx)
     result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(key(sol, choice)))
     search = dict(result.search, peak_searches=searches)  # > 1: the peak, not the bound, held the plan back
+    if deadline is not None and (late or sol.stats.get("budget_hit")):
+        search.update(budget_hit=True, budget_s=deadline.budget_s)
     if lower is not None:
         search["peak_lower_ps"] = int(lower)
     return replace(result, timings=timings, hints=dict(resolved.record), search=search)
@@ -273,11 +299,13 @@ def solve_problem(
     variants=(),
     rest_variants=(),
     rel_gap: float | None = None,
+    deadline: Deadline | None = None,
 ) -> Solution:
     """The optimum, or a plan proven within ``rel_gap`` of it (None: ``PLAN_GAP``, read at the call; 0: exact);
     ``above`` (a time met already) lets the chained search stop early (``BeatenError``).
     ``variants`` (problems whose layers' terms are alternatives) and ``rest_variants`` (alternatives of the rest
-    with the first layer; ``search.chain``) need the chained search: ``ChainError`` when it does not apply."""
+    with the first layer; ``search.chain``) need the chained search: ``ChainError`` when it does not apply.
+    ``deadline``: the search returns its best plan and proven bound there (CP-SAT does not read it)."""
     if solver != "dp":
         return solve_cpsat(problem)
     rel_gap = PLAN_GAP if rel_gap is None else rel_gap
@@ -291,13 +319,14 @@ def solve_problem(
                 variants=variants,
                 rest_variants=rest_variants,
                 rel_gap=rel_gap,
+                deadline=deadline,
             )
         except ChainError as e:
             if variants or rest_variants:
                 raise
             log.info("the %d repeated blocks under %s do not chain (%s); solving flat", blocks.count, blocks.prefix, e)
     tick = None if progress is None else lambda done, total: progress("search", done, total)
-    return solve_dp(problem, progress=tick, rel_gap=rel_gap)
+    return solve_dp(problem, progress=tick, rel_gap=rel_gap, deadline=deadline)
 
 
 # ---- families ---------------------------------------------------------------------------

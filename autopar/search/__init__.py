@@ -4,6 +4,7 @@ of the problem as the referee.
 
 Modules, each importing only modules listed before it:
 
+* ``deadline``: the wall-clock budget the searches stop at;
 * ``problem``: the problem as data, its objective, brute force;  ``prune``: exact dominance
   pruning;  ``split``: a problem cut into its repeated block and the rest;
 * ``elimination``: factor tables, the elimination plan, min-sum passes;
@@ -12,7 +13,8 @@ Modules, each importing only modules listed before it:
 * ``minibucket``: the approximate search past the width budget;  ``dp``: the exact search
   (``solve_dp``, ``min_memory``) and the switch to ``minibucket``;
 * ``tables``: a chain part's table over its port states;  ``minsum``: the min-sum chain;
-  ``chain``: ``solve_chain``;
+  ``segments``: Pareto tables over port-state pairs and their product;  ``deepen``: the chain's passes
+  under a target;  ``chain``: ``solve_chain``;
 * ``cpsat``: the referee;  ``generate``: synthetic problems for tests and benchmarks.
 """
 
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 from .chain import ChainError, solve_chain
 from .cpsat import solve_cpsat
+from .deadline import Deadline
 from .dp import min_memory, solve_dp
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, solve_brute_force
 
 __all__ = [
     "INF",
+    "Deadline",
     "SearchProblem",
     "Solution",
     "InfeasibleError",

@@ -56,34 +56,11 @@ to pay: every search ran faster without them, to the same plans.  Windows
 (:func:`.pareto.pair_window`) skip the pairs of the second factor that the time and memory rows
 already rule out.
 
-Target: iterative deepening (:func:`_deepen`).  ``lb`` is the Lagrange lower bound
-(``min T + lam (M - cap)``, weak duality) and ``ub`` the best plan met (the min-sum plans
-of the rows).  A pass with target ``T`` keeps every pair that some plan with time <= T
-and memory <= cap can use, so
-
-* it returns the optimum whenever the optimum is <= T, and
-* it returns no plan with time <= T only when there is none (it may return a slower
-  plan: the rest's pairs join the chain's unpruned in :func:`_finish`; kept, no proof).
-
-The pass's cost grows steeply with ``T - lb`` (pruning is by ``T``), so the targets go up
-from ``lb``: ``lb + s`` with the slack ``s = (ub - lb) 2^-12`` doubling each pass, and the
-first pass that finds a plan within its target ends the search (a plan found above it
-lowers ``ub``); the last target is ``ub`` itself, where "nothing" proves the plan met
-optimal.  The last pass's slack is at most twice the optimum's ``T* - lb``, and a pass
-with less slack prunes more, so the failed passes before it typically cost less than it
-(96 layers at a 20 GiB cap: 4 passes, 2.4 s in all).  Every pass is exact for its
-target: no heuristic, no thinning.
-
-Gap (``rel_gap``, the planner's ``PLAN_GAP``).  A pass that returns no plan within its
-target ``T`` proves the optimum above ``T``, so the proven bound ``p`` rises to it; the
-passes stop once ``ub - p <= rel_gap ub``, and no target goes past ``ub (1 - rel_gap)``,
-where a pass ends the search either way.  Where many plans lie within a hair of the
-optimum (per-layer mixes of recomputation, whose (T, M) differ by a few layers' worth),
-proving the last 2^-12 was most of the search (96 layers at a 15.8 GB cap: the last
-two passes, 1.4 s and 3.4 s, of 6.7 s); with the gap the same plan came in 1.8 s.
+Target: iterative deepening from the Lagrange bound (:mod:`.deepen`, which also holds how a search with a
+gap merges near-equal pairs, and the rest bound).
 
 Lagrange rows.  lam* at a cap is found by Eisner-Severance from two plans that bracket
-it; the chain keeps the plans every Lagrange row met (``_Chain.hull``, across the caps of
+it; the chain keeps the plans every Lagrange row met (``Chain.hull``, across the caps of
 the planner's peak loop), and a cap starts from the nearest of them, so a second cap
 often needs one min-sum row; that row's min-sum joins the time and memory rows'
 (:meth:`.minsum.MinSumChain.stacked`) instead of all three being solved again.
@@ -107,45 +84,26 @@ from collections.abc import Callable
 import numpy as np
 
 from . import dp
+from .deadline import Deadline
+from .deepen import RestBound, VariantBounds, deepen
 from .dp import min_memory
-from .minsum import MinSumChain, halving
-from .pareto import Bounds, ParetoTable, min_sum_bounds, pareto_pass, proven_within, row_limits, tol
-from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, exact_sums
-from .segments import Seg, leaf_segment, product
+from .minsum import MinSumChain
+from .pareto import tol
+from .problem import BeatenError, InfeasibleError, SearchProblem, Solution, exact_sums
 from .split import ChainError, split_blocks
 from .tables import PortTable
 
-__all__ = ["ChainError", "solve_chain"]
+__all__ = ["Chain", "ChainError", "solve_chain"]
 
 logger = logging.getLogger(__name__)
 
-_DEEPEN_FIRST = 2.0**-12  # first target lb + (ub - lb) x this, then the slack doubles (:func:`_deepen`)
-_FEW_PAIRS, _DEEPEN_FAST = 16, 8  # ... or grows 8x after a pass whose chain kept at most 16 pairs
-
-
-def _expand(seg: Seg, a: int, c: int, pair: int) -> list[tuple[int, int, int]]:
-    """(in state, out state, leaf pair) per block of a segment's pair, in chain order.
-
-    A pair of a product splits into a pair of each half (``bp``); the blocks a pair stands
-    for depend on (segment, a, c, pair) only, so each distinct one is split once and its
-    list reused: the Python work is per distinct (segment, a, c, pair), about one per length
-    of the halving when the plan repeats itself, and only the list joins are per block."""
-    memo: dict[tuple[int, int, int, int], list[tuple[int, int, int]]] = {}
-
-    def walk(s: Seg, a: int, c: int, p: int) -> list[tuple[int, int, int]]:
-        if s.halves is None:
-            return [(a, c, int(s.leaf[p]))]
-        key = (id(s), a, c, p)
-        if key not in memo:
-            mid, pa, pb = (int(x) for x in s.bp[p])
-            memo[key] = walk(s.halves[0], a, mid, pa) + walk(s.halves[1], mid, c, pb)
-        return memo[key]
-
-    return walk(seg, a, c, pair)
-
 
 # ---- the solver ---------------------------------------------------------------------------
-class _Chain:
+class Chain:
+    """The chain of one problem (and its variants): the block and rest tables over the port states, the
+    min-sum rows built from them, and what the caps of one peak loop share (the Lagrange hull, the rest
+    bound's rows)."""
+
     def __init__(
         self, problem: SearchProblem, blocks: list[list[int]], variants: tuple = (), rest_variants: tuple = ()
     ) -> None:
@@ -175,6 +133,7 @@ class _Chain:
         self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
         self._base: tuple | None = None
         self.hull: list = []  # plans of the Lagrange rows, every cap's (their (T, M) lie on the hull)
+        self.rest_rows: dict = {}  # slope step j (None: 0) -> f^n of the row (1, 2^(j/2)): the rest bound's rows
 
     def minsum(self, w: np.ndarray) -> MinSumChain:
         return MinSumChain(self.ftabs, self.rtabs, self.n, w)
@@ -263,7 +222,7 @@ def _same_terms(a: SearchProblem, b: SearchProblem) -> bool:
     return all(same(x, y) for xs, ys in pairs for x, y in zip(xs, ys, strict=True))
 
 
-def _lagrange_rows(chain: _Chain, fast, small, cap: int, seen: list) -> tuple[float, MinSumChain]:
+def _lagrange_rows(chain: Chain, fast, small, cap: int, seen: list) -> tuple[float, MinSumChain]:
     """Eisner-Severance on the hull (as :func:`.lagrange.lagrange_slope`), with the chain's min-sum: lam* and
     its row's min-sum.  It starts from the plans adjacent to the cap among those any min-sum row of this chain
     met (``chain.hull``, kept across caps; ``fast`` over the cap, ``small`` under it, among them): any such
@@ -297,6 +256,7 @@ def solve_chain(
     variants: tuple[SearchProblem, ...] = (),
     rest_variants: tuple[SearchProblem, ...] = (),
     rel_gap: float = 0.0,
+    deadline: Deadline | None = None,
 ) -> Solution:
     """Minimum time under the memory cap (ties broken by memory), exactly, solving the
     repeated block once (see the module docstring).  ``above``: a time the caller has met
@@ -321,6 +281,9 @@ def solve_chain(
     the rest's choice and B_0's are made together; ``block_variants[0]`` indexes
     ``(problem, *variants, *rest_variants)``.
 
+    ``deadline``: past it, no further pass starts and a pass under way is abandoned; the best plan met comes
+    back with the proven bound (``optimal=False``, ``stats["budget_hit"]``, ``lower_bound`` and ``gap``).
+
     ``blocks[i][j]``: node of position j in block i, blocks in chain order.  Raises
     :class:`ChainError` when the blocks do not chain (solve flat then), and
     :class:`InfeasibleError` as :func:`.dp.solve_dp` does.  ``progress(stage, done, total)``
@@ -333,7 +296,7 @@ def solve_chain(
     keys = (tuple(v.arrays_key for v in variants), tuple(v.arrays_key for v in rest_variants))
     key = ("chain", tuple(map(tuple, blocks)), *keys)
     reused = problem.memo_has(key)
-    chain = problem.memo(key, lambda: _Chain(problem, blocks, variants, rest_variants))
+    chain = problem.memo(key, lambda: Chain(problem, blocks, variants, rest_variants))
     cap = problem.mem_cap_bytes
     tick("block tables", 1, 4)
     w = np.array([[1.0, 0.0], [0.0, 1.0]])
@@ -359,8 +322,8 @@ def solve_chain(
     tick("bounds", 2, 4)
     o1 = sc.outside()[1].transpose(0, 2, 1)
     bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n (per variant)
-        [_VariantBounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
-        [_VariantBounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
+        [VariantBounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
+        [VariantBounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
     )
     stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
     stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
@@ -371,11 +334,14 @@ def solve_chain(
     if above is not None and lb > above + tol(above):
         raise BeatenError(lb, above)
     tick("exact pass", 3, 4)
-    found, pstats = _deepen(chain, sc, bounds, lb, ub, cap, rel_gap)
+    rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
+    found, pstats = deepen(chain, sc, bounds, lb, ub, cap, rel_gap, rest_bound, deadline)
     stats.update(pstats, upper_bound=ub)
     cands = [p for p in seen if cap is None or p[1] <= cap] + found
     t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))
     optimal = "proven_lower" not in pstats
+    if pstats.get("budget_hit") and pstats["proven_lower"] >= t - tol(t):
+        optimal = True  # the budget passed as the last pass proved it
     if not optimal:  # stopped within rel_gap of the optimum: how close, as an approximate search says it
         stats.update(lower_bound=pstats["proven_lower"], gap=(t - pstats["proven_lower"]) / t)
     if variants or rest_variants:
@@ -412,163 +378,3 @@ def _least_memory(
     if variants or rest_variants:
         raise ChainError("the least memory is not the memory row's plan's: solve each variant alone")
     return min_memory(problem)
-
-
-def _deepen(
-    chain: _Chain, sc: MinSumChain, bounds: tuple, lb: float, ub: int, cap: int | None, rel_gap: float = 0.0
-) -> tuple[list, dict]:
-    """Plans met by passes with rising targets (module docstring, Target): the last is the
-    optimum, unless the best plan met before (time ``ub``) is.  A pass may also return a
-    plan slower than its target (the rest's pairs join unpruned in :func:`_finish`): a real
-    plan under the cap, kept (it lowers ``ub``), but no proof.
-
-    A pass that returns no plan within its target proves the optimum above it (a pass
-    returns the optimum whenever it is within the target), so ``proven`` rises to that
-    target.  With ``rel_gap`` > 0 the passes stop once ``ub - proven <= rel_gap ub``
-    (``stats["proven_lower"]`` is then ``proven``); the targets still rise from ``lb`` as
-    in the exact search, but never past ``ub (1 - rel_gap)``: a pass with that target ends
-    the search (it finds the optimum, or proves the gap closed)."""
-    plans: list = []
-    passes, slack, proven, stats = 0, (ub - lb) * _DEEPEN_FIRST, lb, {"chain_pairs": 0}
-    while True:
-        low = proven_within(ub, proven, rel_gap)
-        if low is not None:
-            return plans, dict(stats, passes=passes, proven_lower=low)
-        target = ub if ub - lb <= tol(ub) else min(ub, int(lb + slack))
-        if rel_gap > 0:  # past ``closing`` the gap holds (in integers, as proven_within reads it)
-            closing = int(ub - rel_gap * ub + tol(ub)) + 2
-            if target > closing > proven:  # a pass there ends it: it finds the optimum, or the gap closed
-                target = closing
-        found, stats = _pass(chain, sc, bounds, target, cap)
-        # a pass that kept a handful of pairs was far from the sizes that cost: the next one steps further
-        passes, slack = passes + 1, slack * (_DEEPEN_FAST if stats["chain_pairs"] <= _FEW_PAIRS else 2)
-        if found is None or found[0] > target:
-            proven = max(proven, target)
-        if found is not None:
-            plans.append(found)
-            if found[0] <= target:
-                break
-            ub = min(ub, found[0])
-        if target >= ub:
-            break
-    return plans, dict(stats, passes=passes, target=target)
-
-
-def _pass(chain: _Chain, sc: MinSumChain, bounds: tuple, ub: int, cap: int | None):
-    """One exact Pareto pass under target ``ub`` (and the cap): the best plan with time <= ub,
-    re-evaluated, or None when there is none."""
-    k, w = chain.k, sc.w
-    fb, rb = bounds
-    lim_rows = row_limits(fb[0].rows, float(ub), cap)
-    lim = (lim_rows + tol(lim_rows))[:, None]
-    ftabs = [_variant_pass(t.model, fb[j], lim_rows, lim) for j, t in enumerate(chain.ftabs)]
-    leaf, fvar, fidx = leaf_segment(chain.ftabs, [_final(t, tabs) for t, tabs in zip(chain.ftabs, ftabs)])
-    g = _power(leaf, chain.n, k, w, sc.outside(), lim)
-    rtabs = [_variant_pass(t.model, rb[j], lim_rows, lim) for j, t in enumerate(chain.rtabs)]
-    rest, rvar, ridx = leaf_segment(chain.rtabs, [_final(t, tabs) for t, tabs in zip(chain.rtabs, rtabs)])
-    stats = {"block_pairs": int(leaf.t.size), "chain_pairs": int(g.t.size), "rest_pairs": int(rest.t.size)}
-    best = _finish(rest, g, k, cap)
-    if best is None:
-        return None, stats
-    e, pr, pg = best
-    y, z = divmod(e, k)
-    at = int(rest.leaf[pr])
-    rest_var = int(rvar[at])
-    rest_choice = chain.rtabs[rest_var].pareto_choice(rtabs[rest_var], int(ridx[at]), e)
-    per_block = np.array(_expand(g, y, z, pg), np.int64).reshape(-1, 3)  # (a, c, leaf pair) per block
-    if len(chain.ftabs) > 1:
-        per_block = _later_variants_first(per_block, fvar)
-    # equal (leaf pair, states): equal block choice, walked back once
-    keys, which = np.unique(per_block[:, 2] * (k * k) + per_block[:, 0] * k + per_block[:, 1], return_inverse=True)
-    distinct = []
-    for key in keys.tolist():
-        at, pair = divmod(key, k * k)
-        j = int(fvar[at])
-        distinct.append(chain.ftabs[j].pareto_choice(ftabs[j], int(fidx[at]), pair))
-    choice = chain.assemble(rest_choice, distinct, which)
-    variants = (rest_var, *(int(fvar[p]) for p in per_block[:, 2].tolist()))
-    t, m = chain.evaluate(choice, variants)
-    want = (int(rest.t[pr] + g.t[pg]), int(rest.m[pr] + g.m[pg]))
-    if (t, m) != want:
-        raise AssertionError(f"solve_chain: plan re-evaluates to {(t, m)}, the chain said {want}")
-    return (t, m, choice, variants), stats
-
-
-class _VariantBounds:
-    """One variant table's bound rows (:func:`.pareto.min_sum_bounds`), its outside values built on first use:
-    a variant no pass reaches never needs them.  ``rows`` carries only the weights (for the limits)."""
-
-    def __init__(self, model, w: np.ndarray, vals: list, final_out: np.ndarray) -> None:
-        self.model, self.w, self.vals, self.final_out = model, w, vals, final_out
-        self.rows = Bounds(w[:, :1].astype(float), w[:, 1:2].astype(float), [], [])
-        self._full: Bounds | None = None
-
-    def final_lower(self) -> np.ndarray:
-        """(rows, entries): a lower bound on each row's w (T, M) of any plan through each final entry."""
-        inside = self.vals[self.model.final]
-        return (inside + np.broadcast_to(self.final_out, inside.shape)).reshape(len(self.w), -1)
-
-    def full(self) -> Bounds:
-        if self._full is None:
-            self._full = min_sum_bounds(self.model, self.w, self.vals, self.final_out)
-        return self._full
-
-
-def _variant_pass(model, bnd: _VariantBounds, lim_rows: np.ndarray, lim: np.ndarray) -> list | None:
-    """:func:`.pareto.pareto_pass` of one variant's table, or None when no entry of its final table can be in a
-    plan within the limits: every entry's lower bound (inside plus outside, per row) is above a limit, as
-    ``pareto_pass`` would find step by step (a variant no plan near the target takes, skipped whole)."""
-    if not (bnd.final_lower() <= lim).all(axis=0).any():
-        return None
-    return pareto_pass(model, bnd.full(), lim_rows)[0]
-
-
-def _final(table: PortTable, tabs: list | None) -> ParetoTable:
-    """The final Pareto table of a variant's pass (an empty one for a variant skipped whole)."""
-    if tabs is None:
-        return ParetoTable(np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
-    return tabs[table.model.final]
-
-
-def _later_variants_first(per_block: np.ndarray, fvar: np.ndarray) -> np.ndarray:
-    """The blocks' (a, c, leaf pair) rows with, among blocks between the same port states, the pairs of later
-    variants first.  Such blocks may swap choices without changing T or M (every term they share is the
-    same), so the order is free; the planner's variants run from saving to recomputing more, and a step's
-    peak comes as backward starts, at the last blocks: recomputation there would add to it."""
-    out = per_block.copy()
-    keys = per_block[:, 0] * (per_block[:, 1].max() + 1) + per_block[:, 1]
-    for key in np.unique(keys):
-        rows = np.flatnonzero(keys == key)
-        out[rows] = per_block[rows[np.argsort(-fvar[per_block[rows, 2]], kind="stable")]]
-    return out
-
-
-def _power(leaf: Seg, n: int, k: int, w: np.ndarray, outs: dict[int, np.ndarray], lim: np.ndarray) -> Seg:
-    """``F^(x)n`` by halving (one segment per length); a segment of l blocks is pruned with
-    ``O_l`` (``outs[l]``, indexed (c, a))."""
-    segs = {1: leaf}
-    for length, x, y in halving(n):
-        out = outs[length].transpose(0, 2, 1).reshape(len(w), -1)
-        segs[length] = product(segs[x], segs[y], k, w, out, lim)
-    return segs[n]
-
-
-def _finish(rest: Seg, g: Seg, k: int, cap: int | None) -> tuple[int, int, int] | None:
-    """(entry, rest pair, chain pair) of the lexicographically least (t, m) under the cap."""
-    best: tuple[int, int, int, int, int] | None = None
-    for e in np.flatnonzero((np.diff(rest.off) > 0) & (np.diff(g.off) > 0)):
-        rs, re_ = rest.off[e], rest.off[e + 1]
-        gs, ge = g.off[e], g.off[e + 1]
-        gm = g.m[gs:ge]  # descending along the run
-        room = (cap if cap is not None else INF) - rest.m[rs:re_]
-        j = np.searchsorted(-gm, -room, side="left")  # first chain pair with m <= room: least t that fits
-        ok = np.flatnonzero(j < gm.size)
-        if not ok.size:
-            continue
-        tt = rest.t[rs:re_][ok] + g.t[gs:ge][j[ok]]
-        mm = rest.m[rs:re_][ok] + gm[j[ok]]
-        i = np.lexsort((mm, tt))[0]
-        cand = (int(tt[i]), int(mm[i]), int(e), int(rs + ok[i]), int(gs + j[ok[i]]))
-        if best is None or cand[:2] < best[:2]:
-            best = cand
-    return None if best is None else best[2:]

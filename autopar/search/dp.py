@@ -48,6 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .deadline import Deadline
 from .elimination import EliminationModel
 from .lagrange import GRID_GAP, LAMBDA_GRID, Point, argmin_plans, lagrange_slope
 from .minibucket import approx_min_memory, solve_approx
@@ -151,12 +152,14 @@ def solve_dp(
     width_budget: int | None = None,
     thinned_only: bool = False,
     rel_gap: float = 0.0,
+    deadline: Deadline | None = None,
 ) -> Solution:
     """Minimum time under the memory cap, exactly (ties broken by memory).
 
     ``rel_gap`` > 0: when the best plan the bounds and thinned passes met is proven within
     ``rel_gap`` of the optimum by the Lagrange bound, it is returned without the exact pass
     (``optimal=False``, ``stats["lower_bound"]`` and ``stats["gap"]`` as :mod:`.minibucket`'s).
+    Past ``deadline`` before the exact pass, likewise with the Lagrange bound (``stats["budget_hit"]``).
 
     Past the width budget (the largest joint table over ``width_budget`` cells per weight
     row, ``WIDTH_BUDGET`` unless given) the search is approximate instead
@@ -217,6 +220,9 @@ def solve_dp(
         if ub <= lb + tol(lb) or (grid != _THIN_GRIDS[0] and not better):
             break
     low = None if frontier else proven_within(ub, lb, rel_gap)
+    if low is None and not frontier and deadline is not None and deadline.passed() and ub - lb > tol(ub):
+        low = int(lb - tol(lb))  # out of time: the best plan met, with the bound proven so far
+        stats["budget_hit"] = True
     if thinned_only or low is not None:  # the best plan met; optimal only when it meets the bound
         best = min((p for p in seen if cap is None or p.mem <= cap), key=lambda p: (p.time, p.mem))
         optimal = not frontier and (cap is None or fast.mem <= cap)  # the min-sum's plan is then the optimum

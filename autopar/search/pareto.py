@@ -122,6 +122,9 @@ def _least_per_key(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray | 
     span = int(p.max()) - lo + 1
     if int(g.min()) < 0 or span * (int(g.max()) + 1) >= 2**62:
         return None
+    dense = _least_per_dense_key(g, p - lo, s, span)
+    if dense is not None:
+        return dense
     key = g * span + (p - lo)
     o = np.argsort(key)
     k = key[o]
@@ -133,6 +136,27 @@ def _least_per_key(g: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray | 
     least = np.minimum.reduceat(so, at)
     run = np.cumsum(start) - 1
     return np.minimum.reduceat(np.where(so == least[run], o, np.iinfo(np.int64).max), at)
+
+
+def _least_per_dense_key(g: np.ndarray, p: np.ndarray, s: np.ndarray, span: int) -> np.ndarray | None:
+    """:func:`_least_per_key` by two unbuffered minima over a dense array of the (group, p) keys (``p`` from 0
+    to ``span - 1``), where that array is small: merged products (:func:`.segments.merge_keep`) put millions
+    of pairs into a few thousand time cells per group, and ``np.minimum.at`` over them is some 30 times faster
+    than sorting them.  None where the array would be larger than a few times the pairs."""
+    seen = np.zeros(int(g.max()) + 1, bool)
+    seen[g] = True
+    groups = np.flatnonzero(seen)
+    if groups.size * span > max(4 * g.size, 1 << 16):
+        return None
+    rank = np.zeros(seen.size, np.int64)
+    rank[groups] = np.arange(groups.size)
+    key = rank[g] * span + p
+    least = np.full(groups.size * span, np.iinfo(np.int64).max)
+    np.minimum.at(least, key, s)
+    hit = np.flatnonzero(s == least[key])  # the pairs with their key's least s; of them the first
+    first = np.full(least.size, np.iinfo(np.int64).max)
+    np.minimum.at(first, key[hit], hit)
+    return first[first != np.iinfo(np.int64).max]
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import numpy as np
 from .pareto import ParetoTable, pair_window, pareto_keep
 from .tables import PortTable
 
-__all__ = ["Seg", "leaf_segment", "product"]
+__all__ = ["Seg", "leaf_segment", "merge_keep", "product"]
 
 _CHUNK = 1 << 22  # pair combinations formed at once in a product
 _SAMPLE = 2048  # survivors a row is tried on before it is tested on all (:func:`_survivors`)
@@ -72,10 +72,13 @@ def leaf_segment(tables: list[PortTable], finals: list) -> tuple[Seg, np.ndarray
     return Seg(_csr(g[o], k2), t[o], m[o], 1, leaf=o), np.concatenate(var), np.concatenate(idx)
 
 
-def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndarray) -> Seg:
+def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndarray, step: int = 1) -> Seg:
     """``a (x) b`` (see the module docstring), keeping pairs with ``w (t, m) + out <= lim``.
 
-    ``out``: (rows, K*K) lower bound of everything outside the product, per (a, c)."""
+    ``out``: (rows, K*K) lower bound of everything outside the product, per (a, c).  ``step`` > 1 merges
+    pairs whose times fall in the same cell ``floor(t / step)`` of an entry, keeping the one with the least
+    memory (:func:`merge_keep`): every pair dropped has a kept one with less memory and at most ``step - 1``
+    more time."""
     ca, cb = np.diff(a.off).reshape(k, k), np.diff(b.off).reshape(k, k)
     ea, eb = _triples(np.flatnonzero(ca.reshape(-1)), np.flatnonzero(cb.reshape(-1)), k)
     ia_, ib_, ic_ = ea // k, ea % k, eb % k
@@ -121,7 +124,7 @@ def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndar
         rep, pb = rep[alive], pb[alive]
         pa, tri = pa[rep], tri[rep]
         t, m, g = a.t[pa] + b.t[pb], a.m[pa] + b.m[pb], g[rep]
-        keep = pareto_keep(g, t, m)
+        keep = merge_keep(g, t, m, step)
         parts.append((g[keep], t[keep], m[keep], mid[tri[keep]], pa[keep], pb[keep]))
     if not parts:
         e = np.zeros(0, np.int64)
@@ -129,9 +132,19 @@ def product(a: Seg, b: Seg, k: int, w: np.ndarray, out: np.ndarray, lim: np.ndar
             np.zeros(k * k + 1, np.int64), e, e, a.blocks + b.blocks, halves=(a, b), bp=np.zeros((0, 3), np.int64)
         )
     g, t, m, mid, pa, pb = (np.concatenate(x) for x in zip(*parts))
-    sel = pareto_keep(g, t, m) if len(parts) > 1 else np.arange(g.size)
+    sel = merge_keep(g, t, m, step) if len(parts) > 1 else np.arange(g.size)
     g, t, m, mid, pa, pb = g[sel], t[sel], m[sel], mid[sel], pa[sel], pb[sel]
     return Seg(_csr(g, k * k), t, m, a.blocks + b.blocks, halves=(a, b), bp=np.stack([mid, pa, pb], 1))
+
+
+def merge_keep(g: np.ndarray, t: np.ndarray, m: np.ndarray, step: int) -> np.ndarray:
+    """:func:`.pareto.pareto_keep` of (g, t, m), pairs whose times share a cell ``floor(t / step)`` of their
+    group merged into the one with the least memory (ordered by (g, t), times ascending and memory descending
+    per group, as a Pareto run).  A pair dropped is dominated by a kept one (less memory, less time: an earlier
+    cell) or shares its cell (less memory, less than ``step`` more time).  ``step`` 1: exactly Pareto."""
+    if step <= 1:
+        return pareto_keep(g, t, m)
+    return pareto_keep(g, t // step, m)
 
 
 def _triples(ea: np.ndarray, eb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

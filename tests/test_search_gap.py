@@ -1,0 +1,123 @@
+"""The chained search stopped within a gap (the planner's ``PLAN_GAP``, and larger gaps that make every pass merge
+pairs) against the exact search and brute force: a real plan that fits, within the gap of the optimum, with a
+lower bound that does not pass it; and the time budget returning a real plan with the bound it proved."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from chain_cases import mixed, variant
+
+from autopar.planner.solving import PLAN_GAP
+from autopar.search import Deadline, InfeasibleError, min_memory, solve_dp
+from autopar.search.chain import solve_chain
+from autopar.search.generate import chain_problem
+from autopar.search.problem import SearchProblem, Solution
+
+GAPS = (PLAN_GAP, 2.0**-7, 2.0**-4)
+
+
+def _case(seed: int) -> tuple[SearchProblem, list[list[int]]]:
+    """The random chains of the exactness tests (tests/test_scale.py), a few deeper ones among them."""
+    rng = np.random.default_rng(seed)
+    if seed >= 100:
+        return chain_problem(seed, int(rng.choice([9, 13, 24, 40])), 2, 3, float(rng.choice([0.02, 0.1, 0.3])))
+    return chain_problem(
+        seed, int(rng.integers(3, 7)), int(rng.integers(2, 5)), int(rng.integers(2, 4)), float(rng.choice([0.05, 0.3]))
+    )
+
+
+def _check_within(problem: SearchProblem, got: Solution, exact_time: int, rel_gap: float, where: str) -> None:
+    assert problem.evaluate(got.choice) == (got.time, got.mem_bytes), where
+    assert problem.forbidden_in(got.choice) == [], where
+    assert got.mem_bytes <= problem.mem_cap_bytes, where
+    assert got.time_lower_bound <= exact_time <= got.time, where
+    assert got.time - got.time_lower_bound <= rel_gap * got.time, where
+
+
+@pytest.mark.parametrize("rel_gap", GAPS)
+def test_gapped_chain_is_within_its_gap_of_the_exact_optimum(rel_gap: float) -> None:
+    """On the exactness tests' random chains: within the gap of the exact optimum, and the merging passes
+    (which spend part of the gap) really ran."""
+    merged = 0
+    for seed in [*range(40), *range(100, 108)]:
+        problem, blocks = _case(seed)
+        try:
+            exact = solve_chain(problem, blocks)
+        except InfeasibleError:
+            continue
+        got = solve_chain(problem, blocks, rel_gap=rel_gap)
+        _check_within(problem, got, exact.time, rel_gap, f"seed {seed}, gap {rel_gap}")
+        merged += got.stats.get("merge_error", 0) > 0
+    if rel_gap > PLAN_GAP:
+        assert merged >= 3  # passes did merge pairs (else the merging path is untested here)
+
+
+def _variants(problem: SearchProblem, blocks: list[list[int]], seed: int) -> tuple[SearchProblem, ...]:
+    """Two more variants of every block: the block recomputed (time up, memory down), twice as strongly."""
+    once = variant(problem, blocks, seed)
+    return once, variant(once, blocks, seed + 50)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chain_with_three_variants_per_layer_against_brute_force(seed: int) -> None:
+    """20 random chains whose every block picks one of three variants: the exact chain equals the best flat
+    optimum over all 3^blocks assignments, and the gapped chains are within their gaps of it."""
+    rng = np.random.default_rng(seed)
+    problem, blocks = chain_problem(seed, n_blocks=int(rng.integers(3, 5)), block_nodes=3, max_k=3, cap_quantile=None)
+    others = _variants(problem, blocks, seed)
+    options = (problem, *others)
+    least = min(min_memory(p).mem_bytes for p in options)
+    cap = int(least + float(rng.choice([0.1, 0.3, 0.6])) * (solve_dp(problem).mem_bytes - least))
+    best = None
+    for picks in itertools.product(range(3), repeat=len(blocks)):
+        flat = _pick(options, blocks, picks).with_cap(cap)
+        try:
+            sol = solve_dp(flat)
+        except InfeasibleError:
+            continue
+        if best is None or (sol.time, sol.mem_bytes) < best[:2]:
+            best = (sol.time, sol.mem_bytes, picks)
+    capped = problem.with_cap(cap)
+    variants = tuple(p.with_cap(cap) for p in others)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve_chain(capped, blocks, variants=variants)
+        return
+    exact = solve_chain(capped, blocks, variants=variants)
+    assert (exact.time, exact.mem_bytes) == best[:2], f"seed {seed}: chain {exact.stats['block_variants']}, {best}"
+    for rel_gap in GAPS:
+        got = solve_chain(capped, blocks, variants=variants, rel_gap=rel_gap)
+        picked = _pick(options, blocks, got.stats["block_variants"]).with_cap(cap)
+        _check_within(picked, got, best[0], rel_gap, f"seed {seed}, gap {rel_gap}")
+
+
+def _pick(options: tuple[SearchProblem, ...], blocks: list[list[int]], picks) -> SearchProblem:
+    """The flat problem whose block i takes ``options[picks[i]]``'s terms (the rest: ``options[0]``'s)."""
+    out = options[0]
+    for j, option in enumerate(options[1:], start=1):
+        out = mixed(out, option, blocks, [p == j for p in picks])
+    return out
+
+
+def test_a_search_past_its_budget_returns_a_real_plan_with_its_proven_bound() -> None:
+    """A deadline that has passed: the chain returns a plan it holds (under the cap, re-evaluated) with a lower
+    bound at most the exact optimum, and says the budget stopped it."""
+    problem, blocks = chain_problem(104, 24, 2, 3, 0.1)
+    exact = solve_chain(problem, blocks)
+    spent = Deadline.after(1e-9)
+    got = solve_chain(problem, blocks, rel_gap=PLAN_GAP, deadline=spent)
+    assert got.stats["budget_hit"]
+    assert problem.evaluate(got.choice) == (got.time, got.mem_bytes)
+    assert got.mem_bytes <= problem.mem_cap_bytes
+    assert got.time_lower_bound <= exact.time <= got.time
+    flat = solve_dp(problem, rel_gap=PLAN_GAP, deadline=spent)
+    assert flat.time_lower_bound <= exact.time <= flat.time and flat.mem_bytes <= problem.mem_cap_bytes
+
+
+def test_deadline_rejects_a_budget_that_is_not_positive() -> None:
+    assert Deadline.after(None) is None
+    with pytest.raises(ValueError, match="search_budget_s: expected a positive number of seconds"):
+        Deadline.after(0)
