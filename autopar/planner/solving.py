@@ -37,6 +37,7 @@ __all__ = ["PLAN_GAP", "SEARCH_BUDGET_S", "family_alternatives", "plan_under", "
 log = logging.getLogger(__name__)
 
 _PEAK_TRIES = 8
+_REFINE_TRIES = 3  # searches at PLAN_GAP of the peak loop's plan (``_refine``)
 #: The planner's searches stop once their plan is proven within this share of the optimum (``rel_gap`` of
 #: ``search.solve_chain`` / ``search.solve_dp``): 2^-12, 16 times finer than the peak loop's tolerance (2^-8)
 #: and far below the cost model's own error (a few percent against measured steps).  Measured on a 96-layer
@@ -170,7 +171,9 @@ def plan_under(
         if best is not None and deadline is not None and deadline.passed():
             break  # out of time: the fastest plan that fits so far
         searches += 1
-        sol, choice, keep = search(bound if attempt < _PEAK_TRIES or best is not None else 0, probe)
+        # the first search at the cap is most often the plan (its peak fits): at PLAN_GAP; the rest probe
+        bounded = bound if attempt < _PEAK_TRIES or best is not None else 0
+        sol, choice, keep = search(bounded, probe if attempt else None)
         if sol is None:
             err = choice
             least = err.min_mem_solution
@@ -226,11 +229,8 @@ def plan_under(
     sol, choice = best
     late = deadline is not None and deadline.passed()
     if best_bound is not None and not late and sol.time - sol.time_lower_bound > sol.time * PLAN_GAP:
-        # the probe's plan at its bound, searched again at PLAN_GAP: kept if it is faster and its peak fits
-        searches += 1
-        finer, finer_choice, _ = search(best_bound, None)
-        if finer is not None and finer.time <= sol.time and peak_of(finer, finer_choice) <= cap:
-            sol, choice = finer, finer_choice
+        sol, choice, more = _refine(search, peak_of, sol, choice, best_bound, cap)
+        searches += more
     search_s = time.perf_counter() - t0
     alternatives = family_alternatives(ctx, cap, solver) if compare_families else []
     timings = dict(ctx.timings, search_s=search_s)
@@ -243,6 +243,29 @@ def plan_under(
     if lower is not None:
         search["peak_lower_ps"] = int(lower)
     return replace(result, timings=timings, hints=dict(resolved.record), search=search)
+
+
+def _refine(search, peak_of, sol: Solution, choice: list[int], bound: int, cap: int) -> tuple[Solution, list, int]:
+    """The peak loop's plan (a probe's, within ``PROBE_GAP`` of the optimum under ``bound``) searched again at
+    ``PLAN_GAP``: (plan, choice, searches run).  The finer plan replaces it where it is no slower and its peak
+    fits the cap; where its peak is over, the bound steps below its memory by the excess (as the peak loop
+    does) and the search runs again, at most ``_REFINE_TRIES`` times.  Else the probe's plan stays, with the
+    first finer search's lower bound where that is the tighter (it bounds the optimum under the same bound)."""
+    lower, tries = sol.time_lower_bound, 0
+    while tries < _REFINE_TRIES:
+        tries += 1
+        finer, finer_choice, _ = search(bound, None)
+        if finer is None or finer.time > sol.time:
+            break
+        if tries == 1:
+            lower = max(lower, finer.time_lower_bound)
+        peak = peak_of(finer, finer_choice)
+        if peak <= cap:
+            return finer, finer_choice, tries
+        bound = finer.mem_bytes - (peak - cap) - (cap >> 8)
+    if lower > sol.time_lower_bound:
+        sol = replace(sol, stats=dict(sol.stats, lower_bound=lower, gap=(sol.time - lower) / sol.time))
+    return sol, choice, tries
 
 
 def _layers_chose(
