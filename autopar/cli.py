@@ -76,20 +76,29 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors as one ``autopar: error:`` line and a hint (not the usage block first)."""
+
+    def error(self, message: str):
+        print(f"autopar: error: {message}", file=sys.stderr)
+        print(f"autopar: hint: `{self.prog} --help` lists the options", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autopar.planner import RECOMPUTE_OPTIONS, SEARCH_BUDGET_S
     from costmodel import OPTIMIZERS
 
-    p = argparse.ArgumentParser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
+    p = _Parser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
     p.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{plan,run,models,export,calibrate,fidelity}")
     pl = sub.add_parser("plan", help="plan a model and print the chosen strategies")
     pl.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
     )
-    pl.add_argument("--mesh", type=_mesh_shape, default=(4,), help="mesh shape, e.g. 8 or 2x4 (default 4)")
+    pl.add_argument("--mesh", type=_mesh_shape, default=(2,), help="mesh shape, e.g. 8 or 2x4 (default 2, as run)")
     pl.add_argument(
-        "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default dp, or axis0,axis1,...)"
+        "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default axis0,axis1,... as Mesh)"
     )
     pl.add_argument(
         "--mem-cap", type=_bytes_arg, default=None, help="per-device memory cap: bytes or 40GiB, 512MiB (default none)"
@@ -118,9 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="fp32",
         choices=("fp32", "bf16", "bf16-pure"),
-        help="training precision: fp32, bf16 (mixed, float32 master weights) or bf16-pure (no float32 copy)",
+        help="training precision: fp32 (the default), bf16 (mixed, float32 master weights) or bf16-pure (no "
+        "float32 copy)",
     )
-    pl.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer state to count")
+    pl.add_argument(
+        "--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer state to count (default adamw)"
+    )
     pl.add_argument("--solver", default="dp", choices=("dp", "ilp"), help="exact DP (default) or the CP-SAT model")
     pl.add_argument(
         "--recompute",
@@ -172,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     from autopar.measure import add_parsers
 
     add_parsers(sub, positive_int=_positive_int, mesh_shape=_mesh_shape)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true", help="print the traceback of a failure")
     return p
 
 
@@ -277,7 +291,7 @@ def _add_run_parser(sub) -> None:
         "--mesh", type=_mesh_shape, default=(2,), help="mesh shape, e.g. 2 or 2x2 (default 2); one rank each"
     )
     r.add_argument(
-        "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default dp, or dp,tp on 2 axes)"
+        "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default axis0,axis1,... as Mesh)"
     )
     r.add_argument("--steps", type=_positive_int, default=3, help="AdamW steps (default 3)")
     r.add_argument("--check", action="store_true", help="dropout off; compare with the same model on one device")
@@ -348,7 +362,8 @@ def _resume(given: str | None, config) -> str | None:
     and under ``--check`` trained as this command's one-device reference trains."""
     if given is None:
         return None
-    from autopar.launch import check_replayable, resolve_checkpoint, saved_step
+    from autopar.checkpoint import model_mismatch
+    from autopar.launch import check_replayable, load_model, resolve_checkpoint, saved_step
 
     path = resolve_checkpoint(given)
     if config.check:
@@ -359,6 +374,9 @@ def _resume(given: str | None, config) -> str | None:
             f"--resume {given}: {path} has done {done} steps, --steps is {config.steps}; pass --steps larger "
             f"than {done} (the total step count of the job)"
         )
+    mismatch = model_mismatch(path, load_model(config.model, batch=1, seq=config.seq)[0])
+    if mismatch:  # found here, before the ranks start, in the CLI's words (the API's fix says strict=False)
+        raise ValueError(f"--resume {given}: {mismatch}; resume with the model that saved it, or drop --resume")
     return str(path)
 
 
@@ -385,9 +403,16 @@ def _cmd_run(args) -> int:
         )
         config = dataclasses.replace(config, resume_dir=_resume(args.resume, config))
         report = run(config)
-    except (ValueError, TypeError, LaunchError) as e:
+    except (ValueError, TypeError) as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
+    except LaunchError as e:  # a rank's traceback: its last line, the whole on --verbose
+        if args.verbose:
+            print(f"autopar: error: {e}", file=sys.stderr)
+        else:
+            print(f"autopar: error: {one_line(e)}", file=sys.stderr)
+            print("autopar: hint: --verbose prints the failing rank's traceback", file=sys.stderr)
+        return 1
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return 0
     sys.stdout.write(render_report(report))
@@ -397,19 +422,24 @@ def _cmd_run(args) -> int:
 def _cmd_plan(args) -> int:
     from autopar.launch import load_model
     from autopar.planner import MemoryCapError, UnmatchedHintError, check_writable, plan, render_table
-    from costmodel import load_profile
+    from costmodel import check_devices_per_node, load_profile
 
     from .progress import TerminalProgress
 
     t0 = time.perf_counter()
     try:  # everything that can be checked without the model, before it is built and planned
-        mesh = _mesh(args.mesh, args.axis_names, ("dp",) if len(args.mesh) == 1 else None)
+        mesh = _mesh(args.mesh, args.axis_names, None)
         try:
             load_profile(args.profile)
         except ValueError as e:
             raise ValueError(f"--profile {args.profile}: {e}") from None
         if args.output:
             check_writable(args.output, "-o")
+        if args.devices_per_node is not None:
+            try:
+                check_devices_per_node(mesh.shape, args.devices_per_node)
+            except ValueError as e:
+                raise ValueError(f"--{e}".replace("devices_per_node", "devices-per-node", 1)) from None
         hints = _load_hints(args.hints, args.hint)
         seq = _check_seq(args.model, args.seq)
     except (ValueError, TypeError) as e:
@@ -486,33 +516,71 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_values_that_start_with_a_dash(sys.argv[1:] if argv is None else argv))
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            if args.command == "models":
-                from autopar.launch import builtin_models, model_config
-
-                for name in builtin_models():
-                    print(f"{name:18s} {model_config(name).get('description', '')}")
-                return 0
-            if args.command == "run":
-                return _cmd_run(args)
-            if args.command == "export":
-                from autopar.checkpoint import cmd_export
-
-                return cmd_export(args)
-            if args.command in ("calibrate", "fidelity"):
-                from autopar.measure import cmd_calibrate, cmd_fidelity
-
-                return cmd_calibrate(args) if args.command == "calibrate" else cmd_fidelity(args)
-            return _cmd_plan(args)
+            return _dispatch(args)
         except BrokenPipeError:  # `autopar models | head`: the reader left; nothing more to say
             try:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             except (OSError, ValueError, AttributeError):  # no real stdout (captured in tests)
                 pass
             return 0
+        except Exception as e:  # noqa: BLE001 - an unexpected failure: one line, the traceback on --verbose
+            if getattr(args, "verbose", False):
+                raise
+            print(f"autopar: error: {one_line(e)}", file=sys.stderr)
+            print("autopar: hint: --verbose prints the traceback", file=sys.stderr)
+            return 1
+
+
+def _dispatch(args) -> int:
+    if args.command == "models":
+        from autopar.launch import builtin_models, model_config
+
+        for name in builtin_models():
+            print(f"{name:18s} {model_config(name).get('description', '')}")
+        return 0
+    if args.command == "run":
+        return _cmd_run(args)
+    if args.command == "export":
+        from autopar.checkpoint import cmd_export
+
+        return cmd_export(args)
+    if args.command in ("calibrate", "fidelity"):
+        from autopar.measure import cmd_calibrate, cmd_fidelity
+
+        return cmd_calibrate(args) if args.command == "calibrate" else cmd_fidelity(args)
+    return _cmd_plan(args)
+
+
+def one_line(error: BaseException) -> str:
+    """An error in one line: its message's first line, or for a rank's failure (a traceback in the message) the
+    rank and the exception it raised (the traceback's last line)."""
+    text = str(error).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in text:
+        return f"{lines[0].rstrip(':')}: {lines[-1].strip()}"
+    return lines[0] if lines else type(error).__name__
+
+
+def _values_that_start_with_a_dash(argv: list[str]) -> list[str]:
+    """``--mem-cap -1GiB`` as ``--mem-cap=-1GiB``: argparse takes a value starting with ``-`` (and not a plain
+    negative number) for an option and says "expected one argument"; joined, the value gets its own check."""
+    out: list[str] = []
+    for token in argv:
+        if (
+            out
+            and out[-1].startswith("--")
+            and "=" not in out[-1]
+            and token[:2].startswith("-")
+            and token[1:2].isdigit()
+        ):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 if __name__ == "__main__":

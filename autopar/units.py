@@ -33,6 +33,8 @@ def parse_bytes(value: int | float | str) -> int:
         if value <= 0:
             raise ValueError(f"memory size {value!r}: expected a positive number of bytes")
         return int(value)
+    if str(value).strip().startswith("-"):
+        raise ValueError(f"memory size {value!r}: expected a positive size, e.g. 40GiB")
     m = _RE.match(str(value))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:

@@ -39,6 +39,7 @@ from .profiles import (
     LinkProfile,
     available_profiles,
     axis_crosses_nodes,
+    check_devices_per_node,
     config_dir,
     load_profile,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "load_profile",
     "available_profiles",
     "axis_crosses_nodes",
+    "check_devices_per_node",
     "config_dir",
     "forward_flops",
     "backward_flops",

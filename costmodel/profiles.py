@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .toml_compat import tomllib
@@ -34,6 +35,7 @@ __all__ = [
     "PEAK_FLOPS_KEYS",
     "ATTENTION_SAVES",
     "axis_crosses_nodes",
+    "check_devices_per_node",
     "REDUCE_SCATTER",
     "config_dir",
     "available_profiles",
@@ -264,10 +266,10 @@ class DeviceProfile:
     def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkProfile:
         """The link the ranks of one mesh axis group talk over.
 
-        The mesh is row-major, last axis innermost: an axis group's ranks are
-        ``stride = prod(mesh_shape[axis+1:])`` apart and span ``stride*(size-1)+1``
-        consecutive ranks.  A span within ``devices_per_node`` stays inside one node
-        (``intra_node``); otherwise the group crosses nodes (``inter_node``).
+        The mesh is row-major, last axis innermost, on nodes of ``devices_per_node``
+        consecutive ranks: a group whose ranks all sit in one node talks over
+        ``intra_node``; a group with ranks in two nodes crosses them (``inter_node``;
+        :func:`axis_crosses_nodes`).
         ``axis`` may be negative, as in Python indexing.
         """
         shape = tuple(int(s) for s in mesh_shape)
@@ -298,14 +300,29 @@ class DeviceProfile:
 
 
 def axis_crosses_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> bool:
-    """Whether the ranks of one mesh axis group span more than one node of ``devices_per_node`` consecutive ranks.
+    """Whether some group of one mesh axis holds ranks of more than one node (``devices_per_node`` consecutive
+    ranks each).
 
-    The mesh is row-major, last axis innermost: an axis group's ranks are
-    ``stride = prod(mesh_shape[axis+1:])`` apart and span ``stride * (size - 1) + 1``
-    consecutive ranks (``DeviceProfile.link_for_axis``).
+    The mesh is row-major, last axis innermost, its ranks ``0 .. size - 1``: each group of the axis is compared
+    node by node (rank // devices_per_node), so a group that straddles a node boundary crosses even when its span
+    is shorter than a node (a mesh (4, 3) on nodes of 4: the group of ranks 3, 4, 5 crosses).
     """
-    stride = math.prod(mesh_shape[axis + 1 :])
-    return stride * (mesh_shape[axis] - 1) + 1 > devices_per_node
+    ranks = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+    nodes = np.moveaxis(ranks, axis, -1) // devices_per_node
+    return bool((nodes.min(axis=-1) != nodes.max(axis=-1)).any())
+
+
+def check_devices_per_node(mesh_shape: tuple[int, ...], devices_per_node: int) -> None:
+    """``ValueError`` unless ``devices_per_node`` ranks per node can hold the mesh: nodes hold equal numbers of
+    ranks (torchrun's ``--nproc-per-node``), so a mesh larger than one node must fill whole nodes."""
+    size = math.prod(mesh_shape)
+    if size > devices_per_node and size % devices_per_node:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(
+            f"devices_per_node {devices_per_node}: the mesh {tuple(mesh_shape)} has {size} ranks, which nodes of "
+            f"{devices_per_node} cannot hold (every node runs the same number of ranks); pass one of "
+            f"{', '.join(map(str, divisors))}, or a number >= {size} when the job fits one node"
+        )
 
 
 def _check_positive(profile: str, key: str, value: Any) -> None:

@@ -338,8 +338,10 @@ def test_unknown_model_lists_the_builtin_ones():
     with pytest.raises(ValueError) as e:
         load_model("gtp2")
     msg = str(e.value)
-    assert "model 'gtp2' is not a built-in model (" in msg and "gpt2-tiny" in msg
-    assert msg.endswith("pass a built-in name, path/to/file.py:factory or package.module:factory")
+    assert "model 'gtp2' is not a built-in model nor a factory; did you mean gpt2?" in msg
+    assert "`autopar models` lists the" in msg
+    assert msg.endswith("or pass path/to/file.py:factory or package.module:factory")
+    assert load_model("GPT2-Tiny")[0].config.n_layer == load_model("gpt2-tiny")[0].config.n_layer  # any case
 
 
 @pytest.mark.parametrize(

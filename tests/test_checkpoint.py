@@ -458,7 +458,7 @@ def test_autopar_run_refuses_a_resume_it_cannot_continue_before_starting_ranks(t
     os.makedirs(tmp_path / "ck" / "step-5.partial")  # an interrupted save never counts
     cases = [
         (["--steps", "3", "--resume", str(tmp_path / "ck")], r"step-3 has done 3 steps, --steps is 3; pass --steps"),
-        (["--steps", "4", "--resume", str(tmp_path / "none")], r"neither a checkpoint .* nor a directory holding"),
+        (["--steps", "4", "--resume", str(tmp_path / "none")], r"no checkpoint at .*none: not a directory"),
         (["--save-every", "2"], r"--save-every 2: checkpoints need a directory; add --save DIR"),
     ]
     autopar.save(

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopar
-from autopar.checkpoint import Box, ExportError, PieceTensor, export_safetensors, read_metadata
+from autopar.checkpoint import Box, CheckpointError, ExportError, PieceTensor, export_safetensors, read_metadata
 from autopar.cli import main
 
 ALIAS, CANONICAL = "lm_head.weight", "transformer.wte.weight"
@@ -297,7 +297,8 @@ def test_cli_export_errors_name_the_argument_and_write_nothing(tmp_path, capsys)
     assert "ckpt.partial holds an unfinished save" in _error(capsys)
     assert main(["export", path + ".partial", "-o", out]) == 2
     line = _error(capsys)
-    assert "is not a complete checkpoint: it has no .metadata" in line and line.startswith("autopar: error: CHECKPOINT")
+    assert "is not a complete checkpoint: it holds checkpoint data but no .metadata" in line
+    assert line.startswith("autopar: error: CHECKPOINT")
 
     path = _saved(tmp_path, model, "ckpt2")
     (tmp_path / "busy").mkdir()
@@ -317,3 +318,32 @@ def test_cli_export_errors_name_the_argument_and_write_nothing(tmp_path, capsys)
     assert not os.path.exists(out)
     assert main(["export", path, "-o", out]) == 0  # the same checkpoint exports without the aliases
     assert len(load_file(os.path.join(out, "model.safetensors"))) == 16
+
+
+def test_export_and_load_take_the_latest_step_of_a_save_directory_and_name_what_is_not_one(tmp_path, capsys):
+    """Issue 29, item 2: the folder ``autopar run --save`` writes (``step-<n>`` inside) exports and loads its
+    latest complete step, as ``--resume`` takes it; a folder that never was a checkpoint is called that, not
+    "an interrupted save"; step folders that are all incomplete are listed."""
+    first, second = _gpt2(), _gpt2()
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(1.0)
+    autopar.save(tmp_path / "run" / "step-1", first)
+    autopar.save(tmp_path / "run" / "step-2", second)
+    os.makedirs(tmp_path / "run" / "step-3.partial")  # an interrupted save never counts
+    assert main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(exported["transformer.wpe.weight"], second.state_dict()["transformer.wpe.weight"])
+    target = _gpt2()
+    autopar.load(tmp_path / "run", target)
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in target.state_dict().items())
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a checkpoint")
+    assert main(["export", str(tmp_path / "notes"), "-o", str(tmp_path / "out2")]) == 2
+    line = _error(capsys)
+    assert "is not a checkpoint: it holds no .metadata and no checkpoint data (readme.txt)" in line
+    assert "interrupted" not in line
+    (tmp_path / "unfinished" / "step-4.partial").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"holds step folders step-4\.partial but none is a complete"):
+        autopar.load(tmp_path / "unfinished", _gpt2())

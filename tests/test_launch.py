@@ -125,7 +125,7 @@ def test_torchrun_world_size_must_match_the_mesh(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main(["run", "gpt2-tiny", "--mesh", "2"]) == 2
-    assert "WORLD_SIZE=4 but mesh dp(2) = 2" in capsys.readouterr().err
+    assert "WORLD_SIZE=4 but mesh axis0(2) = 2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("grad,noted", [(1.5e-8, True), (3e-3, False)])

@@ -2,9 +2,10 @@
 
 The module's fixture builds the wheel the way a user's ``pip wheel .`` does, from a
 copy of the checkout (so the build leaves no build/ or *.egg-info in the repository),
-makes a fresh virtual environment that sees the host's site-packages (torch,
-ortools and transformers come from there: ``--no-index`` downloads nothing, so a
-dependency the host lacks fails the install), installs the wheel there with pip,
+makes a fresh virtual environment that sees the host's site-packages, those of a
+virtual environment the tests run in included (torch, ortools and transformers come
+from there: ``--no-index`` downloads nothing, so a dependency the host lacks fails
+the install), installs the wheel there with pip,
 dependencies resolved, and runs the installed ``autopar`` from an empty directory.
 The venv also sees the host's editable install of autopar, so every check first
 makes sure that ``autopar`` resolves to the venv's own site-packages.
@@ -21,6 +22,7 @@ import importlib.resources
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -79,10 +81,26 @@ def installed(tmp_path_factory) -> Installed:
     # --without-pip: the venv runs the host's pip, which it sees through --system-site-packages
     _check(run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv), "python -m venv")
     python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
+    _see_the_hosts_packages(python, run)
     _check(run(python, "-m", "pip", "install", "--no-index", wheel), "pip install <wheel> into the venv")
     autopar = python.with_name("autopar.exe" if os.name == "nt" else "autopar")
     assert autopar.is_file(), f"the wheel's console script was not installed: expected {autopar}"
     return Installed(wheel=wheel, python=python, autopar=autopar, cwd=cwd, env=env)
+
+
+def _see_the_hosts_packages(python: Path, run) -> None:
+    """Make the new venv see the packages of the interpreter running the tests, where they are installed.
+
+    ``--system-site-packages`` shows the *base* interpreter's site-packages: when the tests run in a virtual
+    environment (the way most people install), torch, ortools and transformers live in that environment's
+    site-packages instead, which a venv made from it does not see.  A ``.pth`` file in the new venv lists the
+    running interpreter's site-packages after the venv's own (directories only: the host's editable install of
+    autopar, a ``.pth`` finder there, is not run), so dependencies resolve and autopar is the venv's."""
+    purelib = _check(
+        run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"), "venv site-packages"
+    ).stdout.strip()
+    host = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(purelib) / "zz_host_site_packages.pth").write_text("".join(f"{p}\n" for p in host))
 
 
 # ---------------------------------------------------------------- the wheel's contents
@@ -157,7 +175,7 @@ def test_installed_cli_plans_gpt2_with_a_named_profile(installed):
         "--profile", "a100",
     )  # fmt: skip
     out = _check(proc, "autopar plan gpt2").stdout
-    assert out.startswith("autopar plan: GPT2LMHeadModel on mesh {'dp': 4}, profile a100,"), out[:200]
+    assert out.startswith("autopar plan: GPT2LMHeadModel on mesh {'axis0': 4}, profile a100,"), out[:200]
     for table in ("parameters (per group)", "collectives", "totals per device", "step time"):
         assert table in out, f"plan output lacks {table!r}:\n{out}"
     assert "transformer.h.*.mlp.c_fc.weight" in out

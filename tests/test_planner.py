@@ -36,7 +36,9 @@ def test_gpt2_megatron_plan_found_without_being_told(gpt2_tp4):
     cap = int(1.5 * GiB)
     plan = plan_from_context(gpt2_tp4, mem_cap=cap)
     dp = next(a for a in plan.alternatives if a["family"] == "data parallel")
-    assert not dp["feasible"] and dp["min_per_device_bytes"] > cap  # replicated weights do not fit
+    assert not dp["feasible"] and "a batch of 1 is smaller than every mesh axis" in dp["why"]  # batch 1: no DP
+    sharded = next(a for a in plan.alternatives if a["family"] == "sharded parameters")
+    assert sharded["per_device_bytes"] is None or sharded["per_device_bytes"] <= cap  # a row fits only under it
     assert plan.memory["per_device_bytes"] <= cap
     for block in range(12):
         p = _block_params(plan, block)
@@ -76,7 +78,8 @@ def test_table_explains_the_choice(gpt2_tp4):
     plan = plan_from_context(gpt2_tp4, mem_cap=int(1.5 * GiB))
     text = render_table(plan)
     for family in ("data parallel", "sharded parameters", "tensor parallel"):
-        assert re.search(rf"│ {family}\s+│", text), family
+        assert re.search(rf"│ {family}[\s(]", text), family
+    assert "│ data parallel (no plan: a batch of 1 is smaller" in text
     assert "why this plan" in text and "step time" in text and "activations" in text
     best = min(a["total_s"] for a in plan.alternatives if a["feasible"])
     assert plan.cost["total_s"] <= best * (1 + 1e-9)

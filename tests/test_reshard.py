@@ -13,6 +13,7 @@ a region sends nothing.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -205,6 +206,31 @@ def test_a_wrong_piece_fails_every_rank_and_a_missing_dtype_names_the_fix():
     assert "holds (3, 4), but ['S(0)'] of a (4, 4) tensor gives it a piece of shape (2, 4)" in errors[0][0]
     assert "rank(s) [0, 1] were not given their source pieces" in errors[3][0]
     assert all("holds ranks (0, 1) of a world of 4" in e[1] and "pass dtype=" in e[1] for e in errors)
+
+
+def _outside_world_fn(rank, world):
+    """Destinations with ranks past a world of 2 (a sub-mesh of ranks 2, 3, and a 2x2 mesh): each must raise
+    on every rank, not wait for ranks that do not exist; and dtype= converts a piece held in another dtype."""
+    errors = []
+    piece = torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float64)
+    for dst in ((Mesh((2,), ranks=(2, 3)), ["R"]), (Mesh((2, 2)), ["R", "R"])):
+        start = time.monotonic()
+        try:
+            autopar.reshard(piece, (Mesh((2,)), ["S(0)"]), dst, shape=(4,), dtype=torch.float64)
+        except ValueError as e:
+            errors.append((str(e), time.monotonic() - start))
+    whole = autopar.reshard(piece, (Mesh((2,)), ["S(0)"]), (Mesh((2,)), ["R"]), shape=(4,), dtype=torch.float32)
+    return errors, whole
+
+
+def test_a_reshard_to_ranks_outside_the_world_fails_on_every_rank_at_once():
+    for rank, (errors, whole) in enumerate(run_ranks(_outside_world_fn, 2, timeout_s=60)):
+        assert len(errors) == 2, (rank, errors)  # both calls raised here: no rank was left waiting
+        (sub, sub_s), (square, square_s) = errors
+        assert "destination Mesh" in sub and "ranks [2, 3] are outside the world of 2 (ranks 0..1)" in sub
+        assert "ranks [2, 3] are outside the world of 2" in square
+        assert sub_s < 10 and square_s < 10
+        assert whole.dtype == torch.float32 and whole.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def _state_dict_fn(rank, world):

@@ -17,7 +17,17 @@ from autopar.layout import Box, piece_boxes
 from .cli import add_export_parser, cmd_export
 from .export import DEFAULT_MAX_SHARD_BYTES, ExportedFile, ExportError, SafetensorsExport, export_safetensors
 from .piece import PieceTensor
-from .saving import INFO_FILE, CheckpointError, load, load_extra, read_metadata, save, saved_info
+from .saving import (
+    INFO_FILE,
+    CheckpointError,
+    load,
+    load_extra,
+    model_mismatch,
+    read_metadata,
+    resolve_checkpoint,
+    save,
+    saved_info,
+)
 from .state import ModelState, OptimizerState, init_optimizer_state, model_pieces, tied_aliases
 
 __all__ = [
@@ -39,7 +49,9 @@ __all__ = [
     "load_extra",
     "model_pieces",
     "piece_boxes",
+    "model_mismatch",
     "read_metadata",
+    "resolve_checkpoint",
     "save",
     "saved_info",
     "tied_aliases",

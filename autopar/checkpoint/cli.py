@@ -62,6 +62,9 @@ def add_export_parser(sub, *, bytes_arg) -> None:
 def _check_empty_dir(path: Path, flag: str) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path}: is a file; name a new or empty directory")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():  # every -o alike: the output is created, the folder it goes in must exist
+        raise ValueError(f"{flag} {str(path)!r}: folder {str(folder)!r} does not exist; create it or pass another path")
     held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     if held:
         few = ", ".join(held[:3]) + (f", ... ({len(held) - 3} more)" if len(held) > 3 else "")

@@ -71,7 +71,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .saving import INFO_FILE, CheckpointError, one_process_is_meant, read_metadata, saved_info
+from .saving import INFO_FILE, CheckpointError, one_process_is_meant, read_metadata, resolve_checkpoint, saved_info
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -184,7 +184,8 @@ def export_safetensors(
     """Write the model of the checkpoint at ``checkpoint_dir`` into ``out_dir`` as Hugging Face safetensors.
 
     One process, no process group; holds one tensor (and chunks of it being read)
-    in memory at a time (module docstring).  ``out_dir`` is created when missing; files
+    in memory at a time (module docstring).  ``out_dir`` is created when missing (its parent must exist, as for
+every ``-o`` of the CLI); files
     beside the weights there (``config.json``, a tokenizer) are kept, but earlier
     weight files are refused, since stale shards would mix with the new ones.
     Raises ``CheckpointError`` for a missing or incomplete checkpoint, or one with
@@ -194,7 +195,7 @@ def export_safetensors(
         raise ExportError(
             "out_dir", "safetensors stores little-endian data, this machine is big-endian", "export elsewhere"
         )
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir, out_dir = resolve_checkpoint(checkpoint_dir), Path(out_dir)
     _check_arguments(max_shard_bytes, dtype)
     metadata = read_metadata(checkpoint_dir)
     entries = _entries(metadata, checkpoint_dir, dtype, include_tied)
@@ -309,10 +310,12 @@ def _with_aliases(entries: list[_Entry], checkpoint_dir: Path) -> list[_Entry]:
 
 def _prepare_out_dir(out_dir: Path, checkpoint_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError("out_dir", f"{out_dir} is a file", "name a directory (it is created when missing)")
+        raise ExportError("out_dir", f"{out_dir} is a file", "name a directory (created when missing)")
     if out_dir.is_dir() and out_dir.resolve() == checkpoint_dir.resolve():
         raise ExportError("out_dir", f"{out_dir} is the checkpoint itself", "name another directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not out_dir.parent.is_dir():
+        raise ExportError("out_dir", f"folder {out_dir.parent} does not exist", "create it or pass another path")
+    out_dir.mkdir(exist_ok=True)
     stale = sorted(
         p.name
         for p in out_dir.iterdir()

@@ -17,7 +17,9 @@ Atomicity: ranks write into ``<path>.partial``; DCP writes the ``.metadata`` fil
 last, after every rank's data, and only then does rank 0 move the directory to
 ``<path>`` (replacing an older checkpoint there: renamed aside, then deleted).  A
 save killed on any rank leaves ``<path>`` as it was and ``<path>.partial``
-without metadata, which ``load`` rejects by name.  The directory must be on a
+without metadata, which ``load`` rejects by name.  ``load`` (and ``export_safetensors``) also take the
+directory ``autopar run --save`` writes, holding ``step-<n>`` checkpoints: the latest complete one
+(``resolve_checkpoint``).  The directory must be on a
 filesystem every rank sees (one machine, or a shared mount across nodes).
 Beside DCP's files rank 0 writes ``autopar.json`` (``INFO_FILE``): the model class,
 mesh, world size and plan family that saved it (for messages) and its tied aliases,
@@ -37,6 +39,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -59,7 +62,9 @@ __all__ = [
     "load_extra",
     "CheckpointError",
     "INFO_FILE",
+    "model_mismatch",
     "read_metadata",
+    "resolve_checkpoint",
     "saved_info",
     "one_process_is_meant",
 ]
@@ -184,7 +189,7 @@ def load(
     kinds of entries ``save`` took: ``Stateful`` objects get ``load_state_dict``,
     dicts are filled in place.  Raises ``CheckpointError`` (module docstring).
     """
-    path = Path(path)
+    path = resolve_checkpoint(path)
     metadata = read_metadata(path)
     if optimizer is not None:
         init_optimizer_state(optimizer)  # the template DCP loads into is the optimizer's own state
@@ -208,7 +213,7 @@ def load_extra(path: str | os.PathLike, extra: Mapping[str, Any]) -> Mapping[str
     needs to know before building the model, such as the step a job saved at.
     Raises ``CheckpointError`` when the checkpoint is incomplete or lacks a key.
     """
-    path = Path(path)
+    path = resolve_checkpoint(path)
     metadata = read_metadata(path)
     want: dict[str, Any] = {}
     for k, v in extra.items():
@@ -224,29 +229,58 @@ def load_extra(path: str | os.PathLike, extra: Mapping[str, Any]) -> Mapping[str
     return extra
 
 
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint ``path`` names: ``path`` itself when it is one, or the latest complete ``step-<n>`` in it
+    (the directory ``autopar run --save`` writes); ``CheckpointError`` saying what ``path`` holds otherwise."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    steps = sorted(
+        (int(m.group(1)), child)
+        for child in (path.iterdir() if path.is_dir() else ())
+        if (m := _STEP_DIR.match(child.name)) and (child / ".metadata").is_file()
+    )
+    if steps:
+        log.info("%s holds %d checkpoints; taking the latest, %s", path, len(steps), steps[-1][1].name)
+        return steps[-1][1]
+    raise CheckpointError(_not_a_checkpoint(path))
+
+
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """The DCP metadata of the complete checkpoint at ``path``; ``CheckpointError`` naming what is wrong otherwise."""
     path = Path(path)
-    if not path.is_dir():
-        hint = ""
-        partial = path.with_name(path.name + ".partial")
-        if partial.is_dir():
-            hint = f"; {partial} holds an unfinished save (interrupted before it completed), which is not loadable"
-        raise CheckpointError(
-            f"no checkpoint at {path}: not a directory{hint}; name a directory autopar.save completed"
-        )
     if not (path / ".metadata").is_file():
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint: it has no .metadata, which torch.distributed.checkpoint writes "
-            "last, once every rank's data is on disk, so the save that wrote it was interrupted"
-            + (
-                " (autopar.save writes into <path>.partial and renames it when complete)"
-                if path.name.endswith(".partial")
-                else ""
-            )
-            + "; use the previous checkpoint instead"
-        )
+        raise CheckpointError(_not_a_checkpoint(path))
     return dcp.FileSystemReader(path).read_metadata()
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    """Why ``path`` is no loadable checkpoint: missing, an interrupted save (data files but no ``.metadata``),
+    a ``--save`` directory whose step folders are all incomplete, or a directory with no checkpoint at all."""
+    fix = "name a directory autopar.save wrote, or the --save directory of autopar run (its latest step-<n>)"
+    if not path.is_dir():
+        partial = path.with_name(path.name + ".partial")
+        hint = f"; {partial} holds an unfinished save (interrupted before it completed)" if partial.is_dir() else ""
+        return f"no checkpoint at {path}: not a directory{hint}; {fix}"
+    children = sorted(child.name for child in path.iterdir())
+    if any(name.endswith(".distcp") for name in children):
+        staged = " (autopar.save writes into <path>.partial and renames it when complete)"
+        return (
+            f"{path} is not a complete checkpoint: it holds checkpoint data but no .metadata, which "
+            "torch.distributed.checkpoint writes last, once every rank's data is on disk, so the save that wrote "
+            f"it was interrupted{staged if path.name.endswith('.partial') else ''}; use the previous checkpoint instead"
+        )
+    steps = [name for name in children if _STEP_DIR.match(name.removesuffix(".partial"))]
+    if steps:
+        return (
+            f"{path} holds step folders {', '.join(steps)} but none is a complete checkpoint (no .metadata: their "
+            f"saves were interrupted); {fix}"
+        )
+    shown = ", ".join(children[:5]) + (f" and {len(children) - 5} more" if len(children) > 5 else "")
+    return f"{path} is not a checkpoint: it holds no .metadata and no checkpoint data ({shown or 'it is empty'}); {fix}"
 
 
 def _flat(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -299,6 +333,17 @@ def _check(metadata: Metadata, templates: dict[str, Any], path: Path, strict: bo
         ", or pass strict=False to load what matches" if strict else ""
     )
     return f"cannot load {path}{_saved_by(path)}:\n" + "\n".join(lines) + f"\nFix: {fix}"
+
+
+def model_mismatch(path: str | os.PathLike, module: nn.Module) -> str:
+    """Why the checkpoint at ``path`` does not hold ``module``'s model (its first problem, one line; '' when it
+    does): for a launcher to refuse a resume in its own words before any rank starts."""
+    path = resolve_checkpoint(path)
+    problems = _check(read_metadata(path), {"model": ModelState(module).state_dict()}, path, strict=False)
+    if not problems:
+        return ""
+    first = problems.splitlines()[1].removeprefix("- ")
+    return f"{path}{_saved_by(path)} does not hold this model: {first}"
 
 
 def _few(keys: list[str]) -> str:

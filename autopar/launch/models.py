@@ -30,6 +30,7 @@ built-in model's config before it is built (numerics that compare exactly), and
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -109,9 +110,14 @@ def model_config(name: str) -> dict[str, Any]:
         return dict(tiny, description=f"tiny {tiny['model_class']}, random weights ({TINY_HF_TABLE}.toml)")
     path = config_dir() / "models" / f"{name}.toml"
     if not path.is_file() or name == TINY_HF_TABLE:
+        names = builtin_models()
+        if name.lower() in names:  # built-in names are lower case
+            return model_config(name.lower())
+        close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
+        guess = f"did you mean {' or '.join(close)}? " if close else ""
         raise ValueError(
-            f"model {name!r} is not a built-in model ({', '.join(builtin_models())}) nor a factory; "
-            "pass a built-in name, path/to/file.py:factory or package.module:factory"
+            f"model {name!r} is not a built-in model nor a factory; {guess}`autopar models` lists the "
+            f"{len(names)} built-in names; or pass path/to/file.py:factory or package.module:factory"
         )
     return tomllib.loads(path.read_text())
 
@@ -257,10 +263,12 @@ def load_model(
     device: str = "meta",
     no_dropout: bool = False,
     overrides: dict[str, Any] | None = None,
+    seed: int = 0,
 ):
     """(model, args, kwargs) for a built-in name or a ``module:factory`` spec.
 
-    ``no_dropout`` and ``overrides`` (config keyword arguments) apply to built-in models only.
+    ``no_dropout``, ``overrides`` (config keyword arguments) and ``seed`` (of the random weights and token ids:
+    every process building with one seed gets the same model) apply to built-in models only.
     ``seq=None`` is ``default_seq(spec)``.
     """
     if not isinstance(spec, str):
@@ -268,9 +276,11 @@ def load_model(
     batch = _whole_number(batch, "batch", "the global batch")
     seq = default_seq(spec) if seq is None else _whole_number(seq, "seq", "the sequence length")
     if ":" not in spec:
-        return _build_hf(spec, batch=batch, seq=seq, device=device, no_dropout=no_dropout, overrides=overrides)
-    if no_dropout or overrides:
-        raise ValueError(f"model factory {spec!r}: no_dropout and overrides apply to built-in models only")
+        return _build_hf(
+            spec, batch=batch, seq=seq, device=device, seed=seed, no_dropout=no_dropout, overrides=overrides
+        )
+    if no_dropout or overrides or seed:
+        raise ValueError(f"model factory {spec!r}: no_dropout, overrides and seed apply to built-in models only")
     factory = _load_factory(spec)
     params = inspect.signature(factory).parameters
     kw = {k: v for k, v in (("batch", batch), ("seq", seq)) if k in params}

@@ -18,37 +18,14 @@ or on), and ``check_replayable`` refuses a ``--check`` the reference cannot repl
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from autopar.checkpoint import CheckpointError, load, load_extra, save
+from autopar.checkpoint import CheckpointError, load, load_extra, resolve_checkpoint, save
 
 __all__ = ["check_replayable", "resolve_checkpoint", "saved_step", "resume", "save_if_due"]
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint ``--resume path`` names: ``path`` itself, or its latest complete ``step-<n>``."""
-    path = Path(path)
-    if (path / ".metadata").is_file():
-        return path
-    steps = []
-    if path.is_dir():
-        steps = sorted(
-            (int(m.group(1)), child)
-            for child in path.iterdir()
-            if (m := _STEP_DIR.match(child.name)) and (child / ".metadata").is_file()
-        )
-    if not steps:
-        raise CheckpointError(
-            f"--resume {path}: neither a checkpoint (no .metadata) nor a directory holding complete step-<n> "
-            "checkpoints; pass the --save directory of an earlier run, or one of its step-<n> checkpoints"
-        )
-    return steps[-1][1]
 
 
 def saved_step(path: str | Path) -> int:

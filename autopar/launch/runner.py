@@ -116,10 +116,7 @@ class RunConfig:
         self.mesh()  # validates the shape and the axis names
 
     def mesh(self) -> Mesh:
-        names = self.axis_names
-        if names is None:
-            names = ("dp",) if len(self.mesh_shape) == 1 else tuple(f"axis{i}" for i in range(len(self.mesh_shape)))
-        return Mesh(self.mesh_shape, axis_names=names)
+        return Mesh(self.mesh_shape, axis_names=self.axis_names)  # no names: Mesh's axis0, axis1, ... as everywhere
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ overlapped with backward compute).  ``classify`` names what the chosen plan does
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from autopar.cost import BackwardMemory, peak_memory
@@ -67,7 +68,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     consumers = graph.consumers() if regions else {}
     bucketed: dict[int, int] = {}  # parameter -> its gradient bytes the runtime's buckets reduce
 
-    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False):
+    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False, out=False):
         nonlocal comm_s
         whole = coster.comm_time_s(kind, nbytes, axis) if whole is None else whole
         t = whole * exposed
@@ -86,6 +87,8 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
         }
         if again:  # a forward collective of a recomputed block, run again in backward
             entry["recompute"] = True
+        if out:  # a model output gathered whole onto every rank (what the module returns)
+            entry["output"] = True
         collectives.append(entry)
 
     for n in graph.nodes:
@@ -179,7 +182,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
         un = graph.nodes[u]
         full = tuple(Replicate() for _ in mesh_shape)
         for t in transitions(coster.compute_meta(un.outputs[o]), strat[u].outputs[o], full, mesh_shape):
-            add(t.kind, t.axis, "forward", t.bytes, un, un.name, t.reduce_op)
+            add(t.kind, t.axis, "forward", t.bytes, un, un.name, t.reduce_op, out=True)
     search_bytes = sum(mem.values())  # the additive bound the search kept under the cap
     return {
         "cost": {
@@ -300,48 +303,68 @@ def assemble_plan(
     )
 
 
-def classify(ctx, choice: list[int]) -> str:
-    """Name what a chosen plan does, e.g. ``tensor parallel + sequence parallel``.
+_FEATURES = ("tensor parallel", "sequence parallel", "data parallel", "sharded parameters", "sharded optimizer state")
 
-    * ``tensor parallel``: some parameter is read sharded by its consumer;
-    * ``data parallel``: an op that reads a parameter replicated is split on an
-      axis along the batch (``_splits_batch``), so that parameter's gradient is
-      reduced across the axis;
-    * ``sequence parallel``: such an op is split along another dim, the sequence or
-      the tokens of a batch too small to split (Megatron's sequence parallelism:
-      norms and biases on token-split activations between tensor-parallel matmuls);
-    * ``sharded parameters``: some parameter is stored sharded and gathered before use;
-    * ``sharded optimizer state``: some gradient/optimizer state is sharded beyond its parameter;
-    * ``replicated``: none of these (every rank runs the whole step).
+
+def classify(ctx, choice: list[int]) -> str:
+    """Name what a chosen plan does to most of the model, and where it does more, e.g. ``data parallel + sharded
+    optimizer state (also tensor parallel on transformer.wte.weight, transformer.wpe.weight: 32% of the
+    parameter bytes)``.  Each parameter shows the features below; a feature its parameters hold at least half
+    the parameter bytes of names the plan, the others are listed after it with the parameters they are on:
+
+    * ``tensor parallel``: the parameter is read sharded by its consumer;
+    * ``data parallel``: an op that reads it replicated is split on an axis along the batch
+      (``_splits_batch``), so its gradient is reduced across the axis;
+    * ``sequence parallel``: such an op is split along another dim, the sequence or the tokens of a batch too
+      small to split (Megatron's sequence parallelism: norms and biases on token-split activations between
+      tensor-parallel matmuls);
+    * ``sharded parameters``: it is stored sharded and gathered before use;
+    * ``sharded optimizer state``: its gradient/optimizer state is sharded beyond its placement;
+    * ``replicated``: no feature holds half the bytes (every rank runs that part whole).
     """
-    strategies = ctx.cand.strategies
+    on = _features_by_parameter(ctx, choice)
     nodes = ctx.graph.nodes
+    size = {u: nodes[u].outputs[0].numel * nodes[u].outputs[0].dtype.itemsize for u in on}
+    total = sum(size.values()) or 1
+    share = {f: sum(size[u] for u, fs in on.items() if f in fs) / total for f in _FEATURES}
+    major = [f for f in _FEATURES if share[f] >= 0.5]
+    minor = [f for f in _FEATURES if 0 < share[f] < 0.5]
+    label = " + ".join(major) or "replicated"
+    if minor:
+        also = [f"{f} on {_names([u for u, fs in on.items() if f in fs], nodes)}: {share[f]:.0%}" for f in minor]
+        label += f" (also {'; '.join(also)} of the parameter bytes)"
+    return label
+
+
+def _features_by_parameter(ctx, choice: list[int]) -> dict[int, set[str]]:
+    """Parameter node -> the features of :func:`classify` the plan gives it."""
+    strategies, nodes = ctx.cand.strategies, ctx.graph.nodes
     batch = _batch_size(ctx.graph)
-    found: set[str] = set()
+    on: dict[int, set[str]] = {n.index: set() for n in nodes if n.kind == "param"}
     for node in nodes:
-        if node.kind == "param":
-            s = strategies[node.index][choice[node.index]]
-            if s.state != s.placement:
-                found.add("sharded optimizer state")
-            continue
+        s = strategies[node.index][choice[node.index]]
+        if node.kind == "param" and s.state != s.placement:
+            on[node.index].add("sharded optimizer state")
         if node.kind != "op":
             continue
-        s = strategies[node.index][choice[node.index]]
         for pos, (u, _) in enumerate(node.inputs):
             if nodes[u].kind != "param":
                 continue
-            stored = strategies[u][choice[u]].placement
-            read = s.inputs[pos]
+            stored, read = strategies[u][choice[u]].placement, s.inputs[pos]
             if any(isinstance(p, Shard) for p in read):
-                found.add("tensor parallel")
+                on[u].add("tensor parallel")
             if any(isinstance(a, Shard) and a != b for a, b in zip(stored, read)):
-                found.add("sharded parameters")
+                on[u].add("sharded parameters")
             for axis, (p, split) in enumerate(zip(read, s.split)):
                 if isinstance(p, Replicate) and split:
-                    by_batch = _splits_batch(ctx, node, s, axis, batch)
-                    found.add("data parallel" if by_batch else "sequence parallel")
-    order = ("tensor parallel", "sequence parallel", "data parallel", "sharded parameters", "sharded optimizer state")
-    return " + ".join(f for f in order if f in found) or "replicated"
+                    on[u].add("data parallel" if _splits_batch(ctx, node, s, axis, batch) else "sequence parallel")
+    return on
+
+
+def _names(params: list[int], nodes) -> str:
+    """The parameters' names, a layer index as ``*`` (``transformer.h.*.mlp.c_fc.weight``), the first three."""
+    names = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", nodes[u].fqn or nodes[u].name) for u in params))
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _batch_size(graph) -> int | None:

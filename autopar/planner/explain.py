@@ -18,6 +18,7 @@ from rich.table import Table
 
 from autopar.units import format_bytes
 
+from .report import describe_output_gather
 from .schema import Plan
 
 __all__ = ["render_explanation", "deciding_terms"]
@@ -62,6 +63,8 @@ def render_explanation(plan: Plan, *, width: int = 130) -> str:
         *(format_bytes(a["per_device_bytes"]) for a in others),
     )
     con.print(table)
+    if note := describe_output_gather(plan):
+        con.print(note)
     if not plan.alternatives:
         con.print("no family comparison was made (--no-compare): plan without it to see what decided")
     for a in plan.alternatives:

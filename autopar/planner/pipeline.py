@@ -36,7 +36,7 @@ from autopar.runtime import DEFAULT_BUCKET_BYTES
 from autopar.search import BeatenError, ChainError, Deadline
 from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
 from autopar.units import parse_bytes
-from costmodel import load_profile, optimizer_spec, precision
+from costmodel import check_devices_per_node, load_profile, optimizer_spec, precision
 
 from .errors import MemoryCapError
 from .hints import ResolvedHints, resolve_hints
@@ -44,7 +44,7 @@ from .problem import PS_PER_S, ProblemTables, build_tables
 from .recompute import RECOMPUTE_OPTIONS
 from .regions import block_regions, hinted_regions, rest_regions, selective_regions
 from .schema import FAMILIES, Plan
-from .solving import SEARCH_BUDGET_S, family_alternatives, plan_under
+from .solving import SEARCH_BUDGET_S, family_plans, plan_under
 
 __all__ = ["plan", "PlanningContext", "prepare", "rebatch", "plan_from_context", "FAMILIES", "MemoryCapError"]
 
@@ -122,6 +122,7 @@ def prepare(
     settings = {"profile": profile, "dtype": dtype, "optimizer": optimizer, "grad_bucket_bytes": grad_bucket_bytes}
     if devices_per_node is not None:
         load_profile(profile).with_devices_per_node(devices_per_node)  # checks the value before the capture
+        check_devices_per_node(mesh.shape, devices_per_node)
         settings["devices_per_node"] = devices_per_node
     hint_args = {
         "hints": hints,
@@ -356,6 +357,49 @@ def plan_from_context(
     if recompute not in RECOMPUTE_OPTIONS:
         raise ValueError(f"recompute {recompute!r}: expected one of {RECOMPUTE_OPTIONS}")
     hinted_ctx, resolved = _hinted_context(ctx, hints, input_placements, output_placements, strict)
+    common = {
+        "solver": solver,
+        "allow_state_sharding": allow_state_sharding,
+        "family": family,
+        "progress": progress,
+        "deadline": deadline,
+    }
+    found = _search_modes(ctx, hinted_ctx, resolved, cap, recompute, common)
+    if not compare_families:
+        return found.plan
+    free_to_choose = allow_state_sharding and family is None and not resolved.allowed(hinted_ctx.cand)
+    return _with_families(found, hinted_ctx, cap, solver, deadline, free_to_choose)
+
+
+@dataclass(frozen=True, slots=True)
+class _Searched:
+    """The plan the recompute modes' searches kept, and the recompute regions the family rows are searched with
+    (the plan's own mode; none for a per-layer plan)."""
+
+    plan: Plan
+    compared_regions: dict[int, str]
+
+
+def _with_families(found: _Searched, ctx, cap, solver: str, deadline, free_to_choose: bool) -> Plan:
+    """``found``'s plan with the best plan of each family beside it (``solving.family_plans``, searched once, for
+    the plan kept).  Where the plan is free to be any (no hints, family or state rule) and a family's plan fits
+    and is faster, that plan is the one returned: the peak loop bisects the additive bound, which the step's peak
+    does not follow, so a forced family's loop can land on a faster plan that fits."""
+    plan = found.plan
+    compared = family_plans(ctx, cap, solver, found.compared_regions, deadline)
+    alternatives = [entry for entry, _ in compared]
+    faster = min((p for _, p in compared if p is not None), key=lambda p: p.cost["total_s"], default=None)
+    if not free_to_choose or faster is None or faster.cost["total_s"] >= plan.cost["total_s"]:
+        return replace(plan, alternatives=alternatives)
+    regions = block_regions(ctx)
+    search = dict(faster.search, kept_family_plan=True, **(_layer_modes(faster, regions, ctx.graph) if regions else {}))
+    memory = dict(faster.memory, cap_bytes=cap)
+    return replace(faster, settings=plan.settings, search=search, memory=memory, alternatives=alternatives)
+
+
+def _search_modes(ctx, hinted_ctx, resolved, cap: int | None, recompute: str, common: dict) -> _Searched:
+    """The recompute modes' searches of ``plan_from_context`` (its docstring), the family rows not made."""
+    solver, deadline = common["solver"], common["deadline"]
     regions = block_regions(hinted_ctx)
     if recompute in ("full", "selective") and not regions:
         raise ValueError(
@@ -383,13 +427,6 @@ def plan_from_context(
         auto.append("full+rest")
         mode_regions["full+rest"] = {**regions, **rest}
     best, best_mode, failed, tried = None, None, None, []
-    common = {
-        "solver": solver,
-        "allow_state_sharding": allow_state_sharding,
-        "family": family,
-        "progress": progress,
-        "deadline": deadline,
-    }
     if recompute == "auto" and len(auto) > 1 and solver == "dp" and hinted_ctx.blocks is not None:
         # every layer picks its own: saved, selective or whole, in one chained search (a cap no choice meets
         # raises here: the search covered every mode of every layer).  Its optimum is the plan unless the
@@ -398,20 +435,18 @@ def plan_from_context(
         # the rest of the graph at block granularity (its parts recomputed together: one more choice, made with
         # the first layer's, each crossing costs the chain a rest table)
         rests = tuple({**layer, **rest} for layer in layers) if rest else ()
-        free = plan_under(hinted_ctx, resolved, None, forced, compare_families=False, unless_over=cap, **common)
+        free = plan_under(hinted_ctx, resolved, None, forced, unless_over=cap, **common)
         if free is not None and free.memory["per_device_bytes"] <= cap:  # the fastest plan fits: the optimum
-            alternatives = family_alternatives(hinted_ctx, cap, solver) if compare_families else []
             settings = dict(free.settings, mem_cap_bytes=cap, recompute=recompute)
             search = dict(free.search, **_layer_modes(free, regions, hinted_ctx.graph))
             memory = dict(free.memory, cap_bytes=cap)
-            return replace(free, settings=settings, search=search, memory=memory, alternatives=alternatives)
+            return _Searched(replace(free, settings=settings, search=search, memory=memory), forced)
         try:
             found = plan_under(
                 hinted_ctx,
                 resolved,
                 cap,
                 forced,
-                compare_families=compare_families,
                 per_layer=layers,
                 per_rest=rests,
                 **common,
@@ -427,7 +462,8 @@ def plan_from_context(
             gap = found.search["objective_ps"] - found.search.get("peak_lower_ps", found.search["objective_ps"])
             if found.search["peak_searches"] == 1 or gap <= found.search["objective_ps"] >> 8:
                 search = dict(found.search, **_layer_modes(found, regions, hinted_ctx.graph))
-                return replace(found, settings=dict(found.settings, recompute=recompute), search=search)
+                chosen = replace(found, settings=dict(found.settings, recompute=recompute), search=search)
+                return _Searched(chosen, forced)
             best, best_mode = found, "per layer"
             tried.append(_tried("per layer", found))
     for mode in auto if recompute == "auto" else [recompute]:
@@ -438,9 +474,7 @@ def plan_from_context(
             tried.append({"recompute": mode, "feasible": None, "skipped": "search budget"})
             continue
         try:
-            found = plan_under(
-                hinted_ctx, resolved, cap, mode_regions[mode], compare_families=compare_families, above=above, **common
-            )
+            found = plan_under(hinted_ctx, resolved, cap, mode_regions[mode], above=above, **common)
         except BeatenError as e:  # a bound proves this mode slower than the plan in hand: not searched further
             tried.append({"recompute": mode, "feasible": None, "at_least_s": e.lower_bound_ps / PS_PER_S})
             continue
@@ -472,7 +506,8 @@ def plan_from_context(
         search["recompute_mode"] = "full" if best_mode == "full+rest" else best_mode
     if len(tried) > 1:
         search["recompute_modes"] = tried
-    return replace(best, settings=dict(best.settings, recompute=recompute), search=search)
+    compared = forced if best_mode == "per layer" else mode_regions[best_mode]
+    return _Searched(replace(best, settings=dict(best.settings, recompute=recompute), search=search), compared)
 
 
 def _tried(mode: str, plan: Plan) -> dict[str, Any]:

@@ -135,6 +135,28 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+#: the share of the step a gather of the model's outputs must take for the table to point it out
+OUTPUT_GATHER_SHARE = 0.1
+
+
+def describe_output_gather(plan: Plan) -> str:
+    """A note when gathering the model's outputs whole onto every rank takes a large share of the step
+    (``OUTPUT_GATHER_SHARE``), with the ways out; '' otherwise.  The module returns its outputs full on every
+    rank unless told otherwise: a model returning logits for a loss computed outside gathers them all."""
+    gathers = [c for c in plan.collectives if c.get("output")]
+    spent = sum(c["time_s"] for c in gathers)
+    step = plan.cost["total_s"]
+    if not gathers or spent < OUTPUT_GATHER_SHARE * step:
+        return ""
+    what = ", ".join(dict.fromkeys(c["module"] or c["tensor"] for c in gathers))
+    return (
+        f"note: gathering the model's outputs onto every rank ({what}: "
+        f"{format_bytes(sum(c['bytes'] for c in gathers))} moved) takes {_ms(spent)} of the {_ms(step)} step "
+        f"({spent / step:.0%}); return the loss from the model (pass labels) so that only it is gathered, or keep "
+        "the output sharded with output_placements= (autopar.plan / autopar.compile)"
+    )
+
+
 def describe_nodes(plan: Plan) -> str:
     """Which mesh axes span nodes (their collectives priced on the inter-node link), or '' on one node."""
     from costmodel import axis_crosses_nodes, load_profile
@@ -180,6 +202,8 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
     con.print(_params_table(plan))
     con.print(_collectives_table(plan))
     con.print(_totals_table(plan))
+    if note := describe_output_gather(plan):
+        con.print(note)
     if plan.alternatives:
         con.print(_families_table(plan))
     if plan.fallback_ops:
@@ -304,7 +328,7 @@ def _families_table(plan: Plan) -> Table:
             )
         else:
             t.add_row(
-                a["family"],
+                a["family"] + (f" (no plan: {a['why']})" if a.get("why") else ""),
                 "-",
                 "-",
                 "-",

@@ -22,7 +22,7 @@ from autopar.capture import Blocks
 from autopar.search import ChainError, Deadline, InfeasibleError, Solution, solve_chain, solve_cpsat, solve_dp
 
 from .assemble import assemble_plan, breakdown
-from .errors import cap_error, no_plan_error
+from .errors import MemoryCapError, cap_error, no_plan_error
 from .families import family_restriction, param_nodes
 from .hints import ResolvedHints
 from .problem import to_problem
@@ -32,7 +32,7 @@ from .schema import FAMILIES, Plan
 if TYPE_CHECKING:
     from .pipeline import PlanningContext
 
-__all__ = ["PLAN_GAP", "SEARCH_BUDGET_S", "family_alternatives", "plan_under", "solve_problem"]
+__all__ = ["PLAN_GAP", "SEARCH_BUDGET_S", "family_plans", "plan_under", "solve_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ def plan_under(
     regions: dict[int, str],
     *,
     solver: str,
-    compare_families: bool,
     allow_state_sharding: bool,
     family: str | None,
     progress,
@@ -232,11 +231,10 @@ def plan_under(
         sol, choice, more = _refine(search, peak_of, sol, choice, best_bound, cap)
         searches += more
     search_s = time.perf_counter() - t0
-    alternatives = family_alternatives(ctx, cap, solver) if compare_families else []
     timings = dict(ctx.timings, search_s=search_s)
     settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
     ctx = contexts.get(key(sol, choice), ctx)
-    result = assemble_plan(ctx, choice, sol, settings, alternatives, parts.get(key(sol, choice)))
+    result = assemble_plan(ctx, choice, sol, settings, [], parts.get(key(sol, choice)))
     search = dict(result.search, peak_searches=searches)  # > 1: the peak, not the bound, held the plan back
     if deadline is not None and (late or sol.stats.get("budget_hit")):
         search.update(budget_hit=True, budget_s=deadline.budget_s)
@@ -353,36 +351,75 @@ def solve_problem(
 
 
 # ---- families ---------------------------------------------------------------------------
-def family_alternatives(ctx: PlanningContext, cap: int | None, solver: str) -> list[dict[str, Any]]:
-    out = []
+def family_plans(
+    ctx: PlanningContext,
+    cap: int | None,
+    solver: str,
+    regions: dict[int, str] | None = None,
+    deadline: Deadline | None = None,
+) -> list[tuple[dict[str, Any], Plan | None]]:
+    """The fastest plan of each forced family (``FAMILIES``) under ``cap``, with the recompute ``regions`` the
+    plan they are compared with has: each through ``plan_under``'s peak loop as the chosen plan went, so a row's
+    memory is the step's peak and a row that fits says so only when that peak is within the cap.  A family whose
+    plan does not do what the family names (data parallel at a batch smaller than every mesh axis) is a row with
+    no plan and the reason (``why``).  Each row comes with its plan (None where there is none)."""
+    from .hints import resolve_hints
+
+    unhinted = resolve_hints(ctx.graph, ctx.mesh)
+    out: list[tuple[dict[str, Any], Plan | None]] = []
     for family in FAMILIES:
-        allow_node, allow_edge = family_restriction(ctx, family)
-        problem, keep = to_problem(ctx.tables, cap, allow_node=allow_node, allow_edge=allow_edge)
         entry: dict[str, Any] = {"family": family}
+        plan = None
+        why = _family_impossible(ctx, family)
         try:
-            sol = solve_problem(problem, solver, ctx.blocks)
-            choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
-            entry.update(feasible=True, **_summary(ctx, choice))
-        except InfeasibleError as e:
-            entry.update(
-                feasible=False,
-                proven=not getattr(e, "approximate", False),
-                total_s=None,
-                compute_s=None,
-                comm_s=None,
-                per_device_bytes=None,
-                min_per_device_bytes=None if e.min_mem_bytes is None else int(e.min_mem_bytes),
+            if why:
+                raise ValueError(why)
+            plan = plan_under(
+                ctx,
+                unhinted,
+                cap,
+                regions or {},
+                solver=solver,
+                allow_state_sharding=True,
+                family=family,
+                progress=None,
+                deadline=deadline,
             )
-        out.append(entry)
+        except MemoryCapError as e:
+            entry.update(_no_plan(), min_per_device_bytes=int(e.min_mem_bytes), proven="approximate" not in e.problem)
+        except ValueError:  # no plan of that family at any memory
+            entry.update(_no_plan(), min_per_device_bytes=None, **({"why": why} if why else {}))
+        else:
+            entry.update(
+                feasible=True,
+                total_s=plan.cost["total_s"],
+                compute_s=plan.cost["compute_s"],
+                comm_s=plan.cost["comm_s"],
+                per_device_bytes=plan.memory["per_device_bytes"],
+                terms=plan.cost["terms"],
+            )
+        out.append((entry, plan))
     return out
 
 
-def _summary(ctx: PlanningContext, choice: list[int]) -> dict[str, Any]:
-    b = breakdown(ctx, choice)
+def _no_plan() -> dict[str, Any]:
     return {
-        "total_s": b["cost"]["total_s"],
-        "compute_s": b["cost"]["compute_s"],
-        "comm_s": b["cost"]["comm_s"],
-        "per_device_bytes": b["memory"]["per_device_bytes"],
-        "terms": b["cost"]["terms"],
+        "feasible": False,
+        "proven": True,
+        "total_s": None,
+        "compute_s": None,
+        "comm_s": None,
+        "per_device_bytes": None,
     }
+
+
+def _family_impossible(ctx: PlanningContext, family: str) -> str | None:
+    """Why ``family`` has no plan worth the name on this context (None when it may): data parallelism splits
+    the batch, which a batch smaller than every mesh axis cannot be."""
+    if family != "data parallel":
+        return None
+    sizes = [n.outputs[0].shape[0] for n in ctx.graph.nodes if n.kind == "input" and n.outputs and n.outputs[0].ndim]
+    batch = max(set(sizes), key=sizes.count) if sizes else None
+    if batch is not None and batch < min(ctx.mesh.shape):
+        return f"a batch of {batch} is smaller than every mesh axis ({ctx.mesh}): no axis can split it"
+    return None

@@ -33,7 +33,8 @@ It moves the tensor the cheapest way the cost model knows:
   ``reshard_cost`` prices them with ``costmodel.transfers_time_s`` (the busiest
   rank's sends or receives on the link between the two ranks).
 
-Checks come first: the layouts, shape and dtype every rank checks alike; then each
+Checks come first: the layouts (every mesh's ranks inside the world), shape and dtype every rank checks
+alike; then each
 rank checks its own pieces, and one all-reduce of a flag tells every rank whether
 any piece was wrong, so a bad call raises on every rank instead of leaving some
 waiting for a message that never comes.
@@ -346,6 +347,14 @@ def _job(value, src, dst, shape, dtype, world: int) -> _Job:
         raise ValueError("reshard: shape= (the global shape) is required: ranks outside the source hold no piece")
     shape = tuple(int(s) for s in shape)
     src, dst = _layout(src, "src", shape), _layout(dst, "dst", shape)
+    for (mesh, _), what in ((src, "source"), (dst, "destination")):
+        outside = [r for r in mesh.ranks if not 0 <= r < world]
+        if outside:  # no rank could answer their messages: every rank refuses the call before any is sent
+            raise ValueError(
+                f"reshard: the {what} {mesh} holds ranks {mesh.ranks}, but ranks {outside} are outside the world "
+                f"of {world} (ranks 0..{world - 1}); give the mesh ranks of this world, e.g. "
+                f"Mesh({mesh.shape}, ranks={tuple(range(min(mesh.size, world)))}) where the sizes allow"
+            )
     if dtype is None and not src[0].is_world(world):
         raise ValueError(
             f"reshard: the source {src[0]} holds ranks {src[0].ranks} of a world of {world}; the others have no "
@@ -355,6 +364,8 @@ def _job(value, src, dst, shape, dtype, world: int) -> _Job:
         plan_transfers(shape, src, dst)  # raises with the fix
     if dtype is None:
         dtype = value.dtype if value is not None else torch.float32  # no piece here: _agree refuses the call
+    elif value is not None and value.dtype != dtype:
+        value = value.to(dtype)  # dtype= is the result's: a piece in another dtype is converted first
     return _Job(value, shape, dtype, src, dst)
 
 
@@ -398,7 +409,8 @@ def reshard(
     or ``Placement`` objects).  A mapping ``value`` reshards a state dict: ``shape``
     (and ``dtype``, where given) are then mappings too, and ``src``/``dst`` one layout
     for every entry or a mapping of them; entries go in sorted key order, the same on
-    every rank.  ``groups`` reuses a ``MeshGroups`` of the source mesh for the
+    every rank.  ``dtype`` is the result's: a piece held in another dtype is converted (it is required where
+    some rank holds no source piece).  ``groups`` reuses a ``MeshGroups`` of the source mesh for the
     collective path (else one is made, which is itself collective).  Collective over
     the world: every rank calls it with the same layouts, shapes and dtypes.
     """
