@@ -149,7 +149,7 @@ def test_a_family_label_names_what_most_of_the_model_does_and_the_exceptions():
 # ---------------------------------------------------------------- the family comparison
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
 def test_a_family_row_fits_only_when_its_peak_is_under_the_cap(name):
     """Over a sweep of caps: every family row that says it fits has its step's peak within the cap (each row went
     through the peak loop), and the chosen plan is at least as fast as every row that fits."""
