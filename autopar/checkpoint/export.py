@@ -184,9 +184,8 @@ def export_safetensors(
     """Write the model of the checkpoint at ``checkpoint_dir`` into ``out_dir`` as Hugging Face safetensors.
 
     One process, no process group; holds one tensor (and chunks of it being read)
-    in memory at a time (module docstring).  ``out_dir`` is created when missing (its parent must exist, as for
-every ``-o`` of the CLI); files
-    beside the weights there (``config.json``, a tokenizer) are kept, but earlier
+    in memory at a time (module docstring).  ``out_dir`` is created when missing (its parent must exist, as
+    for every ``-o`` of the CLI); files beside the weights there (``config.json``, a tokenizer) are kept, but earlier
     weight files are refused, since stale shards would mix with the new ones.
     Raises ``CheckpointError`` for a missing or incomplete checkpoint, or one with
     no model tensors, and ``ExportError`` for the other arguments.
