@@ -14,7 +14,7 @@ with ``--check``, compares with one device (autopar/launch/); exit code 1 on FAI
 ``export`` writes the model of a checkpoint ``autopar.save`` wrote as Hugging Face
 safetensors for serving (``model.safetensors``, or shards and
 ``model.safetensors.index.json``), one tensor in memory at a time, into a new or
-empty OUT_DIR (autopar/checkpoint/export.py), and prints the files, tensors and bytes.
+empty OUT_DIR (autopar/checkpoint/hf_export.py), and prints the files, tensors and bytes.
 
 ``--hint`` (repeatable) gives one semi-auto hint (``autopar.planner.hints``): placements
 split on top-level commas (``'*.mlp.c_fc.weight=R,S(1)'``), ``replicate`` for a
@@ -51,7 +51,7 @@ import warnings
 from pathlib import Path
 
 from autopar import __version__
-from costmodel import tomllib
+from autopar.models import tomllib
 
 from .mesh import Mesh
 from .units import parse_bytes
@@ -341,7 +341,7 @@ def _mesh(shape: tuple[int, ...], axis_names: str | None, default: tuple[str, ..
 
 def _check_seq(model: str, seq: int | None) -> int:
     """``--seq``, or the model's default, checked against a built-in model's positions before it is built."""
-    from autopar.launch import default_seq, max_positions
+    from autopar.models import default_seq, max_positions
 
     if seq is None:
         return default_seq(model)
@@ -363,7 +363,8 @@ def _resume(given: str | None, config) -> str | None:
     if given is None:
         return None
     from autopar.checkpoint import model_mismatch
-    from autopar.launch import check_replayable, load_model, resolve_checkpoint, saved_step
+    from autopar.launch import check_replayable, resolve_checkpoint, saved_step
+    from autopar.models import load_model
 
     path = resolve_checkpoint(given)
     if config.check:
@@ -420,11 +421,11 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from autopar.launch import load_model
+    from autopar.models import load_model
     from autopar.planner import MemoryCapError, UnmatchedHintError, check_writable, plan, render_table
     from costmodel import check_devices_per_node, load_profile
 
-    from .progress import TerminalProgress
+    from autopar.launch import TerminalProgress
 
     t0 = time.perf_counter()
     try:  # everything that can be checked without the model, before it is built and planned
@@ -537,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.command == "models":
-        from autopar.launch import builtin_models, model_config
+        from autopar.models import builtin_models, model_config
 
         for name in builtin_models():
             print(f"{name:18s} {model_config(name).get('description', '')}")

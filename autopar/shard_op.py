@@ -5,7 +5,7 @@ it did before (one copy of ``x``).  Traced by ``torch.export`` (non-strict) it
 stays in the graph as the custom op ``torch.ops.autopar.shard.default`` with the
 placements as a string argument (``"S(0),R"``), so the planner fixes the tensor's
 spec there: the op's only strategy reads and writes that spec
-(``strategies.hints``), and the search places whatever collectives it takes to
+(``strategies.shard_hint``), and the search places whatever collectives it takes to
 get there and away.  Executed by ``autopar.compile`` it is the identity on the
 local piece.  Its gradient passes through unchanged.
 """

@@ -40,10 +40,10 @@ from .profiles import (
     available_profiles,
     axis_crosses_nodes,
     check_devices_per_node,
-    config_dir,
+    profile_dict,
+    profiles_dir,
     load_profile,
 )
-from .toml_compat import tomllib
 
 __all__ = [
     "CollectiveFit",
@@ -53,7 +53,8 @@ __all__ = [
     "available_profiles",
     "axis_crosses_nodes",
     "check_devices_per_node",
-    "config_dir",
+    "profile_dict",
+    "profiles_dir",
     "forward_flops",
     "backward_flops",
     "bytes_moved",
@@ -77,5 +78,4 @@ __all__ = [
     "ATTENTION_SAVES",
     "OPTIMIZERS",
     "bandwidth_factor",
-    "tomllib",
 ]

@@ -3,9 +3,9 @@
 A ``DeviceProfile`` is pure data loaded from ``configs/devices/<name>.toml`` (or any
 TOML file of the same schema, e.g. a calibration file measured on the target
 machine).  No number lives in this module: every constant sits in the TOML next to
-the datasheet or measurement it comes from.  ``config_dir()`` finds the configs
-folder: ``$AUTOPAR_CONFIG_DIR``, else the package ``autopar.configs`` that the
-repository's top-level ``configs/`` installs as (read with ``importlib.resources``).
+the datasheet or measurement it comes from.  ``profiles_dir()`` finds the profiles:
+``$AUTOPAR_CONFIG_DIR/devices``, else ``devices/`` of the package ``autopar.configs``
+that the repository's top-level ``configs/`` installs as (``importlib.resources``).
 
 Mesh axes map to links by rank distance (``DeviceProfile.link_for_axis``): the mesh
 is row-major with the last axis innermost, so an axis whose ranks all sit inside one
@@ -37,7 +37,8 @@ __all__ = [
     "axis_crosses_nodes",
     "check_devices_per_node",
     "REDUCE_SCATTER",
-    "config_dir",
+    "profiles_dir",
+    "profile_dict",
     "available_profiles",
     "load_profile",
 ]
@@ -330,43 +331,48 @@ def _check_positive(profile: str, key: str, value: Any) -> None:
         raise ValueError(f"device profile {profile!r}: {key} must be a positive finite number, got {value!r}")
 
 
-def config_dir() -> Path:
-    """The configs directory: ``$AUTOPAR_CONFIG_DIR`` if set, else the installed package ``autopar.configs``.
+def profiles_dir() -> Path:
+    """The folder of the device profiles: ``$AUTOPAR_CONFIG_DIR/devices`` if set, else ``devices/`` of ``autopar.configs``.
 
-    It holds ``devices/<name>.toml`` (``load_profile``) and ``models/<name>.toml``
-    (``autopar.launch.models``).  The package is the repository's top-level ``configs/``
-    folder, which pyproject.toml installs under that name: an editable install
-    (``pip install -e .``) resolves to the checkout's folder, a wheel or
-    ``pip install .`` to the copy in site-packages.  It is found with
-    ``importlib.resources``, never by a path relative to this file, so the answer
-    does not depend on the working directory or on where the checkout lies.
+    ``autopar.configs`` is the repository's top-level ``configs/`` folder, which
+    pyproject.toml installs under that name (an editable install reads the checkout's
+    folder, a wheel its copy); it is found with ``importlib.resources``, never by a
+    path relative to this file.  The other data files of that folder (models,
+    benchmarks) are autopar's, found by ``autopar.models.config_dir``.
 
-    Raises ``ImportError`` when the package is missing (an install made before
-    configs/ became a package, or autopar run from a checkout it was never installed
-    from) and when it is not a folder on disk (a zip import).
+    Raises ``ImportError`` when the package is missing or is not a folder on disk.
     """
     env = os.environ.get(_CONFIG_ENV)
     if env:
-        return Path(env).expanduser().resolve()
+        return Path(env).expanduser().resolve() / "devices"
     try:
         root = importlib.resources.files(_CONFIG_PACKAGE)
     except ModuleNotFoundError as e:
         raise ImportError(
-            f"autopar's data package {_CONFIG_PACKAGE!r} (device profiles and built-in models) is not installed: "
-            f"expected it next to the autopar package, got {e}. Reinstall autopar (`pip install -e .` in the "
-            f"checkout, or `pip install .`), or set ${_CONFIG_ENV} to a folder with devices/ and models/"
+            f"autopar's data package {_CONFIG_PACKAGE!r} (device profiles) is not installed: {e}. Reinstall autopar "
+            f"(`pip install -e .` in the checkout, or `pip install .`), or set ${_CONFIG_ENV} to a folder with devices/"
         ) from e
     if not isinstance(root, Path):
         raise ImportError(
             f"autopar's data package {_CONFIG_PACKAGE!r}: expected a folder on disk, got {root!r} (a zip import?); "
             f"install autopar with pip (wheels unpack to disk), or set ${_CONFIG_ENV} to a folder with devices/"
         )
-    return root
+    return root / "devices"
+
+
+def profile_dict(name_or_path: str) -> dict[str, Any]:
+    """The raw TOML table of a device profile, by name or path (``load_profile`` validates it into a profile)."""
+    path = _resolve(str(name_or_path))
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"device profile {path}: not valid TOML ({e}); fix the file's syntax") from e
 
 
 def available_profiles() -> list[str]:
-    """Names of the device profiles under ``config_dir()/devices``, sorted."""
-    devices = config_dir() / "devices"
+    """Names of the device profiles under ``profiles_dir()``, sorted."""
+    devices = profiles_dir()
     if not devices.is_dir():
         return []
     return sorted(p.stem for p in devices.glob("*.toml"))
@@ -379,12 +385,7 @@ def load_profile(name_or_path: str) -> DeviceProfile:
     file, or a file whose keys or values do not fit the schema.
     """
     path = _resolve(str(name_or_path))
-    try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"device profile {path}: not valid TOML ({e}); fix the file's syntax") from e
-    profile = _profile_from_dict(data, path)
+    profile = _profile_from_dict(profile_dict(path), path)
     log.debug("loaded device profile %s from %s", profile.name, path)
     return profile
 
@@ -396,7 +397,7 @@ def _resolve(name_or_path: str) -> Path:
         if not path.is_file():
             raise ValueError(f"device profile file {path} does not exist; pass an existing .toml path or a name")
         return path
-    path = config_dir() / "devices" / f"{name_or_path}.toml"
+    path = profiles_dir() / f"{name_or_path}.toml"
     if not path.is_file():
         raise ValueError(
             f"unknown device profile {name_or_path!r}: no {path}; available profiles: {available_profiles()}. "

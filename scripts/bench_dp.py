@@ -14,10 +14,14 @@ it; otherwise its best plan and bound are shown against the DP's optimum.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 from autopar.search import InfeasibleError, solve_cpsat, solve_dp
-from autopar.search.generate import transformer_like_problem
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from search_problems import transformer_like_problem  # noqa: E402  (the tests' problem generators)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import torch
 import autopar
 from autopar.measure.benchmark import BenchModel, Variant, load_benchmark, mesh_axis_names
 from autopar.measure.fidelity import loss_model
-from autopar.measure.memory import held_bytes, peak_composition, step_peak_bytes
+from autopar.measure.peak_memory import held_bytes, peak_composition, step_peak_bytes
 from autopar.runtime import init_distributed
 from autopar.units import format_bytes
 

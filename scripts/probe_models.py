@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _archs() -> list[str]:
-    from autopar.launch.models import tiny_hf_archs
+    from autopar.models import tiny_hf_archs
 
     return list(tiny_hf_archs())
 
@@ -56,7 +56,7 @@ class Size:
 
 def build(name: str, size: Size = Size(), *, device: str = "cpu"):
     """(model, args, kwargs) of the tiny random-weight ``name`` (configs/models/tiny_hf.toml), dropout off."""
-    from autopar.launch.models import TINY_SUFFIX, load_model
+    from autopar.models import TINY_SUFFIX, load_model
 
     model, args, kwargs = load_model(
         name + TINY_SUFFIX,

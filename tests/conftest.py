@@ -12,7 +12,7 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 @functools.cache
 def _model(name: str, batch: int, seq: int):
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     return load_model(name, batch=batch, seq=seq)
 

@@ -22,8 +22,8 @@ import autopar
 from autopar.cli import build_parser, main
 from autopar.launch import render_report
 from autopar.launch import runner as launch
-from autopar.launch.models import default_seq, load_model
-from autopar.planner.report import _collective_module, _count, describe_plan, render_table
+from autopar.models import default_seq, load_model
+from autopar.planner.plan_table import _collective_module, _count, describe_plan, render_table
 
 # ---- fixtures -------------------------------------------------------------------------------
 
@@ -55,7 +55,7 @@ def no_model_built(monkeypatch):
         raise AssertionError("the model was built before the bad input was reported")
 
     monkeypatch.setattr("autopar.launch.load_model", refuse)  # where the CLI looks it up
-    monkeypatch.setattr("autopar.launch.models.load_model", refuse)
+    monkeypatch.setattr("autopar.models.load_model", refuse)
 
 
 def _cli_error(capsys, *argv: str) -> str:
@@ -70,7 +70,7 @@ def _cli_error(capsys, *argv: str) -> str:
 
 def test_default_seq_fits_every_builtin_model():
     """`autopar plan gpt2-tiny` used --seq 1024 against 128 positions; the default is now capped by the model."""
-    from autopar.launch.models import builtin_models, max_positions
+    from autopar.models import builtin_models, max_positions
 
     assert default_seq("gpt2-tiny") == 128 and default_seq("llama-tiny") == 256 and default_seq("gpt2") == 1024
     for name in builtin_models():

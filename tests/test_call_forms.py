@@ -198,7 +198,7 @@ class BatchWrapper(torch.nn.Module):
 
 def _hf(name: str, wrap: str):
     """(model, args, kwargs) of built-in ``name`` (dropout off) called as ``wrap``: args | kwargs | batch."""
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, (ids,), kwargs = load_model(name, batch=4, seq=16, device="cpu", no_dropout=True)
     labels = kwargs["labels"]

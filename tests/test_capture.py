@@ -70,7 +70,7 @@ def test_cross_entropy_decomposition_matches_torch(reduction, smoothing):
 
 
 def test_decomposed_graph_computes_the_same_loss():
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2-tiny", batch=2, seq=8, device="cpu")
     for m in model.modules():  # the traced graph is train-mode: make dropout the identity
@@ -120,7 +120,7 @@ def test_hf_models_with_the_default_kv_cache_capture_without_it(name):
     cannot flatten: 40 of the 54 architectures in configs/models/tiny_hf.toml failed to trace so.
     Capture turns the cache off while tracing (a training step keeps none) and restores the config:
     the graph is the one a use_cache=False model gives."""
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     def outputs(graph):
         return [graph.nodes[i].outputs[k].shape for i, k in graph.outputs]

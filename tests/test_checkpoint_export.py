@@ -1,4 +1,4 @@
-"""Export for serving (autopar/checkpoint/export.py): a checkpoint's model as Hugging Face safetensors.
+"""Export for serving (autopar/checkpoint/hf_export.py): a checkpoint's model as Hugging Face safetensors.
 
 Truth comes from comparison with the reference readers and writers: ``safetensors``'
 own ``load_file`` reads back every tensor of ``model.state_dict()`` bit for bit;

@@ -178,7 +178,7 @@ def _lazy_rank_fn(rank, world):
     )
     out["local_mode"] = _local_mode(rank, mesh, args, kwargs)
     # a plan made on the meta device, where Llama's graph has other ops than on the CPU, is refused up front
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     meta_model, margs, mkwargs = load_model("llama-tiny", batch=4, seq=16, device="meta")
     meta_plan = autopar.plan(meta_model, mesh, example_inputs=margs, example_kwargs=mkwargs, compare_families=False)

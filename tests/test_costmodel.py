@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 import costmodel as cm
+from autopar.models import config_dir
 from autopar.spec import TensorMeta
 from autopar.strategies.base import OpCall
 
@@ -91,13 +92,13 @@ def test_bundled_profiles_load_with_datasheet_numbers():
 
 
 def test_profile_by_path_and_env_dir(tmp_path, monkeypatch):
-    src = cm.config_dir() / "devices" / "a100.toml"
+    src = config_dir() / "devices" / "a100.toml"
     copy = tmp_path / "devices" / "mine.toml"
     copy.parent.mkdir()
     copy.write_text(src.read_text())
     assert cm.load_profile(str(copy)).name == "a100"
     monkeypatch.setenv("AUTOPAR_CONFIG_DIR", str(tmp_path))
-    assert cm.config_dir() == tmp_path.resolve()
+    assert config_dir() == tmp_path.resolve()
     assert cm.available_profiles() == ["mine"]
     assert cm.load_profile("mine").peak_flops_for(torch.bfloat16) == 312e12
 
@@ -107,8 +108,9 @@ def test_default_config_dir_is_the_configs_package(monkeypatch):
     the editable install the tests run against maps it to the checkout's top-level configs/."""
     monkeypatch.delenv("AUTOPAR_CONFIG_DIR", raising=False)
     package = importlib.resources.files("autopar.configs")
-    assert cm.config_dir() == package
-    assert cm.config_dir().resolve() == Path(__file__).resolve().parent.parent / "configs"
+    assert config_dir() == package
+    assert config_dir().resolve() == Path(__file__).resolve().parent.parent / "configs"
+    assert cm.profiles_dir() == config_dir() / "devices"  # the cost model reads its profiles from the same folder
 
 
 def test_unknown_profile_lists_available():
@@ -135,7 +137,7 @@ def test_unknown_profile_lists_available():
     ],
 )
 def test_bad_profile_file_names_the_problem(tmp_path, edit, message):
-    text = (cm.config_dir() / "devices" / "a100.toml").read_text()
+    text = (config_dir() / "devices" / "a100.toml").read_text()
     bad = tmp_path / "bad.toml"
     bad.write_text(edit(text))
     with pytest.raises(ValueError, match=message):
@@ -486,7 +488,7 @@ def test_a_host_that_runs_ahead_overlaps_its_overhead_with_the_kernels(h100):
 def test_profile_switches_must_be_booleans(tmp_path):
     from costmodel import load_profile
 
-    text = (cm.config_dir() / "devices" / "h100.toml").read_text()
+    text = (config_dir() / "devices" / "h100.toml").read_text()
     bad = tmp_path / "bad.toml"
     bad.write_text(text.replace("host_runs_ahead = true", 'host_runs_ahead = "yes"'))
     with pytest.raises(ValueError, match="host_runs_ahead must be true or false"):

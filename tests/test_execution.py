@@ -27,7 +27,7 @@ ADAMW = {"lr": 1e-3, "eps": 1e-6}
 
 
 def _model(name: str, batch: int = BATCH, seq: int = SEQ):
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model(name, batch=batch, seq=seq, device="cpu")
     for m in model.modules():
@@ -183,7 +183,7 @@ def test_collectives_counted_at_run_time_equal_the_plan():
 
 
 def _dropout_rank_fn(rank, world, mesh_shape, axis_names):
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2-tiny", batch=BATCH, seq=SEQ, device="cpu")  # dropout 0.1 kept
     sharded = _compile(model, args, kwargs, mesh_shape, axis_names, "tensor parallel")
@@ -222,7 +222,7 @@ def test_dropout_masks_follow_placements():
 
 
 def _eval_mode_rank_fn(rank, world):
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2-tiny", batch=BATCH, seq=SEQ, device="cpu")  # dropout 0.1 kept
     sharded = _compile(model, args, kwargs, (world,), ("tp",), "tensor parallel", PARTITIONING_PROFILE)
@@ -241,7 +241,7 @@ def _eval_mode_rank_fn(rank, world):
 def test_eval_mode_turns_dropout_off():
     """sharded.eval() runs dropout and attention dropout in their eval form, as model.eval() does; sharded.train()
     turns them on again; a compiled module starts in the mode its model was in."""
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2-tiny", batch=BATCH, seq=SEQ, device="cpu")
     model.eval()
@@ -313,7 +313,7 @@ def _memory_rank_fn(rank, world, names, mesh_shape, axis_names):
 
 
 def _memory_one(rank, name, mesh_shape, axis_names, family):
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model(name, batch=BATCH, seq=SEQ, device="cpu")  # dropout as configured: on
     model.train()

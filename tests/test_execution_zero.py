@@ -178,7 +178,7 @@ def test_state_shard_is_a_view_of_the_parameter_piece(shape, placement, state, c
 def _bucket_rank_fn(rank, world, batch):
     import torch.distributed as dist
 
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
     from autopar.runtime import CollectiveCounter
 
     calls = []

@@ -6,7 +6,7 @@ import pytest
 
 import autopar
 from autopar.cli import main
-from autopar.launch.models import load_model
+from autopar.models import load_model
 from autopar.planner.explain import deciding_terms, render_explanation
 
 

@@ -18,7 +18,7 @@ import autopar
 from autopar.capture.export import capture
 from autopar.planner.hints import Layout, resolve_hints
 from autopar.planner.pipeline import plan_from_context, prepare
-from autopar.planner.report import group_name, render_table
+from autopar.planner.plan_table import group_name, render_table
 
 GiB = 2**30
 gpt2_tp4 = test_planner.gpt2_tp4  # the fixture: GPT-2 small, tp=4, batch 1, seq 1024, h100, fp32
@@ -72,7 +72,7 @@ def test_opposite_fc_hint_is_valid_costlier_and_its_collectives_show(gpt2_tp4):
 # ---- fixtures on the tiny models --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_ctx():
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2-tiny", batch=4, seq=32)
     return prepare(model, MESH_2x2, example_inputs=args, example_kwargs=kwargs)
@@ -80,7 +80,7 @@ def tiny_ctx():
 
 @pytest.fixture(scope="module")
 def llama_graph():
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("llama-tiny", batch=4, seq=16)
     return capture(model, args, kwargs)

@@ -17,7 +17,7 @@ import torch
 
 from autopar.measure import stats
 from autopar.measure.fit import fit_latency_bandwidth, fit_rate
-from autopar.measure.memory import held_bytes, step_peak_bytes
+from autopar.measure.peak_memory import held_bytes, step_peak_bytes
 
 
 def test_spearman_matches_hand_computed_values():
@@ -73,7 +73,7 @@ def test_peak_memory_of_a_step_counts_what_it_allocates_on_top_of_what_is_held()
 
 def test_peak_composition_takes_apart_the_peak_the_fidelity_harness_measures():
     """A log-softmax head at its backward: three (N, C) buffers live at the peak, each named by its op."""
-    from autopar.measure.memory import peak_composition, step_peak_bytes
+    from autopar.measure.peak_memory import peak_composition, step_peak_bytes
 
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 4096)

@@ -36,7 +36,7 @@ def _two_link_profile(tmp_path: Path) -> str:
 
 
 def test_an_axis_that_spans_nodes_is_priced_on_the_inter_node_link_and_the_search_avoids_it(tmp_path):
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
     from autopar.planner import plan_from_context, prepare
 
     profile_path = _two_link_profile(tmp_path)

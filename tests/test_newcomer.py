@@ -12,8 +12,8 @@ import torch
 
 import autopar
 from autopar.cli import main, one_line
-from autopar.launch.models import load_model
-from autopar.planner.report import describe_output_gather, render_table
+from autopar.models import load_model
+from autopar.planner.plan_table import describe_output_gather, render_table
 from costmodel import axis_crosses_nodes, check_devices_per_node
 
 # ---------------------------------------------------------------- errors in one line

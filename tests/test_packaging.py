@@ -10,7 +10,7 @@ dependencies resolved, and runs the installed ``autopar`` from an empty director
 The venv also sees the host's editable install of autopar, so every check first
 makes sure that ``autopar`` resolves to the venv's own site-packages.
 
-The in-process tests check the lookup itself: ``costmodel.config_dir()`` is the
+The in-process tests check the lookup itself: ``autopar.models.config_dir()`` is the
 package ``autopar.configs`` found by ``importlib.resources`` (the checkout's
 top-level ``configs/`` in the editable install), and ``$AUTOPAR_CONFIG_DIR``
 overrides it for profiles and models alike.
@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 
 import costmodel as cm
-from autopar.launch.models import builtin_models
+from autopar.models import config_dir
+from autopar.models import builtin_models
 
 REPO = Path(__file__).resolve().parent.parent
 #: what a checkout may hold besides its sources; none of it belongs in a wheel build
@@ -144,9 +145,9 @@ def test_wheel_ships_every_discovered_subpackage(installed):
 
 def test_installed_autopar_resolves_to_the_venv_not_the_checkout(installed):
     probe = (
-        "import json, sysconfig, autopar, costmodel, autopar.configs;"
+        "import json, sysconfig, autopar, autopar.models, costmodel, autopar.configs;"
         "print(json.dumps({'purelib': sysconfig.get_paths()['purelib'], 'autopar': autopar.__file__,"
-        " 'costmodel': costmodel.__file__, 'configs': str(costmodel.config_dir()),"
+        " 'costmodel': costmodel.__file__, 'configs': str(autopar.models.config_dir()),"
         " 'profiles': costmodel.available_profiles(), 'h100': costmodel.load_profile('h100').name}))"
     )
     got = json.loads(_check(installed.run(installed.python, "-c", probe), "python -c <probe>").stdout)
@@ -187,7 +188,7 @@ def test_installed_cli_plans_gpt2_with_a_named_profile(installed):
 def test_config_dir_is_the_autopar_configs_package(monkeypatch):
     monkeypatch.delenv("AUTOPAR_CONFIG_DIR", raising=False)
     package = importlib.resources.files("autopar.configs")
-    assert isinstance(package, Path) and cm.config_dir() == package
+    assert isinstance(package, Path) and config_dir() == package
     on_disk = sorted(p.stem for p in (package / "devices").glob("*.toml"))
     assert cm.available_profiles() == on_disk == ["a100", "cpu", "h100"]
     assert (package / "models" / "gpt2.toml").is_file() and "gpt2" in builtin_models()
@@ -197,10 +198,10 @@ def test_config_dir_env_override_serves_profiles_and_models(tmp_path, monkeypatc
     monkeypatch.delenv("AUTOPAR_CONFIG_DIR", raising=False)
     (tmp_path / "devices").mkdir()
     (tmp_path / "models").mkdir()
-    (tmp_path / "devices" / "mine.toml").write_text((cm.config_dir() / "devices" / "h100.toml").read_text())
-    (tmp_path / "models" / "mymodel.toml").write_text((cm.config_dir() / "models" / "gpt2-tiny.toml").read_text())
+    (tmp_path / "devices" / "mine.toml").write_text((config_dir() / "devices" / "h100.toml").read_text())
+    (tmp_path / "models" / "mymodel.toml").write_text((config_dir() / "models" / "gpt2-tiny.toml").read_text())
     monkeypatch.setenv("AUTOPAR_CONFIG_DIR", str(tmp_path))
-    assert cm.config_dir() == tmp_path.resolve()
+    assert config_dir() == tmp_path.resolve()
     assert cm.available_profiles() == ["mine"] and cm.load_profile("mine").name == "h100"
     assert builtin_models() == ["mymodel"]  # no tiny_hf.toml in the override: no <arch>-tiny names
     with pytest.raises(ValueError, match=r"unknown device profile 'h100'.*\['mine'\]"):
@@ -212,4 +213,4 @@ def test_missing_config_package_names_it_and_the_fix(monkeypatch):
     monkeypatch.setattr("costmodel.profiles._CONFIG_PACKAGE", "autopar.no_such_configs")
     fix = r"'autopar.no_such_configs'.*not installed.*pip install -e \..*AUTOPAR_CONFIG_DIR"
     with pytest.raises(ImportError, match=fix):
-        cm.config_dir()
+        config_dir()

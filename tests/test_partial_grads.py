@@ -120,7 +120,7 @@ def test_uses_sum_their_partial_gradients_only_where_the_parameter_is_stored_who
     [4096, 256] against the piece [1024, 256]).  Nor can a sum left sharded on a ZeRO axis it does not cover
     (a replicated GPT-2 on 2x2 with wte's state sharded on one axis: [2048, 256] against [4096, 256])."""
     from autopar.capture.export import capture
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
     from autopar.strategies.candidates import build_candidates
 
     model, args, kwargs = load_model("gpt2-tiny", batch=4, seq=16)

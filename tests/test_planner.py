@@ -10,14 +10,14 @@ import torch
 
 import autopar
 from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
-from autopar.planner.report import render_table
+from autopar.planner.plan_table import render_table
 
 GiB = 2**30
 
 
 @pytest.fixture(scope="module")
 def gpt2_tp4():
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2", batch=1, seq=1024)
     mesh = autopar.Mesh((4,), axis_names=("tp",))
@@ -138,7 +138,7 @@ def test_plan_json_is_deterministic_and_round_trips(tiny_model):
 
 @pytest.fixture(scope="module")
 def gpt2_dp8():
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2", batch=64, seq=1024)
     mesh = autopar.Mesh((8,), axis_names=("dp",))

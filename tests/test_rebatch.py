@@ -16,7 +16,7 @@ import autopar
 from autopar.capture.batch import capture_template, specialize
 from autopar.capture.export import CaptureError, capture
 from autopar.cost.saved import memory_layouts, storage_roots
-from autopar.launch.models import load_model
+from autopar.models import load_model
 from autopar.mesh import Mesh
 from autopar.planner.pipeline import plan_from_context, prepare
 

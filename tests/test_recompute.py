@@ -9,7 +9,7 @@ the collectives re-run): losses, gradients and parameters after three AdamW step
 The block's forward collectives run again in backward and are counted.
 
 The first test marks the regions in the plan itself; the others let the planner choose
-(``planner/recompute.py``): only where it pays, priced (forward time added, activations
+(``planner/recompute_tables.py``): only where it pays, priced (forward time added, activations
 removed, the moves and collectives run again listed), and run as planned.
 """
 
@@ -34,7 +34,7 @@ CASES = [
 
 
 def _fresh(name: str):
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     torch.manual_seed(0)
     return load_model(name, batch=4, seq=16, device="cpu")  # dropout as configured: on
@@ -162,14 +162,14 @@ def test_selectively_recomputed_regions_train_exactly_as_saved(name, mesh_shape,
             assert torch.equal(p0[k], p1[k]), f"rank {rank}: {k} after {STEPS} steps differs"
 
 
-# ---- the planner's choice (planner/recompute.py) -------------------------------------------------------
+# ---- the planner's choice (planner/recompute_tables.py) -------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def gpt2_context():
     """GPT-2 (12 layers) at batch 8, seq 512 on 4 devices of the h100 profile, on the meta device."""
     import autopar
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     model, args, kwargs = load_model("gpt2", batch=8, seq=512, device="meta")
     mesh = autopar.Mesh((4,), axis_names=("x",))
@@ -332,7 +332,7 @@ def test_planned_recomputation_trains_like_one_device_and_sends_what_the_plan_li
 
 def _saved_rank_fn(rank, world, cases):
     import autopar
-    from autopar.launch.models import load_model
+    from autopar.models import load_model
 
     out = []
     for name, family, mode in cases:

@@ -13,13 +13,13 @@ from chain_cases import mixed, owned, rest_variant, variant
 
 from autopar.capture.export import capture
 from autopar.capture.repeat import find_blocks
-from autopar.launch.models import load_model, model_config
+from autopar.models import load_model, model_config
 from autopar.mesh import Mesh
 from autopar.planner.pipeline import prepare
-from autopar.planner.problem import to_problem
+from autopar.planner.problem_tables import to_problem
 from autopar.search import BeatenError, InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
-from autopar.search.generate import chain_problem, transformer_like_problem
+from search_problems import chain_problem, transformer_like_problem
 from autopar.search.problem import INF
 
 
@@ -267,7 +267,7 @@ def test_a_plan_stopped_within_the_planners_gap_says_how_close(gpt2_tiny_4_ctx, 
     and its table, and the plan is within it of the exact optimum (PLAN_GAP 0)."""
     from autopar.planner import solving
     from autopar.planner.pipeline import plan_from_context
-    from autopar.planner.report import render_table
+    from autopar.planner.plan_table import render_table
 
     ctx = gpt2_tiny_4_ctx
     free = plan_from_context(ctx, compare_families=False, recompute="none")
@@ -289,7 +289,7 @@ def test_a_plan_past_its_search_budget_says_so(gpt2_tiny_4_ctx) -> None:
     """search_budget_s: a budget spent before the first search still gives a plan under the cap (the searches
     return the plans they hold), marked in the plan and its table, no faster than the exact plan."""
     from autopar.planner.pipeline import plan_from_context
-    from autopar.planner.report import render_table
+    from autopar.planner.plan_table import render_table
 
     ctx = gpt2_tiny_4_ctx
     free = plan_from_context(ctx, compare_families=False, recompute="none")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from autopar.search import INF, InfeasibleError, SearchProblem, min_memory, solve_brute_force, solve_cpsat, solve_dp
-from autopar.search.generate import random_problem, transformer_like_problem
+from search_problems import random_problem, transformer_like_problem
 from autopar.search.prune import prune_dominated
 
 

@@ -13,7 +13,7 @@ from chain_cases import mixed, variant
 from autopar.planner.solving import PLAN_GAP
 from autopar.search import Deadline, InfeasibleError, min_memory, solve_dp
 from autopar.search.chain import solve_chain
-from autopar.search.generate import chain_problem
+from search_problems import chain_problem
 from autopar.search.problem import SearchProblem, Solution
 
 GAPS = (PLAN_GAP, 2.0**-7, 2.0**-4)

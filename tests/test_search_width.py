@@ -9,7 +9,7 @@ import pytest
 from autopar.search import InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search import dp as dp_module
 from autopar.search.chain import ChainError, solve_chain
-from autopar.search.generate import chain_problem, random_problem
+from search_problems import chain_problem, random_problem
 
 _BUDGET = 32  # cells per weight row: every problem below is wider
 
@@ -81,7 +81,7 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
 
     import autopar
     from autopar.planner.pipeline import plan_from_context, prepare
-    from autopar.planner.problem import to_problem
+    from autopar.planner.problem_tables import to_problem
 
     config = transformers.AlbertConfig(  # four layers, one set of weights
         vocab_size=101,
@@ -111,7 +111,7 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
     # the plan says it is approximate, with its bound and gap, and so does its table
     assert capped.search["approximate"] and capped.search["lower_bound_ps"] <= capped.search["objective_ps"]
     assert capped.search["gap"] == pytest.approx(1 - capped.search["lower_bound_ps"] / capped.search["objective_ps"])
-    from autopar.planner.report import render_table
+    from autopar.planner.plan_table import render_table
 
     assert f"approximate search, within {100 * capped.search['gap']:.2f}% of its lower bound" in " ".join(
         render_table(capped).split()

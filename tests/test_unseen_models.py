@@ -50,7 +50,7 @@ PLANNED = (
 def build(arch: str, *, device: str = "meta"):
     """(model, args, kwargs) of the tiny ``arch`` with every dropout off; skips when transformers lacks it."""
     transformers = pytest.importorskip("transformers")
-    from autopar.launch.models import TINY_SUFFIX, load_model, model_config
+    from autopar.models import TINY_SUFFIX, load_model, model_config
 
     classes = model_config(arch + TINY_SUFFIX)
     for cls in (classes["config_class"], classes["model_class"]):
@@ -63,7 +63,7 @@ def build(arch: str, *, device: str = "meta"):
 
 def test_table_architectures_are_cli_models_with_bases_resolved():
     """configs/models/tiny_hf.toml is the one table: the CLI names each entry ``<arch>-tiny``."""
-    from autopar.launch.models import builtin_models, load_model, model_config, tiny_hf_archs
+    from autopar.models import builtin_models, load_model, model_config, tiny_hf_archs
 
     archs = tiny_hf_archs()
     assert set(PLANNED) <= set(archs)

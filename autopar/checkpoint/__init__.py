@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from autopar.layout import Box, piece_boxes
 
-from .cli import add_export_parser, cmd_export
-from .export import DEFAULT_MAX_SHARD_BYTES, ExportedFile, ExportError, SafetensorsExport, export_safetensors
+from .export_command import add_export_parser, cmd_export
+from .hf_export import DEFAULT_MAX_SHARD_BYTES, ExportedFile, ExportError, SafetensorsExport, export_safetensors
 from .piece import PieceTensor
 from .saving import (
     INFO_FILE,

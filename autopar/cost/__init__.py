@@ -1,4 +1,4 @@
-"""Costing, the third stage: the time and memory of every strategy and every edge of the strategy table.
+"""Costing: the time and memory of every strategy and every edge of the strategy table.
 
 ``Coster`` (``coster``) prices a ``CandidateGraph`` on a device profile with the
 formulas of the top-level ``costmodel`` package: each op strategy's compute time,

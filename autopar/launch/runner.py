@@ -90,7 +90,7 @@ class RunConfig:
     batch: int = 4
     seq: int = 32
     family: str | None = None
-    recompute: str = "auto"  # what backward recomputes: auto | none | selective | full (planner.recompute)
+    recompute: str = "auto"  # what backward recomputes: auto | none | selective | full (planner.recompute_tables)
     lr: float = 1e-3
     seed: int = 0
     timeout_s: float = 600.0
@@ -147,8 +147,8 @@ class RankResult:
     record: TrainRecord
     held_bytes: dict[str, int]
     plan_memory: dict[str, int | None]
-    recompute_line: str = ""  # the plan's "recompute:" line (planner.report.describe_recompute)
-    nodes_line: str = ""  # which mesh axes span nodes (planner.report.describe_nodes), '' on one node
+    recompute_line: str = ""  # the plan's "recompute:" line (planner.plan_table.describe_recompute)
+    nodes_line: str = ""  # which mesh axes span nodes (planner.plan_table.describe_nodes), '' on one node
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +184,7 @@ def build_model(config: RunConfig, device: torch.device | str = "cpu"):
 
     ``device="meta"`` builds the same model without weights (for planning).
     """
-    from .models import load_model
+    from autopar.models import load_model
 
     device = torch.device(device)
     torch.manual_seed(config.seed)  # factories draw their weights from the global generator too

@@ -11,6 +11,6 @@
 
 from __future__ import annotations
 
-from .cli import add_parsers, cmd_calibrate, cmd_fidelity
+from .commands import add_parsers, cmd_calibrate, cmd_fidelity
 
 __all__ = ["add_parsers", "cmd_calibrate", "cmd_fidelity"]

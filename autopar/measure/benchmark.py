@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from autopar.planner import FAMILIES
-from costmodel import config_dir, tomllib
+from autopar.models import config_dir, tomllib
 
 __all__ = ["BenchModel", "Variant", "Benchmark", "load_benchmark", "mesh_axis_names"]
 
 
 @dataclass(frozen=True, slots=True)
 class BenchModel:
-    """A built-in model (``autopar.launch.models``) at one global batch and sequence, and its poor hint."""
+    """A built-in model (``autopar.models``) at one global batch and sequence, and its poor hint."""
 
     name: str
     batch: int

@@ -164,13 +164,11 @@ def calibrate(
 
 
 def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibration:
-    from costmodel import config_dir, tomllib
+    from costmodel import profile_dict
 
     backend, device = raw["backend"], raw["device"]
     base_name = base or ("cpu" if device == "cpu" else _gpu_base(raw["device_name"]))
-    path = base_name if base_name.endswith(".toml") else config_dir() / "devices" / f"{base_name}.toml"
-    with open(path, "rb") as f:
-        base_dict = tomllib.load(f)
+    base_dict = profile_dict(base_name)
     if device != "cpu":
         base_dict["memory_bytes"] = raw["device_memory_bytes"]
     if backend == "gloo":
@@ -217,7 +215,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
     """Every measurement of the module docstring on this rank; rank 0 returns them (slowest rank's times)."""
     import torch.distributed as dist
 
-    from autopar.progress import TerminalProgress
+    from autopar.launch import TerminalProgress
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     device = _device()

@@ -13,7 +13,7 @@ every plan once, in an order that rotates by one per round, for
 ``zero_grad()``) between two barriers, so the slowest rank sets the time and
 background load falls on every plan alike.  A plan's time is the median over the
 rounds and its spread (max - min) / median.  Then each plan runs ``memory_steps``
-steps under ``measure.memory.step_peak_bytes`` on every rank: the peak is what the
+steps under ``measure.peak_memory.step_peak_bytes`` on every rank: the peak is what the
 allocator (CUDA) or PyTorch's profiler (CPU) saw, never a cost-model formula.  A
 step's peak is its largest rank's; the plan's is the median over the steps, with
 their spread (on CPU the timeline moves with the ranks' communication threads:
@@ -167,7 +167,7 @@ class _LossOnly(nn.Module):
 
 def loss_model(model: BenchModel, device: str) -> tuple[nn.Module, tuple]:
     """The benchmark model as the ranks train it: a module returning only the loss, and its (ids, labels)."""
-    from autopar.launch import load_model
+    from autopar.models import load_model
 
     torch.manual_seed(0)
     hf, (ids,), kwargs = load_model(
@@ -261,7 +261,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
     from autopar.mesh import Mesh
     from autopar.planner import Plan
 
-    from .memory import step_peak_bytes
+    from .peak_memory import step_peak_bytes
 
     net, inputs = loss_model(model, "cpu")
     amesh = Mesh(mesh, axis_names=mesh_axis_names(mesh))

@@ -1,4 +1,4 @@
-"""Planning, the fifth stage: ``autopar.plan`` from capture to a ``Plan``, and the plan's report.
+"""Planning: ``autopar.plan`` from capture to a ``Plan``, and the plan's report.
 
 ``pipeline`` drives the stages: capture, strategies, cost, the search problem
 (``problem``), the search, and the assembly of the chosen strategies into a ``Plan``
@@ -15,8 +15,8 @@ from .explain import render_explanation
 from .hint_forms import Layout
 from .hints import UnmatchedHintError
 from .pipeline import PlanningContext, plan, plan_from_context, prepare, rebatch
-from .recompute import RECOMPUTE_OPTIONS
-from .report import describe_nodes, describe_plan, describe_recompute, render_table
+from .recompute_tables import RECOMPUTE_OPTIONS
+from .plan_table import describe_nodes, describe_plan, describe_recompute, render_table
 from .schema import FAMILIES, Plan, check_writable
 from .solving import SEARCH_BUDGET_S
 

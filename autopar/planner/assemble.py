@@ -24,7 +24,7 @@ from autopar.spec import local_shape
 from autopar.transitions import transitions
 
 from .kept import keeping
-from .problem import PS_PER_S
+from .problem_tables import PS_PER_S
 from .schema import Plan
 
 __all__ = ["assemble_plan", "breakdown", "classify"]
@@ -61,7 +61,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
     compute_s = comm_s = 0.0
     mem = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
     freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
-    regions = ctx.recompute  # op node -> its recompute region (planner.recompute)
+    regions = ctx.recompute  # op node -> its recompute region (planner.recompute_tables)
     reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
     remade: dict[str, int] = {}  # region -> its outputs, made again by the recomputation and dropped after it
     keep = keeping(ctx, regions) if regions else None  # who pays what the checkpoints keep (planner.kept)
@@ -111,7 +111,7 @@ def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
                 add(t.kind, t.axis, "backward", t.bytes, n, n.name, t.reduce_op, coster.grad_exposed(n), whole)
             continue
         node_act = int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
-        mem["activations"] += node_act  # a recomputed op: what its block's checkpoint keeps of it (planner.recompute)
+        mem["activations"] += node_act  # a recomputed op: what its block's checkpoint keeps of it (planner.recompute_tables)
         region = regions.get(n.index)
         if region is not None:  # what it keeps for its backward is made again by the recomputation
             again = coster.activation_bytes(n, s)

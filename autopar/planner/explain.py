@@ -18,7 +18,7 @@ from rich.table import Table
 
 from autopar.units import format_bytes
 
-from .report import describe_output_gather
+from .plan_table import describe_output_gather
 from .schema import Plan
 
 __all__ = ["render_explanation", "deciding_terms"]

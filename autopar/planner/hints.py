@@ -16,7 +16,7 @@ patterns; ``*`` also crosses dots), by the kind of ``value``:
 * **recompute** (``"transformer.h.*": "recompute"``, ``"model.layers.1?"``: the
   repeated blocks (layers) whose name or one of whose ops' modules matches are
   recomputed in backward whatever ``recompute=`` says; the planner checks that the
-  pattern names whole layers (``planner.recompute``).
+  pattern names whole layers (``planner.recompute_tables``).
 * **op-level** (``"encoder.layer.0.intermediate.dense": ((2, 1), (1, 4))``): the
   module's one matmul (``nn.Linear``'s ``linear``, GPT-2 ``Conv1D``'s ``addmm``)
   reads its activation input and its weight in the given specs, and the weight
@@ -36,7 +36,7 @@ with ``strict=True``.
 
 ``resolve_hints`` returns ``ResolvedHints``: the fixed placements by graph node,
 ``allowed(cand)`` (the restriction the planner hands to
-``planner.problem.to_problem``) and ``record`` (the normalized hints the plan JSON
+``planner.problem_tables.to_problem``) and ``record`` (the normalized hints the plan JSON
 stores, so the tuple, Layout and placement forms of one hint give the same bytes).
 """
 
@@ -110,7 +110,7 @@ class ResolvedHints:
     labels: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     record: Mapping[str, Any] = field(default_factory=dict)
     mesh: Mesh | None = None
-    recompute: tuple[str, ...] = ()  # module patterns whose layers are recomputed (planner.recompute)
+    recompute: tuple[str, ...] = ()  # module patterns whose layers are recomputed (planner.recompute_tables)
 
     def missing_sources(self, cand) -> dict[int, tuple[Placement, ...]]:
         """Source nodes whose hinted placement is not among their candidates (the planner adds it)."""

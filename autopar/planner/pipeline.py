@@ -40,8 +40,8 @@ from costmodel import check_devices_per_node, load_profile, optimizer_spec, prec
 
 from .errors import MemoryCapError
 from .hints import ResolvedHints, resolve_hints
-from .problem import PS_PER_S, ProblemTables, build_tables
-from .recompute import RECOMPUTE_OPTIONS
+from .problem_tables import PS_PER_S, ProblemTables, build_tables
+from .recompute_tables import RECOMPUTE_OPTIONS
 from .regions import block_regions, hinted_regions, rest_regions, selective_regions
 from .schema import FAMILIES, Plan
 from .solving import SEARCH_BUDGET_S, family_plans, plan_under
@@ -72,7 +72,7 @@ class PlanningContext:
     template: BatchTemplate | None = None  # the capture at_batch re-uses (autopar.capture.batch)
     hint_args: dict[str, Any] | None = None  # prepare's hint arguments, resolved again at another batch
     recaptured: str | None = None  # why at_batch captured the model again instead of re-using the capture
-    recompute: dict[int, str] = field(default_factory=dict)  # op node -> recomputed block (planner.recompute)
+    recompute: dict[int, str] = field(default_factory=dict)  # op node -> recomputed block (planner.recompute_tables)
 
     def at_batch(self, batch: int) -> PlanningContext:
         """This context at another global batch size (see ``rebatch``)."""
@@ -273,10 +273,10 @@ def plan(
     (``((2, 1), (1, 4))``); ``input_placements``/``output_placements`` fix graph
     inputs and outputs.  Hinted tensors keep their placements; the search chooses
     the rest.  A pattern matching nothing warns (``strict=True``: raises).
-    ``progress(stage, done, total)`` is called as planning goes (``autopar.progress`` draws it).
+    ``progress(stage, done, total)`` is called as planning goes (``autopar.launch.progress`` draws it).
     ``recompute``: ``"auto"`` (recompute in backward where that makes the fastest plan
     that fits the cap), ``"none"``, ``"selective"`` (each repeated block's attention core
-    and activations) or ``"full"`` (whole blocks); ``planner.recompute``.
+    and activations) or ``"full"`` (whole blocks); ``planner.recompute_tables``.
     ``devices_per_node``: the job's ranks per node (``prepare``).
     ``search_budget_s``: the search's wall-clock budget (``plan_from_context``).
     """

@@ -40,7 +40,7 @@ reduction (``OpStrategy`` / ``SourceStrategy`` in ``strategies.base`` / ``candid
 ``recompute`` (only when set) names the region, a repeated block such as
 ``model.layers.3``, that the op is recomputed with in backward instead of saving its
 tensors (``lower/recompute.py`` runs it under ``torch.utils.checkpoint``); the
-planner chooses it (``planner/recompute.py``) and prices it: the forward run again
+planner chooses it (``planner/recompute_tables.py``) and prices it: the forward run again
 in the node times, the blocks' activations out of ``memory.activations`` and back in
 the backward peak, and the moves and collectives the recomputation runs again in
 ``collectives`` with ``"recompute": true`` (phase ``forward``, as the runtime counts them).
@@ -49,7 +49,7 @@ the backward peak, and the moves and collectives the recomputation runs again in
 
 ``repr(plan)`` is one line (model, mesh, family, step time, memory against the
 cap); ``plan.table()`` is the full report ``autopar plan`` prints
-(``autopar.planner.report.render_table``).
+(``autopar.planner.plan_table.render_table``).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ class Plan:
 
     def table(self, *, width: int = 130) -> str:
         """The full report ``autopar plan`` prints: placements, collectives, totals, families."""
-        from .report import render_table
+        from .plan_table import render_table
 
         return render_table(self, width=width)
 

@@ -25,8 +25,8 @@ from .assemble import assemble_plan, breakdown
 from .errors import MemoryCapError, cap_error, no_plan_error
 from .families import family_restriction, param_nodes
 from .hints import ResolvedHints
-from .problem import to_problem
-from .recompute import recomputed_tables
+from .problem_tables import to_problem
+from .recompute_tables import recomputed_tables
 from .schema import FAMILIES, Plan
 
 if TYPE_CHECKING:

@@ -170,8 +170,8 @@ RULE_MODULES = (
     "views",
     "embedding",
     "attention",
-    "misc",
-    "hints",
+    "factories",
+    "shard_hint",
 )
 
 

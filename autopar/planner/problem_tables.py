@@ -41,7 +41,7 @@ class ProblemTables:
     edge_refs: list[list[tuple[int, int, int, int]]]  # per edge: (u, out_idx, v, pos) tensors it carries
     sinks: list[tuple[int, int]]  # (node, output index) read as Replicate by a sink node
     _whole: tuple | None = field(default=None, repr=False)  # (problem, keep): unrestricted, no cap
-    # these tables with blocks recomputed, by the recomputed nodes (planner.recompute builds them once)
+    # these tables with blocks recomputed, by the recomputed nodes (planner.recompute_tables builds them once)
     recomputed: dict = field(default_factory=dict, repr=False)
     # the recomputed terms of single nodes and edges, shared by every region map over these tables
     recomputed_terms: dict = field(default_factory=dict, repr=False)

@@ -38,7 +38,7 @@ import numpy as np
 from autopar.search import INF
 
 from .kept import Keeping, keeping
-from .problem import ProblemTables, read_only, seconds_to_ps
+from .problem_tables import ProblemTables, read_only, seconds_to_ps
 
 __all__ = ["RECOMPUTE_OPTIONS", "recomputed_tables"]
 

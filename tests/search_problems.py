@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 
-from .problem import INF, SearchProblem
+from autopar.search import INF, SearchProblem
 
 __all__ = ["random_problem", "chain_problem", "transformer_like_problem"]
 
@@ -349,7 +349,7 @@ def transformer_like_problem(
     )
     if cap_fraction is None:
         return problem
-    from .dp import min_memory, solve_dp  # the generator uses the solver only to place the cap
+    from autopar.search import min_memory, solve_dp  # the generator uses the solver only to place the cap
 
     low = min_memory(problem).mem_bytes
     high = solve_dp(problem).mem_bytes

@@ -16,7 +16,7 @@ import torch
 
 from autopar.units import format_bytes
 
-from .export import ExportError, export_safetensors
+from .hf_export import ExportError, export_safetensors
 from .saving import CheckpointError
 
 __all__ = ["add_export_parser", "cmd_export"]

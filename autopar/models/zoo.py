@@ -1,4 +1,4 @@
-"""Model sources for the CLI: built-in names from ``configs/models/`` and user factories.
+"""The model zoo: built-in models named in ``configs/models/``, and user factories.
 
 ``load_model(spec, batch=, seq=, device=)`` returns ``(model, args, kwargs)``:
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from costmodel import config_dir, tomllib
+from .data_files import config_dir, tomllib
 
 __all__ = [
     "load_model",

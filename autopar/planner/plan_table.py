@@ -90,7 +90,7 @@ def _optimality(search: dict) -> str:
 
 
 def describe_recompute(plan: Plan) -> str:
-    """The ``recompute:`` line: what backward recomputes (``planner.recompute``: blocks, or selective regions)."""
+    """The ``recompute:`` line: what backward recomputes (``planner.recompute_tables``: blocks, or selective regions)."""
     rest = plan.search.get("recompute_rest", [])
     regions = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e} - set(rest), key=_natural)
     asked = plan.settings.get("recompute", "auto")
