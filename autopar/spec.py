@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement import Partial, Placement, Replicate, Shard, shard_sizes
+from .placement import Placement, Replicate, Shard, shard_sizes
 
 __all__ = ["TensorMeta", "ShardingSpec", "local_shape", "local_meta"]
 
@@ -105,10 +105,6 @@ class ShardingSpec:
     @property
     def is_replicated(self) -> bool:
         return all(isinstance(p, Replicate) for p in self.placements)
-
-    @property
-    def has_partial(self) -> bool:
-        return any(isinstance(p, Partial) for p in self.placements)
 
     def local_meta(self, mesh_shape: tuple[int, ...]) -> TensorMeta:
         return local_meta(self.meta, self.placements, mesh_shape)

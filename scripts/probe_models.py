@@ -179,7 +179,7 @@ def worst_deviation(ref: tuple, got: tuple) -> tuple[float, str]:
 
 
 def numerics(name: str, mesh_shape: tuple[int, ...], families: list, size: Size = Size()) -> None:
-    from autopar.runtime.spawn import spawn_ranks
+    from autopar.runtime.spawn import RankSettings, spawn_ranks
 
     ref = reference(name, size)
     for family in families:
@@ -187,7 +187,9 @@ def numerics(name: str, mesh_shape: tuple[int, ...], families: list, size: Size 
         key = f"{name} {'x'.join(map(str, mesh_shape))} {family or 'auto'} b{size.batch}{split}"
         t0 = time.perf_counter()
         try:
-            results, _ = spawn_ranks(rank_fn, math.prod(mesh_shape), name, mesh_shape, family, size, timeout_s=600)
+            results, _ = spawn_ranks(
+                rank_fn, math.prod(mesh_shape), name, mesh_shape, family, size, settings=RankSettings(timeout_s=600)
+            )
             devs = [(worst_deviation(ref, res), label) for label, res in results]
             (dev, where), label = max(devs, key=lambda x: x[0][0])
             verdict = "PASS" if dev <= 1.0 else "FAIL"

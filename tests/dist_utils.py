@@ -17,7 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autopar.runtime.spawn import RankError, RankPool, free_port, spawn_ranks
+from rank_pool import RankPool
+
+from autopar.runtime.spawn import RankError, RankSettings, free_port, spawn_ranks
 
 # A test profile with cheap collectives (tests/profiles/cheap_comm.toml): plans made with it
 # partition even the tiny test models, so the multi-rank tests exercise real sharded plans.
@@ -29,7 +31,7 @@ __all__ = ["run_ranks", "RankError", "free_port"]
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0, init: bool = True) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own gloo rank process."""
     if not init:
-        return spawn_ranks(fn, world_size, *args, timeout_s=timeout_s, init=False)[0]
+        return spawn_ranks(fn, world_size, *args, settings=RankSettings(timeout_s=timeout_s, init=False))[0]
     if world_size not in _POOLS:
         _POOLS[world_size] = RankPool(world_size)
     return _POOLS[world_size].run(fn, *args, timeout_s=timeout_s)[0]

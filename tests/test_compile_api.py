@@ -18,7 +18,7 @@ from dist_utils import PARTITIONING_PROFILE, run_ranks
 from test_execution import _model, _reference, _train
 
 import autopar
-from autopar.runtime.spawn import spawn_ranks
+from autopar.runtime.spawn import RankSettings, spawn_ranks
 
 
 class _MLP(torch.nn.Module):
@@ -293,7 +293,9 @@ def _one_rank_bad_input_fn(rank, world):
 def test_bad_input_on_one_rank_fails_every_rank_fast():
     """Only rank 1 passes a wrong shape: rank 0, already in a collective, raises rank 1's reason within seconds."""
     timeout_s = 120.0  # the collective timeout a waiting rank would otherwise sit out
-    outs, _ = spawn_ranks(_one_rank_bad_input_fn, 2, timeout_s=600, collective_timeout_s=timeout_s)
+    outs, _ = spawn_ranks(
+        _one_rank_bad_input_fn, 2, settings=RankSettings(timeout_s=600, collective_timeout_s=timeout_s)
+    )
     wrong = (
         "input_ids: shape (1, 16) given, expected (2, 16); under input_mode='local' each rank passes its piece "
         "(placement S(0)"

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from autopar.runtime.spawn import RankError, RankPool
+from autopar.runtime.spawn import RankError
 
 
 def _sum_of_ranks(rank, world):
@@ -27,6 +27,8 @@ def _fail_on_rank_one(rank, world):
 
 
 def test_pool_reruns_from_a_fresh_state_and_a_failing_rank_stops_the_run_fast():
+    from rank_pool import RankPool  # here, not at the top: the killed-parent script imports this module
+
     pool = RankPool(2)
     try:
         first = pool.run(_sum_of_ranks)[0]
@@ -52,9 +54,9 @@ def _report_pid_and_wait(rank, world, folder):
 
 _KILLED_PARENT = """
 import sys
-from autopar.runtime.spawn import spawn_ranks
+from autopar.runtime.spawn import RankSettings, spawn_ranks
 from tests.test_spawn import _report_pid_and_wait
-spawn_ranks(_report_pid_and_wait, 2, sys.argv[1], timeout_s=300.0)
+spawn_ranks(_report_pid_and_wait, 2, sys.argv[1], settings=RankSettings(timeout_s=300.0))
 """
 
 

@@ -104,7 +104,6 @@ class Coster:
         self._trans_cache: dict = {}
         self._ids: dict = {}  # meta or placements -> small int (edge_matrices' cache keys)
         self._move_s: dict = {}  # (meta id, src id, dst id) -> transition_time_s
-        self._consumers = self.graph.consumers()
         self._layouts = memory_layouts(self.graph)
         self._bytes_cache: dict = {}  # (meta, placements) -> local bytes at compute precision
         self._internal_cache: dict = {}  # (id(strategy), node_mem_key) -> internal bytes (strategies outlive it)

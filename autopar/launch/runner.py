@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.mesh import Mesh
 from autopar.planner import FAMILIES, Plan
-from autopar.runtime import RankError, ranks_per_node, spawn_ranks
+from autopar.runtime import RankError, RankSettings, ranks_per_node, spawn_ranks
 
 from .resume import resolve_checkpoint, resume, save_if_due, saved_step
 
@@ -481,10 +481,12 @@ def _spawn(config: RunConfig, plan: Plan, *, while_waiting=None) -> tuple[tuple[
             world,
             config,
             plan,
-            timeout_s=config.timeout_s,
-            collective_timeout_s=config.timeout_s,
-            threads=threads,
-            env={"TRANSFORMERS_VERBOSITY": "error"},
+            settings=RankSettings(
+                timeout_s=config.timeout_s,
+                collective_timeout_s=config.timeout_s,
+                threads=threads,
+                env={"TRANSFORMERS_VERBOSITY": "error"},
+            ),
             while_waiting=while_waiting,
         )
     except RankError as e:

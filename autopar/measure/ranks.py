@@ -32,7 +32,9 @@ def on_ranks(fn: Callable, ranks: int, *args: Any, timeout_s: float) -> Any:
 
         init_distributed()
         return fn(int(os.environ["RANK"]), world, *args)
-    from autopar.runtime import spawn_ranks
+    from autopar.runtime import RankSettings, spawn_ranks
 
-    results, _ = spawn_ranks(fn, ranks, *args, timeout_s=timeout_s, collective_timeout_s=timeout_s)
+    results, _ = spawn_ranks(
+        fn, ranks, *args, settings=RankSettings(timeout_s=timeout_s, collective_timeout_s=timeout_s)
+    )
     return results[0]

@@ -26,7 +26,7 @@ from .deferred import PendingLoss, defer_loss_tail, wait_pending
 from .groups import MeshGroups, init_distributed, ranks_per_node
 from .redistribute import Move, Redistribute, nesting_conflict, nesting_steps, redistribute, redistribute_local
 from .resharding import ReshardCost, TransferPlan, plan_transfers, reshard, reshard_cost
-from .spawn import RankError, spawn_ranks
+from .spawn import RankError, RankSettings, spawn_ranks
 from .zero import StateShards, from_state_shard
 
 __all__ = [
@@ -56,5 +56,6 @@ __all__ = [
     "defer_loss_tail",
     "nesting_steps",
     "spawn_ranks",
+    "RankSettings",
     "wait_pending",
 ]

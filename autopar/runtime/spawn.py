@@ -10,8 +10,9 @@ rank's traceback; ranks that outlive ``timeout_s`` are stopped and reported.
 
 ``fn`` must be importable by the children (a module-level function of a module
 on ``sys.path``; spawn copies the parent's ``sys.path``).  ``autopar run`` and
-the multi-rank tests both launch through here; the tests keep their ranks
-between runs in a ``RankPool`` (same contract, no interpreter start-up per run).
+the multi-rank tests both launch through here (the tests keep their ranks between
+runs in ``tests/rank_pool.py``, built on the same task and result handling).
+``RankSettings`` holds how the ranks run: time limits, threads, environment.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,7 +31,25 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["spawn_ranks", "RankPool", "RankError", "free_port"]
+__all__ = ["spawn_ranks", "RankSettings", "RankError", "free_port"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankSettings:
+    """How spawned ranks run.
+
+    ``timeout_s``: the whole run's limit (ranks still running after it are stopped and
+    reported); ``collective_timeout_s``: gloo's limit on one collective; ``init=False``
+    skips ``init_process_group`` (for code that must see no default group, or
+    initializes it from the environment itself); ``threads``: torch threads per rank;
+    ``env``: environment variables set in every rank.
+    """
+
+    timeout_s: float = 120.0
+    collective_timeout_s: float = 60.0
+    init: bool = True
+    threads: int = 1
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class RankError(RuntimeError):
@@ -179,19 +199,15 @@ def spawn_ranks(
     fn: Callable,
     world_size: int,
     *args: Any,
-    timeout_s: float = 120.0,
-    init: bool = True,
-    collective_timeout_s: float = 60.0,
-    threads: int = 1,
-    env: dict[str, str] | None = None,
+    settings: RankSettings = RankSettings(),
     while_waiting: Callable[[], Any] | None = None,
 ) -> tuple[list[Any], Any]:
     """(per-rank results, ``while_waiting()``'s result): ``fn`` run on ``world_size`` gloo ranks.
 
-    ``init=False`` skips ``init_process_group`` (for code that must see no default
-    group, or initializes it from the environment itself).  ``while_waiting`` runs
+    ``settings`` says how the ranks run (``RankSettings``).  ``while_waiting`` runs
     in the parent while the ranks work (e.g. a single-device reference run).
     """
+    timeout_s = settings.timeout_s
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -202,11 +218,11 @@ def spawn_ranks(
             ctx.Process(
                 target=_child,
                 args=(
-                    _Task(fn, port, tmp, args, init, collective_timeout_s),
+                    _Task(fn, port, tmp, args, settings.init, settings.collective_timeout_s),
                     r,
                     world_size,
-                    threads,
-                    dict(env or {}),
+                    settings.threads,
+                    dict(settings.env),
                     os.getpid(),
                 ),
                 daemon=True,
@@ -225,106 +241,3 @@ def spawn_ranks(
         finally:
             _stop(procs)
         return _results(tmp, fn, world_size, timeout_s, failed, hung, lambda r: procs[r].exitcode), extra
-
-
-def _pool_worker(rank: int, world_size: int, tasks, finished, threads: int, parent: int) -> None:
-    """A ``RankPool`` rank: runs the tasks it is sent, one after another, each from the state it started in."""
-    _die_with_parent(parent)
-    torch.set_num_threads(threads)
-    rng = torch.random.get_rng_state()
-    environ = dict(os.environ)
-    while (task := tasks.get()) is not None:
-        torch.set_num_threads(threads)
-        torch.random.set_rng_state(rng)  # each task starts from a fresh process's random state
-        os.environ.clear()
-        os.environ.update(environ)
-        ok = _run_task(task, rank, world_size)
-        finished.put((rank, ok))
-        if not ok:
-            return  # its peers may be stuck in a collective: the pool is stopped and started afresh
-
-
-class RankPool:
-    """``world_size`` gloo rank processes kept alive between runs: ``spawn_ranks`` without the start-up per run.
-
-    ``run(fn, *args)`` has ``spawn_ranks``'s contract (default init, results in
-    rank order, ``RankError`` with the failing rank's traceback, never hangs).  Each
-    run initializes a fresh default process group on a new port and destroys it
-    afterwards, and starts from the process's initial random state and
-    environment; module-level state a run leaves in imported modules persists.  A
-    run that fails or times out stops every rank; the next run starts new ones.
-    Meant for test suites, where a fresh interpreter per run costs seconds of
-    imports (torch, transformers) per rank.
-    """
-
-    def __init__(self, world_size: int, *, threads: int = 1) -> None:
-        self.world_size, self.threads = world_size, threads
-        self._procs: list = []
-        self._tasks: list = []
-        self._finished = None
-
-    def _start(self) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self._finished = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        self._procs = [
-            ctx.Process(
-                target=_pool_worker,
-                args=(r, self.world_size, self._tasks[r], self._finished, self.threads, os.getpid()),
-                daemon=True,
-            )
-            for r in range(self.world_size)
-        ]
-        for p in self._procs:
-            p.start()
-
-    def _ended(self) -> dict[int, bool]:
-        """{rank: its function returned} of the ranks that reported since the last call; a dead rank failed."""
-        import queue
-
-        ended: dict[int, bool] = {}
-        while True:
-            try:
-                rank, ok = self._finished.get_nowait()
-            except queue.Empty:
-                break
-            ended[rank] = ok
-        return ended | {r: False for r, p in enumerate(self._procs) if not p.is_alive() and r not in ended}
-
-    def run(
-        self,
-        fn: Callable,
-        *args: Any,
-        timeout_s: float = 120.0,
-        collective_timeout_s: float = 60.0,
-        while_waiting: Callable[[], Any] | None = None,
-    ) -> tuple[list[Any], Any]:
-        """(per-rank results, ``while_waiting()``'s result) of ``fn(rank, world_size, *args)`` on the pool's ranks."""
-        if not self._procs or not all(p.is_alive() for p in self._procs):
-            self.close()
-            self._start()
-        extra = None
-        with tempfile.TemporaryDirectory(prefix="autopar-ranks-") as tmp:
-            port = free_port()
-            for q in self._tasks:
-                q.put(_Task(fn, port, tmp, args, True, collective_timeout_s))
-            deadline = time.monotonic() + timeout_s
-            if while_waiting is not None:
-                extra = while_waiting()
-            failed, hung = _wait(self.world_size, deadline, self._ended)
-            procs = self._procs
-            if failed or hung:
-                self.close()
-            return _results(tmp, fn, self.world_size, timeout_s, failed, hung, lambda r: procs[r].exitcode), extra
-
-    def close(self) -> None:
-        """Stop the ranks (idle ones exit, busy ones are terminated)."""
-        for q, p in zip(self._tasks, self._procs, strict=True):
-            if p.is_alive():
-                q.put(None)
-        for p in self._procs:
-            p.join(timeout=2)
-        _stop(self._procs)
-        self._procs, self._tasks, self._finished = [], [], None

@@ -74,9 +74,6 @@ class CandidateGraph:
     mesh_shape: tuple[int, ...]
     strategies: list[list]  # OpStrategy for ops, SourceStrategy for sources
 
-    def fallback_nodes(self) -> list[OpNode]:
-        return [n for n in self.graph.nodes if n.kind == "op" and all(s.fallback for s in self.strategies[n.index])]
-
 
 def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGraph:
     """Enumerate strategies for every node (ops first, then sources, which read their consumers)."""
