@@ -17,7 +17,7 @@ same global batch inside the same processes:
     torch DDP         DistributedDataParallel, each rank on its 1/ranks slice of the batch
 
 and, only when named in ``--variants``, ``autopar DP unfused``: the same plan as
-``autopar DP`` lowered without fusing the cross-entropy (``autopar/strategies/fuse.py``), so
+``autopar DP`` lowered without fusing the cross-entropy (``autopar/lower/fused_loss.py``), so
 its ratio to ``autopar DP`` is what the fused log-softmax saves.
 
 Every model returns only its loss (a wrapper around the HF model), so no variant
@@ -279,7 +279,7 @@ def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases)
 
 @contextlib.contextmanager
 def _unfused_loss(on: bool):
-    """While ``on``: lowering runs the decomposed cross-entropy as planned, never fused (``strategies/fuse.py``)."""
+    """While ``on``: lowering runs the decomposed cross-entropy as planned, never fused (``lower/fused_loss.py``)."""
     from autopar.lower import rewrite as executor
 
     fusable = executor.fusable_groups

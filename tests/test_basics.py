@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopar import Mesh, Partial, Replicate, Shard, parse_placement, parse_placements
-from autopar.layout import dim_ranges
+from autopar.pieces import dim_ranges
 from autopar.spec import TensorMeta, local_shape
 from autopar.transitions import consumer_grad_placement, producer_grad_placement, transitions
 from autopar.units import format_bytes, parse_bytes

@@ -26,7 +26,7 @@ from test_execution import ADAMW, ATOL, RTOL, _model
 
 import autopar
 from autopar.checkpoint import CheckpointError, PieceTensor, piece_boxes
-from autopar.layout import coordinates, shard_tensor
+from autopar.pieces import coordinates, shard_tensor
 from autopar.placement import Partial, Replicate, Shard
 
 # ---- boxes: the pieces as DCP sees them ------------------------------------------------------------

@@ -107,7 +107,7 @@ def _local_graph_facts(sharded, args, kwargs) -> dict:
 
 def _local_mode(rank, mesh, args, kwargs) -> dict:
     """input_mode='local' (each rank passes its own batch slice) against the global mode, same plan and weights."""
-    from autopar.layout import shard_tensor
+    from autopar.pieces import shard_tensor
     from autopar.placement import parse_placements
 
     given = {"input_ids": args[0], **kwargs}
@@ -252,7 +252,7 @@ def test_lazy_compile_and_bad_inputs_on_two_ranks():
 
 def _one_rank_bad_input_fn(rank, world):
     """Bad input on every rank (all raise, the module stays usable), then on rank 1 only (all raise, quickly)."""
-    from autopar.layout import shard_tensor
+    from autopar.pieces import shard_tensor
     from autopar.placement import parse_placements
 
     mesh = autopar.Mesh((world,), axis_names=("dp",))

@@ -45,7 +45,7 @@ def _records(counter, axis_names):
 
 
 def _zero_rank_fn(rank, world, mesh_shape, axis_names, cap, plan_json):
-    from autopar.layout import shard_tensor
+    from autopar.pieces import shard_tensor
     from autopar.placement import parse_placements
     from autopar.runtime import CollectiveCounter
     from autopar.spec import local_shape
@@ -158,7 +158,7 @@ def test_zero_plans_train_like_one_device(mesh_shape, axis_names, factor, how):
 )
 def test_state_shard_is_a_view_of_the_parameter_piece(shape, placement, state, coord, expect):
     """The ZeRO shard aliases the buffer forward reads, so parameters are held once (the plan's params bytes)."""
-    from autopar.layout import shard_tensor
+    from autopar.pieces import shard_tensor
     from autopar.placement import parse_placements
     from autopar.runtime.zero import shard_view
 

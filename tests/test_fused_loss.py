@@ -1,4 +1,4 @@
-"""Fused cross-entropy (strategies/fuse.py): where the plan keeps the classes whole, the loss runs as one log-softmax.
+"""Fused cross-entropy (lower/fused_loss.py): where the plan keeps the classes whole, the loss runs as one log-softmax.
 
 Each case trains on 2 gloo ranks under a data-parallel plan (rows split, classes
 whole: the fused path must be taken) and under a plan whose hint shards the

@@ -20,7 +20,7 @@ import torch
 from dist_utils import run_ranks
 
 import autopar
-from autopar.layout import coordinates, shard_tensor
+from autopar.pieces import coordinates, shard_tensor
 from autopar.mesh import Mesh
 from autopar.placement import parse_placements
 from autopar.runtime import CollectiveCounter, plan_transfers, reshard_cost

@@ -695,7 +695,7 @@ def test_new_and_like_factories(mesh):
 # ----------------------------------------------------------------------------- coverage
 
 
-MY_MODULES = {f"autopar.strategies.{m}" for m in ("views", "embedding", "attention", "misc")}
+MY_MODULES = {f"autopar.strategies.{m}" for m in ("views", "embedding", "attention", "factories")}
 VALIDATED = {
     aten.view.default,
     aten._unsafe_view.default,

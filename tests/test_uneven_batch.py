@@ -34,7 +34,7 @@ def _row_split_hints(model: nn.Module, ranks: int) -> dict:
 
 
 def _rank_fn(rank, world, name, batch):
-    from autopar.layout import shard_tensor
+    from autopar.pieces import shard_tensor
     from autopar.placement import parse_placements
 
     out = {}

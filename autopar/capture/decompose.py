@@ -19,7 +19,7 @@ op (then planned by its rule or the replicate fallback).  Every node the rewrite
 emits carries ``node.meta[DECOMPOSED]``, a ``CrossEntropyPart`` (the loss it
 came from and its role above): where the plan keeps the classes whole, lowering
 runs the pieces from ``x`` to ``nll * valid`` as one fused log-softmax again
-(``strategies/fuse.py``: the rule, and what it saves).
+(``lower/fused_loss.py``: the rule; ``strategies/fuse.py``: what it saves).
 
 Two smaller rewrites make other models' ops plannable by the existing rules:
 
@@ -49,7 +49,7 @@ _REDUCTION = {0: "none", 1: "mean", 2: "sum"}
 #: ``node.meta`` key of every node ``_decompose_cross_entropy`` emits: a ``CrossEntropyPart``
 DECOMPOSED = "autopar_decomposed"
 #: the roles computed from the logits, up to the masked per-row loss ``"masked"`` (``nll * valid``):
-#: what lowering may run as one fused log-softmax where the class dim is whole (``autopar/strategies/fuse.py``)
+#: what lowering may run as one fused log-softmax where the class dim is whole (``autopar/lower/fused_loss.py``)
 LOGIT_ROLES = frozenset(
     "max_input max shifted exp sum_exp log_sum_exp target_logit nll "
     "sum_logit mean_logit smooth nll_part smooth_part smoothed rows masked".split()

@@ -326,47 +326,75 @@ def _tensor_vals(val) -> list:
 
 def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, user_inputs):
     """(the OpGraph, one entry per output leaf: an index into its ``outputs`` or a ``_Constant``)."""
-    nodes: list[OpNode] = []
-    where: dict[fx.Node, int] = {}  # fx node -> OpNode index (single-output or multi-output op)
-    proj: dict[fx.Node, tuple[int, int]] = {}  # getitem node -> (producer, output index)
-    param_index: dict[str, int] = {}
-    aliases: dict[str, int] = {}
+    builder = _GraphBuilder(param_of, buffer_of, canonical, no_grad_nodes)
     for fxn in gm.graph.nodes:
+        builder.add(fxn)
+    outputs, output_leaves, loss_output = builder.outputs(next(n for n in gm.graph.nodes if n.op == "output"))
+    graph = OpGraph(builder.nodes, outputs, loss_output, gm, model_name, tied, user_inputs, builder.aliases)
+    return graph, output_leaves
+
+
+class _GraphBuilder:
+    """The ``OpNode`` list of a cleaned exported graph, built one fx node at a time, in graph order.
+
+    ``param_of`` / ``buffer_of``: placeholder name -> parameter / buffer FQN; ``canonical``:
+    parameter FQN -> its canonical one (a tied alias's placeholder becomes the canonical
+    parameter's node, noted in ``aliases``); ``no_grad_nodes``: nodes that carry no gradient.
+    """
+
+    def __init__(self, param_of: dict, buffer_of: dict, canonical: dict[str, str], no_grad_nodes: set[str]) -> None:
+        self.param_of, self.buffer_of, self.canonical = param_of, buffer_of, canonical
+        self.no_grad_nodes = no_grad_nodes
+        self.nodes: list[OpNode] = []
+        self.where: dict[fx.Node, int] = {}  # fx node -> OpNode index (single-output or multi-output op)
+        self.proj: dict[fx.Node, tuple[int, int]] = {}  # getitem node -> (producer, output index)
+        self.param_index: dict[str, int] = {}
+        self.aliases: dict[str, int] = {}
+
+    def add(self, fxn: fx.Node) -> None:
+        """The node for ``fxn`` (a tensor placeholder, or a call with tensor outputs); a getitem of a multi-output
+        op is noted as a projection of it; anything else is skipped."""
         val = fxn.meta.get("val")
         if fxn.op == "placeholder":
-            if not isinstance(val, torch.Tensor):
-                continue
-            meta = (TensorMeta.of(val),)
-            if fxn.name in param_of:
-                fqn = canonical.get(param_of[fxn.name], param_of[fxn.name])
-                if fqn in param_index:  # a tied alias placeholder: reuse the canonical node
-                    where[fxn] = param_index[fqn]
-                    aliases[fxn.name] = param_index[fqn]
-                    continue
-                node = OpNode(len(nodes), fxn.name, "param", meta, fqn=fqn, requires_grad=True, fx_node=fxn)
-                param_index[fqn] = node.index
-            elif fxn.name in buffer_of:
-                node = OpNode(len(nodes), fxn.name, "buffer", meta, fqn=buffer_of[fxn.name], fx_node=fxn)
-            else:
-                node = OpNode(len(nodes), fxn.name, "input", meta, fqn=fxn.name, fx_node=fxn)
-            where[fxn] = node.index
-            nodes.append(node)
-            continue
+            if isinstance(val, torch.Tensor):
+                self._add_source(fxn, (TensorMeta.of(val),))
+            return
         if fxn.op != "call_function":
-            continue
-        if fxn.target is operator.getitem and fxn.args[0] in where and nodes[where[fxn.args[0]]].kind == "op":
-            proj[fxn] = (where[fxn.args[0]], int(fxn.args[1]))
-            continue
+            return
+        where = self.where
+        if fxn.target is operator.getitem and fxn.args[0] in where and self.nodes[where[fxn.args[0]]].kind == "op":
+            self.proj[fxn] = (where[fxn.args[0]], int(fxn.args[1]))
+            return
         outs = _tensor_vals(val)
-        if not outs:
-            continue
+        if outs:
+            self._add_op(fxn, tuple(TensorMeta.of(t) for t in outs))
+
+    def _add_source(self, fxn: fx.Node, meta: tuple[TensorMeta, ...]) -> None:
+        nodes = self.nodes
+        if fxn.name in self.param_of:
+            fqn = self.canonical.get(self.param_of[fxn.name], self.param_of[fxn.name])
+            if fqn in self.param_index:  # a tied alias placeholder: reuse the canonical node
+                self.where[fxn] = self.param_index[fqn]
+                self.aliases[fxn.name] = self.param_index[fqn]
+                return
+            node = OpNode(len(nodes), fxn.name, "param", meta, fqn=fqn, requires_grad=True, fx_node=fxn)
+            self.param_index[fqn] = node.index
+        elif fxn.name in self.buffer_of:
+            node = OpNode(len(nodes), fxn.name, "buffer", meta, fqn=self.buffer_of[fxn.name], fx_node=fxn)
+        else:
+            node = OpNode(len(nodes), fxn.name, "input", meta, fqn=fxn.name, fx_node=fxn)
+        self.where[fxn] = node.index
+        nodes.append(node)
+
+    def _add_op(self, fxn: fx.Node, out_metas: tuple[TensorMeta, ...]) -> None:
+        nodes = self.nodes
         flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))
         in_refs: list[tuple[int, int]] = []
         metas: list[TensorMeta] = []
         new_flat = []
         for a in flat:
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                ref = proj.get(a) or (where[a], 0)
+                ref = self.proj.get(a) or (self.where[a], 0)
                 in_refs.append(ref)
                 m = nodes[ref[0]].outputs[ref[1]]
                 metas.append(m)
@@ -374,9 +402,8 @@ def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, 
             else:
                 new_flat.append(a)
         args, kwargs = pytree.tree_unflatten(new_flat, spec)
-        out_metas = tuple(TensorMeta.of(t) for t in outs)
         call = OpCall(fxn.target, tuple(args), dict(kwargs), tuple(metas), out_metas)
-        differentiable = any(m.is_float for m in out_metas) and fxn.name not in no_grad_nodes
+        differentiable = any(m.is_float for m in out_metas) and fxn.name not in self.no_grad_nodes
         grad = (
             differentiable
             and "detach" not in str(fxn.target)
@@ -393,23 +420,26 @@ def _build(gm, model_name, param_of, buffer_of, canonical, tied, no_grad_nodes, 
             requires_grad=grad,
             fx_node=fxn,
         )
-        where[fxn] = node.index
+        self.where[fxn] = node.index
         nodes.append(node)
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outputs: list[tuple[int, int]] = []
-    output_leaves: list[int | _Constant] = []
-    loss_output = None
-    for o in out_node.args[0]:
-        if isinstance(o, fx.Node) and (o in where or o in proj):
-            ref = proj.get(o) or (where[o], 0)
-            meta = nodes[ref[0]].outputs[ref[1]]
-            if loss_output is None and meta.numel == 1 and meta.is_float and nodes[ref[0]].requires_grad:
-                loss_output = len(outputs)
-            output_leaves.append(len(outputs))
-            outputs.append(ref)
-        else:  # a constant export kept in the output (an int, None), or a non-tensor input passed through
-            output_leaves.append(_Constant(o.meta.get("val") if isinstance(o, fx.Node) else o))
-    return OpGraph(nodes, outputs, loss_output, gm, model_name, tied, user_inputs, aliases), output_leaves
+
+    def outputs(self, out_node: fx.Node) -> tuple[list[tuple[int, int]], list, int | None]:
+        """(the graph's tensor outputs as (node, output index), one entry per output leaf, the loss's output):
+        the loss is the first scalar float output that requires grad."""
+        outputs: list[tuple[int, int]] = []
+        output_leaves: list[int | _Constant] = []
+        loss_output = None
+        for o in out_node.args[0]:
+            if isinstance(o, fx.Node) and (o in self.where or o in self.proj):
+                ref = self.proj.get(o) or (self.where[o], 0)
+                meta = self.nodes[ref[0]].outputs[ref[1]]
+                if loss_output is None and meta.numel == 1 and meta.is_float and self.nodes[ref[0]].requires_grad:
+                    loss_output = len(outputs)
+                output_leaves.append(len(outputs))
+                outputs.append(ref)
+            else:  # a constant export kept in the output (an int, None), or a non-tensor input passed through
+                output_leaves.append(_Constant(o.meta.get("val") if isinstance(o, fx.Node) else o))
+        return outputs, output_leaves, loss_output
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ safetensors files for serving, one tensor in memory at a time.
 
 from __future__ import annotations
 
-from autopar.layout import Box, piece_boxes
+from autopar.pieces import Box, piece_boxes
 
 from .export_command import add_export_parser, cmd_export
 from .hf_export import DEFAULT_MAX_SHARD_BYTES, ExportedFile, ExportError, SafetensorsExport, export_safetensors

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from autopar.layout import Box, piece_boxes
+from autopar.pieces import Box, piece_boxes
 from autopar.placement import Placement
 
 __all__ = ["Box", "PieceTensor", "piece_boxes"]

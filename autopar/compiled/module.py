@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from autopar.capture import OpGraph
-from autopar.layout import shard_tensor
+from autopar.pieces import shard_tensor
 from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower
 from autopar.placement import Placement, Replicate
 from autopar.planner import Plan

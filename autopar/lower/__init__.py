@@ -1,4 +1,4 @@
-"""Lowering, the sixth stage: a ``Plan`` and its ``OpGraph`` rewritten into one rank's local program.
+"""Lowering: a ``Plan`` and its ``OpGraph`` rewritten into one rank's local program.
 
 ``ExecutionPlan.from_plan`` resolves the plan against the captured graph (every
 value's placements by fx node name); ``lower`` rewrites the graph into an

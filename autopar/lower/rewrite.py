@@ -30,7 +30,7 @@ while lowering, not per call:
    for it (not in the instrumented variant).
 6. a decomposed cross-entropy (``decompose.py``) whose logit pieces the plan
    keeps on whole rows (no class-dim shard, nothing partial, no move between
-   them) runs as one fused log-softmax (``fuse.py`` has the rule): same value,
+   them) runs as one fused log-softmax (``fused_loss.py`` has the rule): same value,
    gradients and moves, half the (N, C) tensors kept for backward.  The
    instrumented variant fuses it too, so ``SavedBytes`` measures what the fast
    program keeps, and records the unfused nodes' values beside it (``trace``).
@@ -62,11 +62,12 @@ from torch.utils import _pytree as pytree
 from autopar.placement import Replicate, Shard
 from autopar.runtime import Move, defer_loss_tail
 from autopar.spec import local_shape
-from autopar.strategies import KERNELS, KernelContext, emit_fused_loss, fusable_groups, localize_size_args
+from autopar.strategies import KERNELS, KernelContext, localize_size_args
 
+from .fused_loss import emit_fused_loss, fusable_groups
 from .program import ExecutionPlan, NodeExec, RunState
 from .recompute import outline_regions
-from .steps import EVAL_FORMS, MoveStep, OpStep, TraceDecomposed
+from .steps import EVAL_FORMS, MoveStep, OpOptions, OpStep, TraceDecomposed
 
 __all__ = ["lower", "RANDOM_OPS"]
 
@@ -197,186 +198,258 @@ def lower(
     their gradients to it unreduced (noted in it).  Raises ValueError for a node
     whose strategies name several kernels.
     """
-    graph = xplan.graph
-    state_shards = state_shards or {}
-    coord = tuple(groups.coordinate)
-    dev = getattr(groups, "device", torch.device("cpu"))
-    rng_devices = [dev] if dev.type == "cuda" else []
+    lowering = _Lowering(
+        xplan, groups, state, seed=seed, state_shards=state_shards or {}, buckets=buckets, instrument=instrument
+    )
+    return lowering.run()
+
+
+def _by_fx(graph) -> dict:
+    """Captured fx node -> its ``OpNode``; a tied parameter's alias placeholder -> the parameter it aliases."""
     by_fx = {n.fx_node: n for n in graph.nodes if n.fx_node is not None}
     for fxn in graph.gm.graph.nodes:
         if fxn.op == "placeholder" and fxn.name in graph.placeholder_alias:
             by_fx[fxn] = graph.nodes[graph.placeholder_alias[fxn.name]]
-    g = fx.Graph()
-    sources = {n.name: g.placeholder(n.name) for n in graph.nodes if n.kind != "op"}
-    by_name = {n.name: n for n in graph.nodes}
-    for name, acc in xplan.accumulate.items():  # parameters whose uses' partial gradients are summed first
-        node = by_name[name]
-        placement, grad_state = xplan.sources[name]
-        if buckets is not None and name in buckets:  # the bucket reduces the sum (its source wrap)
-            buckets.note(name, "accumulated", node.outputs[0], acc, grad_state)
-            continue
-        move = Move(node.outputs[0], placement, placement, acc, grad_state, groups)
-        step = MoveStep(f"accumulate_{name}", state, move, shard=state_shards.get(name), param=True)
-        sources[name] = g.call_function(step, (sources[name],))
-    env: dict[fx.Node, Any] = {}
+    return by_fx
 
-    def edge(opnode, ex: NodeExec, pos: int, value: fx.Node, regather: list):
+
+class _Lowering:
+    """One run of ``lower``: the captured graph rewritten node by node into the local graph ``g``.
+
+    State, filled in graph order: ``sources`` (source node name -> its placeholder,
+    or the step that sums its uses' partial gradients first), ``env`` (captured fx
+    node -> the lowered value standing for it), ``fused`` (member fx node -> its
+    fused cross-entropy; ``fused_inputs``: (member, position) -> the value its edge
+    from outside the group delivers), ``region_of`` (captured fx node -> its
+    recompute region) and ``regions`` (region -> its lowered nodes, in order).
+    """
+
+    def __init__(
+        self,
+        xplan: ExecutionPlan,
+        groups,
+        state: RunState,
+        *,
+        seed: int,
+        state_shards: dict[str, torch.Tensor],
+        buckets,
+        instrument: bool,
+    ) -> None:
+        self.xplan, self.groups, self.state, self.graph = xplan, groups, state, xplan.graph
+        self.seed, self.state_shards, self.buckets, self.instrument = seed, state_shards, buckets, instrument
+        self.coord = tuple(groups.coordinate)
+        self.dev = getattr(groups, "device", torch.device("cpu"))
+        self.rng_devices = (self.dev,) if self.dev.type == "cuda" else ()
+        self.by_fx = _by_fx(self.graph)
+        self.g = fx.Graph()
+        self.sources = self._sources()
+        self.env: dict[fx.Node, Any] = {}
+        self.fused = fusable_groups(xplan, self.by_fx, self._identity_edge)
+        self.fused_inputs: dict[tuple[str, int], fx.Node] = {}
+        self.region_of: dict[fx.Node, str | None] = {}
+        self.regions: dict[str, list[fx.Node]] = {}
+
+    def run(self) -> fx.GraphModule:
+        """Lower every node, then the outputs; outline the recompute regions and defer the loss's tail."""
+        for fxn in self.graph.gm.graph.nodes:
+            self._lower_in_region(fxn)
+        out_fx = next(n for n in self.graph.gm.graph.nodes if n.op == "output")
+        output = self.g.output(tuple(self._outputs(out_fx)))
+        # after the outputs: a region whose values the model returns (the head's logits) hands them out
+        outline_regions(self.g, self.regions, self.graph.gm, self.state)
+        self._defer_loss(list(output.args[0]))
+        return fx.GraphModule(self.graph.gm, self.g, class_name="LocalProgram")
+
+    def _sources(self) -> dict[str, fx.Node]:
+        """One placeholder per source node, in graph order; a parameter whose uses' partial gradients are summed
+        first reads through the step that sums them (or the data-parallel bucket that reduces the sum)."""
+        graph, g = self.graph, self.g
+        sources = {n.name: g.placeholder(n.name) for n in graph.nodes if n.kind != "op"}
+        by_name = {n.name: n for n in graph.nodes}
+        for name, acc in self.xplan.accumulate.items():
+            node = by_name[name]
+            placement, grad_state = self.xplan.sources[name]
+            if self.buckets is not None and name in self.buckets:  # the bucket reduces the sum (its source wrap)
+                self.buckets.note(name, "accumulated", node.outputs[0], acc, grad_state)
+                continue
+            move = Move(node.outputs[0], placement, placement, acc, grad_state, self.groups)
+            step = MoveStep(f"accumulate_{name}", self.state, move, shard=self.state_shards.get(name), param=True)
+            sources[name] = g.call_function(step, (sources[name],))
+        return sources
+
+    def _lower_in_region(self, fxn: fx.Node) -> None:
+        """Lower ``fxn`` and, when it is in a recompute region, note what it lowered to as that region's."""
+        opnode = self.by_fx.get(fxn)
+        ex = self.xplan.nodes.get(opnode.name) if opnode is not None else None
+        if ex is not None:
+            self.region_of[fxn] = ex.recompute
+        elif fxn.op == "call_function":  # getitem of a multi-output op: in its producer's region
+            inputs = {self.region_of.get(a) for a in fxn.all_input_nodes}
+            self.region_of[fxn] = inputs.pop() if len(inputs) == 1 else None
+        tail = self.g._root.prev  # what fxn lowers to is appended after the current last node
+        self._lower_node(fxn, opnode)
+        region = self.region_of.get(fxn)
+        if region is not None:
+            node = tail.next
+            while node is not self.g._root:
+                self.regions.setdefault(region, []).append(node)
+                node = node.next
+
+    def _lower_node(self, fxn: fx.Node, opnode) -> None:
+        """Emit ``fxn``'s local program into ``g`` (``env[fxn]``: the value it makes)."""
+        if fxn.op == "placeholder":
+            self.env[fxn] = self.sources[opnode.name] if opnode is not None else None  # None: an unused tied alias
+            return
+        if fxn.op == "output":
+            return
+        if fxn.op != "call_function" or opnode is None or opnode.kind != "op":
+            self.env[fxn] = self.g.node_copy(fxn, self.env.__getitem__)
+            return
+        ex = self.xplan.nodes[opnode.name]
+        if fxn in self.fused:  # a fused cross-entropy (fused_loss.py): only the edges from outside it are lowered
+            self._lower_fused(fxn, opnode, ex)
+        else:
+            self.env[fxn] = self._lower_op(fxn, opnode, ex)
+
+    def _edge(self, opnode, ex: NodeExec, pos: int, value: fx.Node, regather: list):
+        """The value input ``pos`` of ``opnode`` reads: ``value`` itself, or a ``MoveStep`` on it (a moved
+        parameter's (moved, local) pair and move appended to ``regather``, for an FSDP re-gather)."""
         src_node, out_idx = opnode.inputs[pos]
-        producer = graph.nodes[src_node]
-        src, dst = xplan.output_placement(producer.name, out_idx), ex.inputs[pos]
+        producer = self.graph.nodes[src_node]
+        src, dst = self.xplan.output_placement(producer.name, out_idx), ex.inputs[pos]
         grad_src = ex.input_grad(pos)
-        grad_dst = xplan.grad_target(producer.name, out_idx)
+        grad_dst = self.xplan.grad_target(producer.name, out_idx)
         meta = producer.outputs[out_idx]
-        if buckets is not None and producer.name in buckets and producer.name not in xplan.accumulate:
+        buckets = self.buckets
+        if buckets is not None and producer.name in buckets and producer.name not in self.xplan.accumulate:
             buckets.note(producer.name, (opnode.name, pos), meta, grad_src, grad_dst)  # reduced in a bucket
             grad_dst = grad_src
         # a ZeRO parameter is read from its buffer on each edge, unless its summed gradient is moved once
-        shard = state_shards.get(producer.name) if producer.name not in xplan.accumulate else None
+        shard = self.state_shards.get(producer.name) if producer.name not in self.xplan.accumulate else None
         if shard is None and _moves_nothing(producer, src, dst, grad_src, grad_dst):
             return value
         param = producer.kind == "param"
         step = MoveStep(
             f"move_{opnode.name}_{pos}",
-            state,
-            Move(meta, src, dst, grad_src, grad_dst, groups),
+            self.state,
+            Move(meta, src, dst, grad_src, grad_dst, self.groups),
             shard=shard,
             param=param,
         )
-        moved = g.call_function(step, (value,))
+        moved = self.g.call_function(step, (value,))
         if param and src != dst:
             regather.append(((moved, value), step.move))
         return moved
 
-    def fused_node(name: str, target, *args, measure: bool = True):
-        if instrument:  # measured and traced like every op of the instrumented program (in a region: traced only)
-            step = OpStep(name, state, target, instrument=True, measure=measure)
-            return g.create_node("call_function", step, args, name=name)
-        return g.create_node("call_function", target, args, name=name)
-
-    def identity_edge(opnode, ex: NodeExec, pos: int) -> bool:  # (no bucket or ZeRO read: fused inputs are no params)
-        producer, out_idx = graph.nodes[opnode.inputs[pos][0]], opnode.inputs[pos][1]
-        src, grad_dst = xplan.output_placement(producer.name, out_idx), xplan.grad_target(producer.name, out_idx)
+    def _identity_edge(self, opnode, ex: NodeExec, pos: int) -> bool:
+        """Whether ``_edge`` lowers input ``pos`` as plain data flow (no bucket or ZeRO read: fused inputs are
+        no parameters)."""
+        producer, out_idx = self.graph.nodes[opnode.inputs[pos][0]], opnode.inputs[pos][1]
+        src = self.xplan.output_placement(producer.name, out_idx)
+        grad_dst = self.xplan.grad_target(producer.name, out_idx)
         return _moves_nothing(producer, src, ex.inputs[pos], ex.input_grad(pos), grad_dst)
 
-    fused = fusable_groups(xplan, by_fx, identity_edge)
-    fused_inputs: dict[tuple[str, int], fx.Node] = {}  # (member, position) -> the value its edge delivers
+    def _fused_node(self, name: str, target, *args, measure: bool = True) -> fx.Node:
+        """One node of a fused cross-entropy's program (an ``OpStep`` in the instrumented program)."""
+        if self.instrument:  # measured and traced like every op of the instrumented program (in a region: traced only)
+            step = OpStep(name, self.state, target, OpOptions(instrument=True, measure=measure))
+            return self.g.create_node("call_function", step, args, name=name)
+        return self.g.create_node("call_function", target, args, name=name)
 
-    def lower_node(fxn: fx.Node, opnode) -> None:
-        """Emit ``fxn``'s local program into ``g`` (``env[fxn]``: the value it makes)."""
-        if fxn.op == "placeholder":
-            env[fxn] = sources[opnode.name] if opnode is not None else None  # None: an unused tied alias
-            return
-        if fxn.op == "output":
-            return
-        if fxn.op != "call_function" or opnode is None or opnode.kind != "op":
-            env[fxn] = g.node_copy(fxn, lambda n: env[n])
-            return
-        ex = xplan.nodes[opnode.name]
-        if fxn in fused:  # a fused cross-entropy (autopar/fuse.py): only the edges from outside it are lowered
-            group = fused[fxn]
-            for pos, (src, _) in enumerate(opnode.inputs):
-                producer_fx = graph.nodes[src].fx_node
-                if producer_fx not in group.members.values():
-                    value = env[_tensor_args(fxn)[pos]]
-                    fused_inputs[(fxn.name, pos)] = edge(opnode, ex, pos, value, [])
-            if fxn is group.result:
-                x, index, valid = (fused_inputs[k] for k in group.inputs())
-                if instrument:
-                    g.call_function(TraceDecomposed(f"trace_{group.part.group}", state, group), (x, index, valid))
-                measure = region_of.get(fxn) is None  # in a recompute region the checkpoint keeps what is saved
-                node = lambda name, target, *args: fused_node(name, target, *args, measure=measure)  # noqa: E731
-                env[fxn] = emit_fused_loss(group, x, index, valid, node)
-            return
+    def _lower_fused(self, fxn: fx.Node, opnode, ex: NodeExec) -> None:
+        """A member of a fused group: its edges from outside the group, and at the group's result the fused form."""
+        group = self.fused[fxn]
+        for pos, (src, _) in enumerate(opnode.inputs):
+            producer_fx = self.graph.nodes[src].fx_node
+            if producer_fx not in group.members.values():
+                value = self.env[_tensor_args(fxn)[pos]]
+                self.fused_inputs[(fxn.name, pos)] = self._edge(opnode, ex, pos, value, [])
+        if fxn is group.result:
+            x, index, valid = (self.fused_inputs[k] for k in group.inputs())
+            if self.instrument:
+                trace = TraceDecomposed(f"trace_{group.part.group}", self.state, group)
+                self.g.call_function(trace, (x, index, valid))
+            measure = self.region_of.get(fxn) is None  # in a recompute region the checkpoint keeps what is saved
+            node = functools.partial(self._fused_node, measure=measure)
+            self.env[fxn] = emit_fused_loss(group, x, index, valid, node)
+
+    def _local_args(self, fxn: fx.Node, opnode, ex: NodeExec) -> tuple[tuple, dict, list]:
+        """``fxn``'s arguments on this rank: each tensor through its edge, the device and the sizes made local;
+        and the edges' FSDP re-gathers (none for a recomputed op)."""
         flat, spec = pytree.tree_flatten((fxn.args, fxn.kwargs))
         pos, new_flat, regather = 0, [], []
         for a in flat:
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                a = edge(opnode, ex, pos, env[a], regather)
+                a = self._edge(opnode, ex, pos, self.env[a], regather)
                 pos += 1
             elif isinstance(a, fx.Node):
-                a = env[a]
+                a = self.env[a]
             new_flat.append(a)
         if ex.recompute is not None:  # a recomputed op keeps nothing: backward gathers its parameters anew anyway
             regather = []
         args, kwargs = pytree.tree_unflatten(new_flat, spec)
+        dev = self.dev
         if dev.type != "cpu":  # capture traced on the CPU: a factory's device=cpu (arange, zeros, ...) is the rank's
             args, kwargs = pytree.tree_map(lambda v: dev if isinstance(v, torch.device) else v, (args, kwargs))
-        shapes = [local_shape(m.shape, p, xplan.mesh_shape, coord) for m, p in zip(opnode.outputs, ex.outputs)]
+        mesh_shape, coord = self.xplan.mesh_shape, self.coord
+        shapes = [local_shape(m.shape, p, mesh_shape, coord) for m, p in zip(opnode.outputs, ex.outputs)]
         args, kwargs = localize_size_args(fxn.target, tuple(args), dict(kwargs), shapes)
-        fn = _kernel(xplan, opnode, ex, coord)
+        return args, kwargs, regather
+
+    def _lower_op(self, fxn: fx.Node, opnode, ex: NodeExec) -> fx.Node:
+        """An op: its aten call on the local arguments, or an ``OpStep`` where it needs more (module docstring)."""
+        args, kwargs, regather = self._local_args(fxn, opnode, ex)
+        fn = _kernel(self.xplan, opnode, ex, self.coord)
         random = fxn.target in RANDOM_OPS
-        writes = _written_buffers(fxn, by_fx)
-        _check_buffer_writes(xplan, opnode, ex, writes)
+        writes = _written_buffers(fxn, self.by_fx)
+        _check_buffer_writes(self.xplan, opnode, ex, writes)
         eval_form = _has_eval_form(fxn)
         # an op whose only effect is a buffer update (num_batches_tracked.add_(1)) does not run in eval; one whose
         # result is read (a cache-like update) runs in both modes
         skips = [pos for pos, _ in writes] == [0] and not fxn.users and fxn.target not in EVAL_FORMS
-        if instrument or random or regather or fn is not fxn.target or eval_form or skips:
-            fn = OpStep(
-                opnode.name,
-                state,
-                fn,
-                regather=[m for _, m in regather],
-                seed_key=_seed_key(seed, opnode, ex, coord) if random else None,
-                rng_devices=rng_devices,
-                instrument=instrument,
-                measure=region_of.get(fxn) is None,  # in a recompute region the checkpoint keeps what is saved
+        if self.instrument or random or regather or fn is not fxn.target or eval_form or skips:
+            options = OpOptions(
+                regather=tuple(m for _, m in regather),
+                seed_key=_seed_key(self.seed, opnode, ex, self.coord) if random else None,
+                rng_devices=self.rng_devices,
+                instrument=self.instrument,
+                measure=self.region_of.get(fxn) is None,  # in a recompute region the checkpoint keeps what is saved
                 eval_target=fxn.target if eval_form else None,
                 eval_skips=skips,
             )
+            fn = OpStep(opnode.name, self.state, fn, options)
             if regather:
                 args = (tuple(pair for pair, _ in regather), *args)
-        env[fxn] = g.create_node("call_function", fn, args, kwargs, name=fxn.name)
+        return self.g.create_node("call_function", fn, args, kwargs, name=fxn.name)
 
-    regions: dict[str, list[fx.Node]] = {}  # recompute region -> its lowered nodes, in order
-    region_of: dict[fx.Node, str | None] = {}  # captured fx node -> its recompute region
-    for fxn in graph.gm.graph.nodes:
-        opnode = by_fx.get(fxn)
-        ex = xplan.nodes.get(opnode.name) if opnode is not None else None
-        if ex is not None:
-            region_of[fxn] = ex.recompute
-        elif fxn.op == "call_function":  # getitem of a multi-output op: in its producer's region
-            inputs = {region_of.get(a) for a in fxn.all_input_nodes}
-            region_of[fxn] = inputs.pop() if len(inputs) == 1 else None
-        tail = g._root.prev  # what fxn lowers to is appended after the current last node
-        lower_node(fxn, opnode)
-        if region_of.get(fxn) is not None:
-            node = tail.next
-            while node is not g._root:
-                regions.setdefault(region_of[fxn], []).append(node)
-                node = node.next
-    out_fx = next(n for n in graph.gm.graph.nodes if n.op == "output")
-    outs = _lower_outputs(xplan, groups, state, g, env, out_fx)
-    output = g.output(tuple(outs))
-    # after the outputs: a region whose values the model returns (the head's logits) hands them out
-    outline_regions(g, regions, graph.gm, state)
-    outs = list(output.args[0])
-    if not instrument and graph.loss_output is not None:  # the loss's last collective, started without waiting
+    def _outputs(self, out_fx: fx.Node) -> list:
+        """One value per leaf of the model's output tree (``OpGraph.call.outputs``): tensors gathered to full,
+        constants as they are.  Only the loss's move is counted (the plan's list covers the step)."""
+        xplan, graph = self.xplan, self.graph
+        full = tuple(Replicate() for _ in xplan.mesh_shape)
+        result = []
+        for value, leaf in zip(out_fx.args[0], graph.call.outputs):
+            if leaf.index is None:
+                result.append(leaf.value)
+                continue
+            k = leaf.index
+            value = self.env[value]
+            node_idx, out_idx = graph.outputs[k]
+            node = graph.nodes[node_idx]
+            src = xplan.output_placement(node.name, out_idx)
+            if src != full:
+                move = Move(node.outputs[out_idx], src, full, full, xplan.grad_target(node.name, out_idx), self.groups)
+                step = MoveStep(f"gather_output_{k}", self.state, move, counted=k == graph.loss_output)
+                value = self.g.call_function(step, (value,))
+            result.append(value)
+        return result
+
+    def _defer_loss(self, outs: list) -> None:
+        """The loss's last collective, started without waiting (not in the instrumented program)."""
+        graph = self.graph
+        if self.instrument or graph.loss_output is None:
+            return
         loss = outs[next(j for j, leaf in enumerate(graph.call.outputs) if leaf.index == graph.loss_output)]
         node_idx, out_idx = graph.outputs[graph.loss_output]
         if isinstance(loss, fx.Node):
-            defer_loss_tail(g, loss, state, graph.nodes[node_idx].outputs[out_idx])
-    return fx.GraphModule(graph.gm, g, class_name="LocalProgram")
-
-
-def _lower_outputs(xplan: ExecutionPlan, groups, state: RunState, g: fx.Graph, env: dict, out_fx: fx.Node) -> list:
-    """One value per leaf of the model's output tree (``OpGraph.call.outputs``): tensors gathered to full, constants
-    as they are.  Only the loss's move is counted (the plan's list covers the step)."""
-    graph = xplan.graph
-    full = tuple(Replicate() for _ in xplan.mesh_shape)
-    result = []
-    for value, leaf in zip(out_fx.args[0], graph.call.outputs):
-        if leaf.index is None:
-            result.append(leaf.value)
-            continue
-        k = leaf.index
-        value = env[value]
-        node_idx, out_idx = graph.outputs[k]
-        node = graph.nodes[node_idx]
-        src = xplan.output_placement(node.name, out_idx)
-        if src != full:
-            move = Move(node.outputs[out_idx], src, full, full, xplan.grad_target(node.name, out_idx), groups)
-            step = MoveStep(f"gather_output_{k}", state, move, counted=k == graph.loss_output)
-            value = g.call_function(step, (value,))
-        result.append(value)
-    return result
+            defer_loss_tail(self.g, loss, self.state, graph.nodes[node_idx].outputs[out_idx])

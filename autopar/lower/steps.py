@@ -28,16 +28,18 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from autopar.runtime import Move, from_state_shard
-from autopar.strategies import FusedLoss, decomposed_values
 
+from .fused_loss import FusedLoss, decomposed_values
 from .program import RunState, SavedBytes
 
-__all__ = ["EVAL_FORMS", "MoveStep", "OpStep", "TraceDecomposed"]
+__all__ = ["EVAL_FORMS", "MoveStep", "OpOptions", "OpStep", "TraceDecomposed"]
 
 aten = torch.ops.aten
 # op -> (argument, the value eval mode gives it): what nn.Module.eval() changes in a train-mode graph
@@ -134,38 +136,48 @@ class MoveStep(_Step):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class OpOptions:
+    """What an ``OpStep`` does besides calling its op; the defaults do nothing more.
+
+    ``regather``: the ``Move`` of each all-gathered parameter the op reads, gathered
+    again in backward instead of kept (FSDP).  ``seed_key``: (seed, node index, sharded
+    coordinates) of a random op; the RNG seed also takes ``state.step``.
+    ``rng_devices``: the devices whose RNG a random op forks (none: the CPU generator
+    only).  ``instrument``: record the op's outputs (``state.trace``) and, with
+    ``measure``, what it saves for backward (``SavedBytes``; not inside a recompute
+    region, where the checkpoint keeps what is saved).  ``eval_target``: the aten op
+    whose ``EVAL_FORMS`` entry applies when ``state.training`` is False (then no RNG is
+    forked: the eval form draws nothing).  ``eval_skips``: the op only writes a model
+    buffer (its result is unused), and in eval mode is not run (its first argument, the
+    buffer it writes, is returned).
+    """
+
+    regather: tuple[Move, ...] = ()
+    seed_key: tuple | None = None
+    rng_devices: tuple = ()
+    instrument: bool = False
+    measure: bool = True
+    eval_target: Any = None
+    eval_skips: bool = False
+
+
 class OpStep(_Step):
     """One op that needs more than its aten call: a kernel, an RNG seed, FSDP re-gather or instrumentation.
 
     Called as ``step(*args, **kwargs)``, or ``step(pairs, *args, **kwargs)`` with
-    ``regather`` moves, ``pairs`` holding each gathered parameter's (full, local
-    piece) in the same order.  ``seed_key``: (seed, node index, sharded
-    coordinates) of a random op; the RNG seed also takes ``state.step``.
-    ``eval_target``: the aten op whose ``EVAL_FORMS`` entry applies when
-    ``state.training`` is False (then no RNG is forked: the eval form draws nothing).
-    ``eval_skips``: the op only writes a model buffer (its result is unused), and in
-    eval mode is not run (its first argument, the buffer it writes, is returned).
+    ``options.regather`` moves, ``pairs`` holding each gathered parameter's (full,
+    local piece) in the same order.  What else it does: ``OpOptions``.
     """
 
-    def __init__(
-        self,
-        name: str,
-        state: RunState,
-        fn,
-        *,
-        regather=(),
-        seed_key=None,
-        rng_devices=(),
-        instrument=False,
-        eval_target=None,
-        eval_skips=False,
-        measure=True,
-    ):
+    def __init__(self, name: str, state: RunState, fn, options: OpOptions | None = None) -> None:
         super().__init__(name, state)
-        self.fn, self.regather, self.seed_key, self.instrument = fn, tuple(regather), seed_key, instrument
-        self.measure = instrument and measure  # record what the op saves (not inside a recompute region)
-        self.rng_devices = list(rng_devices)
-        self.eval_target, self.eval_skips = eval_target, eval_skips
+        opts = options or OpOptions()
+        self.fn, self.regather, self.seed_key = fn, tuple(opts.regather), opts.seed_key
+        self.instrument = opts.instrument
+        self.measure = opts.instrument and opts.measure  # record what the op saves (not inside a recompute region)
+        self.rng_devices = list(opts.rng_devices)
+        self.eval_target, self.eval_skips = opts.eval_target, opts.eval_skips
 
     def seed(self, step: int) -> int:
         seed, index, coords = self.seed_key

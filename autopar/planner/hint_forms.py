@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.layout import unlayable_reason
+from autopar.pieces import unlayable_reason
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placement
 from autopar.spec import local_shape

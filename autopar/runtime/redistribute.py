@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from autopar.layout import dim_index, unlayable_reason
+from autopar.pieces import dim_index, unlayable_reason
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placements
 from autopar.spec import TensorMeta, local_shape
 from autopar.transitions import AxisTransition, transitions

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.layout import Box, coordinates, piece_boxes
+from autopar.pieces import Box, coordinates, piece_boxes
 from autopar.mesh import Mesh
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placements
 from autopar.spec import TensorMeta, local_shape

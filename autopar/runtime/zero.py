@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from autopar.layout import dim_index, shard_tensor
+from autopar.pieces import dim_index, shard_tensor
 from autopar.placement import Placement, Shard
 from autopar.spec import TensorMeta
 

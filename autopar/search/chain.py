@@ -85,7 +85,7 @@ import numpy as np
 
 from . import dp
 from .deadline import Deadline
-from .deepen import RestBound, VariantBounds, deepen
+from .deepen import PassSetup, RestBound, VariantBounds, deepen
 from .dp import min_memory
 from .minsum import MinSumChain
 from .pareto import tol
@@ -299,6 +299,52 @@ def solve_chain(
     chain = problem.memo(key, lambda: Chain(problem, blocks, variants, rest_variants))
     cap = problem.mem_cap_bytes
     tick("block tables", 1, 4)
+    w, sc, seen = _bound_rows(chain, problem, blocks, variants, rest_variants)
+    ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
+    tick("bounds", 2, 4)
+    o1 = sc.outside()[1].transpose(0, 2, 1)
+    bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n (per variant)
+        [VariantBounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
+        [VariantBounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
+    )
+    stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
+    stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
+    stats["lagrange_ub"] = ub
+    # lower bound: the min-sum of time, or of time + lam (M - cap) on a Lagrange row (weak duality)
+    lb = max(float(sc.total[r]) - float(w[r, 1]) * (cap or 0) for r in range(len(w)) if w[r, 0] == 1.0)
+    stats["lower_bound"] = lb
+    if above is not None and lb > above + tol(above):
+        raise BeatenError(lb, above)
+    tick("exact pass", 3, 4)
+    rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
+    found, pstats = deepen(PassSetup(chain, sc, bounds, cap, rest_bound, deadline), lb, ub, rel_gap)
+    stats.update(pstats, upper_bound=ub)
+    cands = [p for p in seen if cap is None or p[1] <= cap] + found
+    t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))
+    optimal = "proven_lower" not in pstats
+    if pstats.get("budget_hit") and pstats["proven_lower"] >= t - tol(t):
+        optimal = True  # the budget passed as the last pass proved it
+    if not optimal:  # stopped within rel_gap of the optimum: how close, as an approximate search says it
+        stats.update(lower_bound=pstats["proven_lower"], gap=(t - pstats["proven_lower"]) / t)
+    if variants or rest_variants:
+        stats["block_variants"] = picked
+    tick("done", 4, 4)
+    elapsed = time.perf_counter() - start
+    stats["solve_s"] = elapsed
+    if logger.isEnabledFor(logging.INFO):  # the summary walks every node: only when it is printed
+        msg = "solve_chain: %s, %d blocks, %d states -> (%d ps, %d B) in %.3fs"
+        logger.info(msg, problem.summary(), len(blocks), chain.k, t, m, elapsed)
+    return Solution(tuple(choice), t, m, optimal, "chain", elapsed, stats)
+
+
+def _bound_rows(
+    chain: Chain, problem: SearchProblem, blocks: list[list[int]], variants: tuple, rest_variants: tuple
+) -> tuple[np.ndarray, MinSumChain, list]:
+    """The bound rows ``w`` (time, memory, and where the cap binds the Lagrange slope lam*), their min-sum, and
+    the plans met on the way (``(T, M, choice, variant of each block)``; one under the cap among them).
+
+    Raises :class:`InfeasibleError` when the memory row's min-sum (the exact least memory) is over the cap."""
+    cap = problem.mem_cap_bytes
     w = np.array([[1.0, 0.0], [0.0, 1.0]])
     sc, seen = chain.base()
     seen = list(seen)
@@ -318,48 +364,7 @@ def solve_chain(
         # lam* only: the slopes around it (dp's LAMBDA_GRID) cost a min-sum row each here and cut few more pairs
         w = np.concatenate([w, [[1.0, lam]]])
         sc = sc.stacked(row)  # its plan is in seen already
-    ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
-    tick("bounds", 2, 4)
-    o1 = sc.outside()[1].transpose(0, 2, 1)
-    bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n (per variant)
-        [VariantBounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
-        [VariantBounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
-    )
-    stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
-    stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
-    stats["lagrange_ub"] = ub
-    # lower bound: the min-sum of time, or of time + lam (M - cap) on a Lagrange row (weak duality)
-    lb = max(float(sc.total[r]) - float(w[r, 1]) * (cap or 0) for r in range(len(w)) if w[r, 0] == 1.0)
-    stats["lower_bound"] = lb
-    if above is not None and lb > above + tol(above):
-        raise BeatenError(lb, above)
-    tick("exact pass", 3, 4)
-    rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
-    found, pstats = deepen(chain, sc, bounds, lb, ub, cap, rel_gap, rest_bound, deadline)
-    stats.update(pstats, upper_bound=ub)
-    cands = [p for p in seen if cap is None or p[1] <= cap] + found
-    t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))
-    optimal = "proven_lower" not in pstats
-    if pstats.get("budget_hit") and pstats["proven_lower"] >= t - tol(t):
-        optimal = True  # the budget passed as the last pass proved it
-    if not optimal:  # stopped within rel_gap of the optimum: how close, as an approximate search says it
-        stats.update(lower_bound=pstats["proven_lower"], gap=(t - pstats["proven_lower"]) / t)
-    if variants or rest_variants:
-        stats["block_variants"] = picked
-    tick("done", 4, 4)
-    elapsed = time.perf_counter() - start
-    stats["solve_s"] = elapsed
-    if logger.isEnabledFor(logging.INFO):  # the summary walks every node: only when it is printed
-        logger.info(
-            "solve_chain: %s, %d blocks, %d states -> (%d ps, %d B) in %.3fs",
-            problem.summary(),
-            len(blocks),
-            chain.k,
-            t,
-            m,
-            elapsed,
-        )
-    return Solution(tuple(choice), t, m, optimal, "chain", elapsed, stats)
+    return w, sc, seen
 
 
 def _least_memory(

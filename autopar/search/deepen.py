@@ -61,6 +61,7 @@ proven bound (every plan within the target is at least that).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,7 +76,7 @@ from .tables import PortTable
 if TYPE_CHECKING:
     from .chain import Chain
 
-__all__ = ["RestBound", "VariantBounds", "deepen"]
+__all__ = ["PassSetup", "RestBound", "VariantBounds", "deepen"]
 
 _DEEPEN_FIRST = 2.0**-12  # first target lb + (ub - lb) x this, then the slack doubles (:func:`deepen`)
 _FEW_PAIRS, _DEEPEN_FAST = 16, 8  # ... or grows 8x after a pass whose chain kept at most 16 pairs
@@ -145,17 +146,22 @@ class RestBound:
         return out
 
 
-def deepen(
-    chain: Chain,
-    sc: MinSumChain,
-    bounds: tuple,
-    lb: float,
-    ub: int,
-    cap: int | None,
-    rel_gap: float = 0.0,
-    rest_bound: RestBound | None = None,
-    deadline: Deadline | None = None,
-) -> tuple[list, dict]:
+@dataclass(frozen=True, slots=True)
+class PassSetup:
+    """What every pass of one search shares: the chain, its min-sum rows ``sc`` (time, memory and maybe the
+    Lagrange row: the bound rows' weights ``sc.w``), the tables' bounds ``(block's, rest's)`` (a
+    :class:`VariantBounds` per variant: outside the block ``O_1``, outside the rest ``f^n``), the memory cap,
+    the rest bound (:class:`RestBound`; None: the rest's pairs are not bounded first) and the deadline."""
+
+    chain: Chain
+    sc: MinSumChain
+    bounds: tuple
+    cap: int | None
+    rest_bound: RestBound | None = None
+    deadline: Deadline | None = None
+
+
+def deepen(setup: PassSetup, lb: float, ub: int, rel_gap: float = 0.0) -> tuple[list, dict]:
     """Plans met by passes with rising targets (module docstring, Target): the last is the
     optimum, unless the best plan met before (time ``ub``) is.  A pass may also return a
     plan slower than its target (the rest's pairs join unpruned in :func:`_finish`): a real
@@ -166,8 +172,9 @@ def deepen(
     target.  With ``rel_gap`` > 0 the passes stop once ``ub - proven <= rel_gap ub``
     (``stats["proven_lower"]`` is then ``proven``); the targets still rise from ``lb`` as
     in the exact search, but never past ``ub (1 - rel_gap)``: a pass with that target ends
-    the search (it finds the optimum, or proves the gap closed).  Past ``deadline`` the passes stop, and
+    the search (it finds the optimum, or proves the gap closed).  Past ``setup.deadline`` the passes stop, and
     ``proven_lower`` is what they proved (``budget_hit``)."""
+    deadline = setup.deadline
     plans: list = []
     passes, slack, proven, stats = 0, (ub - lb) * _DEEPEN_FIRST, lb, {"chain_pairs": 0}
     while True:
@@ -185,7 +192,7 @@ def deepen(
         if deadline is not None and deadline.passed():
             return plans, dict(stats, passes=passes, proven_lower=int(proven), budget_hit=True)
         try:
-            found, stats = _pass(chain, sc, bounds, target, cap, merge, rest_bound, deadline)
+            found, stats = _pass(setup, target, merge)
         except OutOfTime:
             return plans, dict(stats, passes=passes, proven_lower=int(proven), budget_hit=True)
         err = stats["merge_error"]
@@ -207,24 +214,16 @@ def deepen(
     return plans, dict(stats, passes=passes, target=target)
 
 
-def _pass(
-    chain: Chain,
-    sc: MinSumChain,
-    bounds: tuple,
-    ub: int,
-    cap: int | None,
-    merge: float = 0.0,
-    rest_bound: RestBound | None = None,
-    deadline: Deadline | None = None,
-):
+def _pass(setup: PassSetup, ub: int, merge: float = 0.0):
     """One Pareto pass under target ``ub`` (and the cap): the best plan with time <= ub, re-evaluated, or None
     when there is none.  ``merge`` > 0 (:func:`_power`): the plan returned is within ``stats["merge_error"]``
-    of the best plan with time <= ub (module docstring, Merging).  ``rest_bound``: the rest's pairs are found
-    first and those it bounds above ``ub`` dropped; with none left the chain is not built (no plan within
+    of the best plan with time <= ub (module docstring, Merging).  ``setup.rest_bound``: the rest's pairs are
+    found first and those it bounds above ``ub`` dropped; with none left the chain is not built (no plan within
     ``ub``), and ``stats["rest_bound"]`` is the least bound of those kept (every plan within ``ub`` is at
-    least that).  Past ``deadline``: :class:`.deadline.OutOfTime`."""
+    least that).  Past ``setup.deadline``: :class:`.deadline.OutOfTime`."""
+    chain, sc, cap, rest_bound, deadline = setup.chain, setup.sc, setup.cap, setup.rest_bound, setup.deadline
     k, w = chain.k, sc.w
-    fb, rb = bounds
+    fb, rb = setup.bounds
     lim_rows = row_limits(fb[0].rows, float(ub), cap)
     lim = (lim_rows + tol(lim_rows))[:, None]
     rtabs = [_variant_pass(t.model, rb[j], lim_rows, lim) for j, t in enumerate(chain.rtabs)]

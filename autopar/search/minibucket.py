@@ -309,6 +309,38 @@ def approx_min_memory(problem: SearchProblem, exact_width: int, budget: int, sta
     return Solution(small.choice, small.time, small.mem, False, "dp", stats["solve_s"], stats)
 
 
+def _over_cap(small: Point, lb_m: float, cap: int, exact_width: int, budget: int) -> InfeasibleError:
+    """The error for a search whose least-memory plan found (``small``) is over the cap; ``lb_m``: the memory
+    row's bound, which proves no plan fits when it is over the cap too."""
+    proven = lb_m > cap + tol(cap)
+    how = f"the memory bound {lb_m:.0f} B > cap proves it" if proven else "not proven: approximate search"
+    return InfeasibleError(
+        f"the approximate search (joint table {exact_width} cells > budget {budget}) found no plan under the "
+        f"memory cap {cap} B ({how}); the least-memory plan it found uses {small.mem} B (time {small.time} "
+        "ps); fix: raise mem_cap_bytes, use more devices, or raise autopar.search.dp.WIDTH_BUDGET",
+        cap_bytes=cap,
+        min_mem_bytes=small.mem,
+        min_mem_solution=Solution(small.choice, small.time, small.mem, False, "dp", 0.0),
+        approximate=True,
+    )
+
+
+def _lagrange_plans(model: EliminationModel, fast: Point, seen: list[Point], cap: int, lb: float) -> tuple:
+    """(lam*, the lower bound raised by it): Eisner-Severance from the fast plan (over the cap) and the fastest
+    plan met under it (:func:`.lagrange.lagrange_slope`), then, while the gap to the best plan under the cap
+    is wider than ``GRID_GAP``, the slopes lam* x ``LAMBDA_GRID``.  Every plan met is appended to ``seen``."""
+    hi = min((p for p in seen if p.mem <= cap), key=lambda p: (p.time, p.mem))
+    lam, vals_l = lagrange_slope(model, fast, hi, cap, seen)
+    lb = max(lb, float(vals_l[model.final][0]) - lam * cap)
+    ub = min(p.time for p in seen if p.mem <= cap and p.time < INF)
+    if ub - lb > GRID_GAP * abs(ub):
+        grid = np.array([[1.0, lam * f] for f in LAMBDA_GRID])
+        pts, finals = _batched_plans(model, grid)
+        seen += pts
+        lb = max([lb] + [float(v) - float(r[1]) * cap for v, r in zip(finals, grid)])
+    return lam, lb
+
+
 def solve_approx(
     problem: SearchProblem,
     exact_width: int,
@@ -337,27 +369,9 @@ def solve_approx(
         small, lb_m = _least_memory(model, local, exact_width, budget)
         seen.append(small)
         if cap is not None and small.mem > cap:
-            proven = lb_m > cap + tol(cap)
-            how = f"the memory bound {lb_m:.0f} B > cap proves it" if proven else "not proven: approximate search"
-            raise InfeasibleError(
-                f"the approximate search (joint table {exact_width} cells > budget {budget}) found no plan under the "
-                f"memory cap {cap} B ({how}); the least-memory plan it found uses {small.mem} B (time {small.time} "
-                "ps); fix: raise mem_cap_bytes, use more devices, or raise autopar.search.dp.WIDTH_BUDGET",
-                cap_bytes=cap,
-                min_mem_bytes=small.mem,
-                min_mem_solution=Solution(small.choice, small.time, small.mem, False, "dp", 0.0),
-                approximate=True,
-            )
+            raise _over_cap(small, lb_m, cap, exact_width, budget)
     if cap is not None and fast.mem > cap and fast.time < INF:  # (a forbidden fast plan: no hull to walk)
-        hi = min((p for p in seen if p.mem <= cap), key=lambda p: (p.time, p.mem))
-        lam, vals_l = lagrange_slope(model, fast, hi, cap, seen)
-        lb = max(lb, float(vals_l[model.final][0]) - lam * cap)
-        ub = min(p.time for p in seen if p.mem <= cap and p.time < INF)
-        if ub - lb > GRID_GAP * abs(ub):
-            grid = np.array([[1.0, lam * f] for f in LAMBDA_GRID])
-            pts, finals = _batched_plans(model, grid)
-            seen += pts
-            lb = max([lb] + [float(v) - float(r[1]) * cap for v, r in zip(finals, grid)])
+        lam, lb = _lagrange_plans(model, fast, seen, cap, lb)
     fits = [p for p in seen if p.time < INF and (cap is None or p.mem <= cap)]
     tick = time.perf_counter()
     improved = [local.improve(c, cap) for c in dict.fromkeys(p.choice for p in seen)]  # over the cap too: repaired

@@ -13,7 +13,7 @@ Recurrence (:func:`pareto_pass`).  Along the plan, eliminating x with bucket
 
 with ``A (+) B = {(t + t', m + m')}``; ``Pareto`` drops dominated pairs (:func:`pareto_keep`).
 Pareto(A (+) B) = Pareto(Pareto(A) (+) B), so the bucket is folded one factor at a time;
-each pair keeps x and the pairs it came from, for :func:`backtrack`.
+each pair keeps x and the pairs it came from, for :func:`backtrack` (the folds: :func:`_fold`).
 
 Bounds (:class:`Bounds`, :func:`min_sum_bounds`).  Min-sum with weight rows (w_t, w_m)
 (:func:`.elimination.inside` and :func:`.elimination.outside`) gives every table
@@ -22,14 +22,15 @@ all factors not below g.  A pair (t, m) at cell (s, x) goes when
 ``w_t t + w_m m + rest > B`` (rest = ``O_g(s)`` plus the ``I`` of the bucket factors not
 folded yet) on any row (:func:`row_limits`):
   time (1, 0), B = target;  memory (0, 1), B = cap;  Lagrange (1, lam), B = target + lam cap
-(lam: :mod:`.lagrange`).  Entries s and cells (s, x) are tested before any pair, and the
-time/memory rows cut each fold to one range of the next factor's pairs
-(:func:`pair_window`).  Floats prune only past a margin (:func:`tol`): rounding keeps
-extra pairs, never loses one, so the pass is exact.
+(lam: :mod:`.lagrange`).  Entries s and cells (s, x) are tested before any pair
+(:func:`_live_cells`), and the time/memory rows cut each fold to one range of the next
+factor's pairs (:func:`pair_window`).  Floats prune only past a margin (:func:`tol`):
+rounding keeps extra pairs, never loses one, so the pass is exact.
 
 Heuristic and frontier modes.  ``beam`` thins each entry to the fastest and the smallest
-pair per memory bucket (each a real plan); ``gaps`` drops cap and target and keeps a pair
-while it may complete below a gap of the known plans' staircase (:func:`_in_gaps`).
+pair per memory bucket (each a real plan; :func:`_thin`); ``gaps`` drops cap and target
+and keeps a pair while it may complete below a gap of the known plans' staircase
+(:func:`_in_gaps`).
 """
 
 from __future__ import annotations
@@ -206,6 +207,39 @@ def _in_gaps(gaps: tuple[np.ndarray, ...], bnd: Bounds, t: np.ndarray, m: np.nda
     return ok
 
 
+@dataclass(slots=True)
+class _Pruning:
+    """What a pass prunes by: the bound rows, B per row with its float slack (``lim``, (rows, 1)), the rows
+    that weigh only time (``pure_t``) or only memory (``pure_m``) and have a limit, and the gaps."""
+
+    bnd: Bounds
+    lim: np.ndarray
+    pure_t: np.ndarray
+    pure_m: np.ndarray
+    gaps: tuple[np.ndarray, ...] | None
+
+    def passes(self, least: np.ndarray) -> np.ndarray:
+        """Per column of ``least`` (rows, n), a lower bound per row before any pair is formed: whether it
+        passes every limit (and, with gaps, may lie below a gap)."""
+        ok = (least <= self.lim).all(axis=0)
+        if self.gaps is not None:
+            ok &= np.isfinite(least).all(axis=0)
+            ok[ok] &= _in_gaps(self.gaps, self.bnd, 0.0, 0.0, least[:, ok])
+        return ok
+
+
+@dataclass(slots=True)
+class _Cells:
+    """The cells (s, x) of one step that pass every bound row before any pair is formed."""
+
+    entries: int  # entries s of the step's table
+    kx: int  # choices x of the eliminated node (1: a final step)
+    cells: np.ndarray  # s * kx + x per live cell
+    ents: list  # per input table: each live cell's entry in it
+    order: list  # the inputs by pair count, fewest first: the fold order
+    rests: list  # rests[i]: rest after folding order[:i+1], (rows, live cells)
+
+
 def pareto_pass(
     model: EliminationModel,
     bnd: Bounds,
@@ -226,98 +260,111 @@ def pareto_pass(
     for t, m, ok in zip(model.t, model.m, model.ok):
         flat = ok.reshape(-1)
         tabs.append(ParetoTable(np.concatenate([[0], np.cumsum(flat)]), t.reshape(-1)[flat], m.reshape(-1)[flat]))
-    lim = (limits + tol(limits))[:, None]
     pure_t = np.flatnonzero((bnd.wm[:, 0] == 0) & np.isfinite(limits))
     pure_m = np.flatnonzero((bnd.wt[:, 0] == 0) & np.isfinite(limits))
+    prune = _Pruning(bnd, (limits + tol(limits))[:, None], pure_t, pure_m, gaps)
     stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0, "thinned": False}
     for si, st in enumerate(model.steps):
-        kx = st.shape[-1] if st.var >= 0 else 1
-        best = bnd.ins[st.out] + bnd.outs[st.out]
-        row_ok = (best <= lim).all(axis=0)
-        if gaps is not None:
-            row_ok &= np.isfinite(best).all(axis=0)
-            row_ok[row_ok] &= _in_gaps(gaps, bnd, 0.0, 0.0, best[:, row_ok])
-        rows = np.flatnonzero(row_ok)
-        cells = (rows[:, None] * kx + np.arange(kx)).reshape(-1)
-        coords = np.unravel_index(cells, st.shape) if st.shape else ()
-        ents = []
-        for j, tid in enumerate(st.inputs):
-            tshape = tuple(model.k[v] for v in model.scopes[tid])
-            ents.append(np.ravel_multi_index(tuple(coords[p] for p in st.pos[j]), tshape) if tshape else 0 * cells)
-        out = np.repeat(bnd.outs[st.out][:, rows], kx, axis=1)
-        ins = [bnd.ins[tid][:, e] for tid, e in zip(st.inputs, ents)]
-        total = out + sum(ins)
-        cell_ok = (total <= lim).all(axis=0)
-        if gaps is not None:
-            cell_ok &= np.isfinite(total).all(axis=0)
-            cell_ok[cell_ok] &= _in_gaps(gaps, bnd, 0.0, 0.0, total[:, cell_ok])
-        alive = np.flatnonzero(cell_ok)
-        cells, ents = cells[alive], [e[alive] for e in ents]
-        order = sorted(range(len(st.inputs)), key=lambda j: tabs[st.inputs[j]].t.size)
-        rests = [out[:, alive]]  # rests[i]: rest after folding order[:i+1]
-        for j in reversed(order[1:]):
-            rests.append(rests[-1] + ins[j][:, alive])
-        rests.reverse()
-        cell, t, m = np.arange(cells.size), np.zeros(cells.size, np.int64), np.zeros(cells.size, np.int64)
-        ptrs: list[np.ndarray] = []
-        single = True  # at most one pair per cell so far: no Pareto filter needed
-        for i, j in enumerate(order):
-            tab = tabs[st.inputs[j]]
-            e = ents[j][cell]
-            if tab.wide and (pure_t.size or pure_m.size):
-                rc = rests[i][:, cell]
-                qt = ((lim[pure_t] - rc[pure_t]) / bnd.wt[pure_t]).min(axis=0) - t if pure_t.size else None
-                qm = ((lim[pure_m] - rc[pure_m]) / bnd.wm[pure_m]).min(axis=0) - m if pure_m.size else None
-                start, stop = pair_window(tab, e, qt, qm)
-            else:
-                start, stop = tab.off[e], tab.off[e + 1]
-            counts = stop - start
-            if single and counts.max(initial=0) <= 1:
-                rep = np.flatnonzero(counts)
-                q = start[rep]
-            else:
-                single = False
-                rep = np.repeat(np.arange(counts.size), counts)
-                q = start[rep] + np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
-            cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
-            rc = rests[i][:, cell]
-            ptrs = [p[rep] for p in ptrs] + [q]
-            stats["max_combined"] = max(stats["max_combined"], cell.size)
-            keep = (rc + bnd.wt * t + bnd.wm * m <= lim).all(axis=0)
-            if gaps is not None:
-                keep[keep] &= _in_gaps(gaps, bnd, t[keep], m[keep], rc[:, keep])
-            sel = np.flatnonzero(keep)
-            if i + 1 < len(order) and not single:
-                sel = sel[pareto_keep(cell[sel], t[sel], m[sel])]
-            cell, t, m, ptrs = cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
-        group = cells[cell] // kx
+        live = _live_cells(model, st, tabs, prune)
+        cell, t, m, ptrs = _fold(tabs, st, live, prune, stats)
+        group = live.cells[cell] // live.kx
         sel = pareto_keep(group, t, m)
         if beam is not None and sel.size > 1:
-            g = group[sel]
-            if beam > 0:  # memory buckets of width beam
-                bucket = m[sel] // beam
-            else:  # at most -beam pairs per entry, evenly spaced by rank
-                first = np.searchsorted(g, g)
-                size = np.searchsorted(g, g, side="right") - first
-                bucket = (np.arange(g.size) - first) * -beam // size
-                stats["thinned"] |= bool(size.max() > -beam)
-            edge = np.ones(sel.size + 1, bool)
-            edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
-            sel = sel[edge[:-1] | edge[1:]]  # first and last of each bucket: the entry's extremes stay
-        bp = None if values_only else np.empty((sel.size, len(order)), np.int64)
-        for i, j in enumerate(order):
+            sel = _thin(sel, group[sel], m[sel], beam, stats)
+        bp = None if values_only else np.empty((sel.size, len(live.order)), np.int64)
+        for i, j in enumerate(live.order):
             if values_only:
                 tabs[st.inputs[j]] = None  # consumed
             else:
                 bp[:, j] = ptrs[i][sel]
-        off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=row_ok.size))])
-        tabs.append(
-            ParetoTable(off, t[sel], m[sel], cells[cell[sel]] % kx, bp, wide=bool(np.diff(off).max(initial=0) > 8))
-        )
+        off = np.concatenate([[0], np.cumsum(np.bincount(group[sel], minlength=live.entries))])
+        wide = bool(np.diff(off).max(initial=0) > 8)
+        tabs.append(ParetoTable(off, t[sel], m[sel], live.cells[cell[sel]] % live.kx, bp, wide=wide))
         stats["max_pairs"], stats["pairs"] = max(stats["max_pairs"], sel.size), stats["pairs"] + sel.size
         if progress is not None:
             progress(si + 1, len(model.steps))
     return tabs, stats
+
+
+def _live_cells(model: EliminationModel, st, tabs: list, prune: _Pruning) -> _Cells:
+    """The step's entries s, then its cells (s, x), that pass every bound row on their least sums (module
+    docstring, Bounds: tested before any pair), and per live cell the rest of the bound after each fold."""
+    bnd = prune.bnd
+    kx = st.shape[-1] if st.var >= 0 else 1
+    row_ok = prune.passes(bnd.ins[st.out] + bnd.outs[st.out])
+    rows = np.flatnonzero(row_ok)
+    cells = (rows[:, None] * kx + np.arange(kx)).reshape(-1)
+    coords = np.unravel_index(cells, st.shape) if st.shape else ()
+    ents = []
+    for j, tid in enumerate(st.inputs):
+        tshape = tuple(model.k[v] for v in model.scopes[tid])
+        ents.append(np.ravel_multi_index(tuple(coords[p] for p in st.pos[j]), tshape) if tshape else 0 * cells)
+    out = np.repeat(bnd.outs[st.out][:, rows], kx, axis=1)
+    ins = [bnd.ins[tid][:, e] for tid, e in zip(st.inputs, ents)]
+    alive = np.flatnonzero(prune.passes(out + sum(ins)))
+    cells, ents = cells[alive], [e[alive] for e in ents]
+    order = sorted(range(len(st.inputs)), key=lambda j: tabs[st.inputs[j]].t.size)
+    rests = [out[:, alive]]  # rests[i]: rest after folding order[:i+1]
+    for j in reversed(order[1:]):
+        rests.append(rests[-1] + ins[j][:, alive])
+    rests.reverse()
+    return _Cells(row_ok.size, kx, cells, ents, order, rests)
+
+
+def _fold(tabs: list, st, live: _Cells, prune: _Pruning, stats: dict) -> tuple:
+    """Fold the step's input tables into the live cells one at a time (fewest pairs first): every pair of each
+    with every pair so far, within the windows of the time and memory rows, dropping pairs past a limit (or
+    outside the gaps) and, but after the last fold, dominated ones.  Returns (cell, t, m, pointers per fold)."""
+    bnd = prune.bnd
+    cell = np.arange(live.cells.size)
+    t, m = np.zeros(live.cells.size, np.int64), np.zeros(live.cells.size, np.int64)
+    ptrs: list[np.ndarray] = []
+    single = True  # at most one pair per cell so far: no Pareto filter needed
+    for i, j in enumerate(live.order):
+        tab = tabs[st.inputs[j]]
+        e = live.ents[j][cell]
+        if tab.wide and (prune.pure_t.size or prune.pure_m.size):
+            rc, pt, pm = live.rests[i][:, cell], prune.pure_t, prune.pure_m
+            qt = ((prune.lim[pt] - rc[pt]) / bnd.wt[pt]).min(axis=0) - t if pt.size else None
+            qm = ((prune.lim[pm] - rc[pm]) / bnd.wm[pm]).min(axis=0) - m if pm.size else None
+            start, stop = pair_window(tab, e, qt, qm)
+        else:
+            start, stop = tab.off[e], tab.off[e + 1]
+        counts = stop - start
+        if single and counts.max(initial=0) <= 1:
+            rep = np.flatnonzero(counts)
+            q = start[rep]
+        else:
+            single = False
+            rep = np.repeat(np.arange(counts.size), counts)
+            q = start[rep] + np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
+        cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
+        rc = live.rests[i][:, cell]
+        ptrs = [p[rep] for p in ptrs] + [q]
+        stats["max_combined"] = max(stats["max_combined"], cell.size)
+        keep = (rc + bnd.wt * t + bnd.wm * m <= prune.lim).all(axis=0)
+        if prune.gaps is not None:
+            keep[keep] &= _in_gaps(prune.gaps, bnd, t[keep], m[keep], rc[:, keep])
+        sel = np.flatnonzero(keep)
+        if i + 1 < len(live.order) and not single:
+            sel = sel[pareto_keep(cell[sel], t[sel], m[sel])]
+        cell, t, m, ptrs = cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
+    return cell, t, m, ptrs
+
+
+def _thin(sel: np.ndarray, g: np.ndarray, m: np.ndarray, beam: int, stats: dict) -> np.ndarray:
+    """``beam``'s thinning of the Pareto pairs ``sel`` (entries ``g``, memories ``m``, by entry then t): the first
+    and last pair of each entry's memory bucket, so each entry's extremes stay."""
+    if beam > 0:  # memory buckets of width beam
+        bucket = m // beam
+    else:  # at most -beam pairs per entry, evenly spaced by rank
+        first = np.searchsorted(g, g)
+        size = np.searchsorted(g, g, side="right") - first
+        bucket = (np.arange(g.size) - first) * -beam // size
+        stats["thinned"] |= bool(size.max() > -beam)
+    edge = np.ones(sel.size + 1, bool)
+    edge[1:-1] = (g[1:] != g[:-1]) | (bucket[1:] != bucket[:-1])
+    return sel[edge[:-1] | edge[1:]]  # first and last of each bucket: the entry's extremes stay
 
 
 def backtrack(model: EliminationModel, tabs: list, p: int) -> tuple[int, ...]:

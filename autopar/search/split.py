@@ -95,12 +95,46 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where the blocks sit in the problem: per node its block and position, per edge (``u -> v``) the blocks
+    and positions of its ends and what kind of edge it is."""
+
+    nodes: np.ndarray  # (blocks, size): node j of block i
+    bof: np.ndarray  # node -> its block, -1: R
+    bu: np.ndarray  # per edge: u's block (-1: R), v's block, u's position, v's position
+    bv: np.ndarray
+    pu: np.ndarray
+    pv: np.ndarray
+    internal: np.ndarray  # both ends in one block
+    inter: np.ndarray  # from a block to the next
+    into: np.ndarray  # from R into a block
+    out_of: np.ndarray  # from a block to R
+    fold: np.ndarray  # from R into a block >= 1: folds into the block's unary costs
+
+    @property
+    def where(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.bu, self.bv, self.pu, self.pv
+
+
 def split_blocks(problem: SearchProblem, blocks: list[list[int]]) -> tuple[Part, Part, int, tuple[int, ...]]:
     """(F's part, Rest's part, K, port positions), or :class:`ChainError`.
 
     Vectorized over the edges: the work in Python is per node of one block and per edge
     of the rest, so it does not grow with the number of blocks (but for the folds, one
     edge per block at most in a model)."""
+    lay = _layout(problem, blocks)
+    port, k_port = _ports(problem, lay)
+    fold_e = np.flatnonzero(lay.fold)
+    folded = _folds(problem, fold_e, (lay.bv[fold_e], lay.pv[fold_e]), lay.nodes.shape)  # blocks >= 1
+    _check_equal(problem, lay.nodes, folded, lay.internal & (lay.bu >= 1), lay.inter, lay.where)
+    f_part = _block_part(problem, blocks, lay, port, k_port, folded)
+    return f_part, _rest_part(problem, blocks, lay, port), math.prod(k_port), port
+
+
+def _layout(problem: SearchProblem, blocks: list[list[int]]) -> _Layout:
+    """The blocks' layout (:class:`_Layout`), or :class:`ChainError` for fewer than 3 blocks, blocks of unequal
+    sizes, or a node in two blocks."""
     n_blocks, size = len(blocks), len(blocks[0]) if blocks else 0
     if n_blocks < 3 or any(len(b) != size for b in blocks):
         raise ChainError(f"need >= 3 blocks of one size, got sizes {[len(b) for b in blocks]}")
@@ -110,45 +144,56 @@ def split_blocks(problem: SearchProblem, blocks: list[list[int]]) -> tuple[Part,
     bof[nodes], pof[nodes] = np.arange(n_blocks)[:, None], np.arange(size)[None, :]
     if np.count_nonzero(bof >= 0) != n_blocks * size:
         raise ChainError("a node is in two blocks")
-    ks = _ks(problem)
     uv = problem.edge_array()
     u, v = uv[:, 0], uv[:, 1]
     bu, bv, pu, pv = bof[u], bof[v], pof[u], pof[v]
     both = (bu >= 0) & (bv >= 0)
     internal, inter = both & (bu == bv), both & (bv == bu + 1)
     into, out_of = (bu < 0) & (bv >= 0), (bu >= 0) & (bv < 0)
-    fold = into & (bv > 0)
+    return _Layout(nodes, bof, bu, bv, pu, pv, internal, inter, into, out_of, into & (bv > 0))
+
+
+def _ports(problem: SearchProblem, lay: _Layout) -> tuple[tuple[int, ...], list[int]]:
+    """The port positions and their strategy counts, or :class:`ChainError` naming the first edge that breaks
+    the chain's structure (:mod:`.chain`'s docstring) or the ports that do not fit."""
+    ks, uv = _ks(problem), problem.edge_array()
+    u, bof, n_blocks = uv[:, 0], lay.bof, lay.nodes.shape[0]
 
     def first(mask: np.ndarray) -> tuple[int, int]:
         return problem.edges[int(np.flatnonzero(mask)[0])]
 
-    if (both & ~internal & ~inter).any():
-        a, b = first(both & ~internal & ~inter)
+    skips = (lay.bu >= 0) & (lay.bv >= 0) & ~lay.internal & ~lay.inter
+    if skips.any():
+        a, b = first(skips)
         raise ChainError(f"edge {problem.names[a]} -> {problem.names[b]} skips from block {bof[a]} to {bof[b]}")
-    if (fold & (ks[u] != 1)).any():
-        a, b = first(fold & (ks[u] != 1))
+    if (lay.fold & (ks[u] != 1)).any():
+        a, b = first(lay.fold & (ks[u] != 1))
         raise ChainError(f"{problem.names[a]} ({ks[a]} strategies) outside the blocks feeds block {bof[b]}")
-    if (out_of & (bu != n_blocks - 1)).any():
-        a, b = first(out_of & (bu != n_blocks - 1))
+    if (lay.out_of & (lay.bu != n_blocks - 1)).any():
+        a, b = first(lay.out_of & (lay.bu != n_blocks - 1))
         raise ChainError(f"block {bof[a]} feeds {problem.names[b]} outside the blocks")
-    port = tuple(int(j) for j in np.unique(np.concatenate([pu[inter], pu[out_of]])))
+    port = tuple(int(j) for j in np.unique(np.concatenate([lay.pu[lay.inter], lay.pu[lay.out_of]])))
     if not port:
         raise ChainError("the blocks are not connected")
-    k_port = ks[nodes[:, list(port)]]
+    k_port = ks[lay.nodes[:, list(port)]]
     if math.prod(k_port[0].tolist()) > _MAX_STATES or (k_port != k_port[0]).any():
         raise ChainError(f"port states {k_port[0].tolist()}: more than {_MAX_STATES} or unequal across blocks")
-    k_port = k_port[0].tolist()
-    fold_e = np.flatnonzero(fold)
-    folded = _folds(problem, fold_e, (bv[fold_e], pv[fold_e]), (n_blocks, size))  # blocks >= 1
-    _check_equal(problem, nodes, folded, internal & (bu >= 1), inter, (bu, bv, pu, pv))
+    return port, k_port[0].tolist()
+
+
+def _block_part(
+    problem: SearchProblem, blocks: list[list[int]], lay: _Layout, port: tuple, k_port: list, folded: tuple
+) -> Part:
+    """F: the previous block's ports (stand-ins, zero cost), then block 1 (its nodes by node index), with its
+    folded costs (``folded``: :func:`_folds`), its internal edges and the edges from the stand-ins."""
     group, tables = folded
-    # F: the previous block's ports (stand-ins, zero cost), then block 1.
     b1 = blocks[1]
-    order = sorted(range(size), key=lambda j: b1[j])
+    order = sorted(range(len(b1)), key=lambda j: b1[j])
     loc = {j: len(port) + r for r, j in enumerate(order)}
     zeros = [np.zeros(k, np.int64) for k in k_port]
     edges, et, em = [], [], []
-    for mask, sub in ((inter & (bv == 1), lambda j: port.index(j)), (internal & (bu == 1), loc.__getitem__)):
+    pu, pv = lay.pu, lay.pv
+    for mask, sub in ((lay.inter & (lay.bv == 1), port.index), (lay.internal & (lay.bu == 1), loc.__getitem__)):
         e = np.flatnonzero(mask)
         for x in e[np.lexsort((pv[e], pu[e]))]:
             edges.append((sub(int(pu[x])), loc[int(pv[x])]))
@@ -169,20 +214,26 @@ def split_blocks(problem: SearchProblem, blocks: list[list[int]]) -> tuple[Part,
         tuple(em),
         None,
     )
-    f_part = Part(
-        block, (-1,) * len(port) + tuple(b1[j] for j in order), tuple(range(len(port))), tuple(loc[j] for j in port)
-    )
-    # Rest: R, block 0, and block L-1's ports (their own costs are in the last F).
-    keep_node = bof < 0
-    keep_node[nodes[0]] = True
-    last_ports = nodes[-1, list(port)]
+    nodes = (-1,) * len(port) + tuple(b1[j] for j in order)
+    return Part(block, nodes, tuple(range(len(port))), tuple(loc[j] for j in port))
+
+
+def _rest_part(problem: SearchProblem, blocks: list[list[int]], lay: _Layout, port: tuple) -> Part:
+    """Rest: R, block 0, and block L-1's ports (their own costs are in the last F, so zero here)."""
+    ks, uv = _ks(problem), problem.edge_array()
+    keep_node = lay.bof < 0
+    keep_node[lay.nodes[0]] = True
+    last_ports = lay.nodes[-1, list(port)]
     keep_node[last_ports] = True
     full = np.flatnonzero(keep_node)
     idx = np.full(problem.n_nodes, -1, np.int64)
     idx[full] = np.arange(full.size)
     is_last = np.zeros(problem.n_nodes, bool)
     is_last[last_ports] = True
-    rest_edges = np.flatnonzero(((bu < 0) & (bv < 0)) | (into & (bv == 0)) | out_of | (internal & (bu == 0)))
+    bu, bv = lay.bu, lay.bv
+    rest_edges = np.flatnonzero(
+        ((bu < 0) & (bv < 0)) | (lay.into & (bv == 0)) | lay.out_of | (lay.internal & (bu == 0))
+    )
     rest = SearchProblem(
         tuple(problem.names[w] for w in full),
         tuple(np.zeros(ks[w], np.int64) if is_last[w] else problem.node_time[w] for w in full),
@@ -194,8 +245,7 @@ def split_blocks(problem: SearchProblem, blocks: list[list[int]]) -> tuple[Part,
         problem.base_mem_bytes,
     )
     left = tuple(int(idx[blocks[0][j]]) for j in port)
-    r_part = Part(rest, tuple(full.tolist()), left, tuple(int(idx[blocks[-1][j]]) for j in port))
-    return f_part, r_part, math.prod(k_port), port
+    return Part(rest, tuple(full.tolist()), left, tuple(int(idx[blocks[-1][j]]) for j in port))
 
 
 def _check_equal(problem: SearchProblem, nodes: np.ndarray, folded: tuple, internal, inter, where) -> None:

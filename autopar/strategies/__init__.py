@@ -6,14 +6,14 @@
 own collectives; its local kernel), for every source its placements.  Rules register
 per aten op with ``@register``; ``rule_for`` finds them (importing the rule modules on
 first use).  ``kernels`` holds the local computations a strategy may name instead of
-the op itself, ``fuse`` the fused cross-entropy a plan may run.
+the op itself, ``fuse`` how the cost model prices a cross-entropy that lowering runs fused.
 """
 
 from __future__ import annotations
 
 from .base import AxisStrategy, OpCall, OpComm, OpStrategy, expand_to_mesh, load_rule_modules, register, rule_for
 from .candidates import CandidateGraph, SourceStrategy, build_candidates
-from .fuse import FusedLoss, decomposed_values, emit_fused_loss, fusable_groups, fused_keeps, prices_as_fused
+from .fuse import fused_keeps, prices_as_fused
 from .kernels import KERNELS, KernelContext
 from .views import localize_size_args
 
@@ -29,14 +29,10 @@ __all__ = [
     "register",
     "rule_for",
     "CandidateGraph",
-    "FusedLoss",
     "KERNELS",
     "KernelContext",
     "SourceStrategy",
     "build_candidates",
-    "decomposed_values",
-    "emit_fused_loss",
-    "fusable_groups",
     "fused_keeps",
     "localize_size_args",
     "prices_as_fused",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.layout import dim_index
+from autopar.pieces import dim_index
 from autopar.placement import Placement, Shard
 from autopar.spec import TensorMeta
 
@@ -45,7 +45,7 @@ class KernelContext:
         """Global (start, stop) ranges of ``dim`` of input ``input_index`` held by this rank.
 
         In local order (increasing global order), adjacent ranges merged; the layout
-        contract of ``autopar.layout`` (each axis shards the piece earlier axes left,
+        contract of ``autopar.pieces`` (each axis shards the piece earlier axes left,
         as the rules reason; ``layout.dim_ranges``).
         """
         entries = [

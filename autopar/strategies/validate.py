@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.layout import combine, coordinates, shard_tensor
+from autopar.pieces import combine, coordinates, shard_tensor
 from autopar.spec import TensorMeta, local_shape
 
 from .base import FALLBACK, OpCall, OpStrategy, expand_to_mesh, rule_for
@@ -103,19 +103,30 @@ def _close(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> b
     return torch.allclose(got, want, atol=atol * scale, rtol=rtol, equal_nan=True)
 
 
-def _check_strategy(
-    call: OpCall,
-    strategy: OpStrategy,
-    flat: list,
-    spec,
-    tensor_pos: list[int],
-    full_outs: list[torch.Tensor],
-    mesh_shape: tuple[int, ...],
-    atol: float,
-    rtol: float,
-    seed: int,
-    cache: dict,
-) -> StrategyCheck:
+@dataclass(frozen=True, slots=True)
+class _Case:
+    """One call on real data that every strategy of its rule is checked against.
+
+    ``flat``/``spec``: the call's ``(args, kwargs)`` flattened; ``tensor_pos``: the
+    positions of its tensors in ``flat``; ``full_outs``: the op's outputs on the full
+    inputs; ``cache``: (input index, placements, coordinate) -> local piece, shared by
+    the strategies (``seed`` fixes the random Partial pieces).
+    """
+
+    call: OpCall
+    flat: list
+    spec: Any
+    tensor_pos: list[int]
+    full_outs: list[torch.Tensor]
+    mesh_shape: tuple[int, ...]
+    atol: float
+    rtol: float
+    seed: int
+    cache: dict
+
+
+def _check_strategy(case: _Case, strategy: OpStrategy) -> StrategyCheck:
+    """Run ``strategy`` on every coordinate of the mesh and compare the combined outputs with the full op's."""
     kernels = sorted({k for k in strategy.kernels if k is not None and k != FALLBACK})
     if len(kernels) > 1:
         return StrategyCheck(strategy, False, math.inf, f"names several kernels {kernels}; at most one is supported")
@@ -123,48 +134,61 @@ def _check_strategy(
     if kernel is not None and kernel not in KERNELS:
         why = f"kernel {kernel!r} is not registered in autopar.strategies.kernels"
         return StrategyCheck(strategy, False, math.inf, why)
-    axes = tuple(a for a, k in enumerate(strategy.kernels) if k == kernel) if kernel else ()
     local_outs: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for coord in coordinates(mesh_shape):
-        local_flat = list(flat)
-        try:
-            for i, pos in enumerate(tensor_pos):
-                key = (i, strategy.inputs[i], coord)
-                if key not in cache:
-                    cache[key] = shard_tensor(
-                        flat[pos], strategy.inputs[i], mesh_shape, coord, partial_seed=seed * 1_000_003 + i
-                    )
-                local_flat[pos] = cache[key].clone()  # a mutating local op cannot spoil the cache
-        except ValueError as e:  # e.g. a block count that does not divide some rank's piece
-            return StrategyCheck(strategy, False, math.inf, f"input {i} cannot be laid out at {coord}: {e}")
-        largs, lkwargs = pytree.tree_unflatten(local_flat, spec)
-        # size arguments (view, expand, split ...) are global in the graph: make them local
-        shapes = [
-            local_shape(tuple(o.shape), strategy.outputs[j], tuple(mesh_shape), coord) for j, o in enumerate(full_outs)
-        ]
-        largs, lkwargs = localize_size_args(call.target, tuple(largs), dict(lkwargs), shapes)
-        try:
-            with torch.no_grad():
-                if kernel is None:
-                    res = call.target(*largs, **lkwargs)
-                else:
-                    ctx = KernelContext(tuple(mesh_shape), coord, strategy.inputs, call.inputs, axes)
-                    res = KERNELS[kernel](ctx, *largs, **lkwargs)
-        except Exception as e:  # noqa: BLE001  (a failing local op is a verdict, not a crash)
-            return StrategyCheck(strategy, False, math.inf, f"local op failed at {coord}: {type(e).__name__}: {e}")
-        outs = _tensor_leaves(res)
-        if len(outs) != len(full_outs):
-            return StrategyCheck(
-                strategy,
-                False,
-                math.inf,
-                f"local op at {coord} gave {len(outs)} tensor outputs, expected {len(full_outs)}",
-            )
+    for coord in coordinates(case.mesh_shape):
+        outs = _run_local(case, strategy, kernel, coord)
+        if isinstance(outs, StrategyCheck):
+            return outs
         local_outs[coord] = outs
+    return _compare(case, strategy, local_outs)
+
+
+def _run_local(case: _Case, strategy: OpStrategy, kernel: str | None, coord: tuple[int, ...]):
+    """The tensor outputs of the op (or ``kernel``) on the local pieces at ``coord``, or a failed verdict."""
+    mesh_shape, flat = case.mesh_shape, case.flat
+    local_flat = list(flat)
+    try:
+        for i, pos in enumerate(case.tensor_pos):
+            key = (i, strategy.inputs[i], coord)
+            if key not in case.cache:
+                case.cache[key] = shard_tensor(
+                    flat[pos], strategy.inputs[i], mesh_shape, coord, partial_seed=case.seed * 1_000_003 + i
+                )
+            local_flat[pos] = case.cache[key].clone()  # a mutating local op cannot spoil the cache
+    except ValueError as e:  # e.g. a block count that does not divide some rank's piece
+        return StrategyCheck(strategy, False, math.inf, f"input {i} cannot be laid out at {coord}: {e}")
+    largs, lkwargs = pytree.tree_unflatten(local_flat, case.spec)
+    # size arguments (view, expand, split ...) are global in the graph: make them local
+    shapes = [
+        local_shape(tuple(o.shape), strategy.outputs[j], tuple(mesh_shape), coord) for j, o in enumerate(case.full_outs)
+    ]
+    call = case.call
+    largs, lkwargs = localize_size_args(call.target, tuple(largs), dict(lkwargs), shapes)
+    try:
+        with torch.no_grad():
+            if kernel is None:
+                res = call.target(*largs, **lkwargs)
+            else:
+                axes = tuple(a for a, k in enumerate(strategy.kernels) if k == kernel) if kernel else ()
+                ctx = KernelContext(tuple(mesh_shape), coord, strategy.inputs, call.inputs, axes)
+                res = KERNELS[kernel](ctx, *largs, **lkwargs)
+    except Exception as e:  # noqa: BLE001  (a failing local op is a verdict, not a crash)
+        return StrategyCheck(strategy, False, math.inf, f"local op failed at {coord}: {type(e).__name__}: {e}")
+    outs = _tensor_leaves(res)
+    if len(outs) != len(case.full_outs):
+        why = f"local op at {coord} gave {len(outs)} tensor outputs, expected {len(case.full_outs)}"
+        return StrategyCheck(strategy, False, math.inf, why)
+    return outs
+
+
+def _compare(case: _Case, strategy: OpStrategy, local_outs: dict) -> StrategyCheck:
+    """The verdict on the local outputs per coordinate, combined by the strategy's output placements."""
     worst = 0.0
-    for j, want in enumerate(full_outs):
+    for j, want in enumerate(case.full_outs):
         try:
-            got = combine({c: o[j] for c, o in local_outs.items()}, strategy.outputs[j], mesh_shape, tuple(want.shape))
+            got = combine(
+                {c: o[j] for c, o in local_outs.items()}, strategy.outputs[j], case.mesh_shape, tuple(want.shape)
+            )
         except (AssertionError, ValueError) as e:
             return StrategyCheck(strategy, False, math.inf, f"output {j}: {e}")
         if got.dtype != want.dtype:
@@ -173,7 +197,7 @@ def _check_strategy(
             )
         err = _max_abs_err(got, want)
         worst = max(worst, err)
-        if not _close(got, want, atol, rtol):
+        if not _close(got, want, case.atol, case.rtol):
             return StrategyCheck(
                 strategy, False, worst, f"output {j}: combined value differs from the full op, max abs error {err:.3g}"
             )
@@ -208,11 +232,8 @@ def validate_op(
     flat, spec = pytree.tree_flatten((tuple(args), kwargs))
     tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
     strategies = expand_to_mesh(call, mesh_shape, rule_for(target))
-    cache: dict = {}  # (input index, placements, coordinate) -> local piece, shared by the strategies
-    checks = [
-        _check_strategy(call, s, flat, spec, tensor_pos, full_outs, mesh_shape, atol, rtol, seed, cache)
-        for s in strategies
-    ]
+    case = _Case(call, flat, spec, tensor_pos, full_outs, mesh_shape, atol, rtol, seed, cache={})
+    checks = [_check_strategy(case, s) for s in strategies]
     log.debug(
         "validated %s on mesh %s: %d/%d strategies ok", call.name, mesh_shape, sum(c.ok for c in checks), len(checks)
     )

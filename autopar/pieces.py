@@ -1,4 +1,4 @@
-"""Sharding layout on real tensors: cut a full tensor into one rank's piece, and glue pieces back.
+"""Pieces of tensors on a mesh: cut a full tensor into one rank's piece under a sharding layout, and glue pieces back.
 
 ``shard_tensor`` gives the local piece a mesh coordinate holds under a placement
 tuple (one placement per mesh axis); ``combine`` is its inverse over every

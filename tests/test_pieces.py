@@ -1,4 +1,4 @@
-"""Layout helpers: shard_tensor / combine round trips, index sets, Partial pieces, error messages."""
+"""Tensor pieces (autopar.pieces): shard_tensor / combine round trips, index sets, Partial pieces, error messages."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from autopar.layout import combine, coordinates, dim_ranges, shard_tensor, unlayable_reason
+from autopar.pieces import combine, coordinates, dim_ranges, shard_tensor, unlayable_reason
 from autopar.placement import Partial, Replicate, Shard, parse_placements, shard_sizes
 from autopar.spec import local_shape
 
