@@ -83,145 +83,21 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import dp
+from .chain_tables import Chain
 from .deadline import Deadline
 from .deepen import PassSetup, RestBound, VariantBounds, deepen
 from .dp import min_memory
 from .minsum import MinSumChain
 from .pareto import tol
-from .problem import BeatenError, InfeasibleError, SearchProblem, Solution, exact_sums
-from .split import ChainError, split_blocks
-from .tables import PortTable
+from .problem import BeatenError, InfeasibleError, SearchProblem, Solution
+from .split import ChainError
 
-__all__ = ["Chain", "ChainError", "solve_chain"]
+__all__ = ["Chain", "ChainError", "solve_chain"]  # Chain: chain_tables.py
 
 logger = logging.getLogger(__name__)
 
 
 # ---- the solver ---------------------------------------------------------------------------
-class Chain:
-    """The chain of one problem (and its variants): the block and rest tables over the port states, the
-    min-sum rows built from them, and what the caps of one peak loop share (the Lagrange hull, the rest
-    bound's rows)."""
-
-    def __init__(
-        self, problem: SearchProblem, blocks: list[list[int]], variants: tuple = (), rest_variants: tuple = ()
-    ) -> None:
-        self.problem, self.blocks, self.problems = problem, blocks, (problem, *variants)
-        self.rproblems = (*self.problems, *rest_variants)  # what B_0 with the rest may take
-        # a problem's split and tables depend on its arrays and the blocks only: kept with the problem, so a
-        # chain over other variants of the same problems (the planner's probe without variants) shares them
-        key = tuple(map(tuple, blocks))
-        splits = [p.memo(("split", key), lambda p=p: split_blocks(p, blocks)) for p in self.rproblems]
-        _, _, self.k, self.port = splits[0]
-        if any(s[2:] != splits[0][2:] for s in splits):
-            raise ChainError("the variants' blocks have different ports")
-        blocks_of = [s[0].problem for s in splits[: len(self.problems)]]
-        for j, s in enumerate(splits[len(self.problems) :]):
-            if not any(_same_terms(s[0].problem, f) for f in blocks_of):
-                raise ChainError(f"rest variant {j} changes the terms of blocks 1.. (only the rest and B_0 may)")
-        self.n = len(blocks) - 1
-        self.ftabs = [
-            p.memo(("block table", key), lambda s=s: PortTable(s[0], self.k, dp.WIDTH_BUDGET))
-            for p, s in zip(self.problems, splits)
-        ]
-        self.rtabs = [
-            p.memo(("rest table", key), lambda s=s: PortTable(s[1], self.k, dp.WIDTH_BUDGET))
-            for p, s in zip(self.rproblems, splits)
-        ]
-        self.ftab, self.rtab = self.ftabs[0], self.rtabs[0]  # the parts' node maps (alike in every variant)
-        self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
-        self._base: tuple | None = None
-        self.hull: list = []  # plans of the Lagrange rows, every cap's (their (T, M) lie on the hull)
-        self.rest_rows: dict = {}  # slope step j (None: 0) -> f^n of the row (1, 2^(j/2)): the rest bound's rows
-
-    def minsum(self, w: np.ndarray) -> MinSumChain:
-        return MinSumChain(self.ftabs, self.rtabs, self.n, w)
-
-    def base(self) -> tuple[MinSumChain, list]:
-        """The min-sum of the time and the memory rows, and their plans (built once)."""
-        if self._base is None:
-            sc = self.minsum(np.array([[1.0, 0.0], [0.0, 1.0]]))
-            self._base = (sc, self.scalar_plans(sc))
-        return self._base
-
-    def evaluate(self, choice: tuple[int, ...], variants: tuple[int, ...]) -> tuple[int, int]:
-        """``(T, M)`` of a plan whose block i >= 1 takes ``variants[i]`` and whose rest, with B_0, takes
-        ``rproblems[variants[0]]``: each node's and each edge's terms from its part's variant (an edge belongs
-        to the node it enters)."""
-        if len(self.rproblems) == 1 or not any(variants):
-            return self.problem.evaluate(choice)
-        owner = np.full(self.problem.n_nodes, variants[0], np.int64)
-        for b, j in zip(self.blocks[1:], variants[1:]):
-            owner[b] = j
-        ps = self.rproblems
-        # each term from its owner's problem (gathered by its flat index); summed in int64 where that is exact,
-        # else in Python ints (a forbidden entry: T >= INF, as SearchProblem.evaluate gives it)
-        owners = np.concatenate([owner, owner[self.problem.edge_array()[:, 1]]])
-        c = np.asarray(choice, np.int64)
-        t, m = np.empty(owners.size, np.int64), np.empty(owners.size, np.int64)
-        for j in np.unique(owners).tolist():
-            tj, mj = ps[j].flat().terms(c)
-            mine = owners == j
-            t[mine], m[mine] = tj[mine], mj[mine]
-        sums = exact_sums(t, m) or (sum(t.tolist()), sum(m.tolist()))
-        return sums[0], self.problem.base_mem_bytes + sums[1]
-
-    def assemble(
-        self, rest_choice: tuple[int, ...], distinct: list[tuple[int, ...]], which: np.ndarray
-    ) -> tuple[int, ...]:
-        """The full choice vector from the rest's choice and the blocks': block ``i + 1``
-        takes the block choice ``distinct[which[i]]``.  Blocks between equal states choose
-        alike, so the few distinct block choices are built in Python and laid onto every
-        block in one scatter (``targets[i]``: block ``i + 1``'s nodes, ``subs``: their
-        places in F's choice vector)."""
-        if self._where is None:
-            pos = {v: j for j, v in enumerate(self.blocks[1])}
-            subs = [sub for sub, full in enumerate(self.ftab.part.nodes) if full >= 0]
-            at = np.array([pos[self.ftab.part.nodes[sub]] for sub in subs], np.int64)
-            self._where = (np.array(subs, np.int64), np.array(self.blocks[1:], np.int64)[:, at])
-        subs, targets = self._where
-        choice = np.zeros(self.problem.n_nodes, np.int64)
-        choice[list(self.rtab.part.nodes)] = rest_choice
-        choice[targets] = np.array(distinct, np.int64)[:, subs][which]
-        return tuple(choice.tolist())
-
-    def scalar_plans(self, sc: MinSumChain) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
-        """Each row's min-sum plan: ``(T, M, choice, variant of each block)``."""
-        out = []
-        k = self.k
-        for row in range(len(sc.w)):
-            if not np.isfinite(sc.total[row]):
-                raise InfeasibleError(f"{self.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
-            st = np.asarray(sc.states(row), np.int64)
-            j = int(sc.rsel[row, st[0], st[-1]])
-            rest = self.rtabs[j].argmin_choice(sc.rv[j][0], row, int(st[0] * k + st[-1]))
-            # blocks between equal states choose alike: one argmin walk per distinct state pair
-            pairs, which = np.unique(st[:-1] * k + st[1:], return_inverse=True)
-            picks = [int(sc.fsel[row, p // k, p % k]) for p in pairs.tolist()]
-            distinct = [self.ftabs[v].argmin_choice(sc.fv[v][0], row, int(p)) for p, v in zip(pairs, picks)]
-            choice = self.assemble(rest, distinct, which)
-            variants = (j, *(picks[w] for w in which.tolist()))
-            out.append((*self.evaluate(choice, variants), choice, variants))
-        return out
-
-
-def _same_terms(a: SearchProblem, b: SearchProblem) -> bool:
-    """Whether two parts have the same nodes, edges and terms (arrays compared by value; None as zeros)."""
-    if a.edges != b.edges or a.num_choices != b.num_choices:
-        return False
-
-    def same(x, y) -> bool:
-        if x is y:
-            return True
-        x = np.zeros_like(y) if x is None else x
-        y = np.zeros_like(x) if y is None else y
-        return np.array_equal(x, y)
-
-    pairs = zip((a.node_time, a.node_mem, a.edge_time, a.edge_mem), (b.node_time, b.node_mem, b.edge_time, b.edge_mem))
-    return all(same(x, y) for xs, ys in pairs for x, y in zip(xs, ys, strict=True))
-
-
 def _lagrange_rows(chain: Chain, fast, small, cap: int, seen: list) -> tuple[float, MinSumChain]:
     """Eisner-Severance on the hull (as :func:`.lagrange.lagrange_slope`), with the chain's min-sum: lam* and
     its row's min-sum.  It starts from the plans adjacent to the cap among those any min-sum row of this chain

@@ -74,7 +74,7 @@ from .segments import Seg, leaf_segment, product
 from .tables import PortTable
 
 if TYPE_CHECKING:
-    from .chain import Chain
+    from .chain_tables import Chain
 
 __all__ = ["PassSetup", "RestBound", "VariantBounds", "deepen"]
 
