@@ -5,6 +5,8 @@ sharding strategies per op, prices them and searches for the fastest plan under
 a per-device memory cap.  ``autopar.prepare`` + ``autopar.plan_from_context`` split
 that in two so one capture serves many caps, and ``ctx.at_batch(b)`` (``rebatch``)
 many batch sizes.  ``autopar.compile`` runs a plan on the ranks of a process group.
+All four take the same planning keywords (``autopar.PLAN_KEYWORDS``), gathered into
+``PlanOptions`` (what to plan for) and ``HintOptions`` (what the user fixed).
 Each stage of the pipeline is a subpackage (capture, strategies, cost, search,
 planner, lower, compiled; runtime is what the lowered program calls):
 docs/architecture.md draws them and the types between them, and the module
@@ -36,6 +38,9 @@ __all__ = [
     "rebatch",
     "PlanningContext",
     "Plan",
+    "PlanOptions",
+    "HintOptions",
+    "PLAN_KEYWORDS",
     "MemoryCapError",
     "CaptureError",
     "compile",
@@ -47,10 +52,15 @@ __all__ = [
     "reshard",
 ]
 
+_FROM_PLANNER = (
+    *("plan", "prepare", "plan_from_context", "rebatch", "PlanningContext", "MemoryCapError"),
+    *("PlanOptions", "HintOptions", "PLAN_KEYWORDS"),
+)
+
 
 def __getattr__(name: str):
     # planning pulls in torch.export, costmodel and ortools: import on first use
-    if name in ("plan", "prepare", "plan_from_context", "rebatch", "PlanningContext", "MemoryCapError"):
+    if name in _FROM_PLANNER:
         from . import planner
 
         return getattr(planner, name)

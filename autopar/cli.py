@@ -39,7 +39,6 @@ Errors from the API are given in the CLI's words (``--strict-hints``, not
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import logging
@@ -48,10 +47,8 @@ import resource
 import sys
 import time
 import warnings
-from pathlib import Path
 
 from autopar import __version__
-from autopar.models import tomllib
 
 from .mesh import Mesh
 from .units import parse_bytes
@@ -86,12 +83,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from autopar.planner import RECOMPUTE_OPTIONS, SEARCH_BUDGET_S
-    from costmodel import OPTIMIZERS
-
     p = _Parser(prog="autopar", description="Auto-partition PyTorch models over a device mesh.")
     p.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{plan,run,models,export,calibrate,fidelity}")
+    _add_plan_parser(sub)
+    _add_run_parser(sub)
+    sub.add_parser("models", help="list the built-in models")
+    from autopar.checkpoint import add_export_parser
+
+    add_export_parser(sub, bytes_arg=_bytes_arg)
+    from autopar.measure import add_parsers
+
+    add_parsers(sub, positive_int=_positive_int, mesh_shape=_mesh_shape)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true", help="print the traceback of a failure")
+    return p
+
+
+def _add_plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="plan a model and print the chosen strategies")
     pl.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
@@ -100,22 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default axis0,axis1,... as Mesh)"
     )
-    pl.add_argument(
-        "--mem-cap", type=_bytes_arg, default=None, help="per-device memory cap: bytes or 40GiB, 512MiB (default none)"
-    )
-    pl.add_argument(
-        "--profile",
-        default="h100",
-        metavar="PROFILE",
-        help="device profile: a name from `configs/devices` (a100, cpu, h100, ...) or a .toml path (default h100)",
-    )
-    pl.add_argument(
-        "--devices-per-node",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="ranks per node of the job (default: the profile's); mesh axes spanning nodes use the inter-node link",
-    )
     pl.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
     pl.add_argument(
         "--seq",
@@ -123,31 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sequence length (default 1024, or the model's position count when smaller)",
     )
-    pl.add_argument(
-        "--dtype",
-        default="fp32",
-        choices=("fp32", "bf16", "bf16-pure"),
-        help="training precision: fp32 (the default), bf16 (mixed, float32 master weights) or bf16-pure (no "
-        "float32 copy)",
-    )
-    pl.add_argument(
-        "--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="optimizer state to count (default adamw)"
-    )
-    pl.add_argument("--solver", default="dp", choices=("dp", "ilp"), help="exact DP (default) or the CP-SAT model")
-    pl.add_argument(
-        "--recompute",
-        default="auto",
-        choices=RECOMPUTE_OPTIONS,
-        help="recompute in backward: auto (where the fastest plan under the cap needs it; the default), none, "
-        "selective (each layer's attention core and activations), full (whole layers)",
-    )
-    pl.add_argument(
-        "--search-budget",
-        type=_positive_float,
-        default=SEARCH_BUDGET_S,
-        metavar="SECONDS",
-        help=f"stop the search after this long with the best plan met and its proven gap (default {SEARCH_BUDGET_S:g})",
-    )
+    _add_planning_flags(pl)
     pl.add_argument(
         "--format",
         default="table",
@@ -174,82 +143,113 @@ def build_parser() -> argparse.ArgumentParser:
         "'PATTERN=recompute' (layers recomputed in backward), "
         "'MODULE=((2,1),(1,4))' (a matmul, MindSpore form); repeatable",
     )
-    pl.add_argument("--hints", default=None, metavar="FILE", help="JSON or TOML file of pattern = value hints")
-    pl.add_argument("--strict-hints", action="store_true", help="a hint pattern that matches nothing is an error")
-    _add_run_parser(sub)
-    sub.add_parser("models", help="list the built-in models")
-    from autopar.checkpoint import add_export_parser
-
-    add_export_parser(sub, bytes_arg=_bytes_arg)
-    from autopar.measure import add_parsers
-
-    add_parsers(sub, positive_int=_positive_int, mesh_shape=_mesh_shape)
-    for command in sub.choices.values():
-        command.add_argument("--verbose", action="store_true", help="print the traceback of a failure")
-    return p
 
 
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas outside parentheses and brackets (``S(1)[3],R`` -> ``['S(1)[3]', 'R']``)."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    parts.append(text[start:].strip())
-    return [p for p in parts if p]
+def _add_planning_flags(pl) -> None:
+    """The flags of ``autopar.planner.PLAN_KEYWORDS``: each lands in ``args.<keyword>``, its default the table's."""
+    from autopar.planner import PLAN_KEYWORDS, RECOMPUTE_OPTIONS, SOLVERS
+    from costmodel import OPTIMIZERS
+
+    def flag(name: str, **spec) -> None:
+        pl.add_argument(PLAN_KEYWORDS[name].flag, dest=name, default=PLAN_KEYWORDS[name].default, **spec)
+
+    flag("mem_cap", type=_bytes_arg, help="per-device memory cap: bytes or 40GiB, 512MiB (default none)")
+    flag(
+        "profile",
+        metavar="PROFILE",
+        help="device profile: a name from `configs/devices` (a100, cpu, h100, ...) or a .toml path (default: the "
+        "model's GPU; h100 for a model on meta, as the built-in models are, or on the CPU)",
+    )
+    flag(
+        "devices_per_node",
+        type=_positive_int,
+        metavar="N",
+        help="ranks per node of the job (default: the profile's); mesh axes spanning nodes use the inter-node link",
+    )
+    flag(
+        "dtype",
+        choices=("fp32", "bf16", "bf16-pure"),
+        help="training precision: fp32 (the default), bf16 (mixed, float32 master weights) or bf16-pure (no "
+        "float32 copy); left out, a model with bfloat16 parameters trains bf16-pure",
+    )
+    flag("optimizer", choices=sorted(OPTIMIZERS), help="optimizer state to count (default adamw)")
+    flag(
+        "grad_bucket_bytes",
+        type=_bucket_arg,
+        metavar="BYTES",
+        help="the runtime's data-parallel gradient bucket: bytes or 25MiB, 0 for none (default 25MiB)",
+    )
+    flag("solver", choices=SOLVERS, help="exact DP (default) or the CP-SAT model")
+    flag(
+        "recompute",
+        choices=RECOMPUTE_OPTIONS,
+        help="recompute in backward: auto (where the fastest plan under the cap needs it; the default), none, "
+        "selective (each layer's attention core and activations), full (whole layers)",
+    )
+    flag(
+        "family",
+        type=_family_arg,
+        metavar="{auto," + ",".join(_FLAG_FAMILY) + "}",
+        help="force a plan family (default auto: any)",
+    )
+    flag(
+        "allow_state_sharding",
+        action="store_false",
+        help="keep each gradient and optimizer state with its parameter (no ZeRO-1/2 state sharding)",
+    )
+    budget = PLAN_KEYWORDS["search_budget_s"].default
+    flag(
+        "search_budget_s",
+        type=_positive_float,
+        metavar="SECONDS",
+        help=f"stop the search after this long with the best plan met and its proven gap (default {budget:g})",
+    )
+    flag("hints", metavar="FILE", help="JSON or TOML file of pattern = value hints")
+    flag("strict", action="store_true", help="a hint pattern that matches nothing is an error")
 
 
 def _hint_arg(text: str) -> tuple[str, object]:
-    pattern, sep, value = text.partition("=")
-    if not sep or not pattern.strip() or not value.strip():
-        raise argparse.ArgumentTypeError(
-            f"--hint {text!r}: expected PATTERN=VALUE, e.g. '*.mlp.c_fc.weight=R,S(1)' or 'transformer.h.*=replicate'"
-        )
-    value = value.strip()
-    if value.startswith("(("):
-        try:
-            return pattern.strip(), ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise argparse.ArgumentTypeError(f"--hint {text!r}: {value} is not a tuple like ((2, 1), (1, 4))") from None
-    return pattern.strip(), value if value.lower() in ("replicate", "recompute") else _split_top_level(value)
+    from autopar.planner import hint_from_text
+
+    try:
+        return hint_from_text(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--hint {e}") from None
 
 
 def _load_hints(path: str | None, given: list[tuple[str, object]]) -> dict | None:
     """The hints of ``--hints FILE`` (JSON or TOML) updated by each ``--hint``; None when there are none."""
+    from autopar.planner import hints_from_file
+
     hints: dict = {}
     if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            why = "is a folder" if file.is_dir() else "no such file"
-            raise ValueError(f"--hints {path}: {why}; pass a .json or .toml file of pattern = value")
         try:
-            text = file.read_text()
-            hints = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
-        except UnicodeDecodeError:
-            raise ValueError(
-                f"--hints {path}: not a text file; pass a .json or .toml file of pattern = value"
-            ) from None
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"--hints {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                'fix the file, e.g. {"*.mlp.c_fc.weight": ["R", "S(1)"]}, or name a .toml file'
-            ) from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(
-                f'--hints {path}: not valid TOML ({e}); fix the file, e.g. \'"*.mlp.c_fc.weight" = ["R", "S(1)"]\''
-            ) from None
-        if not isinstance(hints, dict):
-            raise ValueError(
-                f"--hints {path}: expected a table of pattern = value, got a {type(hints).__name__}; "
-                'write e.g. {"*.mlp.c_fc.weight": ["R", "S(1)"]}'
-            )
+            hints = hints_from_file(path)
+        except ValueError as e:
+            raise ValueError(f"--hints {e}") from None
     hints.update(dict(given))
     return hints or None
+
+
+def _bucket_arg(text: str) -> int | None:
+    """``--grad-bucket-bytes``: a size, or 0 for no buckets (None)."""
+    return None if text.strip() in ("0", "none") else _bytes_arg(text)
+
+
+#: ``--family``'s words for ``autopar.planner.FAMILIES`` (``autopar run --family`` takes the same).
+_FLAG_FAMILY = {
+    "data-parallel": "data parallel",
+    "sharded-parameters": "sharded parameters",
+    "tensor-parallel": "tensor parallel",
+}
+
+
+def _family_arg(text: str) -> str | None:
+    if text == "auto":
+        return None
+    if text not in _FLAG_FAMILY:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of auto, {', '.join(_FLAG_FAMILY)}")
+    return _FLAG_FAMILY[text]
 
 
 def _positive_int(text: str) -> int:
@@ -272,12 +272,7 @@ def _positive_float(text: str) -> float:
     return x
 
 
-_RUN_FAMILIES = {
-    "auto": None,
-    "data-parallel": "data parallel",
-    "sharded-parameters": "sharded parameters",
-    "tensor-parallel": "tensor parallel",
-}
+_RUN_FAMILIES = {"auto": None, **_FLAG_FAMILY}
 
 
 def _add_run_parser(sub) -> None:
@@ -421,79 +416,69 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from autopar.models import load_model
-    from autopar.planner import MemoryCapError, UnmatchedHintError, check_writable, plan, render_table
-    from costmodel import check_devices_per_node, load_profile
-
-    from autopar.launch import TerminalProgress
-
     t0 = time.perf_counter()
-    try:  # everything that can be checked without the model, before it is built and planned
-        mesh = _mesh(args.mesh, args.axis_names, None)
-        try:
-            load_profile(args.profile)
-        except ValueError as e:
-            raise ValueError(f"--profile {args.profile}: {e}") from None
-        if args.output:
-            check_writable(args.output, "-o")
-        if args.devices_per_node is not None:
-            try:
-                check_devices_per_node(mesh.shape, args.devices_per_node)
-            except ValueError as e:
-                raise ValueError(f"--{e}".replace("devices_per_node", "devices-per-node", 1)) from None
-        hints = _load_hints(args.hints, args.hint)
-        seq = _check_seq(args.model, args.seq)
+    try:
+        inputs = _plan_inputs(args)  # everything that can be checked without the model, before it is built
+        result = _run_plan(args, *inputs)
     except (ValueError, TypeError) as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
+    return _write_plan(args, result, t0)
+
+
+def _plan_inputs(args):
+    """(mesh, PlanOptions, HintOptions, seq) of ``autopar plan``'s flags, each checked in the flags' words."""
+    from autopar.planner import PLAN_KEYWORDS, HintOptions, OptionError, PlanOptions, check_writable
+    from costmodel import check_devices_per_node
+
+    mesh = _mesh(args.mesh, args.axis_names, None)
+    try:
+        options = PlanOptions.from_keywords(vars(args))
+    except OptionError as e:
+        raise ValueError(f"{PLAN_KEYWORDS[e.option].flag} {e.value}: {e.problem}") from None
+    if args.output:
+        check_writable(args.output, "-o")
+    if options.devices_per_node is not None:
+        try:
+            check_devices_per_node(mesh.shape, options.devices_per_node)
+        except ValueError as e:
+            raise ValueError(f"--{e}".replace("devices_per_node", "devices-per-node", 1)) from None
+    hint_options = HintOptions(hints=_load_hints(args.hints, args.hint), strict=args.strict)
+    return mesh, options, hint_options, _check_seq(args.model, args.seq)
+
+
+def _run_plan(args, mesh: Mesh, options, hint_options, seq: int):
+    """The plan, its errors in the CLI's words (the API's fixes name keywords; here they are flags)."""
+    from autopar.launch import TerminalProgress
+    from autopar.models import load_model
+    from autopar.planner import MemoryCapError, UnmatchedHintError, prepare_context, search_context
+
     bar = TerminalProgress()  # stages and a bar on a terminal when planning takes over a second
     try:
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=seq)
-        result = plan(
-            model,
-            mesh,
-            example_inputs=margs,
-            example_kwargs=mkwargs,
-            mem_cap=args.mem_cap,
-            profile=args.profile,
-            dtype=args.dtype,
-            optimizer=args.optimizer,
-            solver=args.solver,
-            compare_families=not args.no_compare,
-            hints=hints,
-            recompute=args.recompute,
-            strict=args.strict_hints,
-            progress=bar,
-            devices_per_node=args.devices_per_node,
-            search_budget_s=args.search_budget,
-        )
-    except UnmatchedHintError as e:  # the API's fix says strict=False; here it is the flag
+        bar("capture + strategies", 0, 1)
+        ctx = prepare_context(model, mesh, margs, mkwargs, options, hint_options)
+        return search_context(ctx, compare_families=not args.no_compare, progress=bar)
+    except UnmatchedHintError as e:
+        raise ValueError(f"{e.problem}. Fix: correct the pattern, or drop --strict-hints to only warn.") from None
+    except MemoryCapError as e:
+        raise ValueError(
+            f"{e.problem}\n  Fix: raise --mem-cap to at least that, use more devices (--mesh), a smaller --batch or "
+            "--seq, or bf16 (--dtype bf16)."
+        ) from None
+    finally:
         bar.close()
-        print(
-            f"autopar: error: {e.problem}. Fix: correct the pattern, or drop --strict-hints to only warn.",
-            file=sys.stderr,
-        )
-        return 2
-    except MemoryCapError as e:  # the API's fix names mem_cap= and dtype=; here they are flags
-        bar.close()
-        print(
-            f"autopar: error: {e.problem}\n  Fix: raise --mem-cap to at least that, use more devices (--mesh), a "
-            "smaller --batch or --seq, or bf16 (--dtype bf16).",
-            file=sys.stderr,
-        )
-        return 2
-    except (ValueError, TypeError) as e:
-        bar.close()
-        print(f"autopar: error: {e}", file=sys.stderr)
-        return 2
-    bar.close()
+
+
+def _write_plan(args, result, t0: float) -> int:
+    """Print the plan (table or JSON), write ``-o`` and the ``--timings`` line."""
+    from autopar.planner import render_explanation, render_table
+
     if args.format == "json":
         sys.stdout.write(result.to_json())
     else:
         sys.stdout.write(render_table(result))
         if args.explain:
-            from autopar.planner import render_explanation
-
             sys.stdout.write(render_explanation(result))
     if args.output:
         try:

@@ -111,19 +111,19 @@ def main() -> None:
         t = result.timings
         first = first or (min(search_s), min(cpu_s))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        objective = result.search["objective_ps"] / PS_PER_S
+        objective = result.search.objective_ps / PS_PER_S
         blocks = ctx.blocks.count if ctx.blocks else 0
         row = (
             f"{layers:>6} {len(ctx.graph.nodes):>6} {blocks:>6} | {t['capture_s']:>9.2f} {t['strategies_s']:>8.2f} "
             f"{min(search_s):>8.3f} {min(search_s) / first[0]:>7.2f} {min(cpu_s):>6.3f} {min(cpu_s) / first[1]:>7.2f} "
             f"{format_bytes(rss):>10} | {objective:>12.6f} "
-            f"{format_bytes(result.memory['per_device_bytes']):>11} |"
+            f"{format_bytes(result.memory.per_device_bytes):>11} |"
         )
         if args.no_cpsat:
             print(row, flush=True)
             continue
         problem, _ = to_problem(ctx.tables, cap)
-        cps, obj = _cpsat_in_child(problem, args.cpsat_limit, result.search["objective_ps"])
+        cps, obj = _cpsat_in_child(problem, args.cpsat_limit, result.search.objective_ps)
         print(f"{row} {cps:>12} {obj:>12}", flush=True)
     if args.sweep:
         sweep(ctx, cap, args.sweep_step)
@@ -162,7 +162,7 @@ def batch_reuse(args, mesh: Mesh, cap: int) -> None:
             f, r = fresh.timings, reused.timings
             fresh_s = f["capture_s"] + f["strategies_s"] + f["search_s"]
             reused_s = r["capture_s"] + r["specialize_s"] + r["strategies_s"] + r["search_s"]
-            same_obj = fresh.search["objective_ps"] == reused.search["objective_ps"]
+            same_obj = fresh.search.objective_ps == reused.search.objective_ps
             print(
                 f"{layers:>6} {batch:>5} | {f['capture_s']:>9.2f} {f['strategies_s']:>8.2f} {f['search_s']:>8.3f} "
                 f"{fresh_s:>8.2f} | {r['specialize_s'] + r['capture_s']:>9.2f} {r['strategies_s']:>8.2f} "
@@ -185,9 +185,9 @@ def sweep(ctx, cap: int, step: float) -> None:
             took = time.perf_counter() - tick
             print(f"{format_bytes(cap):>11} {took:>8.3f}  infeasible (time: search + error message):\n{err}")
             return
-        mem = plan.memory["per_device_bytes"]
+        mem = plan.memory.per_device_bytes
         print(
-            f"{format_bytes(cap):>11} {plan.timings['search_s']:>8.3f} {plan.cost['total_s']:>12.6f} "
+            f"{format_bytes(cap):>11} {plan.timings['search_s']:>8.3f} {plan.cost.total_s:>12.6f} "
             f"{format_bytes(mem):>11}  {plan.family:<40} {_where(plan)}",
             flush=True,
         )
@@ -198,8 +198,8 @@ def _where(plan) -> str:
     """The two commonest (stored, optimizer state) placements of the parameters, by bytes."""
     share: Counter = Counter()
     for p in plan.params.values():
-        key = f"{','.join(p['placements'])} state {','.join(p['state_placements'])}"
-        share[key] += math.prod(p["shape"])
+        key = f"{','.join(map(str, p.placements))} state {','.join(map(str, p.state_placements))}"
+        share[key] += math.prod(p.shape)
     total = sum(share.values())
     return "; ".join(f"[{k}] {100 * v / total:.0f}%" for k, v in share.most_common(2))
 

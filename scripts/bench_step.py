@@ -293,7 +293,9 @@ def _unfused_loss(on: bool):
 
 def _describe(plan) -> str:
     """The plan's family and which parameters it stores sharded (the family name alone hides that)."""
-    sharded = [k for k, v in plan.params.items() if any(p.startswith("S") for p in v["placements"])]
+    from autopar.placement import Shard
+
+    sharded = [k for k, v in plan.params.items() if any(isinstance(p, Shard) for p in v.placements)]
     groups = sorted({re.sub(r"^(model\.)+", "", re.sub(r"\.\d+\.", ".*.", k)).removesuffix(".weight") for k in sharded})
     shown = ", ".join(groups[:4]) + (", ..." if len(groups) > 4 else "")
     return f"{plan.family}; {len(sharded)}/{len(plan.params)} params sharded" + (f" ({shown})" if shown else "")

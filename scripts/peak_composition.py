@@ -85,9 +85,10 @@ def main() -> None:
     print(f"{model.name} batch {model.batch} seq {model.seq} on mesh {a.mesh}, {how}, profile {profile}")
     print(f"family: {plan.family}; rank {max(every)[1]} (the largest peak; on {device})")
     print("plan (the cost model):")
-    for key in ("params", "grads", "optimizer", "activations", "transient_bytes", "per_device_bytes"):
-        print(f"  {key:18s} {format_bytes(m[key]):>12}")
-    print(f"  peak phase         {m['peak_phase']:>12}")
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes"):
+        print(f"  {key:18s} {format_bytes(getattr(m, key)):>12}")
+    print(f"  per_device_bytes   {format_bytes(m.per_device_bytes):>12}")
+    print(f"  peak phase         {m.peak_phase:>12}")
     print("measured:")
     print(f"  held before step   {format_bytes(held_bytes(held)):>12}")
     print(
@@ -115,7 +116,7 @@ def _variant_plan(ctx, model: BenchModel, label: str):
         least = 0
     except autopar.MemoryCapError as e:
         least = e.min_mem_bytes
-    options = variant.plan_options(model, auto.memory["per_device_bytes"], least)
+    options = variant.plan_options(model, auto.memory.per_device_bytes, least)
     return autopar.plan_from_context(ctx, compare_families=False, **options) if options else auto
 
 

@@ -89,14 +89,14 @@ def probe(name: str, mesh_shape: tuple[int, ...], profile: str, size: Size = Siz
     t0 = time.perf_counter()
     ctx = prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile=profile)
     plan = plan_from_context(ctx, compare_families=False)
-    fb = collections.Counter(f["op"] for f in plan.fallback_ops)
-    mem = plan.memory["per_device_bytes"]
+    fb = collections.Counter(f.op for f in plan.fallback_ops)
+    mem = plan.memory.per_device_bytes
     tight = int(mem * 0.7)
     try:
         capped = plan_from_context(ctx, mem_cap=tight, compare_families=False)
-        cap_result = f"cap ok ({capped.family}, {capped.memory['per_device_bytes'] / mem:.2f}x)"
-        if capped.memory["per_device_bytes"] > tight:
-            cap_result = f"CAP EXCEEDED {capped.memory['per_device_bytes']} > {tight}"
+        cap_result = f"cap ok ({capped.family}, {capped.memory.per_device_bytes / mem:.2f}x)"
+        if capped.memory.per_device_bytes > tight:
+            cap_result = f"CAP EXCEEDED {capped.memory.per_device_bytes} > {tight}"
     except MemoryCapError as e:
         cap_result = f"cap infeasible ({str(e).splitlines()[0][:80]})"
     return {"family": plan.family, "fallback": dict(fb), "cap": cap_result, "s": time.perf_counter() - t0}

@@ -51,11 +51,11 @@ def _row(ctx, cap: int, recompute: str) -> str:
         p = autopar.plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute=recompute)
     except autopar.MemoryCapError:
         return f"{'no plan':>10} {'':>10} {'':>16}"
-    layers = p.search.get("recompute_layers") or {}
-    parts = [f"{layers[m]} {m[:4]}" for m in ("full", "selective") if layers.get(m)]
-    parts += ["rest"] if p.search.get("recompute_rest") else []
+    layers = p.search.recompute_layers
+    parts = [f"{getattr(layers, m)} {m[:4]}" for m in ("full", "selective") if layers and getattr(layers, m)]
+    parts += ["rest"] if p.search.recompute_rest else []
     recomputed = " + ".join(parts) or "-"  # layers recomputed whole, and selectively; the rest of the graph
-    return f"{p.cost['total_s'] * 1e3:>8.1f}ms {format_bytes(p.memory['per_device_bytes']):>10} {recomputed:>16}"
+    return f"{p.cost.total_s * 1e3:>8.1f}ms {format_bytes(p.memory.per_device_bytes):>10} {recomputed:>16}"
 
 
 def table(meshes: list[str], caps: list[str], model: str, batch: int, seq: int) -> None:
@@ -102,13 +102,13 @@ def sweep(layers: list[int], fractions: list[float]) -> None:
     print(f"\n{'layers':>6} {'caps':>5} {'median s':>9} {'max s':>7} {'at':>7} {'within gap':>11}")
     for n in layers:
         ctx = _gpt_context(n)
-        full = autopar.plan_from_context(ctx, compare_families=False, recompute="full").memory["per_device_bytes"]
+        full = autopar.plan_from_context(ctx, compare_families=False, recompute="full").memory.per_device_bytes
         seconds, gapped = [], 0
         for f in fractions:
             t0 = time.perf_counter()
             p = autopar.plan_from_context(ctx, compare_families=False, recompute="auto", mem_cap=int(f * full))
             seconds.append(time.perf_counter() - t0)
-            gapped += not p.search["optimal"]
+            gapped += not p.search.optimal
         worst = max(range(len(seconds)), key=seconds.__getitem__)
         print(
             f"{n:>6} {len(seconds):>5} {statistics.median(seconds):>9.2f} {seconds[worst]:>7.2f} "
@@ -127,9 +127,9 @@ def depths(layers: list[int], fractions: list[float]) -> None:
         for f in fractions:
             t1 = time.perf_counter()
             p = autopar.plan_from_context(
-                ctx, compare_families=False, recompute="auto", mem_cap=int(f * full.memory["per_device_bytes"])
+                ctx, compare_families=False, recompute="auto", mem_cap=int(f * full.memory.per_device_bytes)
             )
-            mode = {"none": "none", "selective": "sel", "full": "full", "per layer": "mix"}[p.search["recompute_mode"]]
+            mode = {"none": "none", "selective": "sel", "full": "full", "per layer": "mix"}[p.search.recompute_mode]
             cells.append(f"{time.perf_counter() - t1:>5.2f} {mode:>4}")
         print(f"{n:>6} {' '.join(cells)}")
 

@@ -42,7 +42,7 @@ def main() -> None:
             for row in data["plans"]:
                 label = row["variants"][0]
                 plan = planned[label]
-                t, m = plan.cost["total_s"], plan.memory["per_device_bytes"]
+                t, m = plan.cost.total_s, plan.memory.per_device_bytes
                 same = set(keys[label]) == set(row["variants"])
                 errors.append(t / row["measured_s"] - 1)
                 print(

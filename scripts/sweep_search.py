@@ -160,12 +160,12 @@ def plan_one(config: Config, budget: float | None, out) -> None:
         else:
             search = plan.search
             row.update(
-                status="budget" if search.get("budget_hit") else "ok",
+                status="budget" if search.budget_hit else "ok",
                 plan_s=time.perf_counter() - start,
                 search_s=plan.timings.get("search_s"),
-                step_ms=plan.cost["total_s"] * 1e3,
-                memory_gib=plan.memory["per_device_bytes"] / GIB,
-                gap=None if search.get("optimal") else search.get("gap"),
+                step_ms=plan.cost.total_s * 1e3,
+                memory_gib=plan.memory.per_device_bytes / GIB,
+                gap=None if search.optimal else search.gap,
             )
     except Exception as e:  # noqa: BLE001 - a sweep reports every failure and goes on
         row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")

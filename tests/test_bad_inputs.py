@@ -23,6 +23,7 @@ from autopar.cli import build_parser, main
 from autopar.launch import render_report
 from autopar.launch import runner as launch
 from autopar.models import default_seq, load_model
+from autopar.planner import Collective, PlanMemory
 from autopar.planner.plan_table import _collective_module, _count, describe_plan, render_table
 
 # ---- fixtures -------------------------------------------------------------------------------
@@ -54,8 +55,7 @@ def no_model_built(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was built before the bad input was reported")
 
-    monkeypatch.setattr("autopar.launch.load_model", refuse)  # where the CLI looks it up
-    monkeypatch.setattr("autopar.models.load_model", refuse)
+    monkeypatch.setattr("autopar.models.load_model", refuse)  # where the CLI looks it up
 
 
 def _cli_error(capsys, *argv: str) -> str:
@@ -209,7 +209,7 @@ def test_factory_specs_that_do_not_import(capsys):
 def test_forced_family_report_says_what_the_plan_does():
     """`autopar run --family data-parallel` printed 'plan: replicated' as if the family had been ignored."""
     config = launch.RunConfig(model="gpt2-tiny", mesh_shape=(2,), steps=1, family="data parallel")
-    memory = {"params": 48, "grads": 48, "optimizer": 96, "activations": 10, "per_device_bytes": 202}
+    memory = PlanMemory(202, params_bytes=48, grads_bytes=48, optimizer_bytes=96, activations_bytes=10, cap_bytes=None)
     record = launch.TrainRecord((2.0,), (0.1,))
     held = {"params": 48, "grads": 48, "optimizer": 96}
     ranks = tuple(launch.RankResult(r, (r,), "replicated", record, held, memory) for r in range(2))
@@ -283,8 +283,8 @@ def test_plan_json_round_trips_from_text_and_path(mlp_plan, tmp_path):
             lambda d: {k: v for k, v in d.items() if k != "params"},
             r"not a complete autopar plan \(missing field 'params'\); re-create it",
         ),
-        (lambda d: d | {"collectives": {}}, r"field 'collectives' is a dict, expected a list"),
-        (lambda d: d | {"schema_version": 0}, r"plan schema_version 0: this autopar reads version 1; re-create"),
+        (lambda d: d | {"collectives": {}}, r"field collectives: expected a list, got dict"),
+        (lambda d: d | {"schema_version": 0}, r"plan schema_version 0: this autopar reads versions 1 and 2; re-create"),
         (lambda d: d | {"mesh": {"shape": [2.5]}}, r"field 'mesh': Mesh shape \[2\.5\]: 2\.5 is a float"),
     ],
     ids=["corrupt", "list", "missing-field", "wrong-type", "version", "bad-mesh"],
@@ -430,11 +430,11 @@ def test_collectives_table_shows_the_overlapped_part(tiny_model):
     overlap = load_profile(PARTITIONING_PROFILE).grad_reduce_overlap
     assert 0 < overlap < 1
     params = {f"p_{fqn.replace('.', '_')}" for fqn in plan.params}
-    grads = [c for c in plan.collectives if c["phase"] == "backward" and c["tensor"] in params]
+    grads = [c for c in plan.collectives if c.phase == "backward" and c.tensor in params]
     assert grads, "a data-parallel plan reduces parameter gradients"
     for c in plan.collectives:
-        whole = c["time_s"] + c["hidden_s"]
-        assert c["hidden_s"] == pytest.approx(whole * overlap if c in grads else 0.0, rel=1e-9, abs=1e-15), c
+        whole = c.time_s + c.hidden_s
+        assert c.hidden_s == pytest.approx(whole * overlap if c in grads else 0.0, rel=1e-9, abs=1e-15), c
     table = render_table(plan)
     assert re.search(r"\bexposed\b.*\boverlapped\b", table) and "hidden behind" in table
     rows = [line for line in table.splitlines() if "reduce" in line and "backward" in line]
@@ -447,6 +447,5 @@ def test_collective_counts_are_whole_numbers():
     assert _count({"h.0": 2, "h.1": 2}) == "2"
     assert _count({"h.0": 2, "h.1": 1, "h.2": 1}) == "1; 2 in h.0"
     assert _count({f"h.{i}": i % 4 for i in range(8)}) == "0-3"
-    assert _collective_module({"module": "", "tensor": "p_h_0_mlp_weight"}, {"p_h_0_mlp_weight": "h.0.mlp.weight"}) == (
-        "h.0.mlp"
-    )
+    issued = Collective("all_gather", "dp", "optimizer", 64, "p_h_0_mlp_weight", "", "p_h_0_mlp_weight", "sum", 0.0)
+    assert _collective_module(issued, {"p_h_0_mlp_weight": "h.0.mlp.weight"}) == "h.0.mlp"

@@ -24,6 +24,7 @@ from transformers.utils import ModelOutput
 
 from autopar.capture.call_spec import InputMismatchError
 from autopar.capture.export import capture
+from autopar.placement import Replicate, Shard
 
 STEPS = 3
 RTOL, ATOL = 1e-4, 1e-5
@@ -151,8 +152,8 @@ def _forms_rank_fn(rank, world, form):
         sharded = _compile(model, args, kwargs, world, **options)
         piece = _rows_of(rank, world) if options.get("input_mode") == "local" else None
         result = _train(sharded, args, kwargs, RESTATED.get(form), piece)
-        split = sorted(k for k, v in sharded.plan.inputs.items() if v.get("placements") == ["S(0)"])
-        sharded_params = sorted(k for k, v in sharded.plan.params.items() if v["placements"] != ["R"])
+        split = sorted(k for k, v in sharded.plan.inputs.items() if v.placements == (Shard(0),))
+        sharded_params = sorted(k for k, v in sharded.plan.params.items() if v.placements != (Replicate(),))
         out[variant] = (split, sharded_params, result)
     return out
 
@@ -347,13 +348,13 @@ def test_the_plan_names_each_input_by_its_path_and_takes_hints_by_path():
         input_placements={"batch['extra'][1][0]": ["S(0)"], "aux.x": ["S(1)"]},
         compare_families=False,
     )
-    paths = {k: v["path"] for k, v in plan.inputs.items() if v["kind"] == "input"}
+    paths = {k: v.path for k, v in plan.inputs.items() if v.kind == "input"}
     assert sorted(paths.values()) == sorted(
         ["batch['x']", "batch['extra'][0]", "batch['extra'][1][0]", "batch['extra'][1][1]", "batch['meta']['target']"]
         + ["aux.x", "aux.target"]
     ), paths
-    by_path = {v["path"]: v["placements"] for v in plan.inputs.values() if v["kind"] == "input"}
-    assert by_path["batch['extra'][1][0]"] == ["S(0)"] and by_path["aux.x"] == ["S(1)"], by_path
+    by_path = {v.path: v.placements for v in plan.inputs.values() if v.kind == "input"}
+    assert by_path["batch['extra'][1][0]"] == (Shard(0),) and by_path["aux.x"] == (Shard(1),), by_path
     with pytest.raises(ValueError, match=r"batch_extra_1_0 or batch\['extra'\]\[1\]\[0\]"):
         autopar.plan(
             model, autopar.Mesh((2,)), example_inputs=args, example_kwargs=kwargs, input_placements={"y": ["R"]}

@@ -122,7 +122,7 @@ def _local_mode(rank, mesh, args, kwargs) -> dict:
     )
     plan = local.plan
     pieces = {
-        k: shard_tensor(v, parse_placements(plan.inputs[k]["placements"]), mesh.shape, mesh.coordinate(rank))
+        k: shard_tensor(v, parse_placements(plan.inputs[k].placements), mesh.shape, mesh.coordinate(rank))
         for k, v in given.items()
     }
     whole = autopar.compile(_model("gpt2-tiny")[0], mesh, example_inputs=args, example_kwargs=kwargs, plan=plan)
@@ -156,12 +156,12 @@ def _lazy_rank_fn(rank, world):
     out["train"] = _train((sharded, sharded), args, kwargs)  # the optimizer is built before the first call
     out["params_after"] = {k: tuple(p.shape) for k, p in sharded.named_parameters()}
     out["local_graph"] = _local_graph_facts(sharded, args, kwargs)
-    out["plan_local"] = {k: tuple(v["local_shape"]) for k, v in sharded.plan.params.items()}
+    out["plan_local"] = {k: tuple(v.local_shape) for k, v in sharded.plan.params.items()}
     out["state_local"] = {
         k: tuple(
             autopar.spec.local_shape(
-                tuple(v["shape"]),
-                autopar.placement.parse_placements(v["state_placements"]),
+                tuple(v.shape),
+                autopar.placement.parse_placements(v.state_placements),
                 mesh.shape,
                 mesh.coordinate(rank),
             )
@@ -269,7 +269,7 @@ def _one_rank_bad_input_fn(rank, world):
     )
     plan = sharded.plan
     good = {
-        k: shard_tensor(v, parse_placements(plan.inputs[k]["placements"]), mesh.shape, mesh.coordinate(rank))
+        k: shard_tensor(v, parse_placements(plan.inputs[k].placements), mesh.shape, mesh.coordinate(rank))
         for k, v in given.items()
     }
     bad = {**good, "input_ids": good["input_ids"][:1]}

@@ -14,6 +14,8 @@ import pytest
 import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
 
+from autopar.placement import Replicate
+
 FAMILIES = (None, "data parallel", "sharded parameters", "tensor parallel")
 STEPS = 3
 BATCH, SEQ = 4, 16
@@ -168,7 +170,7 @@ def _count_rank_fn(rank, world, name, mesh_shape, axis_names):
         loss.backward()
         opt.step()  # one whole training step: a ZeRO plan's all-gathers run after the optimizer step
         counted = [(r.kind, axis_names[r.axis], r.phase, r.bytes) for r in sharded.collective_counter.records]
-        planned = [(c["kind"], c["axis"], c["phase"], c["bytes"]) for c in sharded.plan.collectives]
+        planned = [(c.kind, c.axis, c.phase, c.bytes) for c in sharded.plan.collectives]
         out[family] = (sharded.plan.family, sorted(counted), sorted(planned))
     return out
 
@@ -189,7 +191,7 @@ def _dropout_rank_fn(rank, world, mesh_shape, axis_names):
     sharded = _compile(model, args, kwargs, mesh_shape, axis_names, "tensor parallel")
     sharded.trace = {}
     sharded(*args, **kwargs)
-    placements = {name: entry["outputs"] for name, entry in sharded.plan.nodes.items()}
+    placements = {name: entry.outputs for name, entry in sharded.plan.nodes.items()}
     return sharded.mesh.coordinate(rank), sharded.trace, placements
 
 
@@ -203,7 +205,7 @@ def test_dropout_masks_follow_placements():
     for name, outs in placements.items():
         for k, out in enumerate(outs):
             for axis, p in enumerate(out):
-                if p != "R":
+                if p != Replicate():
                     continue
                 for coord, (trace, _) in by_coord.items():
                     if coord[axis] != 0:
@@ -217,7 +219,7 @@ def test_dropout_masks_follow_placements():
                         dropouts += "dropout" in name
     assert compared > 100 and dropouts > 0
     # sharded dropout draws its own part: some dropout output is sharded and differs from a naive same-seed draw
-    sharded_dropouts = [n for n, outs in placements.items() if "dropout" in n and any(p != "R" for p in outs[0])]
+    sharded_dropouts = [n for n, outs in placements.items() if "dropout" in n and set(outs[0]) != {Replicate()}]
     assert sharded_dropouts or dropouts
 
 
@@ -345,10 +347,11 @@ def test_model_state_bytes_held_equal_the_plan(memory_runs):
     for name, family, label, coord, held, planned in memory_runs:
         where = f"{name}, plan {family or 'auto'} ({label}), {coord}"
         for key in ("params", "grads", "optimizer"):
+            want = getattr(planned, f"{key}_bytes")
             if coord == (0, 0):
-                assert held[key] == planned[key], f"{where}: {key} held {held[key]} != planned {planned[key]}"
+                assert held[key] == want, f"{where}: {key} held {held[key]} != planned {want}"
             else:
-                assert held[key] <= planned[key], f"{where}: {key} held {held[key]} > planned {planned[key]}"
+                assert held[key] <= want, f"{where}: {key} held {held[key]} > planned {want}"
 
 
 def _bf16_memory_rank_fn(rank, world):
@@ -363,7 +366,7 @@ def _bf16_memory_rank_fn(rank, world):
         opt = make(sharded.parameters())
         sharded(*args, **kwargs)[0].float().backward()
         opt.step()
-        out.append((family, sharded.plan.settings["dtype"], sharded.model_state_bytes(opt), sharded.plan.memory))
+        out.append((family, sharded.plan.settings.dtype, sharded.model_state_bytes(opt), sharded.plan.memory))
     return out
 
 
@@ -376,10 +379,11 @@ def test_bf16_model_is_planned_as_it_trains():
             where = f"llama-tiny bf16, rank {rank}, plan {family or 'auto'}"
             assert dtype == "bf16-pure", where
             for key in ("params", "grads", "optimizer"):
+                want = getattr(planned, f"{key}_bytes")
                 if rank == 0:
-                    assert held[key] == planned[key], f"{where}: {key} held {held[key]} != planned {planned[key]}"
+                    assert held[key] == want, f"{where}: {key} held {held[key]} != planned {want}"
                 else:
-                    assert held[key] <= planned[key], f"{where}: {key} held {held[key]} > planned {planned[key]}"
+                    assert held[key] <= want, f"{where}: {key} held {held[key]} > planned {want}"
 
 
 def test_saved_activations_within_ten_percent_of_the_plan(memory_runs):
@@ -392,7 +396,7 @@ def test_saved_activations_within_ten_percent_of_the_plan(memory_runs):
     """
     checked = 0
     for name, family, label, coord, held, planned in memory_runs:
-        saved, plan = held["activations"], planned["activations"]
+        saved, plan = held["activations"], planned.activations_bytes
         where = f"{name}, plan {family or 'auto'} ({label}), {coord}: saved {saved} B, planned {plan} B"
         assert saved > 0, where
         if coord == (0, 0):

@@ -16,6 +16,8 @@ from dist_utils import PARTITIONING_PROFILE, run_ranks
 from test_execution import _assert_trains_alike, _loss_and_logits, _train
 from torch import nn
 
+from autopar.placement import Shard
+
 # (rows, classes) per plan: many rows make the data-parallel plan split them; few rows of many classes
 # make splitting the rows of the logits (an all-to-all of them) dearer than the vocab-parallel loss's
 # three small all-reduces, so the vocab hint's plan keeps the classes split through the loss
@@ -101,14 +103,14 @@ def _loss_facts(sharded) -> dict:
     gather = [
         n.name for n in sharded._graph.gm.graph.nodes if getattr(n.meta.get(DECOMPOSED), "role", "") == "target_logit"
     ]
-    placements = [sharded.plan.nodes[name]["inputs"][0] for name in gather]
+    placements = [sharded.plan.nodes[name].inputs[0] for name in gather]
     code = sharded.local_graph.code
     return {
         "groups": len(gather),
         "fused": code.count("aten._log_softmax.default("),
         "decomposed": code.count("aten.exp.default("),
-        "classes_split": any("S(1)" in p for pl in placements for p in pl),
-        "rows_split": any("S(0)" in p for pl in placements for p in pl),
+        "classes_split": any(isinstance(p, Shard) and p.dim == 1 for pl in placements for p in pl),
+        "rows_split": any(isinstance(p, Shard) and p.dim == 0 for pl in placements for p in pl),
     }
 
 
@@ -126,7 +128,7 @@ def _rank_fn(rank, world, name, plans):
         counter = CollectiveCounter()
         result = _train((sharded, _loss_and_logits(sharded)), args, kwargs, counter)
         counted = sorted((r.kind, r.phase, r.bytes) for r in counter.records)
-        planned = sorted((c["kind"], c["phase"], c["bytes"]) for c in sharded.plan.collectives)
+        planned = sorted((c.kind, c.phase, c.bytes) for c in sharded.plan.collectives)
         out[plan_name] = (result, _loss_facts(sharded), counted, planned)
     return out
 

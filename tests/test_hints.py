@@ -16,6 +16,8 @@ import torch
 
 import autopar
 from autopar.capture.export import capture
+from autopar.placement import format_placements, parse_placements
+from autopar.planner import OpHints
 from autopar.planner.hints import Layout, resolve_hints
 from autopar.planner.pipeline import plan_from_context, prepare
 from autopar.planner.plan_table import group_name, render_table
@@ -34,14 +36,14 @@ MEGATRON = {
 # ---- done-when 1: GPT-2 on tp=4, the setting where the planner finds Megatron by itself -------------
 def _per_block(plan) -> Counter:
     """(module group, kind, phase) -> count of collectives."""
-    return Counter((group_name(c["module"]), c["kind"], c["phase"]) for c in plan.collectives)
+    return Counter((group_name(c.module), c.kind, c.phase) for c in plan.collectives)
 
 
 def test_megatron_hints_give_the_auto_plan(gpt2_tp4):
     cap = int(1.5 * GiB)
     auto = plan_from_context(gpt2_tp4, mem_cap=cap, compare_families=False)
     hinted = plan_from_context(gpt2_tp4, mem_cap=cap, compare_families=False, hints=MEGATRON)
-    assert len(hinted.hints["params"]) == 4 * 12
+    assert len(hinted.hints.params) == 4 * 12
     assert hinted.params == auto.params
     assert hinted.nodes == auto.nodes
     assert hinted.collectives == auto.collectives
@@ -54,10 +56,10 @@ def test_opposite_fc_hint_is_valid_costlier_and_its_collectives_show(gpt2_tp4):
     opposite = dict(MEGATRON, **{"transformer.h.*.mlp.c_fc.weight": ["S(0)"]})  # split on input features
     plan = plan_from_context(gpt2_tp4, mem_cap=cap, hints=opposite)
     for block in range(12):
-        assert plan.params[f"transformer.h.{block}.mlp.c_fc.weight"]["placements"] == ["S(0)"]
-        assert plan.params[f"transformer.h.{block}.attn.c_proj.weight"]["placements"] == ["S(0)"]
-    assert plan.memory["per_device_bytes"] <= cap
-    assert plan.cost["total_s"] > auto.cost["total_s"]
+        assert plan.params[f"transformer.h.{block}.mlp.c_fc.weight"].placements == parse_placements("S(0)")
+        assert plan.params[f"transformer.h.{block}.attn.c_proj.weight"].placements == parse_placements("S(0)")
+    assert plan.memory.per_device_bytes <= cap
+    assert plan.cost.total_s > auto.cost.total_s
     extra = _per_block(plan) - _per_block(auto)
     assert extra, "the opposite hint must need collectives the auto plan does not"
     assert any(mod == "transformer.h.*.mlp.c_fc" for mod, _, _ in extra)
@@ -121,7 +123,10 @@ def test_hint_that_cannot_hold_is_a_clear_error(tiny_ctx, kind, hints, tensor, s
 def test_uneven_shards_hold_and_empty_pieces_do_not():
     model, x = torch.nn.Linear(16, 3), torch.randn(8, 16)
     plan = autopar.plan(model, MESH_2x2, example_inputs=(x,), compare_families=False, hints={"weight": ["S(0)", "R"]})
-    assert plan.params["weight"]["placements"] == ["S(0)", "R"] and plan.params["weight"]["local_shape"] == [2, 16]
+    assert plan.params["weight"].placements == parse_placements("S(0),R") and plan.params["weight"].local_shape == (
+        2,
+        16,
+    )
     with pytest.raises(ValueError) as err:
         autopar.plan(model, MESH_2x2, example_inputs=(x,), hints={"bias": ["S(0)", "S(0)"]})
     msg = str(err.value)
@@ -156,7 +161,7 @@ def test_a_family_that_excludes_the_hints_is_an_error(tiny_ctx):
     with pytest.raises(ValueError, match=r"family 'data parallel' and the hints on transformer\.h\.0\.mlp\.c_fc"):
         _plan(tiny_ctx, family="data parallel", hints={"*.mlp.c_fc.weight": ["R", "S(1)"]})
     plan = _plan(tiny_ctx, family="tensor parallel", hints={"*.mlp.c_fc.weight": ["R", "S(1)"]})
-    assert plan.params["transformer.h.1.mlp.c_fc.weight"]["placements"] == ["R", "S(1)"]
+    assert plan.params["transformer.h.1.mlp.c_fc.weight"].placements == parse_placements("R,S(1)")
 
 
 def test_unmatched_pattern_warns_unless_strict(tiny_ctx):
@@ -174,17 +179,17 @@ def test_unmatched_pattern_warns_unless_strict(tiny_ctx):
 def test_manual_mode_every_parameter_hinted_reproduces_the_plan(tiny_ctx):
     """A fully manual plan: every parameter's placement given, the search only places the collectives."""
     auto = _plan(tiny_ctx, mem_cap=3_000_000)
-    assert len({tuple(p["placements"]) for p in auto.params.values()}) > 1  # a mixed plan, not all-R
-    manual = {fqn: p["placements"] for fqn, p in auto.params.items()}
+    assert len({tuple(p.placements) for p in auto.params.values()}) > 1  # a mixed plan, not all-R
+    manual = {fqn: format_placements(p.placements) for fqn, p in auto.params.items()}
     plan = _plan(tiny_ctx, mem_cap=3_000_000, hints=manual)
-    assert plan.hints["params"] == manual
+    assert plan.hints.params == {fqn: p.placements for fqn, p in auto.params.items()}
     assert plan.params == auto.params and plan.collectives == auto.collectives and plan.cost == auto.cost
 
 
 def test_tied_alias_resolves_to_the_canonical_parameter(tiny_ctx):
     plan = _plan(tiny_ctx, hints={"lm_head.weight": ["R", "S(0)"]})
-    assert plan.params["transformer.wte.weight"]["placements"] == ["R", "S(0)"]
-    assert plan.hints["params"] == {"transformer.wte.weight": ["R", "S(0)"]}
+    assert plan.params["transformer.wte.weight"].placements == parse_placements("R,S(0)")
+    assert plan.hints.params == {"transformer.wte.weight": parse_placements("R,S(0)")}
 
 
 def test_region_hint_keeps_the_region_replicated(tiny_ctx):
@@ -197,25 +202,27 @@ def test_region_hint_keeps_the_region_replicated(tiny_ctx):
     # never a plan that drops it
     tight = int(least.value.min_mem_bytes * 0.9)
     free = _plan(tiny_ctx, mem_cap=tight)
-    assert any(p["placements"] != ["R", "R"] for k, p in free.params.items() if k.startswith("transformer.h.0."))
+    assert any(
+        p.placements != parse_placements("R,R") for k, p in free.params.items() if k.startswith("transformer.h.0.")
+    )
     with pytest.raises(MemoryCapError):
         _plan(tiny_ctx, mem_cap=tight, hints=hint)
     cap = int(least.value.min_mem_bytes * 1.05)
     plan = _plan(tiny_ctx, mem_cap=cap, hints={"transformer.h.0": "replicate"})
-    assert plan.memory["per_device_bytes"] <= cap
+    assert plan.memory.per_device_bytes <= cap
     for fqn, p in plan.params.items():
         if fqn.startswith("transformer.h.0."):
-            assert p["placements"] == ["R", "R"] and p["state_placements"] == ["R", "R"], fqn
-    inside = [n for n in plan.nodes.values() if n["module"].startswith("transformer.h.0.")]
-    assert inside and all(pl == ["R", "R"] for n in inside for pl in n["inputs"] + n["outputs"])
-    assert plan.hints["replicate"] == ["transformer.h.0"]
+            assert p.placements == parse_placements("R,R") and p.state_placements == parse_placements("R,R"), fqn
+    inside = [n for n in plan.nodes.values() if n.module.startswith("transformer.h.0.")]
+    assert inside and all(pl == parse_placements("R,R") for n in inside for pl in n.inputs + n.outputs)
+    assert plan.hints.replicate == ("transformer.h.0",)
 
 
 def test_input_and_output_placements(tiny_ctx):
     plan = _plan(tiny_ctx, input_placements={"input_ids": ["R", "S(0)"]}, output_placements=[None, ["S(0)", "R"]])
-    assert plan.inputs["input_ids"]["placements"] == ["R", "S(0)"]
+    assert plan.inputs["input_ids"].placements == parse_placements("R,S(0)")
     logits = plan.nodes[tiny_ctx.graph.nodes[tiny_ctx.graph.outputs[1][0]].name]
-    assert logits["outputs"][0] == ["S(0)", "R"]
+    assert logits.outputs[0] == parse_placements("S(0),R")
     with pytest.raises(ValueError, match=r"'ids'.*input_ids"):
         _plan(tiny_ctx, input_placements={"ids": ["R", "S(0)"]})
 
@@ -247,10 +254,11 @@ def test_activation_hint_is_identity_unpartitioned_and_fixed_when_planned():
     plain.backward()
     assert torch.equal(grad, x.grad)  # the gradient passes through unchanged
     plan = autopar.plan(model, MESH_2x2, example_inputs=(x.detach(), y), compare_families=False)
-    shard_nodes = [n for n in plan.nodes.values() if n["op"] == "autopar.shard.default"]
+    shard_nodes = [n for n in plan.nodes.values() if n.op == "autopar.shard.default"]
     assert len(shard_nodes) == 1
-    assert shard_nodes[0]["inputs"] == [["S(0)", "S(1)"]] and shard_nodes[0]["outputs"] == [["S(0)", "S(1)"]]
-    assert list(plan.hints["ops"].values()) == [{"inputs": {}, "outputs": {"0": ["S(0)", "S(1)"]}}]
+    tiles = parse_placements("S(0),S(1)")
+    assert shard_nodes[0].inputs == (tiles,) and shard_nodes[0].outputs == (tiles,)
+    assert list(plan.hints.ops.values()) == [OpHints(outputs={0: parse_placements("S(0),S(1)")})]
     with pytest.raises(ValueError, match=r"(?s)autopar\.shard.*activation shard, shape \(8, 64\).*dims 0\.\.1"):
         autopar.plan(_ShardedMLP(("S(0)", "S(2)")), MESH_2x2, example_inputs=(x.detach(), y))
 
@@ -306,11 +314,11 @@ def test_tuple_layout_and_placement_forms_give_byte_identical_json(tiny_ctx):
     ]
     texts = [_plan(tiny_ctx, hints=h).to_json() for h in forms]
     assert texts[0] == texts[1] == texts[2]
-    plan = json.loads(texts[0])
-    assert plan["params"]["transformer.h.1.mlp.c_fc.weight"]["placements"] == ["R", "S(1)"]
-    assert plan["params"]["transformer.h.1.mlp.c_proj.weight"]["placements"] == ["R", "S(0)"]
-    c_fc = next(n for n in plan["nodes"].values() if n["module"] == "transformer.h.1.mlp.c_fc")
-    assert c_fc["inputs"][1:] == [["S(0)", "R"], ["R", "S(1)"]]
+    plan = autopar.Plan.from_json(texts[0])
+    assert plan.params["transformer.h.1.mlp.c_fc.weight"].placements == parse_placements("R,S(1)")
+    assert plan.params["transformer.h.1.mlp.c_proj.weight"].placements == parse_placements("R,S(0)")
+    c_fc = next(n for n in plan.nodes.values() if n.module == "transformer.h.1.mlp.c_fc")
+    assert c_fc.inputs[1:] == (parse_placements("S(0),R"), parse_placements("R,S(1)"))
     assert autopar.Plan.from_json(texts[0]).to_json() == texts[0]  # the hints survive the round trip
 
 
@@ -349,7 +357,7 @@ def test_cli_hint_flags_and_files(tmp_path, capsys):
     assert main(base + tuple_flags + ["--format", "json"]) == 0
     outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] == outs[2]
-    assert json.loads(outs[0])["hints"]["replicate"] == ["transformer.h.1"]
+    assert autopar.Plan.from_json(outs[0]).hints.replicate == ("transformer.h.1",)
     assert main(base + ["--hint", "*.c_fc.weight=R,S(7)"]) == 2
     err = capsys.readouterr().err
     assert "'*.c_fc.weight'" in err and "shape (64, 256)" in err and "Fix:" in err
@@ -442,12 +450,12 @@ def test_hinted_plans_train_like_one_device():
                     matched = [
                         p
                         for fqn, p in params.items()
-                        if any(fnmatch.fnmatchcase(f, pattern) for f in [fqn, *p["tied_to"]])
+                        if any(fnmatch.fnmatchcase(f, pattern) for f in [fqn, *p.tied_to])
                     ]
-                    assert matched and all(p["placements"] == value for p in matched), (where, pattern)
+                    assert matched and all(p.placements == parse_placements(value) for p in matched), (where, pattern)
             if name.endswith("hinted_mlp"):
-                shard = next(n for n in nodes.values() if n["op"] == "autopar.shard.default")
-                assert shard["outputs"] == [["S(0)", "S(1)"]], where
+                shard = next(n for n in nodes.values() if n.op == "autopar.shard.default")
+                assert shard.outputs == (parse_placements("S(0),S(1)"),), where
             for what, a, b in zip(("losses", "logits", "grads", "params"), got, ref):
                 if isinstance(a, dict):
                     assert a.keys() == b.keys(), (where, what)

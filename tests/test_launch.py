@@ -14,6 +14,7 @@ import torch
 
 from autopar.cli import main
 from autopar.launch import runner as launch
+from autopar.planner import PlanMemory
 from autopar.units import parse_bytes
 
 _NUMBER = r"\d\.\d{2}e[-+]\d{2}"
@@ -56,7 +57,7 @@ def _record(scale: float = 0.0) -> launch.TrainRecord:
 
 def _report(scale: float) -> launch.RunReport:
     config = launch.RunConfig(model="gpt2-tiny", mesh_shape=(2,), steps=2, check=True)
-    memory = {"params": 48, "grads": 48, "optimizer": 96, "activations": 10, "per_device_bytes": 202}
+    memory = PlanMemory(202, params_bytes=48, grads_bytes=48, optimizer_bytes=96, activations_bytes=10, cap_bytes=None)
     held = {"params": 48, "grads": 48, "optimizer": 104}
     ranks = tuple(
         launch.RankResult(
@@ -137,7 +138,8 @@ def test_parameter_failure_near_adam_eps_is_explained(grad, noted):
     got = launch.TrainRecord(
         (1.0,), (0.1,), grads={"w": torch.tensor([1e-3, grad * 0.95])}, params={"w": torch.tensor([0.5, -0.01827183])}
     )
-    params = launch.compare((launch.RankResult(0, (0,), "tensor parallel", got, {}, {}),), ref)[-1]
+    memory = PlanMemory(0, params_bytes=0, grads_bytes=0, optimizer_bytes=0, activations_bytes=0, cap_bytes=None)
+    params = launch.compare((launch.RankResult(0, (0,), "tensor parallel", got, {}, memory),), ref)[-1]
     assert not params.ok and params.max_abs == pytest.approx(1.183e-5, rel=1e-2)
     assert ("w[1] is the worst element outside tolerance" in params.note) is noted
     assert ("eps (1e-08)" in params.note) is noted

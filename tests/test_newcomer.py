@@ -13,6 +13,7 @@ import torch
 import autopar
 from autopar.cli import main, one_line
 from autopar.models import load_model
+from autopar.placement import Replicate
 from autopar.planner.plan_table import describe_output_gather, render_table
 from costmodel import axis_crosses_nodes, check_devices_per_node
 
@@ -139,8 +140,8 @@ def test_a_family_label_names_what_most_of_the_model_does_and_the_exceptions():
     plan = autopar.plan(
         model, mesh, example_inputs=args, example_kwargs=kwargs, mem_cap="40GiB", dtype="bf16", compare_families=False
     )
-    blocks = [p["placements"] for k, p in plan.params.items() if k.startswith("transformer.h.")]
-    assert all(p == ["R", "R"] for p in blocks)  # what the label must reflect
+    blocks = [p.placements for k, p in plan.params.items() if k.startswith("transformer.h.")]
+    assert all(p == (Replicate(), Replicate()) for p in blocks)  # what the label must reflect
     main_part, _, exceptions = plan.family.partition(" (also ")
     assert "data parallel" in main_part and "tensor parallel" not in main_part, plan.family
     assert re.search(r"tensor parallel on transformer\.wte\.weight.*: \d+% of the parameter bytes\)$", exceptions)
@@ -155,7 +156,7 @@ def test_a_family_row_fits_only_when_its_peak_is_under_the_cap(name):
     through the peak loop), and the chosen plan is at least as fast as every row that fits."""
     model, args, kwargs = load_model(name, batch=8, seq=32)
     ctx = autopar.prepare(model, autopar.Mesh((2, 2)), example_inputs=args, example_kwargs=kwargs, profile="cpu")
-    free = autopar.plan_from_context(ctx, compare_families=False).memory["per_device_bytes"]
+    free = autopar.plan_from_context(ctx, compare_families=False).memory.per_device_bytes
     checked = 0
     for fraction in (0.7, 0.5):
         cap = int(free * fraction)
@@ -164,10 +165,10 @@ def test_a_family_row_fits_only_when_its_peak_is_under_the_cap(name):
         except autopar.MemoryCapError:
             continue
         for row in plan.alternatives:
-            if row["feasible"]:
+            if row.feasible:
                 checked += 1
-                assert row["per_device_bytes"] <= cap, (name, fraction, row["family"], row["per_device_bytes"], cap)
-                assert plan.cost["total_s"] <= row["total_s"] * (1 + 1e-9), (name, fraction, row["family"])
+                assert row.per_device_bytes <= cap, (name, fraction, row.family, row.per_device_bytes, cap)
+                assert plan.cost.total_s <= row.total_s * (1 + 1e-9), (name, fraction, row.family)
     assert checked >= 3
 
 
@@ -183,10 +184,10 @@ def test_a_large_output_gather_is_pointed_out_with_the_ways_out():
     plan = autopar.plan(
         model, autopar.Mesh((8,)), example_inputs=(x,), profile="a100", dtype="bf16", compare_families=False
     )
-    gathered = sum(c["time_s"] for c in plan.collectives if c.get("output"))
-    assert gathered >= 0.1 * plan.cost["total_s"]
+    gathered = sum(c.time_s for c in plan.collectives if c.output)
+    assert gathered >= 0.1 * plan.cost.total_s
     note = describe_output_gather(plan)
-    assert f"({gathered / plan.cost['total_s']:.0%})" in note
+    assert f"({gathered / plan.cost.total_s:.0%})" in note
     assert "return the loss from the model (pass labels)" in note and "output_placements=" in note
     assert note.split(":")[0] in " ".join(render_table(plan).split())
     gpt, args, kwargs = load_model("gpt2-tiny", batch=8, seq=32)

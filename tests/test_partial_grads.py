@@ -61,7 +61,7 @@ def test_source_accumulates_then_reduces_once():
 
 
 def _block_activation_collectives(plan, prefix):
-    return [c for c in plan.collectives if c["module"].startswith(prefix) and not c["tensor"].startswith("p_")]
+    return [c for c in plan.collectives if c.module.startswith(prefix) and not c.tensor.startswith("p_")]
 
 
 def test_megatron_llama_reduces_each_sublayer_input_gradient_once(tiny_model):
@@ -74,18 +74,18 @@ def test_megatron_llama_reduces_each_sublayer_input_gradient_once(tiny_model):
     )
     for block in range(2):
         acts = _block_activation_collectives(plan, f"model.layers.{block}.")
-        kinds = collections.Counter((c["kind"], c["phase"]) for c in acts)
+        kinds = collections.Counter((c.kind, c.phase) for c in acts)
         assert kinds[("all_reduce", "backward")] <= 2, kinds  # Megatron: one f per attention / MLP sub-layer
         assert set(kinds) <= {("all_reduce", "backward"), ("all_reduce", "forward")}, kinds
         for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            assert not [c for c in acts if c["module"].endswith(proj)], proj  # nothing reduced per reader
+            assert not [c for c in acts if c.module.endswith(proj)], proj  # nothing reduced per reader
     second = _block_activation_collectives(plan, "model.layers.1.")
-    assert collections.Counter((c["kind"], c["phase"]) for c in second) == {
+    assert collections.Counter((c.kind, c.phase) for c in second) == {
         ("all_reduce", "forward"): 2,
         ("all_reduce", "backward"): 2,
     }
-    flagged = [n for n, e in plan.nodes.items() if e.get("partial_grad_axes")]
-    assert flagged and all(plan.nodes[n]["partial_grad_axes"] == ["tp"] for n in flagged)
+    flagged = [n for n, e in plan.nodes.items() if e.partial_grad_axes]
+    assert flagged and all(plan.nodes[n].partial_grad_axes == ("tp",) for n in flagged)
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
@@ -106,11 +106,11 @@ def test_tied_embedding_gradient_is_reduced_once(tiny_model, mesh_shape):
     # state kept whole: a ZeRO state sharded on both axes cannot take a sum reduced on both (nested S(0))
     plan = autopar.plan_from_context(ctx, compare_families=False, allow_state_sharding=False)
     wte = "p_transformer_wte_weight"
-    grads = [c for c in plan.collectives if c["tensor"] == wte and c["phase"] == "backward"]
-    per_axis = collections.Counter(c["axis"] for c in grads)
+    grads = [c for c in plan.collectives if c.tensor == wte and c.phase == "backward"]
+    per_axis = collections.Counter(c.axis for c in grads)
     assert grads and all(n == 1 for n in per_axis.values()), grads
-    assert any(c["node"] == wte for c in grads), grads  # the summed uses, reduced by the parameter itself
-    assert plan.params["transformer.wte.weight"].get("partial_grad_axes")
+    assert any(c.node == wte for c in grads), grads  # the summed uses, reduced by the parameter itself
+    assert plan.params["transformer.wte.weight"].partial_grad_axes
 
 
 def test_uses_sum_their_partial_gradients_only_where_the_parameter_is_stored_whole():

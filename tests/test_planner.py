@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.placement import parse_placements
 from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
 from autopar.planner.plan_table import render_table
 
@@ -26,37 +27,37 @@ def gpt2_tp4():
     )
 
 
-def _block_params(plan, block: int) -> dict[str, list[str]]:
+def _block_params(plan, block: int) -> dict[str, tuple]:
     prefix = f"transformer.h.{block}."
-    return {k[len(prefix) :]: v["placements"] for k, v in plan.params.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v.placements for k, v in plan.params.items() if k.startswith(prefix)}
 
 
 def test_gpt2_megatron_plan_found_without_being_told(gpt2_tp4):
     """Issue 2, done-when 1: cap 1.5 GiB per device, which every replicated-weight plan exceeds."""
     cap = int(1.5 * GiB)
     plan = plan_from_context(gpt2_tp4, mem_cap=cap)
-    dp = next(a for a in plan.alternatives if a["family"] == "data parallel")
-    assert not dp["feasible"] and "a batch of 1 is smaller than every mesh axis" in dp["why"]  # batch 1: no DP
-    sharded = next(a for a in plan.alternatives if a["family"] == "sharded parameters")
-    assert sharded["per_device_bytes"] is None or sharded["per_device_bytes"] <= cap  # a row fits only under it
-    assert plan.memory["per_device_bytes"] <= cap
+    dp = next(a for a in plan.alternatives if a.family == "data parallel")
+    assert not dp.feasible and "a batch of 1 is smaller than every mesh axis" in dp.why  # batch 1: no DP
+    sharded = next(a for a in plan.alternatives if a.family == "sharded parameters")
+    assert sharded.per_device_bytes is None or sharded.per_device_bytes <= cap  # a row fits only under it
+    assert plan.memory.per_device_bytes <= cap
     for block in range(12):
         p = _block_params(plan, block)
-        assert p["attn.c_attn.weight"] == ["S(1)[3]"]  # output features, within each of q, k, v
-        assert p["attn.c_attn.bias"] == ["S(0)[3]"]
-        assert p["mlp.c_fc.weight"] == ["S(1)"]
-        assert p["attn.c_proj.weight"] == ["S(0)"]  # input features
-        assert p["mlp.c_proj.weight"] == ["S(0)"]
+        assert p["attn.c_attn.weight"] == parse_placements("S(1)[3]")  # output features, within each of q, k, v
+        assert p["attn.c_attn.bias"] == parse_placements("S(0)[3]")
+        assert p["mlp.c_fc.weight"] == parse_placements("S(1)")
+        assert p["attn.c_proj.weight"] == parse_placements("S(0)")  # input features
+        assert p["mlp.c_proj.weight"] == parse_placements("S(0)")
         for ln in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"):
-            assert p[ln] == ["R"]
+            assert p[ln] == parse_placements("R")
         # activations: 2 all-reduces forward and 2 backward, or Megatron-SP's RS + AG pairs
         acts = [
             c
             for c in plan.collectives
-            if c["module"].startswith(f"transformer.h.{block}.") and not c["tensor"].startswith("p_")
+            if c.module.startswith(f"transformer.h.{block}.") and not c.tensor.startswith("p_")
         ]
-        fwd = sorted(c["kind"] for c in acts if c["phase"] == "forward")
-        bwd = sorted(c["kind"] for c in acts if c["phase"] == "backward")
+        fwd = sorted(c.kind for c in acts if c.phase == "forward")
+        bwd = sorted(c.kind for c in acts if c.phase == "backward")
         assert fwd in (["all_reduce"] * 2, ["all_gather"] * 2 + ["reduce_scatter"] * 2), fwd
         assert bwd in (["all_reduce"] * 2, ["all_gather"] * 2 + ["reduce_scatter"] * 2), bwd
     # no block weight is all-gathered (only activations are).  The position embedding may be: the 20-pass
@@ -64,13 +65,13 @@ def test_gpt2_megatron_plan_found_without_being_told(gpt2_tp4):
     assert not [
         c
         for c in plan.collectives
-        if c["kind"] == "all_gather" and c["tensor"].startswith("p_transformer_h_") and c["phase"] != "optimizer"
+        if c.kind == "all_gather" and c.tensor.startswith("p_transformer_h_") and c.phase != "optimizer"
     ]
     # vocab-parallel embedding + loss: the logits are never gathered
-    assert plan.params["transformer.wte.weight"]["placements"] == ["S(0)"]
-    assert plan.params["transformer.wte.weight"]["local_shape"] == [12565, 768]  # 50257 on 4: uneven
+    assert plan.params["transformer.wte.weight"].placements == parse_placements("S(0)")
+    assert plan.params["transformer.wte.weight"].local_shape == (12565, 768)  # 50257 on 4: uneven
     logits_bytes = 1024 * 50257 * 4
-    assert max(c["bytes"] for c in plan.collectives) < logits_bytes / 4
+    assert max(c.bytes for c in plan.collectives) < logits_bytes / 4
 
 
 def test_table_explains_the_choice(gpt2_tp4):
@@ -81,8 +82,8 @@ def test_table_explains_the_choice(gpt2_tp4):
         assert re.search(rf"│ {family}[\s(]", text), family
     assert "│ data parallel (no plan: a batch of 1 is smaller" in text
     assert "why this plan" in text and "step time" in text and "activations" in text
-    best = min(a["total_s"] for a in plan.alternatives if a["feasible"])
-    assert plan.cost["total_s"] <= best * (1 + 1e-9)
+    best = min(a.total_s for a in plan.alternatives if a.feasible)
+    assert plan.cost.total_s <= best * (1 + 1e-9)
 
 
 def test_infeasible_cap_names_smallest_reachable_memory(gpt2_tp4):
@@ -96,7 +97,7 @@ def test_infeasible_cap_names_smallest_reachable_memory(gpt2_tp4):
     assert smallest > 100 * 2**20
     # the reported minimum is reachable: planning at exactly that cap succeeds
     plan = plan_from_context(gpt2_tp4, mem_cap=smallest, compare_families=False)
-    assert plan.memory["per_device_bytes"] <= smallest
+    assert plan.memory.per_device_bytes <= smallest
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "bert-tiny"])
@@ -110,11 +111,11 @@ def test_llama_and_bert_plan_every_op_covered_or_listed(tiny_model, name, mesh_s
     from autopar.strategies.base import registered_targets
 
     covered_ops = {str(t) for t in registered_targets()}
-    fallback = {(f["node"], f["op"]) for f in plan.fallback_ops}
+    fallback = {(f.node, f.op) for f in plan.fallback_ops}
     for name_, node in plan.nodes.items():
-        assert (node["op"] in covered_ops) != ((name_, node["op"]) in fallback), name_
+        assert (node.op in covered_ops) != ((name_, node.op) in fallback), name_
     assert not fallback, fallback  # mask building (index.Tensor, diff) has rules now: nothing falls back
-    assert plan.memory["per_device_bytes"] > 0 and plan.cost["total_s"] > 0
+    assert plan.memory.per_device_bytes > 0 and plan.cost.total_s > 0
 
 
 def test_plan_json_is_deterministic_and_round_trips(tiny_model):
@@ -129,7 +130,8 @@ def test_plan_json_is_deterministic_and_round_trips(tiny_model):
     d = again.to_dict()
     for key in ("schema_version", "mesh", "params", "collectives", "cost", "memory", "fallback_ops"):
         assert key in d
-    assert set(d["memory"]) >= {"per_device_bytes", "params", "grads", "optimizer", "activations", "cap_bytes"}
+    parts = {"per_device_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "cap_bytes"}
+    assert set(d["memory"]) >= parts
     for c in d["collectives"]:
         assert c["kind"] in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
         assert c["phase"] in ("forward", "backward", "optimizer")
@@ -166,38 +168,36 @@ def test_gpt2_dp8_no_cap_is_data_parallel_in_every_block(gpt2_dp8):
     assert "data parallel" in plan.family and "tensor parallel" not in plan.family
     embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
     for fqn, p in _block_weights(plan).items():
-        assert p["placements"] == ["R"], fqn
-    stored_sharded = [k for k, p in plan.params.items() if p["placements"] != ["R"]]
+        assert p.placements == parse_placements("R"), fqn
+    stored_sharded = [k for k, p in plan.params.items() if p.placements != parse_placements("R")]
     assert set(stored_sharded) <= embeddings, stored_sharded
-    state_sharded = [k for k, p in plan.params.items() if p["state_placements"] != ["R"]]
+    state_sharded = [k for k, p in plan.params.items() if p.state_placements != parse_placements("R")]
     if stored_sharded or state_sharded:
-        dp = next(a for a in plan.alternatives if a["family"] == "data parallel")
-        assert plan.cost["total_s"] < dp["total_s"]
+        dp = next(a for a in plan.alternatives if a.family == "data parallel")
+        assert plan.cost.total_s < dp.total_s
     # the tied embedding's two uses add their gradients before one reduction
-    wte = [c for c in plan.collectives if c["tensor"] == "p_transformer_wte_weight" and c["phase"] == "backward"]
-    assert len(wte) == 1 and wte[0]["kind"] in ("all_reduce", "reduce_scatter")
+    wte = [c for c in plan.collectives if c.tensor == "p_transformer_wte_weight" and c.phase == "backward"]
+    assert len(wte) == 1 and wte[0].kind in ("all_reduce", "reduce_scatter")
     # every block weight's gradient is reduced on dp in backward once (all-reduced, or reduce-scattered to its
     # ZeRO state and the updated shard all-gathered after the step), nothing else moves it
     block_weight_nodes = {"p_" + k.replace(".", "_") for k in _block_weights(plan)}
-    grads = [c for c in plan.collectives if c["tensor"] in block_weight_nodes]
-    assert {(c["kind"], c["phase"], c["axis"]) for c in grads} <= {
+    grads = [c for c in plan.collectives if c.tensor in block_weight_nodes]
+    assert {(c.kind, c.phase, c.axis) for c in grads} <= {
         ("all_reduce", "backward", "dp"),
         ("reduce_scatter", "backward", "dp"),
         ("all_gather", "optimizer", "dp"),
     }
-    assert len([c for c in grads if c["phase"] == "backward"]) == len(block_weight_nodes)
+    assert len([c for c in grads if c.phase == "backward"]) == len(block_weight_nodes)
     # the batch is split: activations inside the blocks are never communicated
     assert not [
-        c
-        for c in plan.collectives
-        if c["module"].startswith("transformer.h.") and c["tensor"] not in block_weight_nodes
+        c for c in plan.collectives if c.module.startswith("transformer.h.") and c.tensor not in block_weight_nodes
     ]
 
 
 def test_gpt2_dp8_tighter_caps_shard_model_state_zero_style(gpt2_dp8):
     """Issue 2, done-when 2 (second half): between the fully sharded plan's and DP's memory.  Recomputation is
     off: with it a tighter cap may recompute activations instead of sharding state (tests/test_recompute.py)."""
-    dp_mem = plan_from_context(gpt2_dp8, compare_families=False).memory["per_device_bytes"]
+    dp_mem = plan_from_context(gpt2_dp8, compare_families=False).memory.per_device_bytes
     with pytest.raises(MemoryCapError) as err:
         plan_from_context(gpt2_dp8, mem_cap="1GiB", compare_families=False, recompute="none")
     smallest = err.value.min_mem_bytes
@@ -207,29 +207,31 @@ def test_gpt2_dp8_tighter_caps_shard_model_state_zero_style(gpt2_dp8):
     for frac in (0.75, 0.5, 0.1):
         cap = int(smallest + frac * (dp_mem - smallest))
         plan = plan_from_context(gpt2_dp8, mem_cap=cap, compare_families=False, recompute="none")
-        assert plan.memory["per_device_bytes"] <= cap
-        state = plan.memory["params"] + plan.memory["grads"] + plan.memory["optimizer"]
+        assert plan.memory.per_device_bytes <= cap
+        state = plan.memory.params_bytes + plan.memory.grads_bytes + plan.memory.optimizer_bytes
         assert state <= previous_state  # tighter caps shard more model state (or, once it is all sharded, less else)
         previous_state = state
         blocks = _block_weights(plan)
-        if any(p["state_placements"] != p["placements"] for p in blocks.values()):
+        if any(p.state_placements != p.placements for p in blocks.values()):
             saw_state_sharded = True  # ZeRO-1/2: gradients reduce-scattered into the state shard
-            assert [c for c in plan.collectives if c["kind"] == "reduce_scatter" and c["phase"] == "backward"]
-            assert [c for c in plan.collectives if c["kind"] == "all_gather" and c["phase"] == "optimizer"]
-        if any(p["placements"] != ["R"] for p in blocks.values()):
+            assert [c for c in plan.collectives if c.kind == "reduce_scatter" and c.phase == "backward"]
+            assert [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "optimizer"]
+        if any(p.placements != parse_placements("R") for p in blocks.values()):
             # ZeRO-3/FSDP: gathered before use, in forward and again in backward
-            gathered = [c for c in plan.collectives if c["kind"] == "all_gather" and c["tensor"].startswith("p_")]
-            assert {c["phase"] for c in gathered} == {"forward", "backward"}
+            gathered = [c for c in plan.collectives if c.kind == "all_gather" and c.tensor.startswith("p_")]
+            assert {c.phase for c in gathered} == {"forward", "backward"}
         # only model state is sharded: every sharded block weight is gathered before use (no tensor parallelism)
-        gathered_fwd = {c["tensor"] for c in plan.collectives if c["kind"] == "all_gather" and c["phase"] == "forward"}
+        gathered_fwd = {c.tensor for c in plan.collectives if c.kind == "all_gather" and c.phase == "forward"}
         for fqn, p in blocks.items():
-            if p["placements"] != ["R"]:
+            if p.placements != parse_placements("R"):
                 assert "p_" + fqn.replace(".", "_") in gathered_fwd, fqn
     # ZeRO-1/2 or FSDP appears as the caps tighten, or already without a cap (the 20-pass AdamW update of a
     # 1/8 shard saves more than the reduce-scatter, all-gather or gather cost: costmodel.memory.OPTIMIZERS)
     dp_plan = plan_from_context(gpt2_dp8, compare_families=False)
-    assert saw_state_sharded or any(p["state_placements"] != ["R"] for p in _block_weights(dp_plan).values())
-    assert previous_state < dp_mem - plan_from_context(gpt2_dp8, compare_families=False).memory["activations"]
+    assert saw_state_sharded or any(
+        p.state_placements != parse_placements("R") for p in _block_weights(dp_plan).values()
+    )
+    assert previous_state < dp_mem - plan_from_context(gpt2_dp8, compare_families=False).memory.activations_bytes
 
 
 def _edge_matrices_reference(coster, u, out_idx, v, pos):
@@ -280,5 +282,5 @@ def test_a_family_with_no_plan_at_all_is_a_clear_error(monkeypatch):
         plan_from_context(ctx, family="tensor parallel", compare_families=False)
     assert not isinstance(err.value, MemoryCapError)
     plan = plan_from_context(ctx)  # the unrestricted search still plans; each family row says why not
-    assert [a["min_per_device_bytes"] for a in plan.alternatives] == [None] * len(planner.FAMILIES)
+    assert [a.min_per_device_bytes for a in plan.alternatives] == [None] * len(planner.FAMILIES)
     assert render_table(plan).count("no plan") == len(planner.FAMILIES)

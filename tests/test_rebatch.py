@@ -16,8 +16,9 @@ import autopar
 from autopar.capture.batch import capture_template, specialize
 from autopar.capture.export import CaptureError, capture
 from autopar.cost.saved import memory_layouts, storage_roots
-from autopar.models import load_model
 from autopar.mesh import Mesh
+from autopar.models import load_model
+from autopar.planner import HintOptions
 from autopar.planner.pipeline import plan_from_context, prepare
 
 SEQ = 16
@@ -95,11 +96,11 @@ def test_specialized_graph_equals_a_static_capture_node_by_node(name: str) -> No
 
 def test_reuse_keeps_families_and_hints() -> None:
     hints = {"*.mlp.c_fc.weight": ["R", "S(1)"]}
-    ctx = dataclasses.replace(_template_ctx("gpt2-tiny"), mesh=MESHES["2x2"], hint_args={"hints": hints})
+    ctx = dataclasses.replace(_template_ctx("gpt2-tiny"), mesh=MESHES["2x2"], hint_options=HintOptions(hints))
     got = plan_from_context(ctx.at_batch(8))
     want = _fresh("gpt2-tiny", MESHES["2x2"], 8, hints=hints)
     assert got.hints and got.to_json() == want.to_json()
-    assert [a["family"] for a in got.alternatives] == list(autopar.planner.FAMILIES)
+    assert [a.family for a in got.alternatives] == list(autopar.planner.FAMILIES)
 
 
 def test_batch_one_is_captured_again_statically() -> None:

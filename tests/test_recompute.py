@@ -1,6 +1,6 @@
 """Activation recomputation at run time (``lower/recompute.py``): a plan's recompute regions train exactly as saved.
 
-The plan marks each op of the repeated blocks with its block (``nodes[...]["recompute"]``);
+The plan marks each op of the repeated blocks with its block (``nodes[...].recompute``);
 lowering runs every such block under ``torch.utils.checkpoint`` and backward runs its
 forward again.  With dropout on, on 2 and 4 gloo ranks, under data-parallel,
 tensor-parallel and sharded-parameter plans, training with the blocks recomputed
@@ -53,7 +53,7 @@ def _with_blocks_recomputed(sharded):
         if graph.nodes[i].kind == "op"
     }
     plan = sharded.plan
-    nodes = {k: dict(v, recompute=region[k]) if k in region else v for k, v in plan.nodes.items()}
+    nodes = {k: dataclasses.replace(v, recompute=region[k]) if k in region else v for k, v in plan.nodes.items()}
     return dataclasses.replace(plan, nodes=nodes), len(blocks.nodes)
 
 
@@ -133,7 +133,7 @@ def _selective_rank_fn(rank, world, name, mesh_shape, family):
     probe = _compile_recomputed(model, args, kwargs, mesh, family, "selective")
     probe(*args, **kwargs)
     selective = probe.plan
-    nodes = {k: {a: b for a, b in v.items() if a != "recompute"} for k, v in selective.nodes.items()}
+    nodes = {k: dataclasses.replace(v, recompute=None) for k, v in selective.nodes.items()}
     saved = dataclasses.replace(selective, nodes=nodes)
     out = {"regions": _recomputed_blocks(selective)}
     for label, plan in (("saved", saved), ("recomputed", selective)):
@@ -177,7 +177,7 @@ def gpt2_context():
 
 
 def _recomputed_blocks(plan) -> set[str]:
-    return {e["recompute"] for e in plan.nodes.values() if "recompute" in e}
+    return {e.recompute for e in plan.nodes.values() if e.recompute}
 
 
 def test_the_search_recomputes_only_where_it_pays(gpt2_context):
@@ -186,15 +186,15 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
     ctx = gpt2_context
     saved = autopar.plan_from_context(ctx, compare_families=False)
     full = autopar.plan_from_context(ctx, compare_families=False, recompute="full")
-    assert _recomputed_blocks(saved) == set() and saved.settings["recompute"] == "auto"
+    assert _recomputed_blocks(saved) == set() and saved.settings.recompute == "auto"
     assert _recomputed_blocks(full) == {f"transformer.h.{i}" for i in range(12)}
     # recomputing costs a forward of each block and keeps only the blocks' inputs
-    assert full.cost["total_s"] > saved.cost["total_s"]
-    assert full.memory["activations"] < 0.5 * saved.memory["activations"]
-    assert full.memory["per_device_bytes"] < saved.memory["per_device_bytes"]
+    assert full.cost.total_s > saved.cost.total_s
+    assert full.memory.activations_bytes < 0.5 * saved.memory.activations_bytes
+    assert full.memory.per_device_bytes < saved.memory.per_device_bytes
     assert "recompute: 12 blocks" in full.table()
     # a cap the saved plan meets: auto keeps everything (recomputing only adds time)
-    roomy = autopar.plan_from_context(ctx, compare_families=False, mem_cap=saved.memory["per_device_bytes"])
+    roomy = autopar.plan_from_context(ctx, compare_families=False, mem_cap=saved.memory.per_device_bytes)
     assert _recomputed_blocks(roomy) == set() and "recompute: none" in roomy.table()
     # under caps between the full plan's memory and the least any plan saving everything reaches, each layer
     # chooses (saved, selective or whole) in one search; the plan fits, is as fast as the best plan recomputing
@@ -203,29 +203,29 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
     with pytest.raises(autopar.MemoryCapError) as err:
         autopar.plan_from_context(ctx, compare_families=False, mem_cap=1, recompute="none")
     least_saving = err.value.min_mem_bytes
-    assert full.memory["per_device_bytes"] < least_saving <= saved.memory["per_device_bytes"]
+    assert full.memory.per_device_bytes < least_saving <= saved.memory.per_device_bytes
     mixed = 0
     for fraction in (0.9, 0.6, 0.3):
-        cap = int(full.memory["per_device_bytes"] + fraction * (least_saving - full.memory["per_device_bytes"]))
+        cap = int(full.memory.per_device_bytes + fraction * (least_saving - full.memory.per_device_bytes))
         with pytest.raises(autopar.MemoryCapError, match="recompute 'auto' tries it"):
             autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute="none")
         capped = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap)
-        where = f"cap {cap} B: {capped.search.get('recompute_layers')}"
-        assert _recomputed_blocks(capped) and capped.memory["per_device_bytes"] <= cap, where
-        layers = capped.search["recompute_layers"]
-        assert sum(layers.values()) == 12, where
+        where = f"cap {cap} B: {capped.search.recompute_layers}"
+        assert _recomputed_blocks(capped) and capped.memory.per_device_bytes <= cap, where
+        layers = capped.search.recompute_layers
+        assert layers.none + layers.selective + layers.full == 12, where
         uniform = {}
         for mode in ("selective", "full"):
             try:
                 uniform[mode] = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, recompute=mode)
             except autopar.MemoryCapError:
                 continue
-        assert "full" in uniform and capped.cost["total_s"] < uniform["full"].cost["total_s"], where
-        assert all(capped.cost["total_s"] <= p.cost["total_s"] * (1 + 2**-8) for p in uniform.values()), where
-        if capped.search["recompute_mode"] == "per layer":
+        assert "full" in uniform and capped.cost.total_s < uniform["full"].cost.total_s, where
+        assert all(capped.cost.total_s <= p.cost.total_s * (1 + 2**-8) for p in uniform.values()), where
+        if capped.search.recompute_mode == "per layer":
             mixed += 1
             line = next(x for x in capped.table().splitlines() if x.startswith("recompute:"))
-            assert line.startswith(f"recompute: per layer, {layers['full']} whole, {layers['selective']} selectively")
+            assert line.startswith(f"recompute: per layer, {layers.full} whole, {layers.selective} selectively")
     assert mixed >= 2  # the caps between the modes' memory really mix them
     # a cap nothing meets: the least memory named is that of recomputing every layer whole, priced as such
     least = {}
@@ -233,7 +233,7 @@ def test_the_search_recomputes_only_where_it_pays(gpt2_context):
         with pytest.raises(autopar.MemoryCapError) as err:
             autopar.plan_from_context(ctx, compare_families=False, mem_cap=1, recompute=mode)
         least[mode] = err.value.min_mem_bytes
-    assert least["auto"] <= least["full"] < full.memory["per_device_bytes"]
+    assert least["auto"] <= least["full"] < full.memory.per_device_bytes
 
 
 def test_layers_that_do_not_chain_search_one_mode_for_all(gpt2_context):
@@ -245,18 +245,18 @@ def test_layers_that_do_not_chain_search_one_mode_for_all(gpt2_context):
     hints = {"transformer.h.5": "recompute"}  # a middle layer: the layers differ, they do not chain
     free = autopar.plan_from_context(ctx, compare_families=False, hints=hints)
     full = autopar.plan_from_context(ctx, compare_families=False, recompute="full")
-    cap = (free.memory["per_device_bytes"] + full.memory["per_device_bytes"]) // 2
+    cap = (free.memory.per_device_bytes + full.memory.per_device_bytes) // 2
     capped = autopar.plan_from_context(ctx, compare_families=False, mem_cap=cap, hints=hints)
-    modes = {m["recompute"]: m for m in capped.search["recompute_modes"]}
-    assert not modes["none"]["feasible"] and modes["none"]["min_per_device_bytes"] > cap
-    chosen = capped.search["recompute_mode"]
-    assert chosen in ("selective", "full") and modes[chosen]["total_s"] == capped.cost["total_s"]
+    modes = {m.recompute: m for m in capped.search.recompute_modes}
+    assert not modes["none"].feasible and modes["none"].min_per_device_bytes > cap
+    chosen = capped.search.recompute_mode
+    assert chosen in ("selective", "full") and modes[chosen].total_s == capped.cost.total_s
     others = [m for k, m in modes.items() if k not in ("none", chosen)]
     for m in others:  # feasible and slower, or proven slower by a bound without the exact pass
-        assert (m["feasible"] and m["total_s"] >= capped.cost["total_s"]) or (
-            m["feasible"] is None and m["at_least_s"] > capped.cost["total_s"]
+        assert (m.feasible and m.total_s >= capped.cost.total_s) or (
+            m.feasible is None and m.at_least_s > capped.cost.total_s
         )
-    assert "transformer.h.5" in _recomputed_blocks(capped) and "recompute_layers" in capped.search
+    assert "transformer.h.5" in _recomputed_blocks(capped) and capped.search.recompute_layers is not None
     assert "searched under the cap: none no plan" in " ".join(capped.table().split())
 
 
@@ -302,13 +302,13 @@ def _planned_rank_fn(rank, world, name, mesh_shape, family, mode="full"):
     opt.step()
     names = mesh.axis_names
     records = sorted((r.kind, names[r.axis], r.phase, r.bytes) for r in counted.collective_counter.records)
-    planned = sorted((c["kind"], c["axis"], c["phase"], c["bytes"]) for c in sharded.plan.collectives)
+    planned = sorted((c.kind, c.axis, c.phase, c.bytes) for c in sharded.plan.collectives)
     return (
         result,
         _recomputed_blocks(sharded.plan),
         records,
         planned,
-        sum(1 for c in sharded.plan.collectives if c.get("recompute")),
+        sum(1 for c in sharded.plan.collectives if c.recompute),
     )
 
 
@@ -345,7 +345,7 @@ def _saved_rank_fn(rank, world, cases):
         saved = sharded.saved_bytes.total_bytes
         loss.backward()
         regions = _recomputed_blocks(sharded.plan)
-        out.append((name, family, mode, saved, sharded.plan.memory["activations"], regions))
+        out.append((name, family, mode, saved, sharded.plan.memory.activations_bytes, regions))
     return out
 
 
@@ -371,7 +371,7 @@ def test_a_recompute_hint_forces_the_layers_it_names(gpt2_context):
     ctx = gpt2_context
     hinted = autopar.plan_from_context(ctx, compare_families=False, hints={"transformer.h.1?": "recompute"})
     assert _recomputed_blocks(hinted) == {"transformer.h.10", "transformer.h.11"}  # no cap: nothing else
-    assert hinted.hints["recompute"] == ["transformer.h.1?"]
+    assert hinted.hints.recompute == ("transformer.h.1?",)
     # by a module inside the layers, and kept under recompute="none"
     by_module = autopar.plan_from_context(
         ctx, compare_families=False, hints={"transformer.h.0.mlp": "recompute"}, recompute="none"
@@ -388,7 +388,7 @@ def _per_layer_plan(name: str, world: int):
 
     import autopar
     from autopar.planner.regions import block_regions, selective_regions
-    from autopar.planner.solving import plan_under
+    from autopar.planner.solving import Recomputed, SearchRun, plan_under
 
     model, args, kwargs = _model(name)
     mesh = autopar.Mesh((world,), axis_names=("x",))
@@ -397,16 +397,8 @@ def _per_layer_plan(name: str, world: int):
     first = min(blocks.values())
     mixed = {i: r for i, r in blocks.items() if r == first}
     mixed.update(selective_regions(ctx, {i: r for i, r in blocks.items() if r != first}))
-    plan = plan_under(
-        ctx,
-        ctx.hints or autopar.planner.hints.resolve_hints(ctx.graph, ctx.mesh),
-        None,
-        mixed,
-        solver="dp",
-        allow_state_sharding=True,
-        family=None,
-        progress=None,
-    )
+    resolved = ctx.hints or autopar.planner.hints.resolve_hints(ctx.graph, ctx.mesh)
+    plan = plan_under(ctx, resolved, Recomputed(mixed), autopar.planner.PlanOptions(), SearchRun())
     return plan.to_json(), first
 
 
@@ -439,11 +431,10 @@ def _per_layer_rank_fn(rank, world, name, text):
 def test_a_plan_recomputing_per_layer_trains_like_one_device(name):
     """Layers of one plan recomputed differently (one saved, one selective or whole): training equals one device,
     the ranks send the plan's collectives, and what one forward keeps is the plan's activations within 10%."""
-    import json
+    from autopar.planner import Plan
 
     text, first = _per_layer_plan(name, 2)
-    plan = json.loads(text)
-    regions = {e["recompute"] for e in plan["nodes"].values() if "recompute" in e}
+    regions = _recomputed_blocks(Plan.from_json(text))
     assert first in regions and any(not r.startswith(first) for r in regions), regions  # whole; selective
     _assert_runs_as_planned(name, text, f"{name} per layer {sorted(regions)}")
 
@@ -451,18 +442,18 @@ def test_a_plan_recomputing_per_layer_trains_like_one_device(name):
 def _assert_runs_as_planned(name: str, text: str, label: str) -> None:
     """The plan (JSON) on 2 ranks trains like one device, sends the plan's collectives, and what one forward keeps
     is the plan's activations within 10%."""
-    import json
-
     from test_execution import _assert_trains_alike, _reference
 
-    plan = json.loads(text)
-    planned = sorted((c["kind"], c["axis"], c["phase"], c["bytes"]) for c in plan["collectives"])
+    from autopar.planner import Plan
+
+    plan = Plan.from_json(text)
+    planned = sorted((c.kind, c.axis, c.phase, c.bytes) for c in plan.collectives)
     want = _reference(name)
     for rank, (got, records, saved) in enumerate(run_ranks(_per_layer_rank_fn, 2, name, text, timeout_s=600)):
         where = f"{label}, rank {rank}"
         _assert_trains_alike(got, want, where)
         assert records == planned, f"{where}: the collectives run differ from the plan's"
-        activations = plan["memory"]["activations"]
+        activations = plan.memory.activations_bytes
         assert abs(saved - activations) <= 0.10 * activations, f"{where}: saved {saved} B, planned {activations} B"
 
 
@@ -490,12 +481,12 @@ def test_the_rest_of_the_graph_is_a_choice_of_the_same_search(gpt2_context):
     assert least["auto"] <= least["full"], least
     full = autopar.plan_from_context(ctx, compare_families=False, mem_cap=least["full"], recompute="full")
     chosen = autopar.plan_from_context(ctx, compare_families=False, mem_cap=least["full"])
-    assert chosen.memory["per_device_bytes"] <= least["full"]
-    assert chosen.cost["total_s"] <= full.cost["total_s"] * (1 + 2**-8), (chosen.search, full.search)
+    assert chosen.memory.per_device_bytes <= least["full"]
+    assert chosen.cost.total_s <= full.cost.total_s * (1 + 2**-8), (chosen.search, full.search)
     for plan in (full, chosen):  # what the table says is recomputed outside the layers is what the plan marks
-        rest = plan.search.get("recompute_rest", [])
+        rest = plan.search.recompute_rest
         assert set(rest) <= {"before transformer.h", "after transformer.h"}
-        outside = {n for n, e in plan.nodes.items() if e.get("recompute") in rest}
+        outside = {n for n, e in plan.nodes.items() if e.recompute in rest}
         assert all(not n.startswith("transformer_h_") for n in outside)  # no op of a layer
         assert bool(outside) == bool(rest)
 
@@ -507,23 +498,15 @@ def _rest_plan(name: str, world: int):
 
     import autopar
     from autopar.planner.regions import block_regions, rest_regions
-    from autopar.planner.solving import plan_under
+    from autopar.planner.solving import Recomputed, SearchRun, plan_under
 
     model, args, kwargs = _model(name)
     mesh = autopar.Mesh((world,), axis_names=("x",))
     ctx = autopar.prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE)
     blocks = block_regions(ctx)
     rest = {i: r for part in rest_regions(ctx, blocks) for i, r in part.items()}
-    plan = plan_under(
-        ctx,
-        ctx.hints or autopar.planner.hints.resolve_hints(ctx.graph, ctx.mesh),
-        None,
-        {**blocks, **rest},
-        solver="dp",
-        allow_state_sharding=True,
-        family=None,
-        progress=None,
-    )
+    resolved = ctx.hints or autopar.planner.hints.resolve_hints(ctx.graph, ctx.mesh)
+    plan = plan_under(ctx, resolved, Recomputed({**blocks, **rest}), autopar.planner.PlanOptions(), SearchRun())
     return plan.to_json(), set(rest.values())
 
 
@@ -532,10 +515,9 @@ def test_a_plan_recomputing_the_rest_of_the_graph_trains_like_one_device(name):
     """The embeddings and the head run under their own checkpoints: training equals one device, the ranks send
     the plan's collectives (the recomputed rest's forward moves again), and what one forward keeps is the plan's
     activations within 10%."""
-    import json
+    from autopar.planner import Plan
 
     text, rest = _rest_plan(name, 2)
-    plan = json.loads(text)
-    regions = {e["recompute"] for e in plan["nodes"].values() if "recompute" in e}
+    regions = _recomputed_blocks(Plan.from_json(text))
     assert rest and rest <= regions and any(r.startswith("after") for r in rest), regions
     _assert_runs_as_planned(name, text, f"{name} with {sorted(rest)} recomputed")

@@ -140,9 +140,9 @@ def test_vit_patch_embedding_is_planned_by_the_conv_rule():
     pixels, labels = torch.randn(2, 3, 16, 16), torch.tensor([1, 3])
     ctx = prepare(model, autopar.Mesh((2,)), example_inputs=(pixels,), example_kwargs={"labels": labels})
     plan = plan_from_context(ctx, compare_families=False)
-    conv = [n for n in plan.nodes.values() if n["op"] == "aten.conv2d.default"]
-    assert len(conv) == 1 and not conv[0]["fallback"]
-    assert not [f for f in plan.fallback_ops if "conv" in f["op"]]
+    conv = [n for n in plan.nodes.values() if n.op == "aten.conv2d.default"]
+    assert len(conv) == 1 and not conv[0].fallback
+    assert not [f for f in plan.fallback_ops if "conv" in f.op]
 
 
 class _ConvStack(torch.nn.Module):
@@ -172,7 +172,7 @@ def _conv_rank_fn(rank, world, cap):
     loss = sharded(x)
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
     loss.backward()
-    kernels = sorted({k for n in sharded.plan.nodes.values() for k in n["kernels"] if k})
+    kernels = sorted({k for n in sharded.plan.nodes.values() for k in n.kernels if k})
     return loss.detach(), sharded.full_grads(), kernels
 
 
@@ -185,7 +185,7 @@ def test_grouped_convs_train_on_four_ranks_like_one_device():
 
     model, x = _conv_stack()
     ctx = prepare(model, autopar.Mesh((2, 2)), example_inputs=(x,))
-    cap = int(0.5 * plan_from_context(ctx, family="data parallel", compare_families=False).memory["per_device_bytes"])
+    cap = int(0.5 * plan_from_context(ctx, family="data parallel", compare_families=False).memory.per_device_bytes)
     results = run_ranks(_conv_rank_fn, 4, cap, timeout_s=300)
     loss = model(x)
     loss.backward()

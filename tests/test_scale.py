@@ -10,16 +10,16 @@ import pytest
 import torch
 import transformers
 from chain_cases import mixed, owned, rest_variant, variant
+from search_problems import chain_problem, transformer_like_problem
 
 from autopar.capture.export import capture
 from autopar.capture.repeat import find_blocks
-from autopar.models import load_model, model_config
 from autopar.mesh import Mesh
+from autopar.models import load_model, model_config
 from autopar.planner.pipeline import prepare
 from autopar.planner.problem_tables import to_problem
 from autopar.search import BeatenError, InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
-from search_problems import chain_problem, transformer_like_problem
 from autopar.search.problem import INF
 
 
@@ -255,11 +255,11 @@ def test_breakdown_reads_the_search_tables(gpt2_tiny_4_ctx, gpt2_tiny_4) -> None
     for cap in (None, int(low + 0.05 * (fastest.mem_bytes - low))):
         sol = solve_chain(problem.with_cap(cap), blocks)
         b = breakdown(ctx, list(sol.choice))
-        assert b["memory"]["search_bytes"] == sol.mem_bytes  # the additive bound the search kept
-        assert b["memory"]["per_device_bytes"] >= b["memory"]["params"] + b["memory"]["optimizer"]  # the peak
+        assert b.memory.search_bytes == sol.mem_bytes  # the additive bound the search kept
+        assert b.memory.per_device_bytes >= b.memory.params_bytes + b.memory.optimizer_bytes  # the peak
         terms = problem.n_nodes + len(problem.edges)
-        assert abs(b["cost"]["total_s"] * 1e12 - sol.time) <= 0.5 * terms
-        assert b["cost"]["comm_s"] >= 0 and b["cost"]["compute_s"] > 0
+        assert abs(b.cost.total_s * 1e12 - sol.time) <= 0.5 * terms
+        assert b.cost.comm_s >= 0 and b.cost.compute_s > 0
 
 
 def test_a_plan_stopped_within_the_planners_gap_says_how_close(gpt2_tiny_4_ctx, monkeypatch) -> None:
@@ -271,18 +271,18 @@ def test_a_plan_stopped_within_the_planners_gap_says_how_close(gpt2_tiny_4_ctx, 
 
     ctx = gpt2_tiny_4_ctx
     free = plan_from_context(ctx, compare_families=False, recompute="none")
-    cap = int(free.memory["per_device_bytes"] * 0.8)
+    cap = int(free.memory.per_device_bytes * 0.8)
     monkeypatch.setattr(solving, "PLAN_GAP", 0.0)
     exact = plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute="none")
-    assert exact.search["optimal"] and "gap" not in exact.search
+    assert exact.search.optimal and exact.search.gap is None
     monkeypatch.setattr(solving, "PLAN_GAP", 0.25)
     near = plan_from_context(ctx, mem_cap=cap, compare_families=False, recompute="none")
     s = near.search
-    assert not s["optimal"] and 0 < s["gap"] <= 0.25
-    assert s["lower_bound_ps"] <= exact.search["objective_ps"] <= s["objective_ps"]
-    assert s["gap"] == pytest.approx(1 - s["lower_bound_ps"] / s["objective_ps"])
-    assert near.memory["per_device_bytes"] <= cap
-    assert f"within {100 * s['gap']:.3f}% of the optimum" in " ".join(render_table(near).split())
+    assert not s.optimal and 0 < s.gap <= 0.25
+    assert s.lower_bound_ps <= exact.search.objective_ps <= s.objective_ps
+    assert s.gap == pytest.approx(1 - s.lower_bound_ps / s.objective_ps)
+    assert near.memory.per_device_bytes <= cap
+    assert f"within {100 * s.gap:.3f}% of the optimum" in " ".join(render_table(near).split())
 
 
 def test_a_plan_past_its_search_budget_says_so(gpt2_tiny_4_ctx) -> None:
@@ -293,14 +293,14 @@ def test_a_plan_past_its_search_budget_says_so(gpt2_tiny_4_ctx) -> None:
 
     ctx = gpt2_tiny_4_ctx
     free = plan_from_context(ctx, compare_families=False, recompute="none")
-    cap = int(free.memory["per_device_bytes"] * 0.8)
+    cap = int(free.memory.per_device_bytes * 0.8)
     exact = plan_from_context(ctx, mem_cap=cap, compare_families=False)
     rushed = plan_from_context(ctx, mem_cap=cap, compare_families=False, search_budget_s=1e-9)
-    assert rushed.search["budget_hit"] and rushed.search["budget_s"] == 1e-9
-    assert rushed.memory["per_device_bytes"] <= cap
-    assert rushed.search["objective_ps"] >= exact.search["objective_ps"] * (1 - 2.0**-12)
+    assert rushed.search.budget_hit and rushed.search.budget_s == 1e-9
+    assert rushed.memory.per_device_bytes <= cap
+    assert rushed.search.objective_ps >= exact.search.objective_ps * (1 - 2.0**-12)
     assert "the search stopped at its time budget (1e-09 s)" in " ".join(render_table(rushed).split())
-    assert "budget_hit" not in exact.search
+    assert not exact.search.budget_hit
 
 
 def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None:
@@ -317,16 +317,16 @@ def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None
         except MemoryCapError as err:
             error = err
             continue
-        assert cap is None or plan.memory["per_device_bytes"] <= cap
+        assert cap is None or plan.memory.per_device_bytes <= cap
         plans.append(plan)
-        cap = int(plan.memory["per_device_bytes"] * 0.8)
-    times = [p.search["objective_ps"] for p in plans]
-    mems = [p.memory["per_device_bytes"] for p in plans]
+        cap = int(plan.memory.per_device_bytes * 0.8)
+    times = [p.search.objective_ps for p in plans]
+    mems = [p.memory.per_device_bytes for p in plans]
     assert len(plans) >= 3 and times == sorted(times) and mems == sorted(mems, reverse=True)
     assert mems[-1] > cap and error.min_mem_bytes > cap
     assert "smallest per-device memory any plan reaches" in str(error)
     at_least = plan_from_context(ctx, mem_cap=error.min_mem_bytes, compare_families=False)
-    assert at_least.memory["per_device_bytes"] <= error.min_mem_bytes  # reachable (the peak of the least-memory
+    assert at_least.memory.per_device_bytes <= error.min_mem_bytes  # reachable (the peak of the least-memory
     # plan of the search's additive bound; another plan may peak lower: autopar.cost.peak)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from search_problems import chain_problem, random_problem
 
 from autopar.search import InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search import dp as dp_module
 from autopar.search.chain import ChainError, solve_chain
-from search_problems import chain_problem, random_problem
 
 _BUDGET = 32  # cells per weight row: every problem below is wider
 
@@ -106,14 +106,15 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
     assert free.stats["lower_bound"] <= free.time and free.optimal == free.stats["optimal_time_proven"]
     cap = int(free.mem_bytes * 0.8)
     capped = plan_from_context(ctx, mem_cap=cap, compare_families=False)
-    assert capped.memory["per_device_bytes"] <= cap
-    assert capped.search["optimal"] is False and capped.search["objective_ps"] > free.time  # the cap binds
+    assert capped.memory.per_device_bytes <= cap
+    assert capped.search.optimal is False and capped.search.objective_ps > free.time  # the cap binds
     # the plan says it is approximate, with its bound and gap, and so does its table
-    assert capped.search["approximate"] and capped.search["lower_bound_ps"] <= capped.search["objective_ps"]
-    assert capped.search["gap"] == pytest.approx(1 - capped.search["lower_bound_ps"] / capped.search["objective_ps"])
+    search = capped.search
+    assert search.approximate and search.lower_bound_ps <= search.objective_ps
+    assert search.gap == pytest.approx(1 - search.lower_bound_ps / search.objective_ps)
     from autopar.planner.plan_table import render_table
 
-    assert f"approximate search, within {100 * capped.search['gap']:.2f}% of its lower bound" in " ".join(
+    assert f"approximate search, within {100 * search.gap:.2f}% of its lower bound" in " ".join(
         render_table(capped).split()
     )
 

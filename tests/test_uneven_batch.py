@@ -55,7 +55,7 @@ def _rank_fn(rank, world, name, batch):
         )
         if mode == "local":
             pieces = {
-                k: shard_tensor(v, parse_placements(sharded.plan.inputs[k]["placements"]), (world,), (rank,))
+                k: shard_tensor(v, parse_placements(sharded.plan.inputs[k].placements), (world,), (rank,))
                 for k, v in given.items()
             }
             args, kwargs = (pieces.pop("input_ids"),), pieces

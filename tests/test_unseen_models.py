@@ -22,6 +22,8 @@ import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
 from test_execution import _assert_trains_alike, _loss_and_logits, _train
 
+from autopar.placement import Replicate, Shard
+
 BATCH, SEQ = 3, 8
 
 #: the architectures of configs/models/tiny_hf.toml whose plans these tests check
@@ -88,12 +90,12 @@ def test_plans_every_op_and_fits_the_cap(arch, mesh_shape):
     model, args, kwargs = build(arch)
     ctx = prepare(model, autopar.Mesh(mesh_shape), example_inputs=args, example_kwargs=kwargs)
     whole = plan_from_context(ctx, family="data parallel", compare_families=False)
-    cap = int(0.6 * whole.memory["per_device_bytes"])  # whole parameters do not fit: they must be sharded
+    cap = int(0.6 * whole.memory.per_device_bytes)  # whole parameters do not fit: they must be sharded
     plan = plan_from_context(ctx, mem_cap=cap, compare_families=False)
-    assert plan.fallback_ops == [], f"{arch}: ops with no rule: {sorted({f['op'] for f in plan.fallback_ops})}"
-    assert not any(n["fallback"] for n in plan.nodes.values())
-    assert plan.memory["per_device_bytes"] <= cap, f"{arch}: {plan.memory} over the cap {cap}"
-    assert any(p["placements"] != ["R"] * len(mesh_shape) for p in plan.params.values())
+    assert plan.fallback_ops == (), f"{arch}: ops with no rule: {sorted({f.op for f in plan.fallback_ops})}"
+    assert not any(n.fallback for n in plan.nodes.values())
+    assert plan.memory.per_device_bytes <= cap, f"{arch}: {plan.memory} over the cap {cap}"
+    assert any(p.placements != (Replicate(),) * len(mesh_shape) for p in plan.params.values())
 
 
 def test_decompositions_leave_no_type_as_or_inplace_op():
@@ -355,7 +357,7 @@ def _vision_audio_rank_fn(rank, world, archs):
             family="tensor parallel",
             profile=PARTITIONING_PROFILE,
         )
-        sharded_params = [k for k, v in sharded.plan.params.items() if any("S" in p for p in v["placements"])]
+        sharded_params = [k for k, v in sharded.plan.params.items() if any(isinstance(p, Shard) for p in v.placements)]
         out[arch] = (sharded_params, _train((sharded, _loss_and_logits(sharded)), args, kwargs))
     return out
 

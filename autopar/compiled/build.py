@@ -5,7 +5,9 @@
     loss.backward(); opt.step()                 # any torch optimizer over sharded.parameters()
 
 ``compile`` plans on rank 0 (or loads a plan), lowers the plan and returns this
-rank's ``ShardedModule`` (``module.py``: what it holds and how it runs).
+rank's ``ShardedModule`` (``module.py``: what it holds and how it runs).  It takes
+the planning keywords of ``autopar.plan`` (``autopar.planner.PLAN_KEYWORDS``), builds
+the options objects once and hands them to the planner.
 
 Where the shards come from: ``model`` with real weights on every rank (each keeps
 its piece); a meta-device ``model`` plus a full ``state_dict``; or
@@ -13,11 +15,11 @@ its piece); a meta-device ``model`` plus a full ``state_dict``; or
 parameter to the others.
 
 Lazy compile: ``example_inputs=None`` plans on the first call (see ``compile``).
-Bad input fails before any collective where it can: a plan for another mesh,
-model, input shapes or traced graph, ranks that disagree on the input shapes at
-compile time (``checks.py``); world size != mesh size and a missing process group
-fail in ``MeshGroups``; inputs of other shapes than the compiled ones raise in
-``ShardedModule.forward``.
+Bad input fails before any collective where it can: bad options (``PlanOptions``),
+a plan for another mesh, model, input shapes or traced graph, ranks that disagree
+on the input shapes at compile time (``checks.py``); world size != mesh size and a
+missing process group fail in ``MeshGroups``; inputs of other shapes than the
+compiled ones raise in ``ShardedModule.forward``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ from torch import nn
 
 from autopar.capture import OpGraph, capture
 from autopar.mesh import Mesh
-from autopar.planner import SEARCH_BUDGET_S, Plan
-from autopar.runtime import DEFAULT_BUCKET_BYTES
-from costmodel import optimizer_spec, precision
+from autopar.planner import (
+    HintOptions,
+    Plan,
+    PlanOptions,
+    device_profile,
+    prepare_context,
+    search_context,
+    training_precision,
+)
 
 from .checks import check_plan_graph, check_plan_inputs, check_same_inputs_on_every_rank, check_state_dict, load_plan
 from .module import ShardedModule
@@ -45,11 +53,9 @@ log = logging.getLogger(__name__)
 
 
 def default_profile(groups) -> str:
-    dev = getattr(groups, "device", torch.device("cpu"))
-    if dev.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(dev).lower()
-    return "h100" if "h100" in name or "h200" in name else "a100"
+    """The profile ``compile`` prices for the ranks of ``groups`` (``autopar.planner.device_profile`` of their
+    device: ``profile=None``'s rule inside a process group)."""
+    return device_profile(getattr(groups, "device", torch.device("cpu")))
 
 
 def compile(
@@ -58,37 +64,32 @@ def compile(
     *,
     example_inputs=None,
     example_kwargs: dict | None = None,
-    mem_cap: int | str | None = None,
-    profile: str | None = None,
     plan: Plan | str | Path | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     weights_from_rank0: bool = False,
     input_mode: str = "global",
     seed: int = 0,
+    mem_cap: int | str | None = None,
+    profile: str | None = None,
+    dtype: str | None = None,
+    optimizer: str = "adamw",
+    grad_bucket_bytes: int | None = 25 * 2**20,
+    devices_per_node: int | None = None,
+    solver: str = "dp",
+    recompute: str = "auto",
     family: str | None = None,
     allow_state_sharding: bool = True,
-    grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-    hints: dict | None = None,
+    search_budget_s: float | None = 30.0,
+    hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
     strict: bool = False,
-    dtype: str | None = None,
-    optimizer: str = "adamw",
-    recompute: str = "auto",
-    devices_per_node: int | None = None,
-    search_budget_s: float | None = SEARCH_BUDGET_S,
 ) -> ShardedModule:
     """Plan (or load ``plan``) and build this rank's ``ShardedModule``.
 
     Must be called on every rank inside an initialized default process group whose
     world size equals ``mesh.size``; ``mesh`` is an ``autopar.Mesh`` or a torch
-    ``DeviceMesh`` (``Mesh.from_device_mesh``).  ``family`` forces the search into one family
-    (``"data parallel"``, ``"sharded parameters"``, ``"tensor parallel"``);
-    ``allow_state_sharding=False`` keeps every gradient and optimizer state with its
-    parameter (no ZeRO-1/2; see ``runtime/zero.py`` for how ZeRO plans run).
-    ``grad_bucket_bytes``: data-parallel gradient all-reduces are issued per bucket
-    of about that many bytes, overlapped with backward (``runtime/buckets.py``);
-    ``None`` or 0 issues the plan's per-edge all-reduces one by one.
+    ``DeviceMesh`` (``Mesh.from_device_mesh``).
 
     ``example_inputs=None`` (and no ``example_kwargs``) compiles lazily: the module
     captures and plans on its first call, with that call's inputs (every rank must
@@ -98,38 +99,26 @@ def compile(
     rank's pieces; ``.plan`` raises ``NotCompiledError``.  Lazy compilation needs
     ``input_mode="global"`` (local pieces do not say the global shapes).
 
-    ``hints``, ``input_placements``, ``output_placements``, ``strict``: semi-auto
-    mode, passed to the planner as in ``autopar.plan`` (ignored with ``plan=``).
-    ``recompute`` (``"auto"``, ``"none"``, ``"selective"``, ``"full"``): what backward
-    recomputes, as in ``autopar.plan`` (ignored with ``plan=``: the plan says).
-    ``search_budget_s``: the search's wall-clock budget, as in ``autopar.plan``.
-
-    ``dtype``: the training precision the plan prices (``costmodel.PRECISIONS``);
-    None: the one the model's parameters are in (``training_precision``): float32
-    parameters "fp32", bfloat16 ones "bf16-pure" (bf16 compute, gradients and
-    optimizer state, as torch.optim keeps them).  ``optimizer``: the one whose
-    state the plan's memory counts (``costmodel.OPTIMIZERS``: "adamw", "adam",
-    "sgd", "sgd_momentum", "none"); any torch optimizer runs whatever it says.
-
-    ``devices_per_node``: the job's ranks per node, so axes whose ranks span nodes are
-    priced on the profile's inter-node link (``autopar.prepare``); None: torchrun's
-    ``LOCAL_WORLD_SIZE`` when the job spans nodes (``runtime.ranks_per_node``), else
-    the profile's figure.
+    The planning keywords (``mem_cap`` ... ``strict``) are ``autopar.plan``'s, with its
+    defaults, checked on every rank alike before anything runs; with ``plan=`` the plan
+    says what was planned and only ``grad_bucket_bytes`` is used.  As ``profile=None``
+    says, ``compile`` prices the device of its process group (``cpu`` on gloo CPU ranks,
+    the GPU by name on nccl); ``dtype=None``: the model's parameters' precision
+    (float32: "fp32", bfloat16: "bf16-pure"); ``optimizer``: the one whose state the plan's
+    memory counts (any torch optimizer runs whatever it says); ``devices_per_node=None``:
+    torchrun's ``LOCAL_WORLD_SIZE`` when the job spans nodes.  ``grad_bucket_bytes``:
+    data-parallel gradient all-reduces are issued per bucket of about that many bytes,
+    overlapped with backward (``runtime/buckets.py``); None or 0 issues the plan's per-edge
+    all-reduces one by one.  ``allow_state_sharding=False`` keeps every gradient and
+    optimizer state with its parameter (``runtime/zero.py`` says how ZeRO plans run).
 
     A ``plan=`` is checked against the model (mesh, parameter names and shapes,
     input shapes) before anything runs, on every rank alike.
     """
-    from torch.distributed.device_mesh import DeviceMesh
+    options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
+    from autopar.runtime import MeshGroups  # torch.distributed's groups: imported when a job compiles
 
-    from autopar.runtime import MeshGroups, ranks_per_node
-
-    if isinstance(mesh, DeviceMesh):  # torch's, as DTensor users hold one
-        mesh = Mesh.from_device_mesh(mesh)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"mesh {mesh!r}: expected an autopar.Mesh (e.g. autopar.Mesh((2, 2), axis_names=('dp', 'tp'))) "
-            "or a torch DeviceMesh"
-        )
+    mesh = _as_mesh(mesh)
     lazy = example_inputs is None and example_kwargs is None
     if lazy and input_mode == "local":
         raise ValueError(
@@ -138,136 +127,74 @@ def compile(
             "shapes, or use input_mode='global'"
         )
     plan_obj = None if plan is None else load_plan(plan, mesh, model)
-    if plan is None:
-        dtype = dtype or training_precision(model)
-        precision(dtype), optimizer_spec(optimizer)  # unknown names fail here, on every rank alike
     groups = MeshGroups(mesh)
-    full_params = _full_parameters(model, state_dict, weights_from_rank0)
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-
-    def build(args: tuple, kwargs: dict) -> tuple[OpGraph, Plan]:
-        check_same_inputs_on_every_rank(args, kwargs)
-        if plan_obj is None:
-            found, graph = _plan_on_rank0(
-                model,
-                mesh,
-                args,
-                kwargs,
-                groups,
-                mem_cap=mem_cap,
-                profile=profile,
-                family=family,
-                allow_state_sharding=allow_state_sharding,
-                dtype=dtype,
-                optimizer=optimizer,
-                grad_bucket_bytes=grad_bucket_bytes,
-                recompute=recompute,
-                search_budget_s=search_budget_s,
-                devices_per_node=devices_per_node if devices_per_node is not None else ranks_per_node(),
-                hint_options={
-                    "hints": hints,
-                    "input_placements": input_placements,
-                    "output_placements": output_placements,
-                    "strict": strict,
-                },
-            )
-        else:
-            found, graph = plan_obj, capture(model, args, kwargs)
-            check_plan_inputs(found, graph)
-            check_plan_graph(found, graph, model)
-        return graph, found
-
     sharded = ShardedModule(
         groups,
-        build=build,
+        build=_Build(model, mesh, plan_obj, options, hint_options),
         input_mode=input_mode,
-        full_params=full_params,
-        buffers=buffers,
+        full_params=_full_parameters(model, state_dict, weights_from_rank0),
+        buffers={k: v.detach().clone() for k, v in model.named_buffers()},
         seed=seed,
         state_keys=list(model.state_dict().keys()),
-        grad_bucket_bytes=grad_bucket_bytes,
+        grad_bucket_bytes=options.grad_bucket_bytes,
     )
     sharded.train(model.training)  # the mode the model was in; dropout follows sharded.train() / .eval()
     if not lazy:
-        args = (
-            tuple(example_inputs)
-            if isinstance(example_inputs, (tuple, list))
-            else (() if example_inputs is None else (example_inputs,))
-        )
-        sharded._compile(args, dict(example_kwargs or {}))
+        sharded._compile(_as_args(example_inputs), dict(example_kwargs or {}))
     return sharded
 
 
-def training_precision(model: nn.Module) -> str:
-    """The ``costmodel.PRECISIONS`` name of training ``model`` as it is, from its floating parameters' dtypes.
+def _as_args(example_inputs) -> tuple:
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    return () if example_inputs is None else (example_inputs,)
 
-    All float32 (or none): "fp32"; all bfloat16: "bf16-pure".  Any other mix is
-    priced as "fp32" (the larger figures), with a warning naming the dtypes.
-    """
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes == {torch.bfloat16}:
-        return "bf16-pure"
-    if dtypes - {torch.float32}:
-        log.warning(
-            "%s has %s parameters: the plan prices fp32 training (pass compile(dtype=...) to choose)",
-            type(model).__name__,
-            ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)),
+
+def _as_mesh(mesh) -> Mesh:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):  # torch's, as DTensor users hold one
+        mesh = Mesh.from_device_mesh(mesh)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh {mesh!r}: expected an autopar.Mesh (e.g. autopar.Mesh((2, 2), axis_names=('dp', 'tp'))) "
+            "or a torch DeviceMesh"
         )
-    return "fp32"
+    return mesh
+
+
+class _Build:
+    """What ``ShardedModule`` calls with the first inputs: the graph and plan of this rank (planned on rank 0 with
+    the options, or the given plan checked against the graph this rank traces)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, plan: Plan | None, options: PlanOptions, hints: HintOptions):
+        self.model, self.mesh, self.plan, self.options, self.hint_options = model, mesh, plan, options, hints
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[OpGraph, Plan]:
+        check_same_inputs_on_every_rank(args, kwargs)
+        if self.plan is None:
+            found, graph = _plan_on_rank0(self.model, self.mesh, args, kwargs, self.options, self.hint_options)
+            return graph, found
+        graph = capture(self.model, args, kwargs)
+        check_plan_inputs(self.plan, graph)
+        check_plan_graph(self.plan, graph, self.model)
+        return graph, self.plan
 
 
 def _plan_on_rank0(
-    model,
-    mesh,
-    args,
-    kwargs,
-    groups,
-    *,
-    mem_cap,
-    profile,
-    family,
-    allow_state_sharding=True,
-    hint_options=None,
-    dtype="fp32",
-    optimizer="adamw",
-    grad_bucket_bytes=DEFAULT_BUCKET_BYTES,
-    recompute="auto",
-    search_budget_s=SEARCH_BUDGET_S,
-    devices_per_node=None,
+    model, mesh: Mesh, args: tuple, kwargs: dict, options: PlanOptions, hint_options: HintOptions
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
     One search instead of one per rank, and every rank runs the very same plan.
     The others only trace the model (cheap) to execute it.
     """
-    from autopar.planner import plan_from_context, prepare
-
     box: list = [None]
     graph = None
     if dist.get_rank() == 0:
         try:
-            ctx = prepare(
-                model,
-                mesh,
-                example_inputs=args,
-                example_kwargs=kwargs,
-                profile=profile or default_profile(groups),
-                dtype=dtype,
-                optimizer=optimizer,
-                grad_bucket_bytes=grad_bucket_bytes,
-                devices_per_node=devices_per_node,
-                **(hint_options or {}),
-            )
-            graph = ctx.graph
-            box[0] = plan_from_context(
-                ctx,
-                mem_cap=mem_cap,
-                compare_families=False,
-                allow_state_sharding=allow_state_sharding,
-                family=family,
-                recompute=recompute,
-                search_budget_s=search_budget_s,
-            ).to_json()
+            found, graph = _plan_here(model, mesh, args, kwargs, options, hint_options)
+            box[0] = found.to_json()
         except Exception as e:  # tell the other ranks instead of leaving them waiting
             box[0] = e
             dist.broadcast_object_list(box, src=0)
@@ -278,6 +205,15 @@ def _plan_on_rank0(
     if graph is None:
         graph = capture(model, args, kwargs)
     return Plan.from_json(box[0]), graph
+
+
+def _plan_here(
+    model, mesh: Mesh, args: tuple, kwargs: dict, options: PlanOptions, hint_options: HintOptions
+) -> tuple[Plan, OpGraph]:
+    """The plan ``compile`` runs and the graph it was made on, planned in this process (no family rows: the
+    report is not printed)."""
+    ctx = prepare_context(model, mesh, args, kwargs, options, hint_options)
+    return search_context(ctx, compare_families=False), ctx.graph
 
 
 def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> dict[str, Any]:

@@ -91,8 +91,8 @@ def load_plan(plan, mesh: Mesh, model: nn.Module) -> Plan:
         )
     planned: dict[str, tuple[int, ...]] = {}
     for fqn, entry in found.params.items():
-        for name in (fqn, *entry.get("tied_to", ())):
-            planned[name] = tuple(entry["shape"])
+        for name in (fqn, *entry.tied_to):
+            planned[name] = entry.shape
     held = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     if bad := _shape_differences(held, planned, "in the model"):
         raise ValueError(
@@ -106,7 +106,7 @@ def load_plan(plan, mesh: Mesh, model: nn.Module) -> Plan:
 def check_plan_inputs(plan: Plan, graph: OpGraph) -> None:
     """The inputs the plan was made for have the shapes of the inputs compile got."""
     got = {n.fqn: tuple(n.outputs[0].shape) for n in graph.nodes if n.kind == "input"}
-    planned = {k: tuple(v["shape"]) for k, v in plan.inputs.items() if v.get("kind") == "input"}
+    planned = {k: v.shape for k, v in plan.inputs.items() if v.kind == "input"}
     if bad := _shape_differences(got, planned, "given"):
         raise ValueError(
             f"the inputs do not match the plan's (for {plan.model}):{_bullets(bad)}\nFix: pass inputs of the "
@@ -123,7 +123,7 @@ def check_plan_graph(plan: Plan, graph: OpGraph, model: nn.Module) -> None:
     device and a no-op on another.
     """
     traced = {n.name: str(n.target) for n in graph.nodes if n.kind == "op"}
-    planned = {name: entry["op"] for name, entry in plan.nodes.items()}
+    planned = {name: entry.op for name, entry in plan.nodes.items()}
     bad = [f"{name}: {op} in the plan, not in the traced graph" for name, op in planned.items() if name not in traced]
     bad += [f"{name}: {op} in the traced graph, not in the plan" for name, op in traced.items() if name not in planned]
     bad += [

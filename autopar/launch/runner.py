@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.mesh import Mesh
-from autopar.planner import FAMILIES, Plan
+from autopar.planner import FAMILIES, Plan, PlanMemory
 from autopar.runtime import RankError, RankSettings, ranks_per_node, spawn_ranks
 
 from .resume import resolve_checkpoint, resume, save_if_due, saved_step
@@ -146,7 +146,7 @@ class RankResult:
     family: str
     record: TrainRecord
     held_bytes: dict[str, int]
-    plan_memory: dict[str, int | None]
+    plan_memory: PlanMemory
     recompute_line: str = ""  # the plan's "recompute:" line (planner.plan_table.describe_recompute)
     nodes_line: str = ""  # which mesh axes span nodes (planner.plan_table.describe_nodes), '' on one node
 
@@ -365,8 +365,8 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
 
     plan = sharded.plan
     coord = tuple(mesh.coordinate(rank))
-    memory = dict(plan.memory)
-    return RankResult(rank, coord, plan.family, record, held, memory, describe_recompute(plan), describe_nodes(plan))
+    lines = describe_recompute(plan), describe_nodes(plan)
+    return RankResult(rank, coord, plan.family, record, held, plan.memory, *lines)
 
 
 def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> TrainRecord:

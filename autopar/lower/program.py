@@ -61,25 +61,25 @@ class ExecutionPlan:
             if n.kind != "op":
                 continue
             entry = plan.nodes.get(n.name)
-            if entry is None or entry["op"] != str(n.target):
+            if entry is None or entry.op != str(n.target):
                 missing.append(f"{n.name} ({n.target})")
                 continue
-            ins = tuple(parse_placements(p) for p in entry["inputs"])
-            outs = tuple(parse_placements(p) for p in entry["outputs"])
+            ins = tuple(parse_placements(p) for p in entry.inputs)
+            outs = tuple(parse_placements(p) for p in entry.outputs)
             split = tuple(any(not isinstance(p[a], Replicate) for p in ins + outs) for a in range(len(mesh_shape)))
             flags = _axis_flags(plan, entry, f"node {n.name}")
             if any(f and sp for f, sp in zip(flags, split)):
                 raise ValueError(
-                    f"node {n.name}: partial_grad_axes {entry['partial_grad_axes']} include an axis the op "
+                    f"node {n.name}: partial_grad_axes {list(entry.partial_grad_axes)} include an axis the op "
                     "splits; partial gradients are only exact where every rank of the axis repeats the op"
                 )
-            region = entry.get("recompute")
+            region = entry.recompute
             if region is not None and not isinstance(region, str):
                 raise ValueError(
                     f"node {n.name}: recompute must name the region (block) the op is recomputed with, got "
                     f'{region!r}; e.g. "model.layers.3", or leave it out to save the op\'s tensors'
                 )
-            nodes[n.name] = NodeExec(ins, outs, tuple(entry["kernels"]), split, flags, region)
+            nodes[n.name] = NodeExec(ins, outs, tuple(entry.kernels), split, flags, region)
         if missing:
             raise ValueError(
                 f"the plan does not match the model {graph.model_name}: {len(missing)} graph nodes are not in it "
@@ -92,12 +92,12 @@ class ExecutionPlan:
                     raise ValueError(f"the plan has no placement for parameter {n.fqn}; re-plan this model")
                 p = plan.params[n.fqn]
                 # (placement, state placement): gradients go to the state (ZeRO-1/2 when they differ)
-                sources[n.name] = (parse_placements(p["placements"]), parse_placements(p["state_placements"]))
+                sources[n.name] = (parse_placements(p.placements), parse_placements(p.state_placements))
                 flags = _axis_flags(plan, p, f"parameter {n.fqn}")
                 if any(flags):
                     accumulate[n.name] = partial_on(sources[n.name][1], flags)
             elif n.kind in ("input", "buffer"):
-                pl = parse_placements(plan.inputs[n.fqn or n.name]["placements"])
+                pl = parse_placements(plan.inputs[n.fqn or n.name].placements)
                 sources[n.name] = (pl, tuple(producer_grad_placement(p) for p in pl))
         return cls(graph, mesh_shape, nodes, sources, accumulate)
 
@@ -113,10 +113,10 @@ class ExecutionPlan:
         return self.accumulate.get(name, self.sources[name][1])
 
 
-def _axis_flags(plan, entry: dict, what: str) -> tuple[bool, ...]:
-    """``entry["partial_grad_axes"]`` (axis names) as one flag per mesh axis."""
+def _axis_flags(plan, entry, what: str) -> tuple[bool, ...]:
+    """``entry.partial_grad_axes`` (axis names) as one flag per mesh axis."""
     names = list(plan.mesh.axis_names)
-    given = entry.get("partial_grad_axes", [])
+    given = entry.partial_grad_axes
     unknown = [a for a in given if a not in names]
     if unknown:
         raise ValueError(f"{what}: partial_grad_axes {unknown} are not axes of the plan's mesh {names}")

@@ -1,6 +1,6 @@
 """Activation recomputation in the lowered program: a region's local ops outlined into one checkpointed call.
 
-A plan may mark op nodes with a recompute region (``nodes[name]["recompute"]``, the
+A plan may mark op nodes with a recompute region (``nodes[name].recompute``, the
 name of the block they belong to).  Lowering emits those ops as usual, then
 ``outline_regions`` moves each region's lowered nodes (its ops, the moves into them,
 their kernels) into a sub-program called through ``RecomputeStep``:

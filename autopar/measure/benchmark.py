@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autopar.planner import FAMILIES
 from autopar.models import config_dir, tomllib
+from autopar.planner import FAMILIES
 
 __all__ = ["BenchModel", "Variant", "Benchmark", "load_benchmark", "mesh_axis_names"]
 

@@ -224,7 +224,7 @@ def plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profil
     amesh = Mesh(mesh, axis_names=mesh_axis_names(mesh))
     ctx = prepare(net, amesh, example_inputs=(ids, labels), profile=profile, dtype="fp32", optimizer="adamw")
     auto = plan_from_context(ctx, compare_families=False)
-    auto_bytes = auto.memory["per_device_bytes"]
+    auto_bytes = auto.memory.per_device_bytes
     try:  # the least memory any plan reaches: caps are placed between it and the auto plan's
         plan_from_context(ctx, compare_families=False, mem_cap=1)
         least_bytes = 0
@@ -251,7 +251,8 @@ def plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profil
 
 def _plan_key(plan) -> str:
     """What makes two plans run alike: placements of every parameter, input and node (not settings or hints)."""
-    return json.dumps([plan.params, plan.inputs, plan.nodes], sort_keys=True)
+    d = plan.to_dict()
+    return json.dumps([d["params"], d["inputs"], d["nodes"]], sort_keys=True)
 
 
 def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -> tuple[PlanResult, ...]:
@@ -313,10 +314,10 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
             PlanResult(
                 tuple(labels),
                 plan.family,
-                float(plan.cost["total_s"]),
-                float(plan.cost["compute_s"]),
-                float(plan.cost["comm_s"]),
-                int(plan.memory["per_device_bytes"]),
+                plan.cost.total_s,
+                plan.cost.compute_s,
+                plan.cost.comm_s,
+                plan.memory.per_device_bytes,
                 tuple(t),
                 peak,
                 int(held),

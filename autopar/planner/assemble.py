@@ -9,25 +9,273 @@ them).  Compute is op time and optimizer-step time;
 communication is every transition, op-issued collective and ZeRO step all-gather,
 with parameter-gradient reductions counted at their exposed time (``time_s`` of a
 collective is what it adds to the step, ``hidden_s`` the rest of its ring time,
-overlapped with backward compute).  ``classify`` names what the chosen plan does
-(``Plan.family``: tensor / sequence / data parallel, sharded parameters or state).
+overlapped with backward compute).  ``breakdown`` walks the graph once (``_StepWalk``, one method
+per thing a node holds or sends) and returns a ``Breakdown``; ``assemble_plan`` adds the placements.
+``classify`` names what the chosen plan does (``Plan.family``: tensor / sequence / data parallel,
+sharded parameters or state).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass, replace
 
 from autopar.cost import BackwardMemory, peak_memory
-from autopar.placement import Replicate, Shard, format_placements
+from autopar.placement import Replicate, Shard
 from autopar.spec import local_shape
-from autopar.transitions import transitions
+from autopar.transitions import AxisTransition, transitions
 
 from .kept import keeping
+from .plan_parts import (
+    Collective,
+    FallbackOp,
+    FamilyAlternative,
+    InputPlacement,
+    NodePlacement,
+    ParamPlacement,
+    PlanCost,
+    PlanMemory,
+    PlanSettings,
+    SearchStats,
+)
 from .problem_tables import PS_PER_S
 from .schema import Plan
 
-__all__ = ["assemble_plan", "breakdown", "classify"]
+__all__ = ["Breakdown", "assemble_plan", "breakdown", "classify"]
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """Cost, memory and collectives of one choice, and the strategy each graph node took (``memory.cap_bytes``
+    is None: the cap is the plan's, not the choice's)."""
+
+    cost: PlanCost
+    memory: PlanMemory
+    collectives: tuple[Collective, ...]
+    strategies: tuple
+
+
+def breakdown(ctx, choice: list[int]) -> Breakdown:
+    """Cost, memory and collectives of a choice (one strategy index per graph node)."""
+    walk = _StepWalk(ctx, choice)
+    for node in ctx.graph.nodes:
+        if node.kind == "param":
+            walk.param(node)
+            continue
+        region = walk.saved_activations(node)
+        if node.kind != "op":
+            continue
+        walk.op_collectives(node, region)
+        saves = walk.coster.saved_inputs(node)
+        for pos in range(len(node.inputs)):
+            walk.input_moves(node, pos, region, pos in saves)
+            walk.input_memory(node, pos, region, pos in saves)
+            walk.input_grads(node, pos)
+    walk.output_gathers()
+    return walk.result()
+
+
+def _bump(where: dict, key, nbytes: int) -> None:
+    where[key] = where.get(key, 0) + nbytes
+
+
+class _StepWalk:
+    """What ``breakdown`` gathers walking the graph: each collective, listed and priced; compute and
+    communication time; the state and activations held, and where backward frees or makes them again
+    (``autopar.cost.peak``'s ``BackwardMemory``)."""
+
+    def __init__(self, ctx, choice: list[int]) -> None:
+        self.ctx, self.choice = ctx, choice
+        self.graph, self.coster, self.mesh_shape = ctx.graph, ctx.coster, ctx.mesh.shape
+        self.strategies = tuple(ctx.cand.strategies[n.index][choice[n.index]] for n in ctx.graph.nodes)
+        self.collectives: list[Collective] = []
+        self.compute_s = self.comm_s = 0.0
+        self.held = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}  # BackwardMemory's parts
+        self.freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
+        self.regions = ctx.recompute  # op node -> its recompute region (planner.recompute_tables)
+        self.reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
+        self.remade: dict[str, int] = {}  # region -> its outputs, made again by the recomputation, dropped after
+        self.keep = keeping(ctx, self.regions) if self.regions else None  # who pays what checkpoints keep
+        self.consumers = ctx.graph.consumers() if self.regions else {}
+        self.bucketed: dict[int, int] = {}  # parameter -> its gradient bytes the runtime's buckets reduce
+
+    def node_time_s(self, node) -> float:
+        return int(self.ctx.tables.node_time_ps[node.index][self.choice[node.index]]) / PS_PER_S
+
+    def add(self, move, phase: str, node, tensor: str, exposed=1.0, whole=None, again=False, out=False) -> None:
+        """List ``move`` (an ``AxisTransition``) as a collective of ``node``: ``exposed`` of its ``whole`` time
+        adds to the step; ``again``: run again by a recomputation; ``out``: gathers a model output."""
+        whole = self.coster.comm_time_s(move.kind, move.bytes, move.axis) if whole is None else whole
+        t = whole * exposed
+        self.comm_s += t
+        self.collectives.append(
+            Collective(
+                kind=move.kind,
+                axis=self.ctx.mesh.axis_names[move.axis],
+                phase=phase,
+                bytes=int(move.bytes),
+                node=node.name,
+                module=node.module,
+                tensor=tensor,
+                reduce_op=move.reduce_op,
+                time_s=t,
+                hidden_s=whole - t,  # overlapped with backward compute (grad_exposed)
+                recompute=again,
+                output=out,
+            )
+        )
+
+    def param(self, n) -> None:
+        """A parameter: its state, the optimizer step's all-gathers, the one reduction of its summed gradients."""
+        s, coster = self.strategies[n.index], self.coster
+        state = coster.param_state_bytes(n, s)
+        self.held["params"] += state.params
+        self.held["grads"] += state.grads
+        self.held["optimizer"] += state.optimizer
+        step = coster.step_collectives(n, s)
+        self.compute_s += self.node_time_s(n) - sum(coster.comm_time_s(k, b, a) for a, k, b in step)
+        for axis, kind, nbytes in step:
+            self.add(AxisTransition(axis, kind, nbytes), "optimizer", n, n.fqn)
+        summed = coster.accumulated_steps(n, s)
+        if s.accumulated_grad is not None:  # the summed partial gradients, reduced once (maybe in a bucket)
+            self.bucketed[n.index] = coster.bucketed_grad_bytes(n, n.outputs[0], *s.accumulated_grad)
+        self.compute_s -= sum(whole for _, whole in summed) * coster.grad_exposed(n)
+        for t, whole in summed:  # the summed partial gradients of all uses, reduced once
+            self.add(t, "backward", n, n.name, coster.grad_exposed(n), whole)
+
+    def saved_activations(self, n) -> str | None:
+        """What a node keeps for backward and when backward frees it; its recompute region (None: saved)."""
+        s = self.strategies[n.index]
+        node_act = int(self.ctx.tables.node_mem[n.index][self.choice[n.index]])  # activation_bytes, tabled
+        self.held["activations"] += node_act  # a recomputed op: what its block's checkpoint keeps of it
+        region = self.regions.get(n.index)
+        if region is None:
+            _bump(self.freed_at, n.index, node_act)
+            return None
+        again = self.coster.activation_bytes(n, s)  # what it keeps for backward, made again by the recomputation
+        _bump(self.reborn, region, again)
+        outside = self.regions.get
+        _bump(
+            self.remade,
+            region,
+            sum(
+                self.coster.local_bytes(meta, s.outputs[o])
+                for o, meta in enumerate(n.outputs)
+                if any(outside(c) != region for c, _, out in self.consumers[n.index] if out == o)
+            ),
+        )
+        _bump(self.freed_at, n.index, again)
+        if node_act:  # outputs it still pays: read outside its region, freed with their first reader
+            _bump(self.freed_at, self.keep.release.get(n.index, n.index), node_act)
+        return region
+
+    def op_collectives(self, n, region: str | None) -> None:
+        """The collectives an op issues itself (twice in a recomputed region's forward); the rest is compute."""
+        s = self.strategies[n.index]
+        op_comm = 0.0
+        for axis, comms in enumerate(s.comm):
+            for c in comms:
+                move = AxisTransition(axis, c.kind, c.bytes, c.reduce_op)
+                op_comm += self.coster.comm_time_s(c.kind, c.bytes, axis)
+                self.add(move, c.phase, n, n.name)
+                if region is not None and c.phase == "forward":
+                    op_comm += self.coster.comm_time_s(c.kind, c.bytes, axis)
+                    self.add(move, c.phase, n, n.name, again=True)
+        self.compute_s += self.node_time_s(n) - op_comm
+
+    def _edge(self, n, pos: int):
+        """(producer, its output index, the placement it makes, the placement ``n`` reads) of input ``pos``."""
+        u, o = n.inputs[pos]
+        return self.graph.nodes[u], o, self.strategies[u].outputs[o], self.strategies[n.index].inputs[pos]
+
+    def input_moves(self, n, pos: int, region: str | None, saved: bool) -> None:
+        """The forward moves of input ``pos`` into the placement ``n`` reads (again where it is recomputed)."""
+        producer, o, src, dst = self._edge(n, pos)
+        if src == dst:
+            return
+        for t in transitions(self.coster.compute_meta(producer.outputs[o]), src, dst, self.mesh_shape):
+            self.add(t, "forward", n, producer.name)
+            if region is not None:  # the recomputation moves it again (a parameter too: nothing to re-gather)
+                self.add(t, "forward", n, producer.name, again=True)
+            elif producer.kind == "param" and saved:  # FSDP: the op kept a handle; gathered again
+                self.add(t, "backward", n, producer.name)
+
+    def input_memory(self, n, pos: int, region: str | None, saved: bool) -> None:
+        """What ``n`` keeps of input ``pos`` for its backward, and when it is freed or made again."""
+        producer, o, src, dst = self._edge(n, pos)
+        u = n.inputs[pos][0]
+        s, coster = self.strategies[n.index], self.coster
+        moved_grad = s.input_grad(pos) != self.strategies[u].output_grad(o)
+        edge_act = coster.edge_saved_bytes(producer, o, n, pos, src, dst, moved_grad)
+        if region is None:
+            if self.keep is not None and src == dst and coster.storage_root((u, o)) in self.keep.shared:
+                edge_act = 0  # paid once by the node that made it (planner.kept)
+            self.held["activations"] += edge_act
+            _bump(self.freed_at, n.index, edge_act)  # kept for n's backward
+            return
+        # what n keeps of this input is made again by the recomputation
+        if self.regions.get(u) != region and src == dst and not moved_grad:
+            edge_act = 0  # the checkpoint's own input, read as it is: one storage, paid as kept
+        if producer.kind == "param" and src != dst and saved:
+            # FSDP: the recomputed op keeps the parameter the recomputation gathered (lower/rewrite.py: no
+            # re-gather for recomputed ops) until its backward
+            edge_act = coster.local_bytes(producer.outputs[o], dst)
+        _bump(self.reborn, region, edge_act)
+        _bump(self.freed_at, n.index, edge_act)
+        if (n.index, pos) in self.keep.payers:  # the checkpoint keeps what u made until the region's backward ends
+            kept = coster.storage_bytes((u, o), src)
+            self.held["activations"] += kept
+            _bump(self.freed_at, self.keep.first[region], kept)
+
+    def input_grads(self, n, pos: int) -> None:
+        """The backward moves of input ``pos``'s gradient to where its producer sums it (a parameter's: to its
+        bucket)."""
+        producer, o, _, _ = self._edge(n, pos)
+        u = n.inputs[pos][0]
+        if not (producer.requires_grad and n.requires_grad and producer.outputs[o].is_float):
+            return
+        g, target = self.strategies[n.index].input_grad(pos), self.strategies[u].output_grad(o)
+        if producer.kind == "param":  # its uses' gradients are summed into the bucket once
+            grad_bytes = self.coster.bucketed_grad_bytes(producer, producer.outputs[o], g, target)
+            self.bucketed[u] = max(self.bucketed.get(u, 0), grad_bytes)
+        if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
+            for t, whole in self.coster.grad_move_steps(producer, producer.outputs[o], g, target):
+                self.add(t, "backward", n, producer.name, self.coster.grad_exposed(producer), whole)
+
+    def output_gathers(self) -> None:
+        """The model's outputs gathered whole onto every rank (what the module returns)."""
+        full = tuple(Replicate() for _ in self.mesh_shape)
+        for u, o in self.ctx.tables.sinks:
+            producer = self.graph.nodes[u]
+            meta = self.coster.compute_meta(producer.outputs[o])
+            for t in transitions(meta, self.strategies[u].outputs[o], full, self.mesh_shape):
+                self.add(t, "forward", producer, producer.name, out=True)
+
+    def result(self) -> Breakdown:
+        held, coster = self.held, self.coster
+        backward = BackwardMemory(
+            held,
+            self.freed_at,
+            reborn_at=_reborn_at(self.ctx, self.reborn),
+            remade_at=_reborn_at(self.ctx, self.remade),
+            recomputed=frozenset(self.regions),
+            bucket_bytes=min(coster.settings.grad_bucket_bytes or 0, sum(self.bucketed.values())),
+        )
+        peak = peak_memory(self.ctx, self.strategies, backward)
+        memory = PlanMemory(
+            per_device_bytes=peak["per_device_bytes"],
+            params_bytes=held["params"],
+            grads_bytes=held["grads"],
+            optimizer_bytes=held["optimizer"],
+            activations_bytes=held["activations"],
+            cap_bytes=None,
+            search_bytes=sum(held.values()),  # the additive bound the search kept under the cap
+            transient_bytes=peak["transient_bytes"],
+            peak_phase=peak["peak_phase"],
+        )
+        terms = _terms(coster, self.graph, self.strategies, self.compute_s, self.collectives)
+        cost = PlanCost(self.compute_s, self.comm_s, self.compute_s + self.comm_s, terms)
+        return Breakdown(cost, memory, tuple(self.collectives), self.strategies)
 
 
 def _reborn_at(ctx, reborn: dict[str, int]) -> dict[int, int]:
@@ -38,268 +286,107 @@ def _reborn_at(ctx, reborn: dict[str, int]) -> dict[int, int]:
     return {i: reborn.get(region, 0) for region, i in last.items()}
 
 
-def _fmt(pl, memo: dict | None = None) -> list[str]:
-    """``format_placements``, memoized per placement tuple when given a dict (plans repeat few)."""
-    if memo is None:
-        return format_placements(pl)
-    if pl not in memo:
-        memo[pl] = format_placements(pl)
-    return list(memo[pl])
-
-
-def _axis_names(ctx, flags) -> list[str]:
-    return [ctx.mesh.axis_names[a] for a, f in enumerate(flags) if f]
-
-
-def breakdown(ctx, choice: list[int]) -> dict[str, Any]:
-    """Cost, memory and collectives of a choice (one strategy index per graph node)."""
-    graph, cand, coster, tables = ctx.graph, ctx.cand, ctx.coster, ctx.tables
-    axis_names = ctx.mesh.axis_names
-    mesh_shape = ctx.mesh.shape
-    strat = [cand.strategies[n.index][choice[n.index]] for n in graph.nodes]
-    collectives: list[dict[str, Any]] = []
-    compute_s = comm_s = 0.0
-    mem = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
-    freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
-    regions = ctx.recompute  # op node -> its recompute region (planner.recompute_tables)
-    reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
-    remade: dict[str, int] = {}  # region -> its outputs, made again by the recomputation and dropped after it
-    keep = keeping(ctx, regions) if regions else None  # who pays what the checkpoints keep (planner.kept)
-    consumers = graph.consumers() if regions else {}
-    bucketed: dict[int, int] = {}  # parameter -> its gradient bytes the runtime's buckets reduce
-
-    def add(kind, axis, phase, nbytes, node, tensor, reduce_op="sum", exposed=1.0, whole=None, again=False, out=False):
-        nonlocal comm_s
-        whole = coster.comm_time_s(kind, nbytes, axis) if whole is None else whole
-        t = whole * exposed
-        comm_s += t
-        entry = {
-            "kind": kind,
-            "axis": axis_names[axis],
-            "phase": phase,
-            "bytes": int(nbytes),
-            "node": node.name,
-            "module": node.module,
-            "tensor": tensor,
-            "reduce_op": reduce_op,
-            "time_s": t,
-            "hidden_s": whole - t,  # overlapped with backward compute (grad_exposed)
-        }
-        if again:  # a forward collective of a recomputed block, run again in backward
-            entry["recompute"] = True
-        if out:  # a model output gathered whole onto every rank (what the module returns)
-            entry["output"] = True
-        collectives.append(entry)
-
-    for n in graph.nodes:
-        s = strat[n.index]
-        if n.kind == "param":
-            st = coster.param_state_bytes(n, s)
-            mem["params"] += st.params
-            mem["grads"] += st.grads
-            mem["optimizer"] += st.optimizer
-            step = coster.step_collectives(n, s)
-            node_s = int(tables.node_time_ps[n.index][choice[n.index]]) / PS_PER_S
-            compute_s += node_s - sum(coster.comm_time_s(k, b, a) for a, k, b in step)
-            for axis, kind, nbytes in step:
-                add(kind, axis, "optimizer", nbytes, n, n.fqn)
-            acc = coster.accumulated_steps(n, s)
-            if s.accumulated_grad is not None:  # the summed partial gradients, reduced once (maybe in a bucket)
-                bucketed[n.index] = coster.bucketed_grad_bytes(n, n.outputs[0], *s.accumulated_grad)
-            compute_s -= sum(whole for _, whole in acc) * coster.grad_exposed(n)
-            for t, whole in acc:  # the summed partial gradients of all uses, reduced once
-                add(t.kind, t.axis, "backward", t.bytes, n, n.name, t.reduce_op, coster.grad_exposed(n), whole)
-            continue
-        node_act = int(tables.node_mem[n.index][choice[n.index]])  # activation_bytes, tabled
-        mem["activations"] += node_act  # a recomputed op: what its block's checkpoint keeps of it (planner.recompute_tables)
-        region = regions.get(n.index)
-        if region is not None:  # what it keeps for its backward is made again by the recomputation
-            again = coster.activation_bytes(n, s)
-            reborn[region] = reborn.get(region, 0) + again
-            remade[region] = remade.get(region, 0) + sum(
-                coster.local_bytes(meta, s.outputs[o])
-                for o, meta in enumerate(n.outputs)
-                if any(regions.get(c) != region for c, _, out in consumers[n.index] if out == o)
-            )
-            freed_at[n.index] = freed_at.get(n.index, 0) + again
-            if node_act:  # outputs it still pays: read outside its region, freed with their first reader
-                frees = keep.release.get(n.index, n.index)
-                freed_at[frees] = freed_at.get(frees, 0) + node_act
-        else:
-            freed_at[n.index] = freed_at.get(n.index, 0) + node_act
-        if n.kind != "op":
-            continue
-        op_comm = 0.0
-        for axis, comms in enumerate(s.comm):
-            for c in comms:
-                op_comm += coster.comm_time_s(c.kind, c.bytes, axis)
-                add(c.kind, axis, c.phase, c.bytes, n, n.name, c.reduce_op)
-                if region is not None and c.phase == "forward":
-                    op_comm += coster.comm_time_s(c.kind, c.bytes, axis)
-                    add(c.kind, axis, c.phase, c.bytes, n, n.name, c.reduce_op, again=True)
-        compute_s += int(tables.node_time_ps[n.index][choice[n.index]]) / PS_PER_S - op_comm
-        saves = coster.saved_inputs(n)
-        for pos, (u, o) in enumerate(n.inputs):
-            un, su = graph.nodes[u], strat[u]
-            meta = coster.compute_meta(un.outputs[o])
-            src, dst = su.outputs[o], s.inputs[pos]
-            fwd = transitions(meta, src, dst, mesh_shape) if src != dst else []
-            for t in fwd:
-                add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op)
-                if region is not None:  # the recomputation moves it again (a parameter too: nothing to re-gather)
-                    add(t.kind, t.axis, "forward", t.bytes, n, un.name, t.reduce_op, again=True)
-                elif un.kind == "param" and pos in saves:  # FSDP: the op kept a handle; gathered again
-                    add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op)
-            g, target = s.input_grad(pos), su.output_grad(o)
-            edge_act = coster.edge_saved_bytes(un, o, n, pos, src, dst, g != target)
-            if region is not None:  # what n keeps of this input is made again by the recomputation
-                if regions.get(u) != region and src == dst and g == target:
-                    edge_act = 0  # the checkpoint's own input, read as it is: one storage, paid as kept
-                if un.kind == "param" and src != dst and pos in saves:
-                    # FSDP: the recomputed op keeps the parameter the recomputation gathered (lower/rewrite.py:
-                    # no re-gather for recomputed ops) until its backward
-                    edge_act = coster.local_bytes(un.outputs[o], dst)
-                reborn[region] += edge_act
-                freed_at[n.index] = freed_at.get(n.index, 0) + edge_act
-                if (n.index, pos) in keep.payers:  # the checkpoint keeps what u made until the region's backward ends
-                    kept = coster.storage_bytes((u, o), src)
-                    mem["activations"] += kept
-                    first = keep.first[region]
-                    freed_at[first] = freed_at.get(first, 0) + kept
-            else:
-                if keep is not None and src == dst and coster.storage_root((u, o)) in keep.shared:
-                    edge_act = 0  # paid once by the node that made it (planner.kept)
-                mem["activations"] += edge_act
-                freed_at[n.index] = freed_at.get(n.index, 0) + edge_act  # kept for n's backward
-            if un.requires_grad and n.requires_grad and un.outputs[o].is_float:
-                if un.kind == "param":  # its uses' gradients are summed into the bucket once
-                    bucketed[u] = max(bucketed.get(u, 0), coster.bucketed_grad_bytes(un, un.outputs[o], g, target))
-                if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
-                    for t, whole in coster.grad_move_steps(un, un.outputs[o], g, target):
-                        exposed = coster.grad_exposed(un)
-                        add(t.kind, t.axis, "backward", t.bytes, n, un.name, t.reduce_op, exposed, whole)
-    for u, o in ctx.tables.sinks:
-        un = graph.nodes[u]
-        full = tuple(Replicate() for _ in mesh_shape)
-        for t in transitions(coster.compute_meta(un.outputs[o]), strat[u].outputs[o], full, mesh_shape):
-            add(t.kind, t.axis, "forward", t.bytes, un, un.name, t.reduce_op, out=True)
-    search_bytes = sum(mem.values())  # the additive bound the search kept under the cap
-    return {
-        "cost": {
-            "compute_s": compute_s,
-            "comm_s": comm_s,
-            "total_s": compute_s + comm_s,
-            "terms": _terms(coster, graph, strat, compute_s, collectives),
-        },
-        "memory": dict(
-            mem,
-            search_bytes=search_bytes,
-            **peak_memory(
-                ctx,
-                strat,
-                BackwardMemory(
-                    mem,
-                    freed_at,
-                    reborn_at=_reborn_at(ctx, reborn),
-                    remade_at=_reborn_at(ctx, remade),
-                    recomputed=frozenset(regions),
-                    bucket_bytes=min(coster.settings.grad_bucket_bytes or 0, sum(bucketed.values())),
-                ),
-            ),
-        ),
-        "collectives": collectives,
-        "strategies": strat,
-    }
-
-
-def _terms(coster, graph, strat, compute_s: float, collectives: list[dict]) -> dict[str, float]:
+def _terms(coster, graph, strat, compute_s: float, collectives: list[Collective]) -> dict[str, float]:
     """The step time by what it is spent on: ops (forward and backward), the optimizer step, and each
     collective kind per phase at its exposed time (what ``autopar plan --explain`` compares)."""
     optimizer_s = sum(coster.optimizer_step_s(n, strat[n.index]) for n in graph.params())
     terms = {"ops (forward + backward)": compute_s - optimizer_s, "optimizer step": optimizer_s}
     for c in collectives:
-        key = f"{c['kind']} ({c['phase']})"
-        terms[key] = terms.get(key, 0.0) + c["time_s"]
+        key = f"{c.kind} ({c.phase})"
+        terms[key] = terms.get(key, 0.0) + c.time_s
     return terms
 
 
 def assemble_plan(
-    ctx, choice: list[int], sol, settings: dict[str, Any], alternatives: list[dict[str, Any]], parts=None
+    ctx,
+    choice: list[int],
+    sol,
+    settings: PlanSettings,
+    alternatives: tuple[FamilyAlternative, ...] = (),
+    parts: Breakdown | None = None,
 ) -> Plan:
     """The ``Plan`` of ``choice`` (``parts``: its ``breakdown`` when the caller has it already)."""
-    graph = ctx.graph
     b = parts if parts is not None else breakdown(ctx, choice)
-    strat = b["strategies"]
-    mesh_shape = ctx.mesh.shape
-    params, inputs, nodes, fallback = {}, {}, {}, []
-    shown: dict = {}  # placement tuple -> its strings
+    params, inputs, nodes = _placements(ctx, b.strategies)
+    fallback = tuple(FallbackOp(name, e.op, e.module) for name, e in nodes.items() if e.fallback)
+    return Plan(
+        model=ctx.graph.model_name,
+        mesh=ctx.mesh,
+        settings=settings,
+        params=params,
+        inputs=inputs,
+        nodes=nodes,
+        collectives=b.collectives,
+        cost=b.cost,
+        memory=replace(b.memory, cap_bytes=settings.mem_cap_bytes),
+        fallback_ops=fallback,
+        family=classify(ctx, choice),
+        alternatives=tuple(alternatives),
+        search=_search_stats(ctx, sol),
+    )
+
+
+def _placements(ctx, strat) -> tuple[dict, dict, dict]:
+    """(params, inputs, nodes) of the plan: each graph value's placements under the strategies ``strat``."""
+    graph, mesh_shape = ctx.graph, ctx.mesh.shape
+    params: dict[str, ParamPlacement] = {}
+    inputs: dict[str, InputPlacement] = {}
+    nodes: dict[str, NodePlacement] = {}
     aliases: dict[str, list[str]] = {}
     for alias, canon in graph.tied.items():
         aliases.setdefault(canon, []).append(alias)
     for n in graph.nodes:
         s = strat[n.index]
         if n.kind == "param":
-            params[n.fqn] = {
-                "placements": _fmt(s.placement, shown),
-                "state_placements": _fmt(s.state, shown),
-                "shape": list(n.outputs[0].shape),
-                "local_shape": list(local_shape(n.outputs[0].shape, s.placement, mesh_shape)),
-                "tied_to": sorted(aliases.get(n.fqn, [])),
-            }
-            if any(s.partial_grad):  # uses' gradients summed as P(sum) on these axes, then reduced once
-                params[n.fqn]["partial_grad_axes"] = _axis_names(ctx, s.partial_grad)
+            params[n.fqn] = ParamPlacement(
+                placements=tuple(s.placement),
+                state_placements=tuple(s.state),
+                shape=tuple(n.outputs[0].shape),
+                local_shape=tuple(local_shape(n.outputs[0].shape, s.placement, mesh_shape)),
+                tied_to=tuple(sorted(aliases.get(n.fqn, []))),
+                # uses' gradients summed as P(sum) on these axes, then reduced once
+                partial_grad_axes=_axis_names(ctx, s.partial_grad),
+            )
         elif n.kind in ("input", "buffer"):
-            inputs[n.fqn or n.name] = {
-                "kind": n.kind,
-                "placements": _fmt(s.placement, shown),
-                "shape": list(n.outputs[0].shape),
-            }
-            if n.kind == "input" and graph.call is not None:  # how the call names it: batch['ids'], rest[0]
-                inputs[n.fqn]["path"] = graph.call.input_paths.get(n.fqn, n.fqn)
+            call = graph.call if n.kind == "input" else None  # how the call names it: batch['ids'], rest[0]
+            inputs[n.fqn or n.name] = InputPlacement(
+                placements=tuple(s.placement),
+                shape=tuple(n.outputs[0].shape),
+                kind=n.kind,
+                path=call.input_paths.get(n.fqn, n.fqn) if call is not None else None,
+            )
         else:
-            op = str(n.target)
-            nodes[n.name] = {
-                "op": op,
-                "module": n.module,
-                "inputs": [_fmt(p, shown) for p in s.inputs],
-                "outputs": [_fmt(p, shown) for p in s.outputs],
-                "kernels": [k for k in s.kernels],
-                "fallback": bool(s.fallback),
-            }
-            if any(s.partial_grad):  # backward runs on P(sum) gradients on these axes (OpStrategy)
-                nodes[n.name]["partial_grad_axes"] = _axis_names(ctx, s.partial_grad)
-            if n.index in ctx.recompute:  # recomputed in backward with its block (lower/recompute.py)
-                nodes[n.name]["recompute"] = ctx.recompute[n.index]
-            if s.fallback:
-                fallback.append({"node": n.name, "op": op, "module": n.module})
-    cap = settings.get("mem_cap_bytes")
-    memory = dict(b["memory"], cap_bytes=cap)
-    search = {
-        "solver": sol.solver,
-        "optimal": bool(sol.optimal),
-        "objective_ps": int(sol.time),
-        "objective_s": sol.time / PS_PER_S,
-        "num_nodes": len(ctx.tables.names),
-        "num_choices": int(sum(len(t) for t in ctx.tables.node_time_ps)),
-    }
-    if sol.stats.get("approximate"):  # past the width budget (search/minibucket.py): a bound, not a proof
-        search.update(approximate=True, why=str(sol.stats.get("why", "")))
-    if "gap" in sol.stats:  # approximate, or stopped once proven within planner.solving.PLAN_GAP of the optimum
-        search.update(lower_bound_ps=int(sol.stats.get("lower_bound", 0)), gap=float(sol.stats["gap"]))
-    return Plan(
-        model=graph.model_name,
-        mesh=ctx.mesh,
-        settings=settings,
-        params=params,
-        inputs=inputs,
-        nodes=nodes,
-        collectives=b["collectives"],
-        cost=b["cost"],
-        memory=memory,
-        fallback_ops=fallback,
-        family=classify(ctx, choice),
-        alternatives=alternatives,
-        search=search,
+            nodes[n.name] = NodePlacement(
+                op=str(n.target),
+                module=n.module,
+                inputs=tuple(tuple(p) for p in s.inputs),
+                outputs=tuple(tuple(p) for p in s.outputs),
+                kernels=tuple(s.kernels),
+                fallback=bool(s.fallback),
+                partial_grad_axes=_axis_names(ctx, s.partial_grad),  # backward on P(sum) gradients (OpStrategy)
+                recompute=ctx.recompute.get(n.index),  # recomputed in backward with its block (lower/recompute.py)
+            )
+    return params, inputs, nodes
+
+
+def _axis_names(ctx, flags) -> tuple[str, ...]:
+    return tuple(ctx.mesh.axis_names[a] for a, f in enumerate(flags) if f)
+
+
+def _search_stats(ctx, sol) -> SearchStats:
+    approximate = bool(sol.stats.get("approximate"))  # past the width budget (search/minibucket.py): a bound
+    gapped = "gap" in sol.stats  # approximate, or stopped once proven within planner.solving.PLAN_GAP
+    return SearchStats(
+        solver=sol.solver,
+        optimal=bool(sol.optimal),
+        objective_ps=int(sol.time),
+        objective_s=sol.time / PS_PER_S,
+        num_nodes=len(ctx.tables.names),
+        num_choices=int(sum(len(t) for t in ctx.tables.node_time_ps)),
+        approximate=approximate,
+        why=str(sol.stats.get("why", "")) if approximate else None,
+        lower_bound_ps=int(sol.stats.get("lower_bound", 0)) if gapped else None,
+        gap=float(sol.stats["gap"]) if gapped else None,
     )
 
 

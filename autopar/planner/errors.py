@@ -60,9 +60,14 @@ def cap_error(ctx, cap: int | None, err: InfeasibleError, keep) -> MemoryCapErro
     smallest = err.min_mem_bytes
     if sol is not None:
         choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
-        mem = breakdown(ctx, choice)["memory"]
-        smallest = max(smallest, mem["per_device_bytes"])  # that plan's step peaks there (autopar.cost.peak)
-        parts = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
+        mem = breakdown(ctx, choice).memory
+        smallest = max(smallest, mem.per_device_bytes)  # that plan's step peaks there (autopar.cost.peak)
+        parts = {
+            "params": mem.params_bytes,
+            "grads": mem.grads_bytes,
+            "optimizer": mem.optimizer_bytes,
+            "activations": mem.activations_bytes,
+        }
         top = max(parts, key=parts.get)
         lines.append(
             f"  {reaches} {format_bytes(smallest)}: "

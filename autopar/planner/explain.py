@@ -1,7 +1,7 @@
 """Why the search chose this plan: its cost terms against the best plan of each other family.
 
 ``render_explanation(plan)`` is what ``autopar plan --explain`` prints: a table of
-the step time split by what it is spent on (``Plan.cost["terms"]``: the ops'
+the step time split by what it is spent on (``Plan.cost.terms``: the ops'
 forward and backward, the optimizer step, each collective kind per phase at its
 exposed time), for the chosen plan and the best feasible plan of each family under
 the same cap, then one line per family naming the terms that differ most, in
@@ -40,27 +40,27 @@ def render_explanation(plan: Plan, *, width: int = 130) -> str:
     """The explanation text of ``plan`` (see the module docstring)."""
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
-    terms = plan.cost.get("terms")
+    terms = plan.cost.terms
     if not terms:
         con.print("explain: this plan carries no cost terms (written by an older autopar); plan it again")
         return buf.getvalue()
-    others = [a for a in plan.alternatives if a.get("feasible") and a.get("terms")]
+    others = [a for a in plan.alternatives if a.feasible and a.terms]
     table = Table(title="what the step time is spent on (exposed time)", title_justify="left")
     table.add_column("term")
     table.add_column(f"chosen ({plan.family})", justify="right")
     for a in others:
-        table.add_column(a["family"], justify="right")
+        table.add_column(a.family, justify="right")
     keys = sorted(
-        set(terms).union(*(a["terms"] for a in others)),
-        key=lambda k: -max([terms.get(k, 0.0)] + [a["terms"].get(k, 0.0) for a in others]),
+        set(terms).union(*(a.terms for a in others)),
+        key=lambda k: -max([terms.get(k, 0.0)] + [a.terms.get(k, 0.0) for a in others]),
     )
     for k in keys:
-        table.add_row(k, _ms(terms.get(k, 0.0)), *(_ms(a["terms"].get(k, 0.0)) for a in others))
-    table.add_row("step", _ms(plan.cost["total_s"]), *(_ms(a["total_s"]) for a in others), style="bold")
+        table.add_row(k, _ms(terms.get(k, 0.0)), *(_ms(a.terms.get(k, 0.0)) for a in others))
+    table.add_row("step", _ms(plan.cost.total_s), *(_ms(a.total_s) for a in others), style="bold")
     table.add_row(
         "peak memory / device",
-        format_bytes(plan.memory["per_device_bytes"]),
-        *(format_bytes(a["per_device_bytes"]) for a in others),
+        format_bytes(plan.memory.per_device_bytes),
+        *(format_bytes(a.per_device_bytes) for a in others),
     )
     con.print(table)
     if note := describe_output_gather(plan):
@@ -68,24 +68,24 @@ def render_explanation(plan: Plan, *, width: int = 130) -> str:
     if not plan.alternatives:
         con.print("no family comparison was made (--no-compare): plan without it to see what decided")
     for a in plan.alternatives:
-        if not a.get("feasible"):
+        if not a.feasible:
             con.print(
-                f"- {a['family']}: no plan fits the cap"
-                if a.get("min_per_device_bytes")
-                else f"- {a['family']}: no plan in this family"
+                f"- {a.family}: no plan fits the cap"
+                if a.min_per_device_bytes
+                else f"- {a.family}: no plan in this family"
             )
             continue
-        if not a.get("terms"):
+        if not a.terms:
             continue
-        delta = a["total_s"] - plan.cost["total_s"]
+        delta = a.total_s - plan.cost.total_s
         if abs(delta) < 1e-12:
-            con.print(f"- {a['family']}: as fast as the chosen plan (the same plan, or a tie)")
+            con.print(f"- {a.family}: as fast as the chosen plan (the same plan, or a tie)")
             continue
         parts = []
-        for k, d in deciding_terms(terms, a["terms"]):
+        for k, d in deciding_terms(terms, a.terms):
             parts.append(f"{'+' if d > 0 else '-'}{_ms(abs(d))} of {k}")
         con.print(
-            f"- vs {a['family']} ({'+' if delta > 0 else '-'}{_ms(abs(delta))} per step): it would spend "
+            f"- vs {a.family} ({'+' if delta > 0 else '-'}{_ms(abs(delta))} per step): it would spend "
             + ", ".join(parts)
         )
     return buf.getvalue()

@@ -32,18 +32,31 @@ fix); ``autopar.planner.hints`` adds the hint, the tensor and the mesh to the me
 
 from __future__ import annotations
 
+import ast
 import itertools
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from autopar.pieces import unlayable_reason
 from autopar.mesh import Mesh
+from autopar.models import tomllib
+from autopar.pieces import unlayable_reason
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placement
 from autopar.spec import local_shape
 
-__all__ = ["Layout", "LayoutSpec", "HintProblem", "parse_hint_placements", "operand_placements", "fit_problem"]
+__all__ = [
+    "Layout",
+    "LayoutSpec",
+    "HintProblem",
+    "fit_problem",
+    "hint_from_text",
+    "hints_from_file",
+    "operand_placements",
+    "parse_hint_placements",
+]
 
 
 # ---- MindSpore-style Layout ------------------------------------------------------------------
@@ -252,3 +265,66 @@ def _axes_for(factor: int, free: list[int], mesh: Mesh) -> tuple[int, ...]:
         f"factor {factor} is no product of the free mesh axes {sizes}",
         "use factors that are mesh axis sizes or products of them (1: not split), or a Layout",
     )
+
+
+# ---- hints as text: the command line's --hint and --hints FILE -----------------------------
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside parentheses and brackets (``S(1)[3],R`` -> ``['S(1)[3]', 'R']``)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
+
+
+def hint_from_text(text: str) -> tuple[str, object]:
+    """(pattern, value) of one hint written ``PATTERN=VALUE``: placements split on top-level commas
+    (``'*.mlp.c_fc.weight=R,S(1)'``), ``replicate``, ``recompute``, or a MindSpore tuple
+    (``'encoder.layer.0.intermediate.dense=((2,1),(1,4))'``).  ``ValueError`` naming ``text`` otherwise."""
+    pattern, sep, value = text.partition("=")
+    if not sep or not pattern.strip() or not value.strip():
+        raise ValueError(
+            f"{text!r}: expected PATTERN=VALUE, e.g. '*.mlp.c_fc.weight=R,S(1)' or 'transformer.h.*=replicate'"
+        )
+    value = value.strip()
+    if value.startswith("(("):
+        try:
+            return pattern.strip(), ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{text!r}: {value} is not a tuple like ((2, 1), (1, 4))") from None
+    return pattern.strip(), value if value.lower() in ("replicate", "recompute") else _split_top_level(value)
+
+
+def hints_from_file(path: str) -> dict:
+    """The table of ``pattern = value`` hints in a JSON or TOML file (lists of placements, ``"replicate"``, or
+    ``[[2, 1], [1, 4]]``); ``ValueError`` naming the file, what is wrong and the fix."""
+    file = Path(path)
+    if not file.is_file():
+        why = "is a folder" if file.is_dir() else "no such file"
+        raise ValueError(f"{path}: {why}; pass a .json or .toml file of pattern = value")
+    try:
+        text = file.read_text()
+        hints = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file; pass a .json or .toml file of pattern = value") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+            'fix the file, e.g. {"*.mlp.c_fc.weight": ["R", "S(1)"]}, or name a .toml file'
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(
+            f'{path}: not valid TOML ({e}); fix the file, e.g. \'"*.mlp.c_fc.weight" = ["R", "S(1)"]\''
+        ) from None
+    if not isinstance(hints, dict):
+        raise ValueError(
+            f"{path}: expected a table of pattern = value, got a {type(hints).__name__}; "
+            'write e.g. {"*.mlp.c_fc.weight": ["R", "S(1)"]}'
+        )
+    return hints

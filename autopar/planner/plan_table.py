@@ -25,7 +25,8 @@ from rich.table import Table
 
 from autopar.units import format_bytes
 
-if TYPE_CHECKING:  # a type only: the Plan imports this module for Plan.table()
+if TYPE_CHECKING:  # types only: the Plan imports this module for Plan.table()
+    from .plan_parts import Collective, SearchStats
     from .schema import Plan
 
 __all__ = ["render_table", "group_name", "describe_plan"]
@@ -70,43 +71,44 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.3f} ms"
 
 
-def _optimality(search: dict) -> str:
-    if search.get("approximate") and search["optimal"]:
+def _optimality(search: SearchStats) -> str:
+    if search.approximate and search.optimal:
         return "approximate search, its plan proven fastest by its lower bound"
-    if search.get("approximate"):
-        return f"approximate search, within {100 * search['gap']:.2f}% of its lower bound"
-    if search.get("budget_hit"):
-        if "gap" in search:
-            proven = f"within {100 * search['gap']:.3f}% of the optimum (proven by its lower bound)"
+    if search.approximate:
+        return f"approximate search, within {100 * search.gap:.2f}% of its lower bound"
+    if search.budget_hit:
+        if search.gap is not None:
+            proven = f"within {100 * search.gap:.3f}% of the optimum (proven by its lower bound)"
         else:
-            proven = "optimal under its memory bound" if search["optimal"] else "not proven optimal"
+            proven = "optimal under its memory bound" if search.optimal else "not proven optimal"
         return (
-            f"{proven}; the search stopped at its time budget ({search['budget_s']:g} s): "
+            f"{proven}; the search stopped at its time budget ({search.budget_s:g} s): "
             "a larger search_budget_s may find a faster plan"
         )
-    if not search["optimal"] and "gap" in search:  # stopped once proven close (planner.solving.PLAN_GAP)
-        return f"within {100 * search['gap']:.3f}% of the optimum (proven by its lower bound)"
-    return "optimal" if search["optimal"] else "not proven optimal"
+    if not search.optimal and search.gap is not None:  # stopped once proven close (planner.solving.PLAN_GAP)
+        return f"within {100 * search.gap:.3f}% of the optimum (proven by its lower bound)"
+    return "optimal" if search.optimal else "not proven optimal"
 
 
 def describe_recompute(plan: Plan) -> str:
-    """The ``recompute:`` line: what backward recomputes (``planner.recompute_tables``: blocks, or selective regions)."""
-    rest = plan.search.get("recompute_rest", [])
-    regions = sorted({e["recompute"] for e in plan.nodes.values() if "recompute" in e} - set(rest), key=_natural)
-    asked = plan.settings.get("recompute", "auto")
+    """The ``recompute:`` line: what backward recomputes (``planner.recompute_tables``: blocks, or selective
+    regions)."""
+    rest = plan.search.recompute_rest
+    regions = sorted({e.recompute for e in plan.nodes.values() if e.recompute} - set(rest), key=_natural)
+    asked = plan.settings.recompute
     compared = _recompute_compared(plan)
     also = f", and outside the layers {' and '.join(rest)}" if rest else ""
     if not regions and not rest:
         return f"recompute: none (recompute={asked}){compared}"
     shown = ", ".join(regions) if len(regions) <= 4 else f"{regions[0]} .. {regions[-1]}"
-    layers = plan.search.get("recompute_layers")
-    if plan.search.get("recompute_mode") == "per layer" and layers:
+    layers = plan.search.recompute_layers
+    if plan.search.recompute_mode == "per layer" and layers:
         return (
-            f"recompute: per layer, {layers['full']} whole, {layers['selective']} selectively, {layers['none']} "
+            f"recompute: per layer, {layers.full} whole, {layers.selective} selectively, {layers.none} "
             f"not ({len(regions)} regions: {shown}){also}: forward run again in backward, only their inputs kept "
             f"(recompute={asked}){compared}"
         )
-    what = "selective regions" if plan.search.get("recompute_mode") == "selective" else "blocks"
+    what = "selective regions" if plan.search.recompute_mode == "selective" else "blocks"
     return (
         f"recompute: {len(regions)} {what} ({shown}){also}: forward run again in backward, only their inputs "
         f"kept (recompute={asked}){compared}"
@@ -116,17 +118,19 @@ def describe_recompute(plan: Plan) -> str:
 def _recompute_compared(plan: Plan) -> str:
     """``; searched under the cap: none ..., selective ..., full ...`` when ``recompute="auto"`` searched them
     (a mode whose lower bound was above the plan met already: ``at least ...``)."""
-    modes = plan.search.get("recompute_modes")
+    modes = plan.search.recompute_modes
     if not modes:
         return ""
     parts = []
     for m in modes:
-        if m["feasible"] is None:
-            parts.append(f"{m['recompute']} at least {m['at_least_s'] * 1e3:.3f} ms (bound)")
-        elif m["feasible"]:
-            parts.append(f"{m['recompute']} {m['total_s'] * 1e3:.3f} ms, {format_bytes(m['per_device_bytes'])}")
+        if m.feasible is None and m.at_least_s is None:
+            parts.append(f"{m.recompute} not searched ({m.skipped})")
+        elif m.feasible is None:
+            parts.append(f"{m.recompute} at least {m.at_least_s * 1e3:.3f} ms (bound)")
+        elif m.feasible:
+            parts.append(f"{m.recompute} {m.total_s * 1e3:.3f} ms, {format_bytes(m.per_device_bytes)}")
         else:
-            parts.append(f"{m['recompute']} no plan (least {format_bytes(m['min_per_device_bytes'])})")
+            parts.append(f"{m.recompute} no plan (least {format_bytes(m.min_per_device_bytes)})")
     return "; searched under the cap: " + "; ".join(parts)
 
 
@@ -143,15 +147,15 @@ def describe_output_gather(plan: Plan) -> str:
     """A note when gathering the model's outputs whole onto every rank takes a large share of the step
     (``OUTPUT_GATHER_SHARE``), with the ways out; '' otherwise.  The module returns its outputs full on every
     rank unless told otherwise: a model returning logits for a loss computed outside gathers them all."""
-    gathers = [c for c in plan.collectives if c.get("output")]
-    spent = sum(c["time_s"] for c in gathers)
-    step = plan.cost["total_s"]
+    gathers = [c for c in plan.collectives if c.output]
+    spent = sum(c.time_s for c in gathers)
+    step = plan.cost.total_s
     if not gathers or spent < OUTPUT_GATHER_SHARE * step:
         return ""
-    what = ", ".join(dict.fromkeys(c["module"] or c["tensor"] for c in gathers))
+    what = ", ".join(dict.fromkeys(c.module or c.tensor for c in gathers))
     return (
         f"note: gathering the model's outputs onto every rank ({what}: "
-        f"{format_bytes(sum(c['bytes'] for c in gathers))} moved) takes {_ms(spent)} of the {_ms(step)} step "
+        f"{format_bytes(sum(c.bytes for c in gathers))} moved) takes {_ms(spent)} of the {_ms(step)} step "
         f"({spent / step:.0%}); return the loss from the model (pass labels) so that only it is gathered, or keep "
         "the output sharded with output_placements= (autopar.plan / autopar.compile)"
     )
@@ -163,7 +167,7 @@ def describe_nodes(plan: Plan) -> str:
 
     s = plan.settings
     try:
-        profile = load_profile(s["profile"]).with_devices_per_node(s.get("devices_per_node"))
+        profile = load_profile(s.profile).with_devices_per_node(s.devices_per_node)
     except ValueError:  # a profile file of another machine: nothing to read the links from
         return ""
     shape, names = plan.mesh.shape, plan.mesh.axis_names
@@ -184,19 +188,18 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
     s = plan.settings
     con.print(
         f"autopar plan: {plan.model} on mesh {dict(zip(plan.mesh.axis_names, plan.mesh.shape))}, "
-        f"profile {s['profile']}, {s['dtype']}, {s['optimizer']}, cap {format_bytes(s.get('mem_cap_bytes'))}, "
-        f"solver {s['solver']} ({_optimality(plan.search)})"
+        f"profile {s.profile}, {s.dtype}, {s.optimizer}, cap {format_bytes(s.mem_cap_bytes)}, "
+        f"solver {s.solver} ({_optimality(plan.search)})"
     )
     con.print(describe_plan(plan.family))
     if nodes := describe_nodes(plan):
         con.print(nodes)
     con.print(describe_recompute(plan))
-    if plan.hints:
-        h = plan.hints
-        ops = sum(len(e["inputs"]) + len(e["outputs"]) for e in h.get("ops", {}).values())
-        regions = f", regions kept replicated: {', '.join(h['replicate'])}" if h.get("replicate") else ""
+    if (h := plan.hints) is not None:
+        ops = sum(len(e.inputs) + len(e.outputs) for e in h.ops.values())
+        regions = f", regions kept replicated: {', '.join(h.replicate)}" if h.replicate else ""
         con.print(
-            f"hints: {len(h.get('params', {}))} parameters, {len(h.get('inputs', {}))} inputs and {ops} op "
+            f"hints: {len(h.params)} parameters, {len(h.inputs)} inputs and {ops} op "
             f"tensors given{regions}; the search chose the rest"
         )
     con.print(_params_table(plan))
@@ -209,7 +212,7 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
     if plan.fallback_ops:
         ops = defaultdict(int)
         for f in plan.fallback_ops:
-            ops[f["op"]] += 1
+            ops[f.op] += 1
         con.print("fallback ops (replicated, no rule): " + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items())))
     else:
         con.print("fallback ops: none")
@@ -218,7 +221,7 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
 
 def _params_table(plan: Plan) -> Table:
     t = Table(title="parameters (per group)", title_justify="left")
-    hinted = plan.hints.get("params", {})
+    hinted = plan.hints.params if plan.hints is not None else {}
     for col in ("parameter", "count", "shape", "placements", "state", "local shape") + (("given",) if hinted else ()):
         t.add_column(col)
     groups: dict[str, list] = defaultdict(list)
@@ -226,14 +229,14 @@ def _params_table(plan: Plan) -> Table:
         groups[group_name(fqn)].append((p, "hint" if fqn in hinted else "search"))
     for name, members in groups.items():
         keys = [
-            (tuple(p["placements"]), tuple(p["state_placements"]), tuple(p["local_shape"]), given)
+            (tuple(map(str, p.placements)), tuple(map(str, p.state_placements)), p.local_shape, given)
             for p, given in members
         ]
         for pl, st, loc, given in sorted(set(keys)):
             row = [
                 name,
                 str(keys.count((pl, st, loc, given))),
-                str(tuple(members[0][0]["shape"])),
+                str(members[0][0].shape),
                 ",".join(pl),
                 "same" if st == pl else ",".join(st),
                 str(loc),
@@ -242,12 +245,12 @@ def _params_table(plan: Plan) -> Table:
     return t
 
 
-def _collective_module(c: dict, param_of: dict[str, str]) -> str:
+def _collective_module(c: Collective, param_of: dict[str, str]) -> str:
     """The module a collective belongs to; a parameter's own collectives (its optimizer-step all-gather, its
     summed gradient's reduction) are issued by the parameter node, which has no module: use the parameter's."""
-    if c["module"]:
-        return c["module"]
-    fqn = param_of.get(c["tensor"])
+    if c.module:
+        return c.module
+    fqn = param_of.get(c.tensor)
     return fqn.rpartition(".")[0] if fqn else ""
 
 
@@ -277,16 +280,16 @@ def _collectives_table(plan: Plan) -> Table:
     agg: dict[tuple, list] = defaultdict(list)
     for c in plan.collectives:
         module = _collective_module(c, param_of)
-        agg[(group_name(module) or "<top>", c["kind"], c["axis"], c["phase"])].append((module, c))
+        agg[(group_name(module) or "<top>", c.kind, c.axis, c.phase)].append((module, c))
     for (mod, kind, axis, phase), items in sorted(agg.items()):
         per_block: dict[str, int] = defaultdict(int)
         for module, _ in items:
             per_block[_block_of(module) or ""] += 1
         blocks = len(per_block)
-        sizes = sorted({c["bytes"] for _, c in items})
+        sizes = sorted({c.bytes for _, c in items})
         size = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}"
-        exposed = sum(c["time_s"] for _, c in items) / blocks
-        hidden = sum(c.get("hidden_s", 0.0) for _, c in items) / blocks
+        exposed = sum(c.time_s for _, c in items) / blocks
+        hidden = sum(c.hidden_s for _, c in items) / blocks
         t.add_row(mod, kind, axis, phase, _count(per_block), size, _ms(exposed), _ms(hidden) if hidden > 0 else "-")
     return t
 
@@ -296,43 +299,45 @@ def _totals_table(plan: Plan) -> Table:
     t.add_column("quantity")
     t.add_column("value")
     c, m = plan.cost, plan.memory
-    t.add_row("step time", f"{_ms(c['total_s'])} = compute {_ms(c['compute_s'])} + communication {_ms(c['comm_s'])}")
-    t.add_row("memory", f"{format_bytes(m['per_device_bytes'])} of cap {format_bytes(m.get('cap_bytes'))}")
-    for k in ("params", "grads", "optimizer", "activations"):
-        t.add_row(f"  {k}", format_bytes(m[k]))
+    t.add_row("step time", f"{_ms(c.total_s)} = compute {_ms(c.compute_s)} + communication {_ms(c.comm_s)}")
+    t.add_row("memory", f"{format_bytes(m.per_device_bytes)} of cap {format_bytes(m.cap_bytes)}")
+    t.add_row("  params", format_bytes(m.params_bytes))
+    t.add_row("  grads", format_bytes(m.grads_bytes))
+    t.add_row("  optimizer", format_bytes(m.optimizer_bytes))
+    t.add_row("  activations", format_bytes(m.activations_bytes))
     return t
 
 
 def _families_table(plan: Plan) -> Table:
-    without = " (without the hints)" if plan.hints else ""
+    without = " (without the hints)" if plan.hints is not None else ""
     t = Table(title=f"why this plan: best plan of each family under the same cap{without}", title_justify="left")
     for col in ("family", "step time", "compute", "communication", "memory / device", "fits cap"):
         t.add_column(col)
     t.add_row(
         f"chosen ({plan.family})",
-        _ms(plan.cost["total_s"]),
-        _ms(plan.cost["compute_s"]),
-        _ms(plan.cost["comm_s"]),
-        format_bytes(plan.memory["per_device_bytes"]),
+        _ms(plan.cost.total_s),
+        _ms(plan.cost.compute_s),
+        _ms(plan.cost.comm_s),
+        format_bytes(plan.memory.per_device_bytes),
         "yes",
     )
     for a in plan.alternatives:
-        if a["feasible"]:
+        if a.feasible:
             t.add_row(
-                a["family"],
-                _ms(a["total_s"]),
-                _ms(a["compute_s"]),
-                _ms(a["comm_s"]),
-                format_bytes(a["per_device_bytes"]),
+                a.family,
+                _ms(a.total_s),
+                _ms(a.compute_s),
+                _ms(a.comm_s),
+                format_bytes(a.per_device_bytes),
                 "yes",
             )
         else:
             t.add_row(
-                a["family"] + (f" (no plan: {a['why']})" if a.get("why") else ""),
+                a.family + (f" (no plan: {a.why})" if a.why else ""),
                 "-",
                 "-",
                 "-",
-                f">= {format_bytes(a['min_per_device_bytes'])}" if a.get("min_per_device_bytes") else "no plan",
+                f">= {format_bytes(a.min_per_device_bytes)}" if a.min_per_device_bytes else "no plan",
                 "no",
             )
     return t

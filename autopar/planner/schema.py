@@ -2,48 +2,31 @@
 
 ``Plan.to_dict()`` gives the schema below (``SCHEMA_VERSION``); ``Plan.to_json()``
 writes it with sorted keys so the same inputs give a byte-identical file, and
-``Plan.from_json()`` reads it back without re-solving.  Wall-clock timings of the
-planner are kept in ``Plan.timings`` and never written, for the same reason.
+``Plan.from_json()`` reads it back without re-solving, in this version or the one
+before it.  Wall-clock timings of the planner are kept in ``Plan.timings`` and never
+written, for the same reason.
 
-Schema (placements in the printed form, one entry per mesh axis)::
+The fields are the typed values of ``planner.plan_parts``, and their JSON is their fields
+by name (placements printed, one entry per mesh axis; a field holding a "nothing"
+default left out)::
 
     schema_version, model, mesh {shape, axis_names, ranks},
-    settings {profile, dtype, optimizer, mem_cap_bytes, solver},
-    params {FQN: {placements, state_placements, shape, local_shape, tied_to[, partial_grad_axes]}},
-    inputs {name: {placements, shape}},
-    nodes {fx name: {op, module, inputs, outputs, kernels, fallback[, partial_grad_axes][, recompute]}},
-    collectives [{kind, axis, phase, bytes, node, module, tensor, reduce_op, time_s, hidden_s}],
-    cost {compute_s, comm_s, total_s},
-    memory {per_device_bytes, params, grads, optimizer, activations, cap_bytes},
-    fallback_ops [{node, op, module}],
-    family, alternatives [{family, feasible, total_s, compute_s, comm_s, per_device_bytes}]
-           (an infeasible family also says whether that is ``proven`` and its ``min_per_device_bytes``),
-    search {solver, optimal, objective_ps, num_nodes, num_choices,
-            lower_bound_ps, gap ((plan time - bound) / plan time) when optimal is false and a bound is
-            known: the search stopped once its plan was proven within ``planner.solving.PLAN_GAP`` of the
-            optimum, or the problem was too wide to search exactly (``search/minibucket.py``, with
-            approximate: true, why)},
-    hints {params {FQN: placements}, inputs {name: placements},
-           ops {fx name: {inputs {pos: placements}, outputs {index: placements}}}, replicate [patterns]}
-           (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``)
+    settings PlanSettings, params {FQN: ParamPlacement}, inputs {name: InputPlacement},
+    nodes {fx name: NodePlacement}, collectives [Collective], cost PlanCost, memory PlanMemory,
+    fallback_ops [FallbackOp], family, alternatives [FamilyAlternative], search SearchStats,
+    hints PlanHints (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``)
 
-``time_s`` of a collective is what it adds to the step (its exposed time) and
-``hidden_s`` the part that overlaps with backward compute (parameter-gradient
-reductions; ``DeviceProfile.grad_reduce_overlap``), so ``time_s + hidden_s`` is its
-whole ring time.  ``phase`` is ``forward``, ``backward`` or ``optimizer`` (the
-all-gather of updated parameters after a ZeRO-sharded optimizer step).
-``partial_grad_axes`` (only when
-not empty) names the axes where a node's backward runs on ``P(sum)`` gradients, or
-where a parameter read by several ops sums its uses' partial gradients before one
-reduction (``OpStrategy`` / ``SourceStrategy`` in ``strategies.base`` / ``candidates``).
+Version 1 (read by ``from_dict``) named the memory parts without their unit
+(``params``, ``grads``, ``optimizer``, ``activations``); version 2 names them
+``params_bytes`` ... as the other sizes are named.
 
-``recompute`` (only when set) names the region, a repeated block such as
+``recompute`` of a node (only when set) names the region, a repeated block such as
 ``model.layers.3``, that the op is recomputed with in backward instead of saving its
 tensors (``lower/recompute.py`` runs it under ``torch.utils.checkpoint``); the
 planner chooses it (``planner/recompute_tables.py``) and prices it: the forward run again
-in the node times, the blocks' activations out of ``memory.activations`` and back in
+in the node times, the blocks' activations out of ``memory.activations_bytes`` and back in
 the backward peak, and the moves and collectives the recomputation runs again in
-``collectives`` with ``"recompute": true`` (phase ``forward``, as the runtime counts them).
+``collectives`` with ``recompute`` true (phase ``forward``, as the runtime counts them).
 ``settings.recompute`` is what was asked (``auto``, ``none``, ``selective``, ``full``);
 ``search.recompute_mode`` what the plan does.
 
@@ -56,91 +39,67 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from autopar.mesh import Mesh
-from autopar.placement import Placement, format_placements, parse_placements
+
+from .plan_parts import (
+    Collective,
+    FallbackOp,
+    FamilyAlternative,
+    InputPlacement,
+    NodePlacement,
+    ParamPlacement,
+    PlanCost,
+    PlanHints,
+    PlanMemory,
+    PlanSettings,
+    SearchStats,
+    from_json_value,
+    to_json_value,
+)
 
 __all__ = ["Plan", "FAMILIES", "SCHEMA_VERSION", "check_writable"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: The plan families a plan may be forced into (``Plan.family``; ``plan(family=...)``).
 FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
-
-
-#: The fields ``Plan.from_dict`` needs, with the JSON type each must have (``hints`` is optional).
-_FIELDS: dict[str, type] = {
-    "model": str,
-    "mesh": dict,
-    "settings": dict,
-    "params": dict,
-    "inputs": dict,
-    "nodes": dict,
-    "collectives": list,
-    "cost": dict,
-    "memory": dict,
-    "fallback_ops": list,
-    "family": str,
-    "alternatives": list,
-    "search": dict,
+#: Version 1's memory keys, by the name version 2 gives them.
+_V1_MEMORY = {"params_bytes": "params", "grads_bytes": "grads", "optimizer_bytes": "optimizer"} | {
+    "activations_bytes": "activations"
 }
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, slots=True, repr=False)
 class Plan:
-    """A chosen training plan (see the module docstring for the fields)."""
+    """A chosen training plan (see the module docstring and ``planner.plan_parts`` for the fields)."""
 
     model: str
     mesh: Mesh
-    settings: dict[str, Any]
-    params: dict[str, dict[str, Any]]
-    inputs: dict[str, dict[str, Any]]
-    nodes: dict[str, dict[str, Any]]
-    collectives: list[dict[str, Any]]
-    cost: dict[str, float]
-    memory: dict[str, int | None]
-    fallback_ops: list[dict[str, str]]
+    settings: PlanSettings
+    params: dict[str, ParamPlacement]
+    inputs: dict[str, InputPlacement]
+    nodes: dict[str, NodePlacement]
+    collectives: tuple[Collective, ...]
+    cost: PlanCost
+    memory: PlanMemory
+    fallback_ops: tuple[FallbackOp, ...]
     family: str
-    alternatives: list[dict[str, Any]]
-    search: dict[str, Any]
-    timings: dict[str, float] = field(default_factory=dict)
-    hints: dict[str, Any] = field(default_factory=dict)
-
-    # ---- convenience ------------------------------------------------------------------
-    def param_placements(self, fqn: str) -> tuple[Placement, ...]:
-        return parse_placements(self.params[fqn]["placements"])
-
-    def collectives_of(
-        self, *, kind: str | None = None, phase: str | None = None, module_prefix: str | None = None
-    ) -> list[dict[str, Any]]:
-        return [
-            c
-            for c in self.collectives
-            if (kind is None or c["kind"] == kind)
-            and (phase is None or c["phase"] == phase)
-            and (module_prefix is None or c["module"] == module_prefix or c["module"].startswith(module_prefix + "."))
-        ]
+    alternatives: tuple[FamilyAlternative, ...]
+    search: SearchStats
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> wall-clock seconds; never written
+    hints: PlanHints | None = None
 
     # ---- serialization ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "model": self.model,
-            "mesh": self.mesh.to_dict(),
-            "settings": self.settings,
-            "params": self.params,
-            "inputs": self.inputs,
-            "nodes": self.nodes,
-            "collectives": self.collectives,
-            "cost": self.cost,
-            "memory": self.memory,
-            "fallback_ops": self.fallback_ops,
-            "family": self.family,
-            "alternatives": self.alternatives,
-            "search": self.search,
-        } | ({"hints": self.hints} if self.hints else {})
+        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mesh": self.mesh.to_dict()}
+        for f in fields(self):
+            if f.name not in ("mesh", "timings", "hints"):
+                out[f.name] = to_json_value(getattr(self, f.name))
+        return out | ({"hints": to_json_value(self.hints)} if self.hints is not None else {})
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON text; also written to ``path`` when given (its folder must exist)."""
@@ -152,52 +111,44 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "plan") -> Plan:
-        """The plan of ``to_dict()``; ``source`` names where ``d`` came from in errors (a file, "plan")."""
+        """The plan of ``to_dict()`` (this version's or the one before); ``source`` names where ``d`` came from
+        in errors (a file, "plan")."""
         if not isinstance(d, dict):
             raise ValueError(
                 f"{source}: expected a JSON object (the dict Plan.to_dict() gives), got a {type(d).__name__}; "
                 "pass a plan written by plan.to_json() or `autopar plan ... -o plan.json`"
             )
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in (SCHEMA_VERSION - 1, SCHEMA_VERSION):
             raise ValueError(
-                f"{source}: plan schema_version {version!r}: this autopar reads version {SCHEMA_VERSION}; "
-                "re-create the plan with `autopar plan ... -o plan.json`"
+                f"{source}: plan schema_version {version!r}: this autopar reads versions {SCHEMA_VERSION - 1} and "
+                f"{SCHEMA_VERSION}; re-create the plan with `autopar plan ... -o plan.json`"
             )
-        missing = [k for k in _FIELDS if k not in d]
-        problems = (
-            [f"missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"] if missing else []
-        )
-        problems += [
-            f"field {k!r} is a {type(d[k]).__name__}, expected a {_FIELDS[k].__name__}"
-            for k in _FIELDS
-            if k in d and not isinstance(d[k], _FIELDS[k])
-        ]
-        if problems:
+        types = typing.get_type_hints(cls)
+        required = [f.name for f in fields(cls) if f.name not in ("timings", "hints")]
+        missing = [k for k in required if k not in d]
+        if missing:
             raise ValueError(
-                f"{source}: not a complete autopar plan ({'; '.join(problems)}); re-create it with plan.to_json() "
-                "or `autopar plan ... -o plan.json` and do not edit it by hand"
+                f"{source}: not a complete autopar plan (missing field{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(repr, missing))}); re-create it with plan.to_json() or `autopar plan ... -o "
+                "plan.json` and do not edit it by hand"
             )
+        if version == SCHEMA_VERSION - 1:
+            d = _from_v1(d, source)
         try:
             mesh = Mesh.from_dict(d["mesh"])
-        except ValueError as e:
+        except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{source}: field 'mesh': {e}; re-create the plan") from None
-        return cls(
-            model=d["model"],
-            mesh=mesh,
-            settings=d["settings"],
-            params=d["params"],
-            inputs=d["inputs"],
-            nodes=d["nodes"],
-            collectives=d["collectives"],
-            cost=d["cost"],
-            memory=d["memory"],
-            fallback_ops=d["fallback_ops"],
-            family=d["family"],
-            alternatives=d["alternatives"],
-            search=d["search"],
-            hints=d.get("hints", {}),
-        )
+        strict = version == SCHEMA_VERSION  # an older plan may carry keys no longer written
+        try:
+            named = [k for k in (*required, "hints") if k in d and k != "mesh"]
+            parts = {k: from_json_value(types[k], d[k], k, strict=strict) for k in named}
+        except ValueError as e:
+            raise ValueError(
+                f"{source}: not an autopar plan of version {version} (field {e}); re-create it with "
+                "plan.to_json() or `autopar plan ... -o plan.json` and do not edit it by hand"
+            ) from None
+        return cls(mesh=mesh, **parts)
 
     @classmethod
     def from_json(cls, source: str | Path) -> Plan:
@@ -206,7 +157,8 @@ class Plan:
         A ``Path`` is always a file.  A ``str`` is JSON text when it starts (after
         whitespace) with ``{`` or ``[``, and a file path otherwise.  A missing file,
         text that is not JSON and JSON that is not a plan raise ``ValueError`` naming
-        the file (or ``plan JSON text``) and what is wrong.
+        the file (or ``plan JSON text``) and what is wrong.  Plans of this version and
+        of the one before it are read (``SCHEMA_VERSION``).
         """
         if not isinstance(source, (str, Path)):
             raise TypeError(
@@ -241,12 +193,10 @@ class Plan:
     def __repr__(self) -> str:
         from autopar.units import format_bytes
 
-        cap = self.memory.get("cap_bytes")
-        total = self.cost.get("total_s")
-        step = "?" if total is None else f"{total * 1e3:.3f} ms"
+        m = self.memory
         return (
-            f"<Plan {self.model} on {self.mesh}: {self.family}; step {step}, "
-            f"memory {format_bytes(self.memory.get('per_device_bytes'))} per device of cap {format_bytes(cap)}; "
+            f"<Plan {self.model} on {self.mesh}: {self.family}; step {self.cost.total_s * 1e3:.3f} ms, "
+            f"memory {format_bytes(m.per_device_bytes)} per device of cap {format_bytes(m.cap_bytes)}; "
             "plan.table() for the full report>"
         )
 
@@ -255,6 +205,16 @@ class Plan:
         from .plan_table import render_table
 
         return render_table(self, width=width)
+
+
+def _from_v1(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """A version-1 plan dict in version 2's names (the memory parts with their unit)."""
+    memory = d["memory"]
+    if not isinstance(memory, dict):
+        raise ValueError(f"{source}: field 'memory' is a {type(memory).__name__}, expected an object; re-create it")
+    renamed = {new: memory[old] for new, old in _V1_MEMORY.items() if old in memory}
+    kept = {k: v for k, v in memory.items() if k not in _V1_MEMORY.values()}
+    return dict(d, memory=kept | renamed)
 
 
 def check_writable(path: str | Path, what: str) -> None:
@@ -267,7 +227,3 @@ def check_writable(path: str | Path, what: str) -> None:
         raise ValueError(f"{what} {str(path)!r}: folder {str(folder)!r} does not exist; create it or pass another path")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"{what} {str(path)!r}: folder {str(folder)!r} is not writable; pass another path")
-
-
-def placements_json(placements) -> list[str]:
-    return format_placements(placements)

@@ -1,21 +1,22 @@
 """Search one planning problem under a memory cap, check the step's peak, and assemble the plan.
 
 ``plan_under`` is what ``plan_from_context`` runs per recompute mode: it restricts the
-strategies (hints, a forced family, state sharding off), solves exactly
+strategies (hints, a forced family, state sharding off: ``SearchSpace``), solves exactly
 (``solve_problem``: the chained search over repeated layers, else the flat DP, or
 CP-SAT), checks the peak of the step (``cost.peak_memory``) against the cap and
-tightens the search's additive bound where the peak is above it, and assembles the
-``Plan``.  Given ``per_layer`` (the recompute regions of a few variants), every
-repeated layer takes the variant the chained search picks for it: recomputed or not,
-selectively or whole, per layer (``search.chain``'s variants; the planner's tables
-price each layer from its own choice alone, ``kept.py``).
+tightens the search's additive bound where the peak is above it (``PeakLoop``), and
+assembles the ``Plan``.  Given ``Recomputed.per_layer`` (the recompute regions of a few
+variants), every repeated layer takes the variant the chained search picks for it:
+recomputed or not, selectively or whole, per layer (``search.chain``'s variants; the
+planner's tables price each layer from its own choice alone, ``kept.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from autopar.capture import Blocks
@@ -24,7 +25,9 @@ from autopar.search import ChainError, Deadline, InfeasibleError, Solution, solv
 from .assemble import assemble_plan, breakdown
 from .errors import MemoryCapError, cap_error, no_plan_error
 from .families import family_restriction, param_nodes
-from .hints import ResolvedHints
+from .hints import ResolvedHints, resolve_hints
+from .options import PlanOptions
+from .plan_parts import FamilyAlternative, PlanSettings, hints_of
 from .problem_tables import to_problem
 from .recompute_tables import recomputed_tables
 from .schema import FAMILIES, Plan
@@ -32,249 +35,354 @@ from .schema import FAMILIES, Plan
 if TYPE_CHECKING:
     from .pipeline import PlanningContext
 
-__all__ = ["PLAN_GAP", "SEARCH_BUDGET_S", "family_plans", "plan_under", "solve_problem"]
+__all__ = [
+    "PLAN_GAP",
+    "PeakLoop",
+    "Recomputed",
+    "SearchRun",
+    "SearchSpace",
+    "family_plans",
+    "plan_under",
+    "solve_problem",
+]
 
 log = logging.getLogger(__name__)
 
 _PEAK_TRIES = 8
-_REFINE_TRIES = 3  # searches at PLAN_GAP of the peak loop's plan (``_refine``)
+_REFINE_TRIES = 3  # searches at PLAN_GAP of the peak loop's plan (``PeakLoop.refine``)
 #: The planner's searches stop once their plan is proven within this share of the optimum (``rel_gap`` of
 #: ``search.solve_chain`` / ``search.solve_dp``): 2^-12, 16 times finer than the peak loop's tolerance (2^-8)
 #: and far below the cost model's own error (a few percent against measured steps).  Measured on a 96-layer
 #: GPT (8x8, per-layer recompute at a binding cap): proving the last 0.02% was 5 of the search's 7 s, over
 #: near-equal mixes of saved, selective and whole layers.
 PLAN_GAP = 2.0**-12
-#: The searches of the peak loop (``plan_under``) stop within this share of their optimum: the loop decides
+#: The searches of the peak loop (``PeakLoop``) stop within this share of their optimum: the loop decides
 #: between bounds at 2^-8 of the step, so finer probes buy nothing; the plan it keeps is searched again at
 #: ``PLAN_GAP`` (its bound's optimum, as every other plan's).
 PROBE_GAP = 2.0**-9
-#: The default wall-clock budget of a plan's search (``plan(search_budget_s=...)``): past it the planner returns
-#: the fastest plan it has met with the bound it proved.  Measured over ``scripts/sweep_search.py``'s 50
-#: configurations the slowest search took 14 s, so the budget is a guard for shapes nobody has tried, not a
-#: setting that changes ordinary plans.
-SEARCH_BUDGET_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class SearchRun:
+    """How one plan's searches run: the ``deadline`` they stop at (``PlanOptions.search_budget_s``, from when the
+    search began) and the ``progress(stage, done, total)`` callback (None: none)."""
+
+    deadline: Deadline | None = None
+    progress: Callable[[str, int, int], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recomputed:
+    """What backward recomputes in one search: the ops of ``regions`` (op node -> region; none when empty), or,
+    given ``per_layer`` (region maps each repeated layer chooses from; ``regions`` is then the first's), what
+    each layer picks.  ``per_rest``: more region maps, each one of ``per_layer``'s with the rest of the graph
+    recomputed too, which the rest with the first layer may take instead (the rest's choice and the first
+    layer's made together: ``search.chain``'s ``rest_variants``)."""
+
+    regions: dict[int, str]
+    per_layer: tuple[dict[int, str], ...] = ()
+    per_rest: tuple[dict[int, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One search's plan: its solution and its choice as indices into every node's strategies."""
+
+    sol: Solution
+    choice: list[int]
+
+    @property
+    def key(self) -> tuple:
+        """(choice, the variant each layer took): one choice of strategies may come back with other variants."""
+        return tuple(self.choice), tuple(self.sol.stats.get("block_variants", ()))
+
+
+@dataclass(frozen=True, slots=True)
+class NoFit:
+    """A search with no plan under its bound: the search's error (its least-memory plan) and the restricted
+    problem's kept strategies (``to_problem``'s ``keep``)."""
+
+    error: InfeasibleError
+    keep: Any
 
 
 def plan_under(
     ctx: PlanningContext,
     resolved: ResolvedHints,
-    cap: int | None,
-    regions: dict[int, str],
+    recomputed: Recomputed,
+    options: PlanOptions,
+    run: SearchRun,
     *,
-    solver: str,
-    allow_state_sharding: bool,
-    family: str | None,
-    progress,
     above: int | None = None,
-    per_layer: tuple[dict[int, str], ...] = (),
-    per_rest: tuple[dict[int, str], ...] = (),
     unless_over: int | None = None,
-    deadline: Deadline | None = None,
 ) -> Plan | None:
-    """``plan_from_context`` on a context its hints (``resolved``) were applied to, with the ops of ``regions``
-    recomputed (none when empty).  ``above``: the objective of a plan met already (another recompute mode's);
-    ``BeatenError`` when a bound proves every plan here slower.  ``per_layer``: region maps each repeated layer
-    chooses from (``regions`` is then the first's); ``ChainError`` when the layers do not chain.  ``per_rest``:
-    more region maps, each one of ``per_layer``'s with the rest of the graph recomputed too, which the rest with
-    the first layer may take instead (the rest's choice and the first layer's made together: ``search.chain``'s
-    ``rest_variants``).  ``unless_over``: None instead of the plan when its searched (additive) memory is above
-    it, before the plan is assembled (the planner asks whether the fastest plan fits a cap).  ``deadline``: the
+    """``plan_from_context`` on a context its hints (``resolved``) were applied to, under ``options.mem_cap``
+    (None: no cap) with ``options``' solver, family and state rule, the ops ``recomputed`` says recomputed.
+    ``above``: the objective of a plan met already (another recompute mode's); ``BeatenError`` when a bound
+    proves every plan here slower.  ``ChainError`` when ``recomputed.per_layer`` is given and the layers do not
+    chain.  ``unless_over``: None instead of the plan when its searched (additive) memory is above it, before
+    the plan is assembled (the planner asks whether the fastest plan fits a cap).  ``run.deadline``: the
     searches stop there (``search.deadline``) and so does the peak loop, keeping the fastest plan that fits."""
     t0 = time.perf_counter()
-    base = ctx
-    variant_tables = [recomputed_tables(ctx, r) for r in per_layer[1:]]  # the first is ``regions``'
-    rest_tables = [recomputed_tables(ctx, r) for r in per_rest]
-    if regions or per_layer:
-        ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
-    hinted = resolved.allowed(ctx.cand)
-    fam_node, allow_edge = family_restriction(ctx, family) if family else (None, None)
-    params = param_nodes(ctx)
+    space = SearchSpace(ctx, resolved, recomputed, options, run, above)
+    loop = PeakLoop(space, options.mem_cap, run.deadline)
+    best = loop.run(unless_over)
+    if best is None:
+        return None
+    here = space.contexts.get(best.key, space.ctx)
+    settings = PlanSettings(**here.settings, mem_cap_bytes=options.mem_cap, solver=options.solver)
+    result = assemble_plan(here, best.choice, best.sol, settings, (), space.parts.get(best.key))
+    search = replace(result.search, peak_searches=loop.searches)  # > 1: the peak, not the bound, held it back
+    if run.deadline is not None and (loop.late or best.sol.stats.get("budget_hit")):
+        search = replace(search, budget_hit=True, budget_s=run.deadline.budget_s)
+    if loop.lower is not None:
+        search = replace(search, peak_lower_ps=int(loop.lower))
+    timings = dict(space.ctx.timings, search_s=time.perf_counter() - t0)
+    return replace(result, timings=timings, hints=hints_of(resolved.record), search=search)
 
-    def allow_node(i: int, s: int) -> bool:
-        if i in hinted and s not in hinted[i]:
+
+class SearchSpace:
+    """The strategies one ``plan_under`` may choose from (hints, a forced family, state sharding off) and its
+    searches under a bound; the context and breakdown of each plan whose peak was checked, by ``Probe.key``
+    (per layer: the context with the regions its layers chose)."""
+
+    def __init__(self, ctx, resolved: ResolvedHints, recomputed: Recomputed, options: PlanOptions, run, above):
+        self.base, self.resolved, self.recomputed, self.options, self.run, self.above = (
+            ctx,
+            resolved,
+            recomputed,
+            options,
+            run,
+            above,
+        )
+        per_layer, regions = recomputed.per_layer, recomputed.regions
+        self.variant_tables = [recomputed_tables(ctx, r) for r in per_layer[1:]]  # the first is ``regions``'
+        self.rest_tables = [recomputed_tables(ctx, r) for r in recomputed.per_rest]
+        if regions or per_layer:
+            ctx = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
+        self.ctx = ctx
+        self.hinted = resolved.allowed(ctx.cand)
+        family = options.family
+        self.family_node, self.allow_edge = family_restriction(ctx, family) if family else (None, None)
+        self.params = param_nodes(ctx)
+        check_family_keeps_hints(ctx, family, self.hinted, self.allow_node)
+        # else allow_node is always True
+        self.restricted = bool(self.hinted) or not options.allow_state_sharding or self.family_node is not None
+        self.parts: dict[tuple, Any] = {}
+        self.contexts: dict[tuple, Any] = {}
+
+    def allow_node(self, i: int, s: int) -> bool:
+        if i in self.hinted and s not in self.hinted[i]:
             return False
-        if not allow_state_sharding and i in params:
-            st = ctx.cand.strategies[i][s]
+        if not self.options.allow_state_sharding and i in self.params:
+            st = self.ctx.cand.strategies[i][s]
             if st.state != st.placement:
                 return False
-        return fam_node is None or fam_node(i, s)
+        return self.family_node is None or self.family_node(i, s)
 
-    check_family_keeps_hints(ctx, family, hinted, allow_node)
-    restricted = bool(hinted) or not allow_state_sharding or fam_node is not None  # else allow_node is always True
-
-    def search(bound: int | None, gap: float | None = PROBE_GAP):
-        """(solution, choice) under ``bound``, within ``gap`` of its optimum; (None, the InfeasibleError, keep)
-        when nothing fits."""
-        allow = {"allow_node": allow_node if restricted else None, "allow_edge": allow_edge}
-        problem, keep = to_problem(ctx.tables, bound, **allow)
-        variants = tuple(to_problem(t, bound, **allow)[0] for t in variant_tables)
-        rests = tuple(to_problem(t, bound, **allow)[0] for t in rest_tables)
+    def search(self, bound: int | None, gap: float | None) -> Probe | NoFit:
+        """The plan under ``bound``, within ``gap`` of its optimum (None: ``PLAN_GAP``), or ``NoFit``."""
+        allow = {"allow_node": self.allow_node if self.restricted else None, "allow_edge": self.allow_edge}
+        problem, keep = to_problem(self.ctx.tables, bound, **allow)
+        variants = tuple(to_problem(t, bound, **allow)[0] for t in self.variant_tables)
+        rests = tuple(to_problem(t, bound, **allow)[0] for t in self.rest_tables)
+        solver, blocks = self.options.solver, self.ctx.blocks
         try:
-            sol = solve_problem(
-                problem, solver, ctx.blocks, progress, above, variants, rests, rel_gap=gap, deadline=deadline
-            )
+            sol = solve_problem(problem, solver, blocks, variants, rests, self.run, above=self.above, rel_gap=gap)
         except InfeasibleError as e:
-            if e.min_mem_bytes is None and hinted:
-                raise contradiction_error(ctx, resolved) from None
+            if e.min_mem_bytes is None and self.hinted:
+                raise contradiction_error(self.ctx, self.resolved) from None
             if e.min_mem_bytes is None:  # no plan at all in the restricted space, whatever the cap
-                raise no_plan_error(ctx, family, allow_state_sharding) from None
-            return None, e, keep
-        return sol, full_choice(sol, keep), keep
+                raise no_plan_error(self.ctx, self.options.family, self.options.allow_state_sharding) from None
+            return NoFit(e, keep)
+        return Probe(sol, self.full_choice(sol, keep))
 
-    def full_choice(sol: Solution, keep) -> list[int]:
+    def full_choice(self, sol: Solution, keep) -> list[int]:
         """``sol``'s choice as indices into every node's strategies (the restricted problem keeps some)."""
-        return [int(keep[i][c]) for i, c in enumerate(sol.choice)] if restricted else list(sol.choice)
+        return [int(keep[i][c]) for i, c in enumerate(sol.choice)] if self.restricted else list(sol.choice)
 
-    # (choice, the variant each layer took) -> the breakdown (the peak check's is the plan's) and the context (per
-    # layer: the regions its layers chose).  One choice of strategies may come back with other variants.
-    parts: dict[tuple, dict] = {}
-    contexts: dict[tuple, Any] = {}
+    def peak_of(self, probe: Probe) -> int:
+        """The step's peak memory of ``probe``'s plan (its breakdown and context kept)."""
+        per_layer = self.recomputed.per_layer
+        here = self.ctx if not per_layer else _layers_chose(self.base, self.recomputed, probe.sol, probe.choice)
+        self.contexts[probe.key] = here
+        self.parts[probe.key] = breakdown(here, probe.choice)
+        return self.parts[probe.key].memory.per_device_bytes
 
-    def key(sol: Solution, choice: list[int]) -> tuple:
-        return tuple(choice), tuple(sol.stats.get("block_variants", ()))
+    def error_context(self, no_fit: NoFit):
+        """The context that prices the least-memory plan of ``no_fit`` (per layer: with the regions it chose)."""
+        least = no_fit.error.min_mem_solution
+        if not self.recomputed.per_layer or least is None:
+            return self.ctx
+        return _layers_chose(self.base, self.recomputed, least, self.full_choice(least, no_fit.keep))
 
-    def peak_of(sol: Solution, choice: list[int]) -> int:
-        here = ctx if not per_layer else _layers_chose(base, per_layer, per_rest, sol, choice)
-        contexts[key(sol, choice)] = here
-        parts[key(sol, choice)] = breakdown(here, choice)
-        return parts[key(sol, choice)]["memory"]["per_device_bytes"]
 
-    def error_context(err: InfeasibleError, keep):
-        """The context that prices the least-memory plan of ``err`` (per layer: with the regions it chose)."""
-        least = err.min_mem_solution
-        if not per_layer or least is None:
-            return ctx
-        return _layers_chose(base, per_layer, per_rest, least, full_choice(least, keep))
+class PeakLoop:
+    """The peak-memory bisection of one ``plan_under``: the bound on the searched (additive) memory, lowered until
+    a plan's step peak fits the cap, then bisected towards the fastest plan that fits.
 
-    # the search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
-    # checked against the cap.  Where it is above, the bound is set below that plan's searched memory by the
-    # excess (doubled each time) and 2^-8 of the cap, and searched again until a plan's peak fits; then the
-    # bound is bisected between the largest that fitted and the least searched memory of a plan that did not
-    # (any bound from a plan's memory up to the bound that found it finds it again; how far the peak exceeds
-    # the searched memory differs from plan to plan), keeping the fastest plan that fits.  Tightened past every
-    # plan (a bound with no plan at all, ``under``, is bisected with the plan over it first), the least-memory
-    # plan is taken if its peak fits.
-    #
-    # What the bisection can still gain is bounded: the optimum under a bound b is non-increasing in b, so every
-    # bound between ``fits`` and ``over`` gives a plan with time in [t(over), t(best)] (``t(over)``: the optimum
-    # under the bound that found ``over``, or the lower bound that search proved, ``Solution.time_lower_bound``,
-    # where it stopped within ``PLAN_GAP``).  It stops once that gap, or the bounds' gap, is at most 2^-8 of the
-    # step (of the cap).  ``lower``, the optimum at the cap itself (likewise), bounds every plan any bound <= cap
-    # gives (Plan.search["peak_lower_ps"]: the planner's other recompute modes need not be
-    # searched when the plan is within the tolerance of it).
-    bound, fits, over, best, searches = cap, None, None, None, 0
-    lower, over_time, under, best_bound = None, None, None, None
-    probe = max(PROBE_GAP, PLAN_GAP) if cap is not None else None  # never finer than the plan's own search
-    tolerance = max(cap >> 8, 1 << 20) if cap is not None else 0
-    for attempt in range(_PEAK_TRIES + 1):
-        if best is not None and deadline is not None and deadline.passed():
-            break  # out of time: the fastest plan that fits so far
-        searches += 1
-        # the first search at the cap is most often the plan (its peak fits): at PLAN_GAP; the rest probe
-        bounded = bound if attempt < _PEAK_TRIES or best is not None else 0
-        sol, choice, keep = search(bounded, probe if attempt else None)
-        if sol is None:
-            err = choice
-            least = err.min_mem_solution
-            if best is not None:
+    The search bounds the additive memory (everything held at once); the step's peak (autopar.cost.peak) is
+    checked against the cap.  Where it is above, the bound is set below that plan's searched memory by the
+    excess (doubled each time) and 2^-8 of the cap, and searched again until a plan's peak fits; then the bound
+    is bisected between the largest that fitted (``fits``) and the least searched memory of a plan that did not
+    (``over``; any bound from a plan's memory up to the bound that found it finds it again; how far the peak
+    exceeds the searched memory differs from plan to plan), keeping the fastest plan that fits (``best``).
+    Tightened past every plan (a bound with no plan at all, ``under``, is bisected with the plan over it
+    first), the least-memory plan is taken if its peak fits.
+
+    What the bisection can still gain is bounded: the optimum under a bound b is non-increasing in b, so every
+    bound between ``fits`` and ``over`` gives a plan with time in [t(over), t(best)] (``over_time``: the optimum
+    under the bound that found ``over``, or the lower bound that search proved, ``Solution.time_lower_bound``,
+    where it stopped within ``PLAN_GAP``).  It stops once that gap, or the bounds' gap, is at most 2^-8 of the
+    step (of the cap: ``tolerance``).  ``lower``, the optimum at the cap itself (likewise), bounds every plan any
+    bound <= cap gives (``Plan.search.peak_lower_ps``: the planner's other recompute modes need not be searched
+    when the plan is within the tolerance of it).  Past the deadline the loop keeps the fastest plan that fits so
+    far (``late``).  The first search, at the cap, is most often the plan (its peak fits): it runs at
+    ``PLAN_GAP``; the others probe at ``PROBE_GAP``, and the plan kept is searched again at ``PLAN_GAP``
+    (``refine``).
+    """
+
+    def __init__(self, space: SearchSpace, cap: int | None, deadline: Deadline | None) -> None:
+        self.space, self.cap, self.deadline = space, cap, deadline
+        self.bound = cap  # the next search's bound on the searched memory
+        self.fits: int | None = None
+        self.over: int | None = None
+        self.over_time: int | None = None
+        self.under: int | None = None
+        self.best: Probe | None = None
+        self.best_bound: int | None = None  # the bound that found ``best``
+        self.lower: int | None = None
+        self.searches = 0
+        self.late = False  # the deadline had passed when the loop ended
+        self.probe_gap = max(PROBE_GAP, PLAN_GAP) if cap is not None else None  # never finer than the plan's own
+        self.tolerance = max(cap >> 8, 1 << 20) if cap is not None else 0
+
+    def run(self, unless_over: int | None = None) -> Probe | None:
+        """The fastest plan whose peak fits (refined); None when the first plan's searched memory is above
+        ``unless_over``.  ``MemoryCapError`` when no plan's peak fits."""
+        for attempt in range(_PEAK_TRIES + 1):
+            if self.best is not None and self.deadline is not None and self.deadline.passed():
+                break  # out of time: the fastest plan that fits so far
+            self.searches += 1
+            bound = self.bound if attempt < _PEAK_TRIES or self.best is not None else 0
+            found = self.space.search(bound, self.probe_gap if attempt else None)
+            if isinstance(found, NoFit):
+                done = self.no_plan_under(found, attempt)
+            elif unless_over is not None and found.sol.mem_bytes > unless_over:
+                return None
+            else:
+                done = self.checked(found, attempt)
+            if done:
                 break
-            if attempt == 0 or least is None:
-                raise cap_error(error_context(err, keep), cap, err, keep) from None
-            under = bound  # no plan's searched memory is this small: bisect towards the plan that was over
-            if over - under > tolerance and attempt < _PEAK_TRIES - 1:
-                bound = (under + over) // 2
-                continue
-            sol, choice = least, full_choice(least, keep)
-            if peak_of(sol, choice) > cap:
-                raise cap_error(contexts[key(sol, choice)], cap, err, keep) from None
-            best = (sol, choice)
-            break
-        if unless_over is not None and sol.mem_bytes > unless_over:
-            return None
+        self.late = self.deadline is not None and self.deadline.passed()
+        sol = self.best.sol
+        if self.best_bound is not None and not self.late and sol.time - sol.time_lower_bound > sol.time * PLAN_GAP:
+            self.best = self.refine(self.best)
+        return self.best
+
+    def no_plan_under(self, no_fit: NoFit, attempt: int) -> bool:
+        """A bound with no plan: bisect towards the plan that was over, or take the least-memory plan if its peak
+        fits.  Whether the loop is done."""
+        cap, least = self.cap, no_fit.error.min_mem_solution
+        if self.best is not None:
+            return True
+        if attempt == 0 or least is None:
+            raise cap_error(self.space.error_context(no_fit), cap, no_fit.error, no_fit.keep) from None
+        self.under = self.bound  # no plan's searched memory is this small
+        if self.over - self.under > self.tolerance and attempt < _PEAK_TRIES - 1:
+            self.bound = (self.under + self.over) // 2
+            return False
+        probe = Probe(least, self.space.full_choice(least, no_fit.keep))
+        if self.space.peak_of(probe) > cap:
+            raise cap_error(self.space.contexts[probe.key], cap, no_fit.error, no_fit.keep) from None
+        self.best = probe
+        return True
+
+    def checked(self, probe: Probe, attempt: int) -> bool:
+        """``probe``'s peak against the cap: kept if it fits and is the fastest so far, and the next bound set.
+        Whether the loop is done."""
+        cap, sol = self.cap, probe.sol
         if cap is None:
-            if per_layer:
-                peak_of(sol, choice)
-            best = (sol, choice)
-            break
-        peak = peak_of(sol, choice)
+            if self.space.recomputed.per_layer:
+                self.space.peak_of(probe)  # its context: the regions its layers chose
+            self.best = probe
+            return True
+        peak = self.space.peak_of(probe)
         if log.isEnabledFor(logging.DEBUG):  # the memory breakdown's key walks the whole choice
+            memory = self.space.parts[probe.key].memory
             log.debug(
                 "peak search %d: bound %s, searched memory %d, peak %d, cap %d, time %d ps (%s)",
                 attempt,
-                bound,
+                self.bound,
                 sol.mem_bytes,
                 peak,
                 cap,
                 sol.time,
-                parts[key(sol, choice)]["memory"],
+                memory,
             )
-        lower = sol.time_lower_bound if lower is None else lower
+        self.lower = sol.time_lower_bound if self.lower is None else self.lower
         if peak <= cap:
-            if best is None or (sol.time, sol.mem_bytes) < (best[0].time, best[0].mem_bytes):
-                best, best_bound = (sol, choice), bound
-            fits = bound
-            if over is None:
-                break  # the bound's own optimum fits: nothing faster does
+            if self.best is None or (sol.time, sol.mem_bytes) < (self.best.sol.time, self.best.sol.mem_bytes):
+                self.best, self.best_bound = probe, self.bound
+            self.fits = self.bound
+            if self.over is None:
+                return True  # the bound's own optimum fits: nothing faster does
         else:
-            over, over_time = sol.mem_bytes, sol.time_lower_bound  # each bound from its memory to this one: no faster
-        if best is None:  # below by the excess, doubled each time, and the tolerance (the excess varies a little)
-            bound = sol.mem_bytes - ((peak - cap) << attempt) - (cap >> 8)
-            if under is not None:  # not past a bound that had no plan
-                bound = max(bound, (under + sol.mem_bytes) // 2)
-        elif over - fits <= tolerance or best[0].time - over_time <= best[0].time >> 8 or attempt == _PEAK_TRIES - 1:
-            break
-        else:
-            bound = (fits + over) // 2
-    sol, choice = best
-    late = deadline is not None and deadline.passed()
-    if best_bound is not None and not late and sol.time - sol.time_lower_bound > sol.time * PLAN_GAP:
-        sol, choice, more = _refine(search, peak_of, sol, choice, best_bound, cap)
-        searches += more
-    search_s = time.perf_counter() - t0
-    timings = dict(ctx.timings, search_s=search_s)
-    settings = dict(ctx.settings, mem_cap_bytes=cap, solver=solver)
-    ctx = contexts.get(key(sol, choice), ctx)
-    result = assemble_plan(ctx, choice, sol, settings, [], parts.get(key(sol, choice)))
-    search = dict(result.search, peak_searches=searches)  # > 1: the peak, not the bound, held the plan back
-    if deadline is not None and (late or sol.stats.get("budget_hit")):
-        search.update(budget_hit=True, budget_s=deadline.budget_s)
-    if lower is not None:
-        search["peak_lower_ps"] = int(lower)
-    return replace(result, timings=timings, hints=dict(resolved.record), search=search)
+            self.over, self.over_time = sol.mem_bytes, sol.time_lower_bound  # each bound from its memory: no faster
+        return self.step(sol, peak, attempt)
+
+    def step(self, sol: Solution, peak: int, attempt: int) -> bool:
+        """The next bound after ``sol`` (peak ``peak``), or done when the bisection can gain no more."""
+        cap = self.cap
+        if self.best is None:  # below by the excess, doubled each time, and the tolerance (the excess varies a little)
+            self.bound = sol.mem_bytes - ((peak - cap) << attempt) - (cap >> 8)
+            if self.under is not None:  # not past a bound that had no plan
+                self.bound = max(self.bound, (self.under + sol.mem_bytes) // 2)
+            return False
+        best = self.best.sol
+        if (
+            self.over - self.fits <= self.tolerance
+            or best.time - self.over_time <= best.time >> 8
+            or attempt == _PEAK_TRIES - 1
+        ):
+            return True
+        self.bound = (self.fits + self.over) // 2
+        return False
+
+    def refine(self, probe: Probe) -> Probe:
+        """The loop's plan (a probe's, within ``PROBE_GAP`` of the optimum under ``best_bound``) searched again at
+        ``PLAN_GAP``.  The finer plan replaces it where it is no slower and its peak fits the cap; where its peak
+        is over, the bound steps below its memory by the excess (as the loop does) and the search runs again, at
+        most ``_REFINE_TRIES`` times.  Else the probe's plan stays, with the first finer search's lower bound
+        where that is the tighter (it bounds the optimum under the same bound)."""
+        sol, bound, cap = probe.sol, self.best_bound, self.cap
+        lower, tries = sol.time_lower_bound, 0
+        while tries < _REFINE_TRIES:
+            tries += 1
+            finer = self.space.search(bound, None)
+            if isinstance(finer, NoFit) or finer.sol.time > sol.time:
+                break
+            if tries == 1:
+                lower = max(lower, finer.sol.time_lower_bound)
+            peak = self.space.peak_of(finer)
+            if peak <= cap:
+                self.searches += tries
+                return finer
+            bound = finer.sol.mem_bytes - (peak - cap) - (cap >> 8)
+        self.searches += tries
+        if lower > sol.time_lower_bound:
+            sol = replace(sol, stats=dict(sol.stats, lower_bound=lower, gap=(sol.time - lower) / sol.time))
+        return Probe(sol, probe.choice)
 
 
-def _refine(search, peak_of, sol: Solution, choice: list[int], bound: int, cap: int) -> tuple[Solution, list, int]:
-    """The peak loop's plan (a probe's, within ``PROBE_GAP`` of the optimum under ``bound``) searched again at
-    ``PLAN_GAP``: (plan, choice, searches run).  The finer plan replaces it where it is no slower and its peak
-    fits the cap; where its peak is over, the bound steps below its memory by the excess (as the peak loop
-    does) and the search runs again, at most ``_REFINE_TRIES`` times.  Else the probe's plan stays, with the
-    first finer search's lower bound where that is the tighter (it bounds the optimum under the same bound)."""
-    lower, tries = sol.time_lower_bound, 0
-    while tries < _REFINE_TRIES:
-        tries += 1
-        finer, finer_choice, _ = search(bound, None)
-        if finer is None or finer.time > sol.time:
-            break
-        if tries == 1:
-            lower = max(lower, finer.time_lower_bound)
-        peak = peak_of(finer, finer_choice)
-        if peak <= cap:
-            return finer, finer_choice, tries
-        bound = finer.mem_bytes - (peak - cap) - (cap >> 8)
-    if lower > sol.time_lower_bound:
-        sol = replace(sol, stats=dict(sol.stats, lower_bound=lower, gap=(sol.time - lower) / sol.time))
-    return sol, choice, tries
-
-
-def _layers_chose(
-    ctx, per_layer: tuple[dict[int, str], ...], per_rest: tuple[dict[int, str], ...], sol: Solution, choice: list[int]
-):
+def _layers_chose(ctx, recomputed: Recomputed, sol: Solution, choice: list[int]):
     """The context whose recompute regions are those each layer's variant has (``sol.stats["block_variants"]``;
     the first layer's indexes ``per_layer + per_rest``, and the rest's regions come with it); AssertionError
     unless its tables price ``choice`` as the search did (each layer priced from its own choice)."""
+    per_layer = recomputed.per_layer
     picks = sol.stats.get("block_variants", (0,) * len(ctx.blocks.nodes))
     inside = {i for nodes in ctx.blocks.nodes for i in nodes}
-    first = (*per_layer, *per_rest)[picks[0]]
+    first = (*per_layer, *recomputed.per_rest)[picks[0]]
     regions = {i: r for i, r in first.items() if i not in inside}
     for b, (nodes, j) in enumerate(zip(ctx.blocks.nodes, picks)):
         chosen = first if b == 0 else per_layer[j]
@@ -315,21 +423,23 @@ def solve_problem(
     problem,
     solver: str,
     blocks: Blocks | None = None,
-    progress=None,
-    above: int | None = None,
     variants=(),
     rest_variants=(),
+    run: SearchRun | None = None,
+    *,
+    above: int | None = None,
     rel_gap: float | None = None,
-    deadline: Deadline | None = None,
 ) -> Solution:
     """The optimum, or a plan proven within ``rel_gap`` of it (None: ``PLAN_GAP``, read at the call; 0: exact);
     ``above`` (a time met already) lets the chained search stop early (``BeatenError``).
     ``variants`` (problems whose layers' terms are alternatives) and ``rest_variants`` (alternatives of the rest
     with the first layer; ``search.chain``) need the chained search: ``ChainError`` when it does not apply.
-    ``deadline``: the search returns its best plan and proven bound there (CP-SAT does not read it)."""
+    ``run``: its deadline, where the search returns its best plan and proven bound (CP-SAT does not read it),
+    and its progress callback."""
     if solver != "dp":
         return solve_cpsat(problem)
     rel_gap = PLAN_GAP if rel_gap is None else rel_gap
+    progress, deadline = (run.progress, run.deadline) if run is not None else (None, None)
     if blocks is not None:
         try:
             return solve_chain(
@@ -352,65 +462,33 @@ def solve_problem(
 
 # ---- families ---------------------------------------------------------------------------
 def family_plans(
-    ctx: PlanningContext,
-    cap: int | None,
-    solver: str,
-    regions: dict[int, str] | None = None,
-    deadline: Deadline | None = None,
-) -> list[tuple[dict[str, Any], Plan | None]]:
-    """The fastest plan of each forced family (``FAMILIES``) under ``cap``, with the recompute ``regions`` the
-    plan they are compared with has: each through ``plan_under``'s peak loop as the chosen plan went, so a row's
-    memory is the step's peak and a row that fits says so only when that peak is within the cap.  A family whose
-    plan does not do what the family names (data parallel at a batch smaller than every mesh axis) is a row with
-    no plan and the reason (``why``).  Each row comes with its plan (None where there is none)."""
-    from .hints import resolve_hints
-
+    ctx: PlanningContext, options: PlanOptions, regions: dict[int, str] | None = None, deadline: Deadline | None = None
+) -> list[tuple[FamilyAlternative, Plan | None]]:
+    """The fastest plan of each forced family (``FAMILIES``) under ``options.mem_cap``, with the recompute
+    ``regions`` the plan they are compared with has: each through ``plan_under``'s peak loop as the chosen plan
+    went, so a row's memory is the step's peak and a row that fits says so only when that peak is within the cap.
+    A family whose plan does not do what the family names (data parallel at a batch smaller than every mesh
+    axis) is a row with no plan and the reason (``why``).  Each row comes with its plan (None where there is
+    none)."""
     unhinted = resolve_hints(ctx.graph, ctx.mesh)
-    out: list[tuple[dict[str, Any], Plan | None]] = []
+    out: list[tuple[FamilyAlternative, Plan | None]] = []
     for family in FAMILIES:
-        entry: dict[str, Any] = {"family": family}
         plan = None
         why = _family_impossible(ctx, family)
         try:
             if why:
                 raise ValueError(why)
-            plan = plan_under(
-                ctx,
-                unhinted,
-                cap,
-                regions or {},
-                solver=solver,
-                allow_state_sharding=True,
-                family=family,
-                progress=None,
-                deadline=deadline,
-            )
+            forced = replace(options, family=family, allow_state_sharding=True)
+            plan = plan_under(ctx, unhinted, Recomputed(regions or {}), forced, SearchRun(deadline))
         except MemoryCapError as e:
-            entry.update(_no_plan(), min_per_device_bytes=int(e.min_mem_bytes), proven="approximate" not in e.problem)
+            proven = "approximate" not in e.problem
+            entry = FamilyAlternative.no_plan(family, min_per_device_bytes=int(e.min_mem_bytes), proven=proven)
         except ValueError:  # no plan of that family at any memory
-            entry.update(_no_plan(), min_per_device_bytes=None, **({"why": why} if why else {}))
+            entry = FamilyAlternative.no_plan(family, why=why or None)
         else:
-            entry.update(
-                feasible=True,
-                total_s=plan.cost["total_s"],
-                compute_s=plan.cost["compute_s"],
-                comm_s=plan.cost["comm_s"],
-                per_device_bytes=plan.memory["per_device_bytes"],
-                terms=plan.cost["terms"],
-            )
+            entry = FamilyAlternative.fitting(family, plan.cost, plan.memory)
         out.append((entry, plan))
     return out
-
-
-def _no_plan() -> dict[str, Any]:
-    return {
-        "feasible": False,
-        "proven": True,
-        "total_s": None,
-        "compute_s": None,
-        "comm_s": None,
-        "per_device_bytes": None,
-    }
 
 
 def _family_impossible(ctx: PlanningContext, family: str) -> str | None:
