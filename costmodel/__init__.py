@@ -40,9 +40,9 @@ from .profiles import (
     available_profiles,
     axis_crosses_nodes,
     check_devices_per_node,
+    load_profile,
     profile_dict,
     profiles_dir,
-    load_profile,
 )
 
 __all__ = [

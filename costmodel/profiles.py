@@ -332,7 +332,7 @@ def _check_positive(profile: str, key: str, value: Any) -> None:
 
 
 def profiles_dir() -> Path:
-    """The folder of the device profiles: ``$AUTOPAR_CONFIG_DIR/devices`` if set, else ``devices/`` of ``autopar.configs``.
+    """The device profiles' folder: ``$AUTOPAR_CONFIG_DIR/devices`` if set, else ``devices/`` of ``autopar.configs``.
 
     ``autopar.configs`` is the repository's top-level ``configs/`` folder, which
     pyproject.toml installs under that name (an editable install reads the checkout's

@@ -32,8 +32,7 @@ from pathlib import Path
 import pytest
 
 import costmodel as cm
-from autopar.models import config_dir
-from autopar.models import builtin_models
+from autopar.models import builtin_models, config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 #: what a checkout may hold besides its sources; none of it belongs in a wheel build

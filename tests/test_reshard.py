@@ -20,8 +20,8 @@ import torch
 from dist_utils import run_ranks
 
 import autopar
-from autopar.pieces import coordinates, shard_tensor
 from autopar.mesh import Mesh
+from autopar.pieces import coordinates, shard_tensor
 from autopar.placement import parse_placements
 from autopar.runtime import CollectiveCounter, plan_transfers, reshard_cost
 from costmodel import load_profile

@@ -14,8 +14,8 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
-from autopar.pieces import combine, shard_tensor, unlayable_reason
 from autopar.mesh import Mesh
+from autopar.pieces import combine, shard_tensor, unlayable_reason
 from autopar.placement import Partial, Replicate, Shard, parse_placements
 from autopar.runtime import (
     CollectiveCounter,

@@ -6,9 +6,9 @@ import itertools
 
 import numpy as np
 import pytest
+from search_problems import random_problem, transformer_like_problem
 
 from autopar.search import INF, InfeasibleError, SearchProblem, min_memory, solve_brute_force, solve_cpsat, solve_dp
-from search_problems import random_problem, transformer_like_problem
 from autopar.search.prune import prune_dominated
 
 

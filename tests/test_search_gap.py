@@ -9,11 +9,11 @@ import itertools
 import numpy as np
 import pytest
 from chain_cases import mixed, variant
+from search_problems import chain_problem
 
 from autopar.planner.solving import PLAN_GAP
 from autopar.search import Deadline, InfeasibleError, min_memory, solve_dp
 from autopar.search.chain import solve_chain
-from search_problems import chain_problem
 from autopar.search.problem import SearchProblem, Solution
 
 GAPS = (PLAN_GAP, 2.0**-7, 2.0**-4)

@@ -59,8 +59,8 @@ import torch
 from torch import nn
 
 from autopar.capture import OpGraph
-from autopar.pieces import shard_tensor
 from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower
+from autopar.pieces import shard_tensor
 from autopar.placement import Placement, Replicate
 from autopar.planner import Plan
 from autopar.runtime import DEFAULT_BUCKET_BYTES, GradBuckets, StateShards, bucketable, wait_pending

@@ -56,8 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.pieces import Box, coordinates, piece_boxes
 from autopar.mesh import Mesh
+from autopar.pieces import Box, coordinates, piece_boxes
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placements
 from autopar.spec import TensorMeta, local_shape
 from autopar.transitions import transitions
