@@ -46,7 +46,7 @@ import transformers
 
 from autopar.cost.saved import _CACHE as saved_calls
 from autopar.mesh import Mesh
-from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
+from autopar.planner.driver import MemoryCapError, plan_from_context, prepare
 from autopar.planner.problem_tables import PS_PER_S, to_problem
 from autopar.planner.solving import solve_problem
 from autopar.search import InfeasibleError, solve_cpsat

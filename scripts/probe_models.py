@@ -82,7 +82,7 @@ def parse_overrides(text: str) -> tuple[tuple[str, Any], ...]:
 
 def probe(name: str, mesh_shape: tuple[int, ...], profile: str, size: Size = Size()) -> dict:
     import autopar
-    from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
+    from autopar.planner.driver import MemoryCapError, plan_from_context, prepare
 
     model, args, kwargs = build(name, size, device="meta")
     mesh = autopar.Mesh(mesh_shape)

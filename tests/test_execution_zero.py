@@ -30,7 +30,7 @@ CASES = [((4,), ("dp",), 1.0, "mem_cap"), ((2, 2), ("dp", "tp"), 0.75, "plan")]
 
 def _zero_plan(mesh_shape, axis_names, factor):
     """(cap bytes, plan) of the auto search with state sharding, as compile's rank 0 makes it."""
-    from autopar.planner.pipeline import plan_from_context, prepare
+    from autopar.planner.driver import plan_from_context, prepare
 
     model, args, kwargs = _model("gpt2-tiny")
     mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)

@@ -18,8 +18,8 @@ import autopar
 from autopar.capture.export import capture
 from autopar.placement import format_placements, parse_placements
 from autopar.planner import OpHints
+from autopar.planner.driver import plan_from_context, prepare
 from autopar.planner.hints import Layout, resolve_hints
-from autopar.planner.pipeline import plan_from_context, prepare
 from autopar.planner.plan_table import group_name, render_table
 
 GiB = 2**30
@@ -193,7 +193,7 @@ def test_tied_alias_resolves_to_the_canonical_parameter(tiny_ctx):
 
 
 def test_region_hint_keeps_the_region_replicated(tiny_ctx):
-    from autopar.planner.pipeline import MemoryCapError
+    from autopar.planner.driver import MemoryCapError
 
     hint = {"transformer.h.0": "replicate"}
     with pytest.raises(MemoryCapError) as least:  # the least memory reachable with h.0 kept replicated

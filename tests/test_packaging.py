@@ -209,7 +209,10 @@ def test_config_dir_env_override_serves_profiles_and_models(tmp_path, monkeypatc
 
 def test_missing_config_package_names_it_and_the_fix(monkeypatch):
     monkeypatch.delenv("AUTOPAR_CONFIG_DIR", raising=False)
+    monkeypatch.setattr("autopar.models.data_files._CONFIG_PACKAGE", "autopar.no_such_configs")
     monkeypatch.setattr("costmodel.profiles._CONFIG_PACKAGE", "autopar.no_such_configs")
     fix = r"'autopar.no_such_configs'.*not installed.*pip install -e \..*AUTOPAR_CONFIG_DIR"
     with pytest.raises(ImportError, match=fix):
-        config_dir()
+        config_dir()  # the models and benchmarks
+    with pytest.raises(ImportError, match=fix):
+        cm.profiles_dir()  # the device profiles, found by the cost model itself

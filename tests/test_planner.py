@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.placement import parse_placements
-from autopar.planner.pipeline import MemoryCapError, plan_from_context, prepare
+from autopar.planner.driver import MemoryCapError, plan_from_context, prepare
 from autopar.planner.plan_table import render_table
 
 GiB = 2**30
@@ -271,7 +271,7 @@ def test_edge_matrices_equal_the_pair_by_pair_reference(tiny_model, mesh_shape):
 
 def test_a_family_with_no_plan_at_all_is_a_clear_error(monkeypatch):
     """No plan within a family at any memory: an error naming the family (not a cap error), "no plan" rows."""
-    from autopar.planner import pipeline as planner
+    from autopar.planner import driver as planner
     from autopar.planner import solving
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))

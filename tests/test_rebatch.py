@@ -19,7 +19,7 @@ from autopar.cost.saved import memory_layouts, storage_roots
 from autopar.mesh import Mesh
 from autopar.models import load_model
 from autopar.planner import HintOptions
-from autopar.planner.pipeline import plan_from_context, prepare
+from autopar.planner.driver import plan_from_context, prepare
 
 SEQ = 16
 EXAMPLE_BATCH = 4

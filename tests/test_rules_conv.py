@@ -131,7 +131,7 @@ def test_spatial_split_only_where_windows_tile_the_dim():
 
 def test_vit_patch_embedding_is_planned_by_the_conv_rule():
     import autopar
-    from autopar.planner.pipeline import plan_from_context, prepare
+    from autopar.planner.driver import plan_from_context, prepare
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def test_grouped_convs_train_on_four_ranks_like_one_device():
     from dist_utils import run_ranks
 
     import autopar
-    from autopar.planner.pipeline import plan_from_context, prepare
+    from autopar.planner.driver import plan_from_context, prepare
 
     model, x = _conv_stack()
     ctx = prepare(model, autopar.Mesh((2, 2)), example_inputs=(x,))

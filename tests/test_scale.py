@@ -16,7 +16,7 @@ from autopar.capture.export import capture
 from autopar.capture.repeat import find_blocks
 from autopar.mesh import Mesh
 from autopar.models import load_model, model_config
-from autopar.planner.pipeline import prepare
+from autopar.planner.driver import prepare
 from autopar.planner.problem_tables import to_problem
 from autopar.search import BeatenError, InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
@@ -266,7 +266,7 @@ def test_a_plan_stopped_within_the_planners_gap_says_how_close(gpt2_tiny_4_ctx, 
     """planner.solving.PLAN_GAP: a search stopped once its plan is proven close reports that bound, in the plan
     and its table, and the plan is within it of the exact optimum (PLAN_GAP 0)."""
     from autopar.planner import solving
-    from autopar.planner.pipeline import plan_from_context
+    from autopar.planner.driver import plan_from_context
     from autopar.planner.plan_table import render_table
 
     ctx = gpt2_tiny_4_ctx
@@ -288,7 +288,7 @@ def test_a_plan_stopped_within_the_planners_gap_says_how_close(gpt2_tiny_4_ctx, 
 def test_a_plan_past_its_search_budget_says_so(gpt2_tiny_4_ctx) -> None:
     """search_budget_s: a budget spent before the first search still gives a plan under the cap (the searches
     return the plans they hold), marked in the plan and its table, no faster than the exact plan."""
-    from autopar.planner.pipeline import plan_from_context
+    from autopar.planner.driver import plan_from_context
     from autopar.planner.plan_table import render_table
 
     ctx = gpt2_tiny_4_ctx
@@ -307,7 +307,7 @@ def test_cap_sweep_walks_the_trade_off_until_infeasible(gpt2_tiny_4_ctx) -> None
     """Issue 5, done-when 3: lowering the cap step by step (the prepared context reused)
     gives plans no faster and no larger, each within its cap, until no plan fits; the
     error then names the smallest memory reachable, and that cap is feasible."""
-    from autopar.planner.pipeline import MemoryCapError, plan_from_context
+    from autopar.planner.driver import MemoryCapError, plan_from_context
 
     ctx = gpt2_tiny_4_ctx
     plans, cap, error = [], None, None

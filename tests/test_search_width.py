@@ -80,7 +80,7 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
     import torch
 
     import autopar
-    from autopar.planner.pipeline import plan_from_context, prepare
+    from autopar.planner.driver import plan_from_context, prepare
     from autopar.planner.problem_tables import to_problem
 
     config = transformers.AlbertConfig(  # four layers, one set of weights

@@ -58,7 +58,7 @@ MAX_PARAMETERS = 8
 #: The public entry points: users read their keyword-only parameters in an editor, so each
 #: keeps them explicit (checked against ``autopar.planner.PLAN_KEYWORDS`` in test_options.py).
 ENTRY_POINTS = {
-    "autopar.planner.pipeline": {"plan", "prepare", "plan_from_context"},
+    "autopar.planner.driver": {"plan", "prepare", "plan_from_context"},
     "autopar.compiled.build": {"compile"},
 }
 

@@ -85,7 +85,7 @@ PLAN_CASES += [(arch, (3,)) for arch in ("gpt_neox", "falcon", "gptj", "bloom")]
 @pytest.mark.parametrize("arch,mesh_shape", PLAN_CASES, ids=[f"{a}-{'x'.join(map(str, m))}" for a, m in PLAN_CASES])
 def test_plans_every_op_and_fits_the_cap(arch, mesh_shape):
     import autopar
-    from autopar.planner.pipeline import plan_from_context, prepare
+    from autopar.planner.driver import plan_from_context, prepare
 
     model, args, kwargs = build(arch)
     ctx = prepare(model, autopar.Mesh(mesh_shape), example_inputs=args, example_kwargs=kwargs)

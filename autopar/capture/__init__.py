@@ -1,4 +1,4 @@
-"""Capture, where the pipeline starts: a model and an example call in, the ``OpGraph`` every later stage reads out.
+"""Capture, the first stage: a model and an example call in, the ``OpGraph`` every later stage reads out.
 
 ``capture(model, args, kwargs)`` traces with ``torch.export`` (``export``) and cleans
 the graph for planning: cross-entropy decomposed so generic rules shard it

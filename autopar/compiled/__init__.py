@@ -1,4 +1,4 @@
-"""The compiled module, where the pipeline ends: ``autopar.compile`` turns a plan into an ``nn.Module`` on each rank.
+"""The compiled module, the last stage: ``autopar.compile`` turns a plan into an ``nn.Module`` on each rank.
 
 ``compile`` plans (or loads a plan), lowers it, loads this rank's pieces of the
 weights and returns a ``ShardedModule``: called like the model, trained with any

@@ -2,7 +2,7 @@
 
 ``options`` holds what a plan is made for (``PlanOptions``), what the user fixed
 (``HintOptions``) and the one table of the planning keywords every entry point takes
-(``PLAN_KEYWORDS``).  ``pipeline`` drives the stages: capture, strategies, cost, the
+(``PLAN_KEYWORDS``).  ``driver`` drives the stages: capture, strategies, cost, the
 search problem (``problem_tables``), the search, and the assembly of the chosen
 strategies into a ``Plan`` (``assemble``); ``solving`` searches one problem under the cap
 (the peak loop), ``recompute_modes`` once per recompute mode; ``recompute_tables``
@@ -14,6 +14,7 @@ typed values (``plan_parts``); ``plan_table`` and ``explain`` print what it chos
 
 from __future__ import annotations
 
+from .driver import PlanningContext, plan, plan_from_context, prepare, prepare_context, rebatch, search_context
 from .errors import MemoryCapError
 from .explain import render_explanation
 from .hint_forms import Layout, hint_from_text, hints_from_file
@@ -29,7 +30,6 @@ from .options import (
     device_profile,
     training_precision,
 )
-from .pipeline import PlanningContext, plan, plan_from_context, prepare, prepare_context, rebatch, search_context
 from .plan_parts import (
     Collective,
     FallbackOp,

@@ -25,7 +25,7 @@ recomputation reads as they are; the inputs a checkpoint keeps die when its regi
 backward ends.  ``recompute="full"`` recomputes every block, ``"selective"`` the
 selective regions of every block, ``"none"`` nothing but the blocks a ``"recompute"``
 hint names; ``"auto"`` (the default), under a cap, lets each layer choose among the
-three (``pipeline.plan_from_context``; without a cap it never recomputes: that only
+three (``driver.plan_from_context``; without a cap it never recomputes: that only
 adds time).
 """
 

@@ -33,7 +33,7 @@ from .recompute_tables import recomputed_tables
 from .schema import FAMILIES, Plan
 
 if TYPE_CHECKING:
-    from .pipeline import PlanningContext
+    from .driver import PlanningContext
 
 __all__ = [
     "PLAN_GAP",

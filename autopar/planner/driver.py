@@ -1,4 +1,4 @@
-"""``autopar.plan``: capture -> candidates -> costs -> search -> Plan.
+"""The planner's driver, ``autopar.plan``: capture -> candidates -> costs -> search -> Plan.
 
 Needs no process group and no real weights (meta-device models plan).  Besides
 the best plan under the cap, the planner solves the same problem restricted to
