@@ -23,8 +23,8 @@ from autopar.placement import Replicate, Shard
 
 from .schema import FAMILIES
 
-if TYPE_CHECKING:  # a type only: the driver that defines it imports this module
-    from .driver import PlanningContext
+if TYPE_CHECKING:  # a type only: the context module the driver uses
+    from .context import PlanningContext
 
 __all__ = ["family_restriction", "is_sharded", "param_nodes"]
 

@@ -18,16 +18,19 @@ from __future__ import annotations
 import io
 import re
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from autopar.units import format_bytes
 
-if TYPE_CHECKING:  # types only: the Plan imports this module for Plan.table()
+if TYPE_CHECKING:
     from .plan_parts import Collective, SearchStats
-    from .schema import Plan
+
+#: An ``autopar.planner.Plan`` (``schema.py``).  Not imported, not even for annotations: ``schema``
+#: imports this module for ``Plan.table()``, and modules do not import each other in a circle.
+Plan = Any
 
 __all__ = ["render_table", "group_name", "describe_plan"]
 

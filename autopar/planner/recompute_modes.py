@@ -27,7 +27,7 @@ from .schema import Plan
 from .solving import Recomputed, SearchRun, family_plans, plan_under
 
 if TYPE_CHECKING:
-    from .driver import PlanningContext
+    from .context import PlanningContext
 
 __all__ = ["ModeSearch", "Searched", "search_modes", "with_families"]
 

@@ -61,6 +61,7 @@ from .plan_parts import (
     from_json_value,
     to_json_value,
 )
+from .plan_table import render_table
 
 __all__ = ["Plan", "FAMILIES", "SCHEMA_VERSION", "check_writable"]
 
@@ -202,8 +203,6 @@ class Plan:
 
     def table(self, *, width: int = 130) -> str:
         """The full report ``autopar plan`` prints: placements, collectives, totals, families."""
-        from .plan_table import render_table
-
         return render_table(self, width=width)
 
 

@@ -33,7 +33,7 @@ from .recompute_tables import recomputed_tables
 from .schema import FAMILIES, Plan
 
 if TYPE_CHECKING:
-    from .driver import PlanningContext
+    from .context import PlanningContext
 
 __all__ = [
     "PLAN_GAP",
