@@ -7,7 +7,7 @@ it do not combine on their own:
   of autopar or costmodel ships without a package list to update;
 * ``[tool.setuptools.package-dir]`` installs a folder under another name: the
   repository's top-level ``configs/`` becomes the package ``autopar.configs``
-  (read with ``importlib.resources`` by ``costmodel.profiles.config_dir``).
+  (read with ``importlib.resources`` by ``autopar.models.config_dir`` and ``costmodel.profiles_dir``).
 
 Discovery only finds a package in the folder its name spells, and pyproject cannot
 list one beside the found ones, so ``_MappedPackagesDistribution`` adds each
