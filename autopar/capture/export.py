@@ -52,6 +52,7 @@ from .call_spec import (
 )
 from .decompose import decompose_for_planning
 from .graph import OpCall, OpGraph, OpNode
+from .stamp import Traced, export_stamped
 
 __all__ = [
     "OpNode",
@@ -61,6 +62,7 @@ __all__ = [
     "CaptureError",
     "export_program",
     "graph_from_export",
+    "graph_of_trace",
     "normalize_inputs",
 ]
 
@@ -87,16 +89,24 @@ class ExportedCall:
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> OpGraph:
-    """Trace ``model(*example_inputs, **example_kwargs)`` and build its OpGraph."""
+    """Trace ``model(*example_inputs, **example_kwargs)`` and build its OpGraph.
+
+    A deep model is traced at four layers and stamped to its depth where ``capture.stamp``'s checks hold (the
+    graph a full trace gives, in a fraction of its time); else the whole model is traced."""
     args, kwargs = normalize_inputs(model, example_inputs, example_kwargs)
-    ep = export_program(model, args, kwargs)
+    traced = export_stamped(model, args, kwargs, export_program) or Traced.of(export_program(model, args, kwargs))
+    return graph_of_trace(model, traced)
+
+
+def graph_of_trace(model: torch.nn.Module, traced: Traced) -> OpGraph:
+    """The OpGraph of ``traced``, a trace of ``model`` (cleaned in place: ``graph_from_export``)."""
     return graph_from_export(
-        ep.graph_module,
-        ep.graph_signature,
+        traced.gm,
+        traced.signature,
         canonical_param_names(model),
         type(model).__name__,
-        ep.constants,
-        ExportedCall.of(model, ep),
+        traced.constants,
+        ExportedCall(forward_signature(model), traced.in_spec, traced.out_spec),
     )
 
 
