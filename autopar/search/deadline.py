@@ -1,9 +1,10 @@
 """A wall-clock budget for the searches: when it has passed, a search returns the best plan it has met and the
 lower bound it has proven, rather than running on.
 
-The chained search checks it before each deepening pass and between the products of a pass (a pass past it is
-abandoned: :class:`OutOfTime`); the flat DP before its exact pass; the planner before each search of its peak
-loop and each recomputation mode.  A plan always comes back: every search holds a real plan under the cap (the
+The chained search checks it before each deepening pass, and a pass checks it between the products of the chain
+and before each step and fold of a block's Pareto pass (a pass past it is abandoned: :class:`OutOfTime`); the flat
+DP before its exact pass and inside it the same way; the planner before each search of its peak loop and each
+recomputation mode.  A plan always comes back: every search holds a real plan under the cap (the
 Lagrange rows' plans) before its first pass.
 """
 

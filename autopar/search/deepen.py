@@ -226,7 +226,7 @@ def _pass(setup: PassSetup, ub: int, merge: float = 0.0):
     fb, rb = setup.bounds
     lim_rows = row_limits(fb[0].rows, float(ub), cap)
     lim = (lim_rows + tol(lim_rows))[:, None]
-    rtabs = [_variant_pass(t.model, rb[j], lim_rows, lim) for j, t in enumerate(chain.rtabs)]
+    rtabs = [_variant_pass(t.model, rb[j], lim_rows, lim, deadline) for j, t in enumerate(chain.rtabs)]
     rest, rvar, ridx = leaf_segment(chain.rtabs, [_final(t, tabs) for t, tabs in zip(chain.rtabs, rtabs)])
     stats: dict = {"rest_pairs": int(rest.t.size), "block_pairs": 0, "chain_pairs": 0, "merge_error": 0}
     if rest_bound is not None and rest.t.size:
@@ -235,7 +235,7 @@ def _pass(setup: PassSetup, ub: int, merge: float = 0.0):
         stats.update(rest_pairs=int(rest.t.size), rest_bound=float(low.min()))
     if rest.t.size == 0:
         return None, stats
-    ftabs = [_variant_pass(t.model, fb[j], lim_rows, lim) for j, t in enumerate(chain.ftabs)]
+    ftabs = [_variant_pass(t.model, fb[j], lim_rows, lim, deadline) for j, t in enumerate(chain.ftabs)]
     leaf, fvar, fidx = leaf_segment(chain.ftabs, [_final(t, tabs) for t, tabs in zip(chain.ftabs, ftabs)])
     g, err = _power(leaf, chain.n, k, w, sc.outside(), lim, merge, deadline)
     stats.update(block_pairs=int(leaf.t.size), chain_pairs=int(g.t.size), merge_error=err)
@@ -286,13 +286,16 @@ class VariantBounds:
         return self._full
 
 
-def _variant_pass(model, bnd: VariantBounds, lim_rows: np.ndarray, lim: np.ndarray) -> list | None:
+def _variant_pass(
+    model, bnd: VariantBounds, lim_rows: np.ndarray, lim: np.ndarray, deadline: Deadline | None
+) -> list | None:
     """:func:`.pareto.pareto_pass` of one variant's table, or None when no entry of its final table can be in a
     plan within the limits: every entry's lower bound (inside plus outside, per row) is above a limit, as
-    ``pareto_pass`` would find step by step (a variant no plan near the target takes, skipped whole)."""
+    ``pareto_pass`` would find step by step (a variant no plan near the target takes, skipped whole).  Past
+    ``deadline``: :class:`.deadline.OutOfTime`."""
     if not (bnd.final_lower() <= lim).all(axis=0).any():
         return None
-    return pareto_pass(model, bnd.full(), lim_rows)[0]
+    return pareto_pass(model, bnd.full(), lim_rows, deadline=deadline)[0]
 
 
 def _final(table: PortTable, tabs: list | None) -> ParetoTable:

@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .deadline import Deadline
+from .deadline import Deadline, OutOfTime
 from .elimination import EliminationModel
 from .lagrange import GRID_GAP, LAMBDA_GRID, Point, argmin_plans, lagrange_slope
 from .minibucket import approx_min_memory, solve_approx
@@ -221,13 +221,25 @@ def solve_dp(
             break
     low = None if frontier else proven_within(ub, lb, rel_gap)
     if low is None and not frontier and deadline is not None and deadline.passed() and ub - lb > tol(ub):
-        low = int(lb - tol(lb))  # out of time: the best plan met, with the bound proven so far
-        stats["budget_hit"] = True
+        low, stats["budget_hit"] = _out_of_time(lb)
     if thinned_only or low is not None:  # the best plan met; optimal only when it meets the bound
-        best = min((p for p in seen if cap is None or p.mem <= cap), key=lambda p: (p.time, p.mem))
-        optimal = not frontier and (cap is None or fast.mem <= cap)  # the min-sum's plan is then the optimum
-        if low is not None:
-            stats.update(lower_bound=low, gap=(best.time - low) / best.time)
-        return Solution(best.choice, best.time, best.mem, optimal, "dp", time.perf_counter() - start, stats)
-    tabs, pstats = pareto_pass(model, bnd, row_limits(bnd, ub, cap), progress=progress)
+        return _best_met(seen, cap, not frontier and (cap is None or fast.mem <= cap), low, stats, start)
+    try:
+        tabs, pstats = pareto_pass(model, bnd, row_limits(bnd, ub, cap), progress=progress, deadline=deadline)
+    except OutOfTime:  # the exact pass ran past the budget: the best plan met, with the bound proven so far
+        low, stats["budget_hit"] = _out_of_time(lb)
+        return _best_met(seen, cap, False, low, stats, start)
     return _finish(model, tabs, seen, {**stats, **pstats, "upper_bound": ub}, start)
+
+
+def _out_of_time(lb: float) -> tuple[int, bool]:
+    """(the proven lower bound in integers, budget hit) of a search stopped by its deadline."""
+    return int(lb - tol(lb)), True
+
+
+def _best_met(seen: list, cap: int | None, optimal: bool, low: int | None, stats: dict, start: float) -> Solution:
+    """The fastest plan of ``seen`` under ``cap`` (optimal when the caller proved it so), with its gap to ``low``."""
+    best = min((p for p in seen if cap is None or p.mem <= cap), key=lambda p: (p.time, p.mem))
+    if low is not None:
+        stats.update(lower_bound=low, gap=(best.time - low) / best.time)
+    return Solution(best.choice, best.time, best.mem, optimal, "dp", time.perf_counter() - start, stats)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .deadline import Deadline
 from .elimination import EliminationModel, outside
 
 __all__ = [
@@ -249,13 +250,15 @@ def pareto_pass(
     beam: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     values_only: bool = False,
+    deadline: Deadline | None = None,
 ) -> tuple[list, dict]:
     """Eliminate every node over Pareto sets (the recurrence of the module docstring).
 
     ``limits``: B per bound row (inf: unused).  ``gaps``: see :func:`_in_gaps`.  ``beam``
     (heuristic) keeps the fastest and the smallest pair per entry and memory bucket of
     that width, or (``beam < 0``) of ``-beam`` rank buckets (evenly spaced).
-    ``values_only`` frees tables once used and keeps no back-pointers."""
+    ``values_only`` frees tables once used and keeps no back-pointers.  Past ``deadline`` (checked before
+    each step and each fold of a step): :class:`.deadline.OutOfTime`."""
     tabs = []
     for t, m, ok in zip(model.t, model.m, model.ok):
         flat = ok.reshape(-1)
@@ -266,7 +269,7 @@ def pareto_pass(
     stats = {"steps": len(model.steps), "max_pairs": 0, "max_combined": 0, "pairs": 0, "thinned": False}
     for si, st in enumerate(model.steps):
         live = _live_cells(model, st, tabs, prune)
-        cell, t, m, ptrs = _fold(tabs, st, live, prune, stats)
+        cell, t, m, ptrs = _fold(tabs, st, live, prune, stats, deadline)
         group = live.cells[cell] // live.kx
         sel = pareto_keep(group, t, m)
         if beam is not None and sel.size > 1:
@@ -311,16 +314,22 @@ def _live_cells(model: EliminationModel, st, tabs: list, prune: _Pruning) -> _Ce
     return _Cells(row_ok.size, kx, cells, ents, order, rests)
 
 
-def _fold(tabs: list, st, live: _Cells, prune: _Pruning, stats: dict) -> tuple:
+def _fold(tabs: list, st, live: _Cells, prune: _Pruning, stats: dict, deadline: Deadline | None) -> tuple:
     """Fold the step's input tables into the live cells one at a time (fewest pairs first): every pair of each
     with every pair so far, within the windows of the time and memory rows, dropping pairs past a limit (or
-    outside the gaps) and, but after the last fold, dominated ones.  Returns (cell, t, m, pointers per fold)."""
+    outside the gaps) and, but after the last fold, dominated ones.  Returns (cell, t, m, pointers per fold).
+
+    A fold that would form more than :data:`_FOLD_CHUNK` pairs forms them a run of cells at a time (each cell's
+    pairs in one run, so pruning and the Pareto filter per cell are unchanged), checking ``deadline`` between
+    runs: the memory of a fold is bounded, and a budget holds inside one."""
     bnd = prune.bnd
     cell = np.arange(live.cells.size)
     t, m = np.zeros(live.cells.size, np.int64), np.zeros(live.cells.size, np.int64)
     ptrs: list[np.ndarray] = []
     single = True  # at most one pair per cell so far: no Pareto filter needed
     for i, j in enumerate(live.order):
+        if deadline is not None:
+            deadline.check()
         tab = tabs[st.inputs[j]]
         e = live.ents[j][cell]
         if tab.wide and (prune.pure_t.size or prune.pure_m.size):
@@ -331,25 +340,62 @@ def _fold(tabs: list, st, live: _Cells, prune: _Pruning, stats: dict) -> tuple:
         else:
             start, stop = tab.off[e], tab.off[e + 1]
         counts = stop - start
-        if single and counts.max(initial=0) <= 1:
-            rep = np.flatnonzero(counts)
-            q = start[rep]
-        else:
-            single = False
-            rep = np.repeat(np.arange(counts.size), counts)
-            q = start[rep] + np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
-        cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
-        rc = live.rests[i][:, cell]
-        ptrs = [p[rep] for p in ptrs] + [q]
-        stats["max_combined"] = max(stats["max_combined"], cell.size)
-        keep = (rc + bnd.wt * t + bnd.wm * m <= prune.lim).all(axis=0)
-        if prune.gaps is not None:
-            keep[keep] &= _in_gaps(prune.gaps, bnd, t[keep], m[keep], rc[:, keep])
-        sel = np.flatnonzero(keep)
-        if i + 1 < len(live.order) and not single:
-            sel = sel[pareto_keep(cell[sel], t[sel], m[sel])]
-        cell, t, m, ptrs = cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
+        single = single and counts.max(initial=0) <= 1
+        filtered = i + 1 < len(live.order) and not single
+        parts = []
+        for a, b in _runs(counts, _FOLD_CHUNK):
+            if deadline is not None and len(parts):
+                deadline.check()
+            now = (cell[a:b], t[a:b], m[a:b], [p[a:b] for p in ptrs])
+            parts.append(_fold_run(tab, live.rests[i], prune, now, (start[a:b], counts[a:b]), filtered))
+        stats["max_combined"] = max(stats["max_combined"], int(counts.sum()))
+        cell, t, m = (np.concatenate([part[k] for part in parts]) for k in range(3))
+        ptrs = [np.concatenate([part[3][k] for part in parts]) for k in range(len(ptrs) + 1)]
     return cell, t, m, ptrs
+
+
+#: the most pairs one run of a fold forms at once (:func:`_fold`)
+_FOLD_CHUNK = 1 << 22
+
+
+def _runs(counts: np.ndarray, chunk: int) -> list[tuple[int, int]]:
+    """Consecutive ranges [a, b) of the cells whose pair counts sum to at most ``chunk`` (a cell with more is a
+    range of its own); one range when the counts are few."""
+    total = int(counts.sum())
+    if total <= chunk:
+        return [(0, counts.size)]
+    ends = np.cumsum(counts)
+    out, a = [], 0
+    while a < counts.size:
+        b = max(int(np.searchsorted(ends, (ends[a - 1] if a else 0) + chunk, "right")), a + 1)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _fold_run(tab: ParetoTable, rests: np.ndarray, prune: _Pruning, now: tuple, window: tuple, filtered: bool):
+    """One run of cells of a fold: each pair so far (``now``: cell, t, m, pointers) with each pair of its
+    ``window`` (start, count) of ``tab``; those within the limits (and gaps), Pareto-filtered per cell when
+    ``filtered``.  Returns (cell, t, m, pointers with this fold's)."""
+    bnd = prune.bnd
+    cell, t, m, ptrs = now
+    start, counts = window
+    if counts.max(initial=0) <= 1:
+        rep = np.flatnonzero(counts)
+        q = start[rep]
+    else:
+        rep = np.repeat(np.arange(counts.size), counts)
+        q = start[rep] + np.arange(rep.size) - (np.cumsum(counts) - counts)[rep]
+    cell, t, m = cell[rep], t[rep] + tab.t[q], m[rep] + tab.m[q]
+    rc = rests[:, cell]
+    ptrs = [p[rep] for p in ptrs] + [q]
+    keep = (rc + bnd.wt * t + bnd.wm * m <= prune.lim).all(axis=0)
+    if prune.gaps is not None:
+        keep[keep] &= _in_gaps(prune.gaps, bnd, t[keep], m[keep], rc[:, keep])
+    sel = np.flatnonzero(keep)
+    if filtered:
+        sel = sel[pareto_keep(cell[sel], t[sel], m[sel])]
+    return cell[sel], t[sel], m[sel], [p[sel] for p in ptrs]
 
 
 def _thin(sel: np.ndarray, g: np.ndarray, m: np.ndarray, beam: int, stats: dict) -> np.ndarray:
