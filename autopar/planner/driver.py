@@ -15,7 +15,9 @@ the same two steps on ``PlanOptions`` and ``HintOptions``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -218,9 +220,13 @@ def search_context(
     if options.priced() != ctx.options.priced():
         ctx = repriced(ctx, options)
     run = SearchRun(Deadline.after(options.search_budget_s), progress)
+    start = time.perf_counter()
     hinted_ctx, resolved = hinted_context(ctx, hint_options)
     found = search_modes(ctx, hinted_ctx, resolved, options, run)
-    if not compare_families:
-        return found.plan
-    free = options.allow_state_sharding and options.family is None and not resolved.allowed(hinted_ctx.cand)
-    return with_families(found, hinted_ctx, options, run, free)
+    if compare_families:
+        free = options.allow_state_sharding and options.family is None and not resolved.allowed(hinted_ctx.cand)
+        plan = with_families(found, hinted_ctx, options, run, free)
+    else:
+        plan = found.plan
+    # every search of the call (each recompute mode, the peak loop's, the family rows'), not only the kept plan's
+    return dataclasses.replace(plan, timings=dict(plan.timings, search_s=time.perf_counter() - start))
