@@ -320,8 +320,9 @@ def _fold(tabs: list, st, live: _Cells, prune: _Pruning, stats: dict, deadline: 
     outside the gaps) and, but after the last fold, dominated ones.  Returns (cell, t, m, pointers per fold).
 
     A fold that would form more than :data:`_FOLD_CHUNK` pairs forms them a run of cells at a time (each cell's
-    pairs in one run, so pruning and the Pareto filter per cell are unchanged), checking ``deadline`` between
-    runs: the memory of a fold is bounded, and a budget holds inside one."""
+    pairs in one run, so pruning and the Pareto filter per cell are unchanged), each run Pareto-filtered per
+    cell, checking ``deadline`` between runs: the memory of a fold is bounded by its runs and what they keep,
+    and a budget holds inside one."""
     bnd = prune.bnd
     cell = np.arange(live.cells.size)
     t, m = np.zeros(live.cells.size, np.int64), np.zeros(live.cells.size, np.int64)
@@ -341,9 +342,12 @@ def _fold(tabs: list, st, live: _Cells, prune: _Pruning, stats: dict, deadline: 
             start, stop = tab.off[e], tab.off[e + 1]
         counts = stop - start
         single = single and counts.max(initial=0) <= 1
-        filtered = i + 1 < len(live.order) and not single
+        runs = _runs(counts, _FOLD_CHUNK)
+        # the last fold's pairs are filtered per entry by the caller; a fold formed in runs filters each run per
+        # cell as well (a finer grouping: it keeps all the caller keeps), so what the runs keep stays small
+        filtered = not single and (i + 1 < len(live.order) or len(runs) > 1)
         parts = []
-        for a, b in _runs(counts, _FOLD_CHUNK):
+        for a, b in runs:
             if deadline is not None and len(parts):
                 deadline.check()
             now = (cell[a:b], t[a:b], m[a:b], [p[a:b] for p in ptrs])
