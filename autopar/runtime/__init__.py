@@ -15,10 +15,13 @@
   with backward.
 - ``deferred``: the loss's last collective started without waiting
   (``PendingLoss``, read on first use; backward never waits for it).
+- ``at_exit``: at interpreter exit, the pending loss collectives finished and every
+  mesh's process groups dropped while Python is whole (gloo aborts otherwise).
 """
 
 from __future__ import annotations
 
+from . import at_exit  # noqa: F401 - registers the release at interpreter exit
 from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
 from .clip import clip_grad_norm_
 from .counter import CollectiveCounter, CollectiveRecord

@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -47,7 +48,7 @@ import torch.distributed as dist
 
 from autopar.mesh import Mesh
 
-__all__ = ["MeshGroups", "init_distributed", "ranks_per_node"]
+__all__ = ["MeshGroups", "init_distributed", "ranks_per_node", "release_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # an optimizer step of each other); only a failure on some ranks pays it
 FAIL_GRACE_S = 5.0
 _INSTANCES = itertools.count()  # MeshGroups built in this process: the same sequence on every rank
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every MeshGroups alive in this process (release_all)
 
 
 def init_distributed(backend: str | None = None, *, timeout: timedelta | None = None) -> str:
@@ -165,6 +167,7 @@ class MeshGroups:
             self._members.append(ranks)
             group_ranks = dist.get_process_group_ranks(pg)  # global ranks in group-rank order
             self._order.append(tuple(mesh.coordinate(r)[axis] for r in group_ranks))
+        _LIVE.add(self)
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -265,6 +268,12 @@ class MeshGroups:
                 dist.destroy_process_group(groups.pop())
         logger.warning("autopar: shut down the process groups of %s: %s", self._mesh, reason)
 
+    def release(self, reason: str) -> None:
+        """Drop this rank's references to its groups (they are destroyed when nothing else holds them); later
+        collectives raise ``reason`` (``check_alive``)."""
+        if self._shut_down is None:
+            self._shut_down, self._groups = reason, []
+
     # ---- axes -----------------------------------------------------------------------
     def axis_group(self, axis: int | str) -> dist.ProcessGroup:
         """The process group of this rank's line of ranks along ``axis``."""
@@ -289,3 +298,9 @@ class MeshGroups:
 
     def __repr__(self) -> str:
         return f"MeshGroups({self._mesh}, rank={self._rank}, coordinate={self._coordinate}, backend={self._backend})"
+
+
+def release_all(reason: str) -> None:
+    """``MeshGroups.release`` on every mesh of this process (``autopar.runtime.at_exit``)."""
+    for groups in list(_LIVE):
+        groups.release(reason)
