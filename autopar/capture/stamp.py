@@ -364,14 +364,11 @@ class _Stamp:
             before = self._stamp(j, before)
         last = {n: c for n, c in zip(self.layers[2], before)}
         storages = self._storage_map(self.layers[2], before, {})
-        for n in itertools.chain(self.layers[3], self.postlude):
-            val = self._moved(n.meta.get("val"), storages, None)
-            self._emit(
-                n,
-                lambda a: last.get(a) or self.env[a],
-                val,
-                renamed=self._stack_renamer(3, self.depth - 1) if n in self.layers[3] else None,
-            )
+        rename = self._stack_renamer(3, self.depth - 1)
+        for run, renamed in ((self.layers[3], rename), (self.postlude, None)):
+            for n in run:
+                val = self._moved(n.meta.get("val"), storages, None)
+                self._emit(n, lambda a: last.get(a) or self.env[a], val, renamed=renamed)
         out = self.new.create_node("output", "output", fx.map_arg(self.output.args, self.env.__getitem__))
         out.meta = dict(self.output.meta)
         outputs = [
@@ -447,8 +444,8 @@ class _Stamp:
     def _moved(self, val, storages: dict, own: list[fx.Node] | None):
         """``val`` on the storages of the copy: mapped ones moved, those made by a node of ``own`` fresh (one per
         storage, kept in ``storages``), any other kept."""
-        if val is None or not any(_storage_key(t) in storages or own for t in _tensors(val)):
-            return val
+        if own is None and not any(_storage_key(t) in storages for t in _tensors(val)):
+            return val  # nothing of it moves
         owned = set(own or ())
 
         def move(t):

@@ -221,20 +221,20 @@ def solve_dp(
             break
     low = None if frontier else proven_within(ub, lb, rel_gap)
     if low is None and not frontier and deadline is not None and deadline.passed() and ub - lb > tol(ub):
-        low, stats["budget_hit"] = _out_of_time(lb)
+        low = _out_of_time(lb, stats)
     if thinned_only or low is not None:  # the best plan met; optimal only when it meets the bound
         return _best_met(seen, cap, not frontier and (cap is None or fast.mem <= cap), low, stats, start)
     try:
         tabs, pstats = pareto_pass(model, bnd, row_limits(bnd, ub, cap), progress=progress, deadline=deadline)
     except OutOfTime:  # the exact pass ran past the budget: the best plan met, with the bound proven so far
-        low, stats["budget_hit"] = _out_of_time(lb)
-        return _best_met(seen, cap, False, low, stats, start)
+        return _best_met(seen, cap, False, _out_of_time(lb, stats), stats, start)
     return _finish(model, tabs, seen, {**stats, **pstats, "upper_bound": ub}, start)
 
 
-def _out_of_time(lb: float) -> tuple[int, bool]:
-    """(the proven lower bound in integers, budget hit) of a search stopped by its deadline."""
-    return int(lb - tol(lb)), True
+def _out_of_time(lb: float, stats: dict) -> int:
+    """A search stopped by its deadline: marks ``stats`` and returns the proven lower bound in integers."""
+    stats["budget_hit"] = True
+    return int(lb - tol(lb))
 
 
 def _best_met(seen: list, cap: int | None, optimal: bool, low: int | None, stats: dict, start: float) -> Solution:
