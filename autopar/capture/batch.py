@@ -43,7 +43,6 @@ import contextlib
 import inspect
 import logging
 import operator
-import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +50,7 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.utils import _pytree as pytree
 
@@ -65,6 +64,7 @@ from .export import (
     lean_export,
     normalize_inputs,
 )
+from .fake_values import NUMBERED, fake_on, meta_storage
 
 __all__ = ["BatchTemplate", "capture_template", "static_template", "specialize", "with_batch"]
 
@@ -341,12 +341,11 @@ class _Values:
         ref = storage._cdata  # the storage's address: the template keeps it alive (StorageWeakRef is 0.4 ms)
         base = self._storages.get(ref)
         if base is None:
-            base = torch.empty(self.scalar(storage.nbytes()), dtype=torch.uint8, device="meta").untyped_storage()
+            base = meta_storage(self.scalar(storage.nbytes()))
             self._storages[ref] = base
         size = [self.scalar(s) for s in t.shape]
         stride = [self.scalar(s) for s in t.stride()]
-        meta = torch.empty(0, dtype=t.dtype, device="meta").set_(base, self.scalar(t.storage_offset()), size, stride)
-        out = FakeTensor(self.mode, meta.requires_grad_(t.requires_grad), t.device)
+        out = fake_on(t, base, self.scalar(t.storage_offset()), size, stride, self.mode)
         self._tensors[id(t)] = out
         return out
 
@@ -435,11 +434,8 @@ def _indexing(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in _INDEXING
 
 
-_SUFFIX = re.compile(r"^(.*)_(\d+)$")
-
-
 def _number(name: str) -> int:
-    m = _SUFFIX.match(name)
+    m = NUMBERED.match(name)
     return int(m.group(2)) if m else 0
 
 

@@ -57,10 +57,11 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.export.graph_signature import ExportGraphSignature, InputSpec, OutputSpec, TensorArgument
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
+
+from .fake_values import NUMBERED, fake_on, meta_storage
 
 __all__ = ["STAMP_MIN_LAYERS", "Traced", "export_stamped"]
 
@@ -73,7 +74,6 @@ _TRACED = 4
 
 _HOOK_KEYS = re.compile(r"hook")
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
-_SUFFIX = re.compile(r"^(.*)_(\d+)$")
 
 
 class _CannotStamp(Exception):
@@ -228,12 +228,11 @@ def _tensors(val) -> list[torch.Tensor]:
 
 def _fake(t: torch.Tensor, storage) -> torch.Tensor:
     """A fake tensor like ``t`` (size, stride, offset, dtype, requires_grad) on ``storage``."""
-    meta = torch.empty(0, dtype=t.dtype, device="meta").set_(storage, t.storage_offset(), t.shape, t.stride())
-    return FakeTensor(t.fake_mode, meta.requires_grad_(t.requires_grad), t.device)
+    return fake_on(t, storage, t.storage_offset(), t.shape, t.stride(), t.fake_mode)
 
 
 def _fresh_storage(t: torch.Tensor):
-    return torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+    return meta_storage(t.untyped_storage().nbytes())
 
 
 class _Stamp:
@@ -479,7 +478,7 @@ class _Stamp:
     def _emit(self, n: fx.Node, arg: Callable, val, *, renamed: Callable | None = None, keep: bool = True) -> fx.Node:
         """Create ``n``'s copy (arguments through ``arg``, value ``val``) under its op's next export name."""
         args, kwargs = fx.map_arg((n.args, n.kwargs), arg)
-        m = _SUFFIX.match(n.name)
+        m = NUMBERED.match(n.name)
         node = self.new.create_node(n.op, n.target, args, kwargs, name=m.group(1) if m else n.name, type_expr=n.type)
         node.meta = dict(n.meta)
         node.meta["val"] = val
