@@ -435,3 +435,39 @@ def test_eval_mode_switches_every_norm_and_dropout_like_the_model():
         assert state.keys() == want_state.keys(), rank
         for k in want_state:
             torch.testing.assert_close(state[k], want_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
+
+
+def _recompute_rank_fn(rank, world, arch, family):
+    import autopar
+
+    model, args, kwargs = build(arch, device="cpu")
+    mesh = autopar.Mesh((world,), axis_names=("tp",))
+    sharded = autopar.compile(
+        model,
+        mesh,
+        example_inputs=args,
+        example_kwargs=kwargs,
+        family=family,
+        profile=PARTITIONING_PROFILE,
+        recompute="full",
+    )
+    train = _train((sharded, _loss_and_logits(sharded)), args, kwargs)
+    regions = {e.recompute for e in sharded.plan.nodes.values() if e.recompute}
+    again = sum(1 for c in sharded.plan.collectives if c.recompute)
+    return sharded.plan.family, regions, again, train
+
+
+def test_layers_that_are_not_alike_recompute_each_and_train_like_one_device():
+    """Issue 31, item 7: T5's first block carries the relative-attention bias and each stack has two blocks, so
+    no run of alike layers exists; ``recompute="full"`` used to be refused ("no repeated blocks").  Each module
+    list entry is a region (``capture.find_layers``), as a user of ``torch.utils.checkpoint`` wraps it, and the
+    plan trains on 2 gloo ranks under tensor parallelism like one device, its forward collectives run again."""
+    model, _, _ = build("t5", device="meta")
+    stacks = {"encoder": model.config.num_layers, "decoder": model.config.num_decoder_layers}
+    layers = {f"{stack}.block.{i}" for stack, count in stacks.items() for i in range(count)}
+    ref = _reference("t5")
+    for rank, (family, regions, again, got) in enumerate(run_ranks(_recompute_rank_fn, 2, "t5", "tensor parallel")):
+        where = f"t5 on 2 ranks, rank {rank}, plan {family}, every layer recomputed"
+        assert regions == layers, (where, regions)
+        assert again > 0, f"{where}: the plan lists no collective run again by the recomputation"
+        _assert_trains_alike(got, ref, where)

@@ -18,7 +18,7 @@ from .call_spec import CallSpec, InputMismatchError, bind_call, register_datacla
 from .decompose import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
 from .export import CaptureError, canonical_param_names, capture
 from .graph import OpCall, OpGraph, OpNode
-from .repeat import Blocks, find_blocks
+from .repeat import Blocks, find_blocks, find_layers
 
 __all__ = [
     "canonical_param_names",
@@ -38,6 +38,7 @@ __all__ = [
     "capture",
     "capture_template",
     "find_blocks",
+    "find_layers",
     "register_dataclasses",
     "specialize",
     "static_template",

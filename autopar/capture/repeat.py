@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .graph import OpGraph, OpNode
 
-__all__ = ["Blocks", "find_blocks", "block_signature"]
+__all__ = ["Blocks", "block_signature", "find_blocks", "find_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -130,3 +130,22 @@ def find_blocks(graph: OpGraph, *, min_count: int = 3) -> Blocks | None:
     chosen = order[first : first + length]
     log.info("repeat: %d blocks of %d nodes under %s", length, sizes.pop(), prefix)
     return Blocks(prefix, tuple(chosen), tuple(tuple(groups[i]) for i in chosen))
+
+
+def find_layers(graph: OpGraph) -> dict[str, tuple[int, ...]]:
+    """The layers of every module list, alike or not: ``prefix.index`` -> the op nodes (graph order) whose module
+    path has that entry as its outermost integer component, for each prefix with at least two entries (T5's
+    ``encoder.block.0`` carries the relative-attention bias its siblings lack; both stacks are listed).  What a
+    user of ``torch.utils.checkpoint`` would wrap: one call per entry.  Whether an entry's ops are convex is the
+    caller's to check (``planner.regions``)."""
+    by_prefix: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for node in graph.nodes:
+        found = _list_index(node.module) if node.kind == "op" else None
+        if found is not None:
+            by_prefix[found[0]][found[1]].append(node.index)
+    return {
+        f"{prefix}.{index}": tuple(ops)
+        for prefix, entries in by_prefix.items()
+        if len(entries) >= 2
+        for index, ops in sorted(entries.items())
+    }

@@ -4,7 +4,11 @@ A *region* is a set of op nodes recomputed together (one checkpoint in the lower
 program, ``lower/recompute.py``); the planner maps each op node to its region's name.
 
 * ``block_regions``: every op of a repeated block (``capture.find_blocks``: a model's
-  layers), one region per block, named after the block (``model.layers.3``).
+  layers), one region per block, named after the block (``model.layers.3``).  A model
+  whose layers are not alike (T5's first block carries the relative-attention bias; two
+  layers per stack leave no run of alike ones) has its module lists' entries instead
+  (``capture.find_layers``), each a region where its ops are convex: what a user of
+  ``torch.utils.checkpoint`` wraps.  The search then prices them flat (no chain).
 * ``selective_regions``: inside each block, the maximal runs of consecutive ops (in
   graph order, so each run is convex) that read no weight, directly or through a view
   of one.  Weight-reading ops (projections, the weight multiply of a norm) are where a
@@ -39,7 +43,7 @@ from __future__ import annotations
 import fnmatch
 import os
 
-from autopar.capture import find_blocks
+from autopar.capture import find_blocks, find_layers
 
 from .hints import module_matches
 
@@ -50,14 +54,29 @@ def block_regions(ctx) -> dict[int, str]:
     """Op node index -> the name of its repeated block (``prefix.index``), for every op of every block."""
     graph = ctx.graph
     blocks = ctx.blocks or find_blocks(graph, min_count=2)  # two layers are enough to recompute one
-    if blocks is None:
-        return {}
+    if blocks is None:  # layers that are not alike: each module list entry whose ops are convex
+        return {i: name for name, ops in find_layers(graph).items() if _convex(graph, set(ops)) for i in ops}
     return {
         i: f"{blocks.prefix}.{blocks.indices[b]}"
         for b, nodes in enumerate(blocks.nodes)
         for i in nodes
         if graph.nodes[i].kind == "op"
     }
+
+
+def _convex(graph, members: set[int]) -> bool:
+    """Whether no path leaves ``members`` and comes back (``lower.recompute`` checkpoints a region as one call, so
+    nothing outside it may both read a value it makes and feed a later op of it).  Graph order is topological:
+    one sweep marks every node outside that depends on a member."""
+    below: set[int] = set()  # outside nodes that depend on a member
+    for node in graph.nodes:
+        reads = {u for u, _ in node.inputs}
+        if node.index in members:
+            if reads & below:
+                return False
+        elif reads & members or reads & below:
+            below.add(node.index)
+    return True
 
 
 def hinted_regions(ctx, regions: dict[int, str], patterns: tuple[str, ...]) -> dict[int, str]:
