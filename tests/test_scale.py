@@ -18,7 +18,7 @@ from autopar.mesh import Mesh
 from autopar.models import load_model, model_config
 from autopar.planner.driver import prepare
 from autopar.planner.problem_tables import to_problem
-from autopar.search import BeatenError, InfeasibleError, min_memory, solve_cpsat, solve_dp
+from autopar.search import BeatenError, InfeasibleError, Start, min_memory, solve_cpsat, solve_dp
 from autopar.search.chain import ChainError, solve_chain
 from autopar.search.problem import INF
 
@@ -195,9 +195,9 @@ def test_chain_stops_early_only_when_its_bound_beats_the_plan_in_hand(gpt2_tiny_
     capped = problem.with_cap(int(low + 0.4 * (fastest.mem_bytes - low)))
     want = solve_dp(capped)
     with pytest.raises(BeatenError) as err:
-        solve_chain(capped, blocks, above=fastest.time // 2)
+        solve_chain(capped, blocks, start=Start(above=fastest.time // 2))
     assert fastest.time // 2 < err.value.lower_bound_ps <= want.time
-    got = solve_chain(capped, blocks, above=want.time)  # the optimum itself is not beaten by it
+    got = solve_chain(capped, blocks, start=Start(above=want.time))  # the optimum itself is not beaten by it
     assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
 
 

@@ -4,6 +4,7 @@ lower bound that does not pass it; and the time budget returning a real plan wit
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -12,7 +13,7 @@ from chain_cases import mixed, variant
 from search_problems import chain_problem
 
 from autopar.planner.solving import PLAN_GAP
-from autopar.search import Deadline, InfeasibleError, min_memory, solve_dp
+from autopar.search import Deadline, InfeasibleError, Start, min_memory, solve_dp
 from autopar.search.chain import solve_chain
 from autopar.search.problem import SearchProblem, Solution
 
@@ -29,6 +30,19 @@ def _case(seed: int) -> tuple[SearchProblem, list[list[int]]]:
     )
 
 
+@functools.cache
+def _feasible_cases() -> tuple[tuple[int, SearchProblem, list[list[int]], Solution], ...]:
+    """(seed, problem, blocks, exact optimum) of every random chain of :func:`_case` that has a plan."""
+    out = []
+    for seed in [*range(40), *range(100, 108)]:
+        problem, blocks = _case(seed)
+        try:
+            out.append((seed, problem, blocks, solve_chain(problem, blocks)))
+        except InfeasibleError:
+            continue
+    return tuple(out)
+
+
 def _check_within(problem: SearchProblem, got: Solution, exact_time: int, rel_gap: float, where: str) -> None:
     assert problem.evaluate(got.choice) == (got.time, got.mem_bytes), where
     assert problem.forbidden_in(got.choice) == [], where
@@ -42,17 +56,29 @@ def test_gapped_chain_is_within_its_gap_of_the_exact_optimum(rel_gap: float) -> 
     """On the exactness tests' random chains: within the gap of the exact optimum, and the merging passes
     (which spend part of the gap) really ran."""
     merged = 0
-    for seed in [*range(40), *range(100, 108)]:
-        problem, blocks = _case(seed)
-        try:
-            exact = solve_chain(problem, blocks)
-        except InfeasibleError:
-            continue
+    for seed, problem, blocks, exact in _feasible_cases():
         got = solve_chain(problem, blocks, rel_gap=rel_gap)
         _check_within(problem, got, exact.time, rel_gap, f"seed {seed}, gap {rel_gap}")
         merged += got.stats.get("merge_error", 0) > 0
     if rel_gap > PLAN_GAP:
         assert merged >= 3  # passes did merge pairs (else the merging path is untested here)
+
+
+def test_a_search_seeded_with_a_coarser_one_ends_as_the_unseeded_one() -> None:
+    """The peak loop's plan is searched again at PLAN_GAP from its coarse probe (``seed``): the same guarantee as
+    a search from scratch (within the gap of the exact optimum; exact at gap 0), starting from the probe's plan
+    and proven bound, and never worse than the probe's plan."""
+    seeded = 0
+    for seed, problem, blocks, exact in _feasible_cases():
+        coarse = solve_chain(problem, blocks, rel_gap=2.0**-4)
+        for rel_gap in (0.0, PLAN_GAP):
+            got = solve_chain(problem, blocks, rel_gap=rel_gap, start=Start(seed=coarse))
+            _check_within(problem, got, exact.time, max(rel_gap, 1e-12), f"seed {seed}, gap {rel_gap}, seeded")
+            assert got.time <= coarse.time and got.time_lower_bound >= coarse.time_lower_bound
+            if rel_gap == 0.0:
+                assert (got.time, got.mem_bytes) == (exact.time, exact.mem_bytes), f"seed {seed}"
+        seeded += coarse.time > exact.time  # the seed was not the optimum: the passes improved on it
+    assert seeded >= 3
 
 
 def _variants(problem: SearchProblem, blocks: list[list[int]], seed: int) -> tuple[SearchProblem, ...]:

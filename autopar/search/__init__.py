@@ -24,13 +24,14 @@ from .chain import ChainError, solve_chain
 from .cpsat import solve_cpsat
 from .deadline import Deadline
 from .dp import min_memory, solve_dp
-from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, solve_brute_force
+from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, Start, solve_brute_force
 
 __all__ = [
     "INF",
     "Deadline",
     "SearchProblem",
     "Solution",
+    "Start",
     "InfeasibleError",
     "BeatenError",
     "solve_dp",

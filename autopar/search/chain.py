@@ -89,7 +89,7 @@ from .deepen import PassSetup, RestBound, VariantBounds, deepen
 from .dp import min_memory
 from .minsum import MinSumChain
 from .pareto import tol
-from .problem import BeatenError, InfeasibleError, SearchProblem, Solution
+from .problem import BeatenError, InfeasibleError, SearchProblem, Solution, Start
 from .split import ChainError
 
 __all__ = ["Chain", "ChainError", "solve_chain"]  # Chain: chain_tables.py
@@ -128,15 +128,15 @@ def solve_chain(
     blocks: list[list[int]],
     *,
     progress: Callable[[str, int, int], None] | None = None,
-    above: int | None = None,
+    start: Start | None = None,
     variants: tuple[SearchProblem, ...] = (),
     rest_variants: tuple[SearchProblem, ...] = (),
     rel_gap: float = 0.0,
     deadline: Deadline | None = None,
 ) -> Solution:
     """Minimum time under the memory cap (ties broken by memory), exactly, solving the
-    repeated block once (see the module docstring).  ``above``: a time the caller has met
-    already; when the lower bound proves every plan slower, :class:`BeatenError` instead
+    repeated block once (see the module docstring).  ``start.above``: a time the caller has
+    met already; when the lower bound proves every plan slower, :class:`BeatenError` instead
     of the exact pass.
 
     ``rel_gap`` > 0: stop deepening once the best plan met is proven within ``rel_gap`` of
@@ -160,12 +160,19 @@ def solve_chain(
     ``deadline``: past it, no further pass starts and a pass under way is abandoned; the best plan met comes
     back with the proven bound (``optimal=False``, ``stats["budget_hit"]``, ``lower_bound`` and ``gap``).
 
+    ``start.seed``: a solution of this same problem (same cap, strategies, variants), e.g. one a coarser ``rel_gap``
+    returned: its plan is a plan met (the first upper bound, when under the cap) and its proven lower bound
+    (``Solution.time_lower_bound``) a lower bound, so the passes start where it stopped rather than again from
+    the Lagrange bound.
+
     ``blocks[i][j]``: node of position j in block i, blocks in chain order.  Raises
     :class:`ChainError` when the blocks do not chain (solve flat then), and
     :class:`InfeasibleError` as :func:`.dp.solve_dp` does.  ``progress(stage, done, total)``
     is called as the stages finish.
     """
-    start = time.perf_counter()
+    began = time.perf_counter()
+    start = start or Start()
+    above, seed = start.above, start.seed
     tick = progress or (lambda *_: None)
     # the block and rest tables and the time/memory min-sum do not depend on the cap: kept
     # with the problem's arrays, so another cap (SearchProblem.with_cap) starts from them
@@ -176,6 +183,11 @@ def solve_chain(
     cap = problem.mem_cap_bytes
     tick("block tables", 1, 4)
     w, sc, seen = _bound_rows(chain, problem, blocks, variants, rest_variants)
+    lb_seed = 0
+    if seed is not None and (cap is None or seed.mem_bytes <= cap):
+        picked = tuple(seed.stats.get("block_variants", (0,) * len(blocks)))
+        seen.append((seed.time, seed.mem_bytes, tuple(seed.choice), picked))
+        lb_seed = seed.time_lower_bound
     ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
     tick("bounds", 2, 4)
     o1 = sc.outside()[1].transpose(0, 2, 1)
@@ -188,12 +200,15 @@ def solve_chain(
     stats["lagrange_ub"] = ub
     # lower bound: the min-sum of time, or of time + lam (M - cap) on a Lagrange row (weak duality)
     lb = max(float(sc.total[r]) - float(w[r, 1]) * (cap or 0) for r in range(len(w)) if w[r, 0] == 1.0)
+    seeded = lb_seed > lb  # the seed's search proved more: the targets below its bound are spent
+    lb = max(lb, float(lb_seed))  # both bound the optimum from below
     stats["lower_bound"] = lb
     if above is not None and lb > above + tol(above):
         raise BeatenError(lb, above)
     tick("exact pass", 3, 4)
     rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
-    found, pstats = deepen(PassSetup(chain, sc, bounds, cap, rest_bound, deadline), lb, ub, rel_gap)
+    setup = PassSetup(chain, sc, bounds, cap, rest_bound, deadline)
+    found, pstats = deepen(setup, lb, ub, rel_gap, **({"first": 1.0} if seeded else {}))
     stats.update(pstats, upper_bound=ub)
     cands = [p for p in seen if cap is None or p[1] <= cap] + found
     t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))
@@ -205,7 +220,7 @@ def solve_chain(
     if variants or rest_variants:
         stats["block_variants"] = picked
     tick("done", 4, 4)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - began
     stats["solve_s"] = elapsed
     if logger.isEnabledFor(logging.INFO):  # the summary walks every node: only when it is printed
         msg = "solve_chain: %s, %d blocks, %d states -> (%d ps, %d B) in %.3fs"

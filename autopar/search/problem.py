@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["INF", "SearchProblem", "Solution", "InfeasibleError", "solve_brute_force"]
+__all__ = ["INF", "SearchProblem", "Solution", "Start", "InfeasibleError", "solve_brute_force"]
 
 logger = logging.getLogger(__name__)
 
@@ -445,6 +445,16 @@ class Solution:
         """A proven lower bound on the optimum's time: the plan's own when it is optimal, else the search's
         ``stats["lower_bound"]`` (an approximate search's, or one stopped within its ``rel_gap``), else 0."""
         return self.time if self.optimal else int(self.stats.get("lower_bound", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Where one search starts from: ``above``, the time of a plan met already elsewhere (the chained search
+    raises :class:`BeatenError` once its lower bound passes it), and ``seed``, a solution of the same problem
+    at a coarser gap (its plan a plan met, its proven bound a lower bound: :func:`.chain.solve_chain`)."""
+
+    above: int | None = None
+    seed: Solution | None = None
 
 
 class BeatenError(Exception):
