@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 #: The default wall-clock budget of a plan's search (``plan(search_budget_s=...)``): past it the planner returns
 #: the fastest plan it has met with the bound it proved.  Measured over ``scripts/sweep_search.py``'s 50
-#: configurations the slowest search took 14 s, so the budget is a guard for shapes nobody has tried, not a
+#: configurations the slowest search took 16 s, so the budget is a guard for shapes nobody has tried, not a
 #: setting that changes ordinary plans.
 SEARCH_BUDGET_S = 30.0
 #: The searches a plan can be solved with: exact dynamic programming, or the CP-SAT model (the tests' referee).
