@@ -15,7 +15,9 @@ Modules, each importing only modules listed before it:
 * ``tables``: a chain part's table over its port states;  ``minsum``: the min-sum chain;
   ``segments``: Pareto tables over port-state pairs and their product;  ``deepen``: the chain's passes
   under a target;  ``chain``: ``solve_chain``;
-* ``cpsat``: the referee;  ``generate``: synthetic problems for tests and benchmarks.
+* ``cpsat``: the referee;  ``generate``: synthetic problems for tests and benchmarks;
+* ``stages``: the split of a chain of layers into pipeline stages under a memory cap (issue 31's planning term;
+  the planner does not call it yet).
 """
 
 from __future__ import annotations

@@ -1,0 +1,220 @@
+"""The split of a chain of layers into pipeline stages: contiguous, uneven where that pays, under a memory cap.
+
+Issue 31's stage split (the planner does not call this module yet).  Layers ``0 .. L-1`` run in order; stage
+``j`` of ``p`` takes the run ``[k_j, k_(j+1))`` (``k_0 = 0``, ``k_p = L``, every run non-empty), stage 0 also the
+part of the model before the layers (``prelude``: embeddings) and stage ``p - 1`` the part after them
+(``postlude``: final norm, head, loss).  Per micro-batch, stage j's forward takes ``F_j`` (the sum of its
+layers' and its end's forward times) and its backward ``B_j``.
+
+Step time.  A pipeline of ``m`` identical micro-batches is a flow shop: under GPipe (every forward, then every
+backward) the forwards finish after ``sum_j F_j + (m - 1) max_j F_j`` and the backwards, likewise, take
+``sum_j B_j + (m - 1) max_j B_j`` more, so
+
+    T = sum_j (F_j + B_j) + (m - 1) (max_j F_j + max_j B_j)
+
+exactly (``tests/test_stage_split.py`` checks it against the list schedule of ``cost.pipeline.step_time``).
+1F1B runs the same actions in another order and finishes no later (checked there too: the formula bounds it
+from above, equal when the stages are equal).  The first sum does not depend on the split (every layer is in
+some stage), so the split minimizes ``max_j F_j + max_j B_j``: the slowest stage sets the pace.
+
+Memory.  Stage j holds its model state (``S_j``: its layers' parameters, gradients and optimizer state, and its
+end's) and the activations of the ``h_j`` micro-batches in flight on it (``cost.pipeline.in_flight``, given by
+the caller: ``m`` under GPipe, ``min(m, p - j)`` under 1F1B), each its layers' and end's saved activations
+``A_j``:
+
+    M_j = S_j + h_j A_j  <=  cap     for every stage j
+
+Under 1F1B the first stages hold more micro-batches, so the best split gives them fewer layers.
+
+Search (:func:`split_stages`).  Dynamic programming over (stages placed, layers placed): ``P(j, k)`` is the
+Pareto set of ``(max F, max B)`` over the splits of layers ``[0, k)`` into stages ``0 .. j - 1`` that fit the
+cap, and
+
+    P(j + 1, k') = Pareto U_(k < k', stage j on [k, k') fits)
+                       { (max(f, F(k, k')), max(b, B(k, k'))) : (f, b) in P(j, k) }
+
+with ``P(0, 0) = {(0, 0)}``; the answer is the least ``f + b`` in ``P(p, L)``.  Pareto pruning keeps the optimum:
+a pair dominated at (j, k) stays dominated after any completion, since max is monotone.  Work O(p L^2) times the
+sets' sizes (at most the distinct stage times), exact, with no floats compared past their own values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["StageCosts", "StageSplit", "split_stages", "step_of_split"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Per micro-batch: forward and backward seconds, model-state bytes (held once per stage) and saved
+    activation bytes (held per micro-batch in flight), of each layer (``layers``, sequences of equal length)
+    or of one end of the model (``prelude`` on the first stage, ``postlude`` on the last: one value each)."""
+
+    forward_s: Sequence[float]
+    backward_s: Sequence[float]
+    state_bytes: Sequence[int]
+    act_bytes: Sequence[int]
+
+    @property
+    def count(self) -> int:
+        return len(self.forward_s)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSplit:
+    """A split: stage j takes layers ``[bounds[j], bounds[j + 1])``; its step time (module docstring's ``T``),
+    the forward and backward time and the memory ``M_j`` of each stage."""
+
+    bounds: tuple[int, ...]
+    step_s: float
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    memory_bytes: tuple[int, ...]
+
+
+class _Prefix:
+    """Prefix sums of the layers' costs, so that a stage's totals over ``[i, k)`` are O(1)."""
+
+    def __init__(self, layers: StageCosts) -> None:
+        self.f, self.b, self.s, self.a = ([0] for _ in range(4))
+        for row in zip(layers.forward_s, layers.backward_s, layers.state_bytes, layers.act_bytes, strict=True):
+            for acc, x in zip((self.f, self.b, self.s, self.a), row):
+                acc.append(acc[-1] + x)
+
+    def run(self, i: int, k: int) -> tuple[float, float, int, int]:
+        return self.f[k] - self.f[i], self.b[k] - self.b[i], self.s[k] - self.s[i], self.a[k] - self.a[i]
+
+
+@dataclass(frozen=True, slots=True)
+class _Pipeline:
+    """What prices one stage: the layers' prefix sums, the ends and the micro-batches in flight per stage."""
+
+    prefix: _Prefix
+    prelude: StageCosts
+    postlude: StageCosts
+    held: tuple[int, ...]
+
+    @property
+    def p(self) -> int:
+        return len(self.held)
+
+    def stage(self, j: int, i: int, k: int) -> tuple[float, float, int]:
+        """(forward s, backward s, memory bytes) of stage j on layers ``[i, k)``."""
+        f, b, s, a = self.prefix.run(i, k)
+        for end, here in ((self.prelude, j == 0), (self.postlude, j == self.p - 1)):
+            if here:
+                f, b = f + end.forward_s[0], b + end.backward_s[0]
+                s, a = s + end.state_bytes[0], a + end.act_bytes[0]
+        return f, b, s + self.held[j] * a
+
+
+def split_stages(
+    layers: StageCosts,
+    in_flight: Sequence[int],
+    m: int,
+    cap_bytes: int | None = None,
+    ends: tuple[StageCosts, StageCosts] | None = None,
+) -> StageSplit:
+    """The split of ``layers`` into ``p = len(in_flight)`` contiguous stages with the least step time over ``m``
+    micro-batches (module docstring) whose every stage fits ``cap_bytes`` (None: no cap), stage j holding the
+    activations of ``in_flight[j]`` micro-batches (``cost.pipeline.in_flight`` of the schedule); ``ends``: the
+    (prelude, postlude) costs on the first and last stage (None: nothing).
+
+    ValueError for more stages than layers (each stage needs one), or a cap no split fits (the message names
+    the least memory of the fullest stage any split reaches)."""
+    p = len(in_flight)
+    if not 1 <= p <= layers.count:
+        raise ValueError(
+            f"{p} pipeline stages for {layers.count} layers: each stage needs at least one layer; "
+            f"use at most {layers.count} stages, or a mesh axis of that size for the pipeline"
+        )
+    nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
+    prelude, postlude = ends or (nothing, nothing)
+    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight))
+    fronts = _fronts(pipe, layers.count, cap_bytes)
+    final = fronts[p].get(layers.count, {})
+    if not final:
+        least = _least_memory(pipe, layers.count)
+        raise ValueError(
+            f"no split of {layers.count} layers into {p} stages fits {cap_bytes} bytes per stage (micro-batches "
+            f"in flight per stage {tuple(in_flight)}): the least any split needs on its fullest stage is {least} "
+            "bytes; raise the cap, use more stages, or a schedule with fewer micro-batches in flight (1f1b holds "
+            "fewer than gpipe)"
+        )
+    pace = min(final, key=lambda fb: fb[0] + fb[1])
+    bounds = _walk_back(fronts, final[pace], p, layers.count)
+    return step_of_split(layers, bounds, in_flight, m, ends)
+
+
+def _fronts(pipe: _Pipeline, n: int, cap: int | None) -> list[dict[int, dict[tuple[float, float], tuple]]]:
+    """``fronts[j][k]``: the Pareto pairs ``(max F, max B)`` of the fitting splits of layers ``[0, k)`` into j
+    stages, each with its back-pointer ``(k_prev, pair_prev)`` (module docstring, Search)."""
+    fronts: list[dict[int, dict[tuple[float, float], tuple]]] = [{0: {(0.0, 0.0): ()}}]
+    for j in range(pipe.p):
+        nxt: dict[int, dict[tuple[float, float], tuple]] = {}
+        last = j == pipe.p - 1
+        for k, pairs in fronts[j].items():
+            for k2 in [n] if last else range(k + 1, n - (pipe.p - j - 1) + 1):
+                f, b, mem = pipe.stage(j, k, k2)
+                if cap is not None and mem > cap:
+                    continue
+                cell = nxt.setdefault(k2, {})
+                for fb in pairs:
+                    cell.setdefault((max(fb[0], f), max(fb[1], b)), (k, fb))
+        fronts.append({k: _pareto(cell) for k, cell in nxt.items()})
+    return fronts
+
+
+def _pareto(cell: dict[tuple[float, float], tuple]) -> dict[tuple[float, float], tuple]:
+    """The pairs no other pair of ``cell`` dominates (both maxima no larger)."""
+    kept: dict[tuple[float, float], tuple] = {}
+    least_b = float("inf")
+    for fb in sorted(cell):
+        if fb[1] < least_b:
+            kept[fb] = cell[fb]
+            least_b = fb[1]
+    return kept
+
+
+def _walk_back(fronts: list, pointer: tuple, p: int, n: int) -> tuple[int, ...]:
+    bounds = [n]
+    for j in range(p, 0, -1):
+        k, fb = pointer
+        bounds.append(k)
+        pointer = fronts[j - 1][k][fb]
+    return tuple(reversed(bounds))
+
+
+def _least_memory(pipe: _Pipeline, n: int) -> int:
+    """The least, over the splits, of the fullest stage's memory (a DP of min-max over the same runs)."""
+    best = {0: 0}
+    for j in range(pipe.p):
+        last = j == pipe.p - 1
+        nxt: dict[int, int] = {}
+        for k, worst in best.items():
+            for k2 in [n] if last else range(k + 1, n - (pipe.p - j - 1) + 1):
+                mem = max(worst, pipe.stage(j, k, k2)[2])
+                nxt[k2] = min(nxt.get(k2, mem), mem)
+        best = nxt
+    return best[n]
+
+
+def step_of_split(
+    layers: StageCosts,
+    bounds: Sequence[int],
+    in_flight: Sequence[int],
+    m: int,
+    ends: tuple[StageCosts, StageCosts] | None = None,
+) -> StageSplit:
+    """The step time over ``m`` micro-batches (module docstring's ``T``), stage times and stage memory of one
+    split (stage j on layers ``[bounds[j], bounds[j + 1])``, holding ``in_flight[j]`` micro-batches)."""
+    p = len(bounds) - 1
+    nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
+    prelude, postlude = ends or (nothing, nothing)
+    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight))
+    stages = [pipe.stage(j, bounds[j], bounds[j + 1]) for j in range(p)]
+    fs, bs, mems = (tuple(x[i] for x in stages) for i in range(3))
+    step = sum(fs) + sum(bs) + (m - 1) * (max(fs) + max(bs))
+    return StageSplit(tuple(bounds), step, fs, bs, mems)
