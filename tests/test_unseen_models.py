@@ -49,8 +49,9 @@ PLANNED = (
 )
 
 
-def build(arch: str, *, device: str = "meta"):
-    """(model, args, kwargs) of the tiny ``arch`` with every dropout off; skips when transformers lacks it."""
+def build(arch: str, *, device: str = "meta", overrides: dict | None = None):
+    """(model, args, kwargs) of the tiny ``arch`` with every dropout off (``overrides``: config entries);
+    skips when transformers lacks it."""
     transformers = pytest.importorskip("transformers")
     from autopar.models import TINY_SUFFIX, load_model, model_config
 
@@ -58,7 +59,9 @@ def build(arch: str, *, device: str = "meta"):
     for cls in (classes["config_class"], classes["model_class"]):
         if not hasattr(transformers, cls):
             pytest.skip(f"transformers {transformers.__version__} has no {cls}")
-    model, args, kwargs = load_model(arch + TINY_SUFFIX, batch=BATCH, seq=SEQ, device=device, no_dropout=True)
+    model, args, kwargs = load_model(
+        arch + TINY_SUFFIX, batch=BATCH, seq=SEQ, device=device, no_dropout=True, overrides=overrides
+    )
     model.train()
     return model, args, kwargs
 
@@ -437,37 +440,54 @@ def test_eval_mode_switches_every_norm_and_dropout_like_the_model():
             torch.testing.assert_close(state[k], want_state[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
 
 
-def _recompute_rank_fn(rank, world, arch, family):
+def _recompute_rank_fn(rank, world, arch, family, depths):
     import autopar
 
-    model, args, kwargs = build(arch, device="cpu")
-    mesh = autopar.Mesh((world,), axis_names=("tp",))
-    sharded = autopar.compile(
-        model,
-        mesh,
-        example_inputs=args,
-        example_kwargs=kwargs,
-        family=family,
-        profile=PARTITIONING_PROFILE,
-        recompute="full",
-    )
-    train = _train((sharded, _loss_and_logits(sharded)), args, kwargs)
-    regions = {e.recompute for e in sharded.plan.nodes.values() if e.recompute}
-    again = sum(1 for c in sharded.plan.collectives if c.recompute)
-    return sharded.plan.family, regions, again, train
+    out = []
+    for depth in depths:
+        model, args, kwargs = build(arch, device="cpu", overrides={"num_layers": depth})
+        mesh = autopar.Mesh((world,), axis_names=("tp",))
+        sharded = autopar.compile(
+            model,
+            mesh,
+            example_inputs=args,
+            example_kwargs=kwargs,
+            family=family,
+            profile=PARTITIONING_PROFILE,
+            recompute="full",
+        )
+        train = _train((sharded, _loss_and_logits(sharded)), args, kwargs)
+        regions = {e.recompute for e in sharded.plan.nodes.values() if e.recompute}
+        again = sum(1 for c in sharded.plan.collectives if c.recompute)
+        out.append((sharded.plan.family, regions, again, train))
+    return out
+
+
+def _t5_reference(depth: int):
+    model, args, kwargs = build("t5", device="cpu", overrides={"num_layers": depth})
+
+    def call(*a, **k):
+        out = model(*a, **k)
+        return out.loss, out.logits
+
+    return _train((model, call), args, kwargs)
 
 
 def test_layers_that_are_not_alike_recompute_each_and_train_like_one_device():
-    """Issue 31, item 7: T5's first block carries the relative-attention bias and each stack has two blocks, so
-    no run of alike layers exists; ``recompute="full"`` used to be refused ("no repeated blocks").  Each module
-    list entry is a region (``capture.find_layers``), as a user of ``torch.utils.checkpoint`` wraps it, and the
-    plan trains on 2 gloo ranks under tensor parallelism like one device, its forward collectives run again."""
-    model, _, _ = build("t5", device="meta")
-    stacks = {"encoder": model.config.num_layers, "decoder": model.config.num_decoder_layers}
-    layers = {f"{stack}.block.{i}" for stack, count in stacks.items() for i in range(count)}
-    ref = _reference("t5")
-    for rank, (family, regions, again, got) in enumerate(run_ranks(_recompute_rank_fn, 2, "t5", "tensor parallel")):
-        where = f"t5 on 2 ranks, rank {rank}, plan {family}, every layer recomputed"
-        assert regions == layers, (where, regions)
-        assert again > 0, f"{where}: the plan lists no collective run again by the recomputation"
-        _assert_trains_alike(got, ref, where)
+    """Issue 31, item 7: T5's first block carries the relative-attention bias, so its layers are not all alike:
+    with two blocks per stack there is no run of alike layers at all (``recompute="full"`` used to be refused:
+    "no repeated blocks"), with three the chain is the decoder's last two, and "full" recomputed only those.
+    Every layer of both stacks is now a region (``capture.find_layers``), as a user of
+    ``torch.utils.checkpoint`` wraps them, and the plan trains on 2 gloo ranks under tensor parallelism like one
+    device, its forward collectives run again in backward."""
+    depths = (2, 3)
+    results = run_ranks(_recompute_rank_fn, 2, "t5", "tensor parallel", depths)
+    for d, depth in enumerate(depths):
+        layers = {f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(depth)}
+        ref = _t5_reference(depth)
+        for rank, per_depth in enumerate(results):
+            family, regions, again, got = per_depth[d]
+            where = f"t5 ({depth} layers per stack) on 2 ranks, rank {rank}, plan {family}, every layer recomputed"
+            assert regions == layers, (where, sorted(regions))
+            assert again > 0, f"{where}: the plan lists no collective run again by the recomputation"
+            _assert_trains_alike(got, ref, where)

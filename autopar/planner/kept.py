@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .regions import block_regions
+from .regions import layer_regions
 
 __all__ = ["Keeping", "keeping"]
 
@@ -53,7 +53,7 @@ class Keeping:
 def keeping(ctx, regions: dict[int, str]) -> Keeping:
     """The ``Keeping`` of ``regions`` (op node -> region name)."""
     graph, coster = ctx.graph, ctx.coster
-    layer = block_regions(ctx)
+    layer = layer_regions(ctx)
     consumers = graph.consumers()
     own: dict[int, tuple[int, ...]] = {}
     release: dict[int, int] = {}

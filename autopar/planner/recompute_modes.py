@@ -22,7 +22,7 @@ from .hints import ResolvedHints
 from .options import PlanOptions
 from .plan_parts import RecomputeLayers, RecomputeTrial
 from .problem_tables import PS_PER_S
-from .regions import block_regions, hinted_regions, rest_regions, selective_regions
+from .regions import block_regions, hinted_regions, layer_regions, rest_regions, selective_regions
 from .schema import Plan
 from .solving import Recomputed, SearchRun, family_plans, plan_under
 
@@ -69,23 +69,26 @@ def _regions_once(ctx: PlanningContext, kind: str, blocks: dict[int, str], find)
 class ModeSearch:
     """The region maps of each recompute mode, the searches run so far and the fastest plan they met.
 
-    ``regions``: every repeated layer's ops (``regions.block_regions``); ``forced``: the layers recompute hints
-    name; ``selective``: the runs of the other layers that pay to recompute (``regions.selective_regions``);
-    ``rest``: the part of the graph before the layers, recomputed at block granularity.  ``auto``: the modes
-    ``"auto"`` searches, from the most memory to the least.
+    ``layers``: every layer's ops, alike or not (``regions.layer_regions``): what one mode for every layer
+    recomputes; ``regions``: the repeated layers' (``regions.block_regions``), which each choose their own in the
+    chained search (``per_layer``); ``forced``: the layers recompute hints name; ``selective``: the runs of the
+    other layers that pay to recompute (``regions.selective_regions``); ``rest``: the part of the graph before
+    the layers, recomputed at block granularity.  ``auto``: the modes ``"auto"`` searches, from the most memory
+    to the least.
     """
 
     def __init__(self, ctx, hinted_ctx, resolved: ResolvedHints, options: PlanOptions, run: SearchRun) -> None:
         self.ctx, self.hinted_ctx, self.resolved, self.options, self.run = ctx, hinted_ctx, resolved, options, run
         asked, cap = options.recompute, options.mem_cap
-        regions = self.regions = block_regions(hinted_ctx)
-        if asked in ("full", "selective") and not regions:
+        self.regions = block_regions(hinted_ctx)
+        layers = self.layers = {**layer_regions(hinted_ctx), **self.regions}
+        if asked in ("full", "selective") and not layers:
             raise ValueError(
-                f"recompute={asked!r}: {ctx.graph.model_name} has no repeated blocks (layers) to recompute; "
+                f"recompute={asked!r}: {ctx.graph.model_name} has no layers (module list entries) to recompute; "
                 "use recompute='none' (or 'auto')"
             )
-        forced = self.forced = hinted_regions(hinted_ctx, regions, resolved.recompute)
-        self.unforced = {i: r for i, r in regions.items() if i not in forced}
+        forced = self.forced = hinted_regions(hinted_ctx, layers, resolved.recompute)
+        self.unforced = {i: r for i, r in layers.items() if i not in forced}
         self.selective = (
             {**_regions_once(hinted_ctx, "selective", self.unforced, selective_regions), **forced}
             if asked in ("auto", "selective")
@@ -95,15 +98,15 @@ class ModeSearch:
         # the hints
         self.auto = ["none", "selective", "full"] if cap is not None and self.unforced else ["none"]
         rest_parts = (  # the part before the layers only: recomputing the part after them never lowers the peak
-            _regions_once(hinted_ctx, "rest", regions, lambda c, b: rest_regions(c, b, ("before",)))
+            _regions_once(hinted_ctx, "rest", layers, lambda c, b: rest_regions(c, b, ("before",)))
             if asked == "auto" and cap is not None
             else []
         )
         self.rest = {i: r for part in rest_parts for i, r in part.items()}
-        self.mode_regions = {"none": forced, "selective": self.selective, "full": regions}
+        self.mode_regions = {"none": forced, "selective": self.selective, "full": layers}
         if self.rest and self.unforced:  # one mode for all layers: the rest recomputed too, with whole layers
             self.auto.append("full+rest")
-            self.mode_regions["full+rest"] = {**regions, **self.rest}
+            self.mode_regions["full+rest"] = {**layers, **self.rest}
         self.best: Plan | None = None
         self.best_mode: str | None = None
         self.failed: MemoryCapError | None = None  # the cap error naming the least peak the modes know
@@ -123,8 +126,12 @@ class ModeSearch:
         raises here: the search covered every mode of every layer).  Its optimum is the plan unless the step's
         peak made the search tighten its bound (a heuristic): then one mode for all layers may do better, and
         None says to search them."""
-        hinted_ctx, forced, regions, cap = self.hinted_ctx, self.forced, self.regions, self.options.mem_cap
-        layers = (forced, self.selective, regions) if self.selective != forced else (forced, regions)
+        hinted_ctx, forced, cap = self.hinted_ctx, self.forced, self.options.mem_cap
+        # the repeated layers choose; a layer beside them keeps one map in every variant (the hints'), as the
+        # chained search needs (only the blocks' terms differ between variants)
+        regions = {**self.regions, **forced}
+        selective = {i: r for i, r in self.selective.items() if i in regions}
+        layers = (forced, selective, regions) if selective != forced else (forced, regions)
         # the rest of the graph at block granularity (its parts recomputed together: one more choice, made with
         # the first layer's, each crossing costs the chain a rest table)
         rests = tuple({**layer, **self.rest} for layer in layers) if self.rest else ()
@@ -132,7 +139,7 @@ class ModeSearch:
         free = plan_under(hinted_ctx, self.resolved, Recomputed(forced), uncapped, self.run, unless_over=cap)
         if free is not None and free.memory.per_device_bytes <= cap:  # the fastest plan fits: the optimum
             settings = replace(free.settings, mem_cap_bytes=cap, recompute=self.options.recompute)
-            search = replace(free.search, **_layer_modes(free, regions, hinted_ctx.graph))
+            search = replace(free.search, **_layer_modes(free, self.layers, hinted_ctx.graph))
             memory = replace(free.memory, cap_bytes=cap)
             return Searched(replace(free, settings=settings, search=search, memory=memory), forced)
         try:
@@ -149,7 +156,7 @@ class ModeSearch:
         lower = found.search.peak_lower_ps
         gap = 0 if lower is None else found.search.objective_ps - lower
         if found.search.peak_searches == 1 or gap <= found.search.objective_ps >> 8:
-            search = replace(found.search, **_layer_modes(found, regions, hinted_ctx.graph))
+            search = replace(found.search, **_layer_modes(found, self.layers, hinted_ctx.graph))
             settings = replace(found.settings, recompute=self.options.recompute)
             return Searched(replace(found, settings=settings, search=search), forced)
         self.best, self.best_mode = found, "per layer"
@@ -183,7 +190,7 @@ class ModeSearch:
 
     def kept(self) -> Searched:
         """The fastest plan met, with what each mode's search found; the cap error when none fits."""
-        best, best_mode, regions, failed = self.best, self.best_mode, self.regions, self.failed
+        best, best_mode, regions, failed = self.best, self.best_mode, self.layers, self.failed
         if best is None:
             if self.options.recompute == "none" and len(regions) > len(self.forced):  # layers recomputed untried
                 raise MemoryCapError(
@@ -213,7 +220,7 @@ def with_families(found: Searched, ctx: PlanningContext, options: PlanOptions, r
     faster = min((p for _, p in compared if p is not None), key=lambda p: p.cost.total_s, default=None)
     if not free or faster is None or faster.cost.total_s >= plan.cost.total_s:
         return replace(plan, alternatives=alternatives)
-    regions = block_regions(ctx)
+    regions = {**layer_regions(ctx), **block_regions(ctx)}
     modes = _layer_modes(faster, regions, ctx.graph) if regions else {}
     search = replace(faster.search, kept_family_plan=True, **modes)
     memory = replace(faster.memory, cap_bytes=cap)

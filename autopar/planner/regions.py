@@ -9,6 +9,9 @@ program, ``lower/recompute.py``); the planner maps each op node to its region's 
   layers per stack leave no run of alike ones) has its module lists' entries instead
   (``capture.find_layers``), each a region where its ops are convex: what a user of
   ``torch.utils.checkpoint`` wraps.  The search then prices them flat (no chain).
+* ``layer_regions``: every layer, alike or not (the repeated blocks and the module list entries
+  beside them): what one recompute mode for every layer covers; each layer choosing its own
+  (the chained search) covers the repeated blocks.
 * ``selective_regions``: inside each block, the maximal runs of consecutive ops (in
   graph order, so each run is convex) that read no weight, directly or through a view
   of one.  Weight-reading ops (projections, the weight multiply of a norm) are where a
@@ -47,21 +50,30 @@ from autopar.capture import find_blocks, find_layers
 
 from .hints import module_matches
 
-__all__ = ["block_regions", "hinted_regions", "rest_regions", "selective_regions"]
+__all__ = ["block_regions", "hinted_regions", "layer_regions", "rest_regions", "selective_regions"]
 
 
 def block_regions(ctx) -> dict[int, str]:
-    """Op node index -> the name of its repeated block (``prefix.index``), for every op of every block."""
+    """Op node index -> the name of its repeated block (``prefix.index``), for every op of every block; with no
+    repeated blocks, ``layer_regions``."""
     graph = ctx.graph
     blocks = ctx.blocks or find_blocks(graph, min_count=2)  # two layers are enough to recompute one
-    if blocks is None:  # layers that are not alike: each module list entry whose ops are convex
-        return {i: name for name, ops in find_layers(graph).items() if _convex(graph, set(ops)) for i in ops}
+    if blocks is None:  # layers that are not alike
+        return layer_regions(ctx)
     return {
         i: f"{blocks.prefix}.{blocks.indices[b]}"
         for b, nodes in enumerate(blocks.nodes)
         for i in nodes
         if graph.nodes[i].kind == "op"
     }
+
+
+def layer_regions(ctx) -> dict[int, str]:
+    """Op node index -> its layer (``prefix.index``), for every entry of every module list whose ops are convex
+    (``capture.find_layers``), alike or not: the repeated blocks' ops (named as ``block_regions`` names them), and
+    the layers beside them (T5's first block, the other stack).  What one mode for every layer recomputes."""
+    graph = ctx.graph
+    return {i: name for name, ops in find_layers(graph).items() if _convex(graph, set(ops)) for i in ops}
 
 
 def _convex(graph, members: set[int]) -> bool:
