@@ -237,10 +237,11 @@ class PeakLoop:
     step (of the cap: ``tolerance``).  ``lower``, the optimum at the cap itself (likewise), bounds every plan any
     bound <= cap gives (``Plan.search.peak_lower_ps``: the planner's other recompute modes need not be searched
     when the plan is within the tolerance of it).  Past the deadline the loop keeps the fastest plan that fits so
-    far (``late``).  Every search of the loop probes at ``PROBE_GAP``, the first (at the cap) too, and the plan
-    kept is searched again at ``PLAN_GAP`` (``refine``), starting from where its probe stopped (its plan and
-    proven bound: ``search.solve_chain``'s ``seed``), so proving the last share costs once, and only for the
-    plan kept.  Measured (a 24-layer GPT, width 3072, 8x8, 24 GiB, per-layer recomputation): the first search at
+    far (``late``).  Every search of the loop probes at ``PROBE_GAP``, the first (at the cap) too where the chained
+    search runs, and the plan kept is searched again at ``PLAN_GAP`` (``refine``), starting from where its probe
+    stopped (its plan and proven bound: ``search.solve_chain``'s ``seed``), so proving the last share costs
+    once, and only for the plan kept (the flat DP takes no seed: there the first search runs at ``PLAN_GAP``).
+    Measured (a 24-layer GPT, width 3072, 8x8, 24 GiB, per-layer recomputation): the first search at
     ``PLAN_GAP`` took 60 s, 56 of them proving its last 0.3%, and then its plan's peak missed the cap.
     """
 
@@ -257,6 +258,10 @@ class PeakLoop:
         self.searches = 0
         self.late = False  # the deadline had passed when the loop ended
         self.probe_gap = max(PROBE_GAP, PLAN_GAP) if cap is not None else None  # never finer than the plan's own
+        # the first search probes too where its refinement can start from it (the chained search takes a seed);
+        # the flat DP starts afresh, so there the first search is the plan's own
+        chained = space.ctx.blocks is not None and space.options.solver == "dp"
+        self.first_gap = self.probe_gap if chained else None
         self.tolerance = max(cap >> 8, 1 << 20) if cap is not None else 0
 
     def run(self, unless_over: int | None = None) -> Probe | None:
@@ -267,7 +272,7 @@ class PeakLoop:
                 break  # out of time: the fastest plan that fits so far
             self.searches += 1
             bound = self.bound if attempt < _PEAK_TRIES or self.best is not None else 0
-            found = self.space.search(bound, self.probe_gap)
+            found = self.space.search(bound, self.probe_gap if attempt else self.first_gap)
             if isinstance(found, NoFit):
                 done = self.no_plan_under(found, attempt)
             elif unless_over is not None and found.sol.mem_bytes > unless_over:
