@@ -72,23 +72,29 @@ def layer_regions(ctx) -> dict[int, str]:
     """Op node index -> its layer (``prefix.index``), for every entry of every module list whose ops are convex
     (``capture.find_layers``), alike or not: the repeated blocks' ops (named as ``block_regions`` names them), and
     the layers beside them (T5's first block, the other stack).  What one mode for every layer recomputes."""
-    graph = ctx.graph
-    return {i: name for name, ops in find_layers(graph).items() if _convex(graph, set(ops)) for i in ops}
+    layers = find_layers(ctx.graph)
+    convex = _convex_layers(ctx.graph, layers)
+    return {i: name for name, ops in layers.items() if name in convex for i in ops}
 
 
-def _convex(graph, members: set[int]) -> bool:
-    """Whether no path leaves ``members`` and comes back (``lower.recompute`` checkpoints a region as one call, so
-    nothing outside it may both read a value it makes and feed a later op of it).  Graph order is topological:
-    one sweep marks every node outside that depends on a member."""
-    below: set[int] = set()  # outside nodes that depend on a member
+def _convex_layers(graph, layers: dict[str, tuple[int, ...]]) -> set[str]:
+    """The layers through which no path leaves and comes back (``lower.recompute`` checkpoints a region as one
+    call, so nothing outside it may both read a value it makes and feed a later op of it).  One sweep in graph
+    order (topological): ``after[v]``, the layers some path into v (or v itself) comes from, as a bitset; a layer
+    is not convex when one of its ops reads a node outside it that comes after it."""
+    bit = {name: k for k, name in enumerate(layers)}
+    home = {i: bit[name] for name, ops in layers.items() for i in ops}
+    after: dict[int, int] = {}
+    broken = 0
     for node in graph.nodes:
-        reads = {u for u, _ in node.inputs}
-        if node.index in members:
-            if reads & below:
-                return False
-        elif reads & members or reads & below:
-            below.add(node.index)
-    return True
+        mine, acc = home.get(node.index), 0
+        for u, _ in node.inputs:
+            from_u = after.get(u, 0)
+            if mine is not None and home.get(u) != mine and from_u >> mine & 1:
+                broken |= 1 << mine
+            acc |= from_u
+        after[node.index] = acc | (1 << mine if mine is not None else 0)
+    return {name for name, k in bit.items() if not broken >> k & 1}
 
 
 def hinted_regions(ctx, regions: dict[int, str], patterns: tuple[str, ...]) -> dict[int, str]:
