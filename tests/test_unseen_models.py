@@ -198,8 +198,8 @@ def _rank_fn(rank, world, archs, family):
     return out
 
 
-def _reference(arch):
-    model, args, kwargs = build(arch, device="cpu")
+def _reference(arch, overrides: dict | None = None):
+    model, args, kwargs = build(arch, device="cpu", overrides=overrides)
 
     def call(*a, **k):
         out = model(*a, **k)
@@ -441,36 +441,18 @@ def test_eval_mode_switches_every_norm_and_dropout_like_the_model():
 
 
 def _recompute_rank_fn(rank, world, arch, family, depths):
+    from test_recompute import _compile_recomputed, _recomputed_blocks
+
     import autopar
 
     out = []
     for depth in depths:
         model, args, kwargs = build(arch, device="cpu", overrides={"num_layers": depth})
-        mesh = autopar.Mesh((world,), axis_names=("tp",))
-        sharded = autopar.compile(
-            model,
-            mesh,
-            example_inputs=args,
-            example_kwargs=kwargs,
-            family=family,
-            profile=PARTITIONING_PROFILE,
-            recompute="full",
-        )
+        sharded = _compile_recomputed(model, args, kwargs, autopar.Mesh((world,), axis_names=("tp",)), family)
         train = _train((sharded, _loss_and_logits(sharded)), args, kwargs)
-        regions = {e.recompute for e in sharded.plan.nodes.values() if e.recompute}
         again = sum(1 for c in sharded.plan.collectives if c.recompute)
-        out.append((sharded.plan.family, regions, again, train))
+        out.append((sharded.plan.family, _recomputed_blocks(sharded.plan), again, train))
     return out
-
-
-def _t5_reference(depth: int):
-    model, args, kwargs = build("t5", device="cpu", overrides={"num_layers": depth})
-
-    def call(*a, **k):
-        out = model(*a, **k)
-        return out.loss, out.logits
-
-    return _train((model, call), args, kwargs)
 
 
 def test_layers_that_are_not_alike_recompute_each_and_train_like_one_device():
@@ -484,7 +466,7 @@ def test_layers_that_are_not_alike_recompute_each_and_train_like_one_device():
     results = run_ranks(_recompute_rank_fn, 2, "t5", "tensor parallel", depths)
     for d, depth in enumerate(depths):
         layers = {f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(depth)}
-        ref = _t5_reference(depth)
+        ref = _reference("t5", overrides={"num_layers": depth})
         for rank, per_depth in enumerate(results):
             family, regions, again, got = per_depth[d]
             where = f"t5 ({depth} layers per stack) on 2 ranks, rank {rank}, plan {family}, every layer recomputed"

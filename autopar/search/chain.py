@@ -208,7 +208,7 @@ def solve_chain(
     tick("exact pass", 3, 4)
     rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
     setup = PassSetup(chain, sc, bounds, cap, rest_bound, deadline)
-    found, pstats = deepen(setup, lb, ub, rel_gap, **({"first": 1.0} if seeded else {}))
+    found, pstats = deepen(setup, lb, ub, rel_gap, seeded)
     stats.update(pstats, upper_bound=ub)
     cands = [p for p in seen if cap is None or p[1] <= cap] + found
     t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))

@@ -161,9 +161,7 @@ class PassSetup:
     deadline: Deadline | None = None
 
 
-def deepen(
-    setup: PassSetup, lb: float, ub: int, rel_gap: float = 0.0, first: float = _DEEPEN_FIRST
-) -> tuple[list, dict]:
+def deepen(setup: PassSetup, lb: float, ub: int, rel_gap: float = 0.0, seeded: bool = False) -> tuple[list, dict]:
     """Plans met by passes with rising targets (module docstring, Target): the last is the
     optimum, unless the best plan met before (time ``ub``) is.  A pass may also return a
     plan slower than its target (the rest's pairs join unpruned in :func:`_finish`): a real
@@ -175,12 +173,11 @@ def deepen(
     (``stats["proven_lower"]`` is then ``proven``); the targets still rise from ``lb`` as
     in the exact search, but never past ``ub (1 - rel_gap)``: a pass with that target ends
     the search (it finds the optimum, or proves the gap closed).  Past ``setup.deadline`` the passes stop, and
-    ``proven_lower`` is what they proved (``budget_hit``).  ``first``: the first target's share of ``ub - lb``
-    (1: the first pass at ``ub``, or where the gap closes: a search that starts from a coarser one's proven
-    bound has no cheap targets left below it)."""
+    ``proven_lower`` is what they proved (``budget_hit``).  ``seeded``: ``lb`` is a coarser search's proven bound,
+    so no cheap target is left above it: the first pass runs at ``ub``, or where the gap closes."""
     deadline = setup.deadline
     plans: list = []
-    passes, slack, proven, stats = 0, (ub - lb) * first, lb, {"chain_pairs": 0}
+    passes, slack, proven, stats = 0, (ub - lb) * (1.0 if seeded else _DEEPEN_FIRST), lb, {"chain_pairs": 0}
     while True:
         low = proven_within(ub, proven, rel_gap)
         if low is not None:

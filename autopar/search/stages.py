@@ -154,9 +154,8 @@ def _fronts(pipe: _Pipeline, n: int, cap: int | None) -> list[dict[int, dict[tup
     fronts: list[dict[int, dict[tuple[float, float], tuple]]] = [{0: {(0.0, 0.0): ()}}]
     for j in range(pipe.p):
         nxt: dict[int, dict[tuple[float, float], tuple]] = {}
-        last = j == pipe.p - 1
         for k, pairs in fronts[j].items():
-            for k2 in [n] if last else range(k + 1, n - (pipe.p - j - 1) + 1):
+            for k2 in _stage_ends(pipe.p, j, k, n):
                 f, b, mem = pipe.stage(j, k, k2)
                 if cap is not None and mem > cap:
                     continue
@@ -165,6 +164,12 @@ def _fronts(pipe: _Pipeline, n: int, cap: int | None) -> list[dict[int, dict[tup
                     cell.setdefault((max(fb[0], f), max(fb[1], b)), (k, fb))
         fronts.append({k: _pareto(cell) for k, cell in nxt.items()})
     return fronts
+
+
+def _stage_ends(p: int, j: int, k: int, n: int) -> range:
+    """Where stage j of p may end when it starts at layer k: at least one layer, and one left for each stage
+    after it (the last takes the rest)."""
+    return range(n, n + 1) if j == p - 1 else range(k + 1, n - (p - j - 1) + 1)
 
 
 def _pareto(cell: dict[tuple[float, float], tuple]) -> dict[tuple[float, float], tuple]:
@@ -191,10 +196,9 @@ def _least_memory(pipe: _Pipeline, n: int) -> int:
     """The least, over the splits, of the fullest stage's memory (a DP of min-max over the same runs)."""
     best = {0: 0}
     for j in range(pipe.p):
-        last = j == pipe.p - 1
         nxt: dict[int, int] = {}
         for k, worst in best.items():
-            for k2 in [n] if last else range(k + 1, n - (pipe.p - j - 1) + 1):
+            for k2 in _stage_ends(pipe.p, j, k, n):
                 mem = max(worst, pipe.stage(j, k, k2)[2])
                 nxt[k2] = min(nxt.get(k2, mem), mem)
         best = nxt
