@@ -147,6 +147,7 @@ def _add_plan_parser(sub) -> None:
 
 def _add_planning_flags(pl) -> None:
     """The flags of ``autopar.planner.PLAN_KEYWORDS``: each lands in ``args.<keyword>``, its default the table's."""
+    from autopar.cost import SCHEDULES
     from autopar.planner import PLAN_KEYWORDS, RECOMPUTE_OPTIONS, SOLVERS
     from costmodel import OPTIMIZERS
 
@@ -204,6 +205,18 @@ def _add_planning_flags(pl) -> None:
         metavar="SECONDS",
         help=f"stop the search after this long with the best plan met and its proven gap (default {budget:g})",
     )
+    flag(
+        "pipeline",
+        metavar="AXIS",
+        help="run a pipeline of stages along this mesh axis (an --axis-names name), or none (the default)",
+    )
+    flag(
+        "microbatches",
+        type=_positive_int,
+        metavar="N",
+        help="micro-batches per step, the batch split evenly (default 1)",
+    )
+    flag("schedule", choices=SCHEDULES, help="the pipeline schedule (default 1f1b)")
     flag("hints", metavar="FILE", help="JSON or TOML file of pattern = value hints")
     flag("strict", action="store_true", help="a hint pattern that matches nothing is an error")
 

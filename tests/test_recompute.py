@@ -524,13 +524,13 @@ def test_a_plan_recomputing_the_rest_of_the_graph_trains_like_one_device(name):
 
 
 def test_a_layer_whose_value_comes_back_through_an_op_outside_it_is_not_convex():
-    """``planner.regions._convex_layers``: layer ``a`` (nodes 0, 2) makes node 0, an op outside every layer (1)
+    """``planner.regions.convex_layers``: layer ``a`` (nodes 0, 2) makes node 0, an op outside every layer (1)
     reads it and feeds node 2 of ``a`` again, so ``a`` cannot be one checkpoint; ``b`` (3, 4) only reads ``a``."""
     from types import SimpleNamespace
 
-    from autopar.planner.regions import _convex_layers
+    from autopar.planner.regions import convex_layers
 
     inputs = {0: [], 1: [(0, 0)], 2: [(1, 0)], 3: [(2, 0)], 4: [(3, 0), (1, 0)]}
     graph = SimpleNamespace(nodes=[SimpleNamespace(index=i, inputs=ins) for i, ins in inputs.items()])
-    assert _convex_layers(graph, {"a": (0, 2), "b": (3, 4)}) == {"b"}
-    assert _convex_layers(graph, {"a": (0, 1, 2), "b": (3, 4)}) == {"a", "b"}
+    assert convex_layers(graph, {"a": (0, 2), "b": (3, 4)}) == {"b"}
+    assert convex_layers(graph, {"a": (0, 1, 2), "b": (3, 4)}) == {"a", "b"}

@@ -12,7 +12,7 @@ Hands on: ``OpGraph`` (``graph``): nodes in topological order, each op's ``OpCal
 
 from __future__ import annotations
 
-from .batch import BatchTemplate, capture_template, specialize, static_template
+from .batch import BatchTemplate, capture_template, specialize, split_microbatches, static_template
 from .blocks import block_hints
 from .call_spec import CallSpec, InputMismatchError, bind_call, register_dataclasses
 from .decompose import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
@@ -41,5 +41,6 @@ __all__ = [
     "find_layers",
     "register_dataclasses",
     "specialize",
+    "split_microbatches",
     "static_template",
 ]

@@ -66,7 +66,7 @@ from .export import (
 )
 from .fake_values import NUMBERED, fake_on, meta_storage
 
-__all__ = ["BatchTemplate", "capture_template", "static_template", "specialize", "with_batch"]
+__all__ = ["BatchTemplate", "capture_template", "split_microbatches", "static_template", "specialize", "with_batch"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -212,6 +212,30 @@ def with_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict]:
         return x[torch.arange(batch) % x.shape[0]]
 
     return pytree.tree_map(resize, (args, kwargs))
+
+
+def split_microbatches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict]]:
+    """The call's inputs as ``count`` micro-batches: dim 0 of every tensor input (the batch, which they must
+    share) split into equal consecutive chunks; other leaves repeated.  Raises ValueError when the tensors do not
+    share dim 0 or ``count`` does not divide it."""
+    batch = _common_batch(args, kwargs)
+    if isinstance(batch, str):
+        raise ValueError(
+            f"micro-batches: {batch}; every tensor input must carry the batch in dim 0 to be split into "
+            f"{count} micro-batches. Fix: pass inputs batched in dim 0, or microbatches=1"
+        )
+    if batch % count:
+        raise ValueError(
+            f"micro-batches: the batch of {batch} does not split into {count} equal micro-batches. Fix: pass "
+            f"microbatches= a divisor of {batch} (e.g. {max(d for d in range(1, count + 1) if batch % d == 0)}), "
+            "or a batch that is a multiple of it"
+        )
+    size = batch // count
+
+    def chunk(k: int) -> tuple[tuple, dict]:
+        return pytree.tree_map(lambda x: x[k * size : (k + 1) * size] if torch.is_tensor(x) else x, (args, kwargs))
+
+    return [chunk(k) for k in range(count)]
 
 
 # ---- capture ---------------------------------------------------------------------------------

@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.capture import OpGraph, capture
+from autopar.capture import OpGraph, capture, split_microbatches
 from autopar.mesh import Mesh
 from autopar.planner import (
     HintOptions,
     Plan,
     PlanOptions,
     device_profile,
+    plan_pipelined,
     prepare_context,
     search_context,
     training_precision,
@@ -80,6 +81,9 @@ def compile(
     family: str | None = None,
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
+    pipeline: str = "none",
+    microbatches: int = 1,
+    schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
@@ -175,7 +179,7 @@ class _Build:
         if self.plan is None:
             found, graph = _plan_on_rank0(self.model, self.mesh, args, kwargs, self.options, self.hint_options)
             return graph, found
-        graph = capture(self.model, args, kwargs)
+        graph = _capture_for(self.plan, self.model, args, kwargs)
         check_plan_inputs(self.plan, graph)
         check_plan_graph(self.plan, graph, self.model)
         return graph, self.plan
@@ -202,9 +206,18 @@ def _plan_on_rank0(
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise ValueError(f"planning failed on rank 0: {box[0]}") from box[0]
+    found = Plan.from_json(box[0])
     if graph is None:
-        graph = capture(model, args, kwargs)
-    return Plan.from_json(box[0]), graph
+        graph = _capture_for(found, model, args, kwargs)
+    return found, graph
+
+
+def _capture_for(plan: Plan, model, args: tuple, kwargs: dict) -> OpGraph:
+    """The graph ``plan`` runs: the model captured at the call's shapes, or at the first micro-batch's when the
+    plan pipelines (its stages run one micro-batch at a time)."""
+    if plan.pipeline is not None:
+        (args, kwargs), *_ = split_microbatches(args, kwargs, plan.pipeline.microbatches)
+    return capture(model, args, kwargs)
 
 
 def _plan_here(
@@ -212,6 +225,8 @@ def _plan_here(
 ) -> tuple[Plan, OpGraph]:
     """The plan ``compile`` runs and the graph it was made on, planned in this process (no family rows: the
     report is not printed)."""
+    if options.pipeline != "none":
+        return plan_pipelined(model, mesh, args, kwargs, options, hint_options)
     ctx = prepare_context(model, mesh, args, kwargs, options, hint_options)
     return search_context(ctx, compare_families=False), ctx.graph
 

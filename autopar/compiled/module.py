@@ -58,13 +58,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autopar.capture import OpGraph
-from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower
+from autopar.capture import OpGraph, split_microbatches
+from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower, split_program
 from autopar.pieces import shard_tensor
 from autopar.placement import Placement, Replicate
 from autopar.planner import Plan
 from autopar.runtime import DEFAULT_BUCKET_BYTES, GradBuckets, StateShards, bucketable, wait_pending
 from autopar.spec import TensorMeta, local_shape
+
+from .pipelined import PipelineRunner, from_owner, loss_weights, stage_owners, train_step_only
 
 __all__ = ["ShardedModule", "NotCompiledError", "LocalState"]
 
@@ -118,6 +120,11 @@ class ShardedModule(nn.Module):
         self._bucket_params: dict[str, torch.Tensor] = {}
         self._bucket_slots: list[tuple[int, str]] = []  # (argument index, param node name) of bucketed params
         self._seed = seed
+        self._runner: PipelineRunner | None = None  # a pipelined plan's stages and schedule
+        self._eval_runner: PipelineRunner | None = None  # its forward-only pipeline (sharded(...)), built on first use
+        self._values: list | None = None  # during a pipelined step: the program's argument values
+        self._arg_params: list = []
+        self._owners: dict[str, int] = {}  # pipelined: parameter FQN -> the first pipeline coordinate holding it
         self._step = 0
         self._coord = tuple(groups.coordinate)
         # until compiled: the full parameters under their names, so an optimizer can be built before a lazy
@@ -152,11 +159,15 @@ class ShardedModule(nn.Module):
             n.fqn: local_shape(n.outputs[0].shape, xplan.sources[n.name][0], self.mesh.shape, self._coord)
             for n in self._input_nodes.values()
         }
-        bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes else {}
+        pipelined = plan.pipeline is not None  # micro-batches reduce per backward: no buckets (compiled/pipelined.py)
+        bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes and not pipelined else {}
         sizes = {n.name: params[n.fqn].numel() * params[n.fqn].element_size() for n in graph.params()}
         self._buckets = GradBuckets(self._groups, bucketed, sizes, self._bucket_bytes) if bucketed else None
         self._sources = self._static_sources(params)
-        self._programs = {False: self._lower(instrument=False)}
+        if pipelined:
+            self._runner = self._pipeline_runner(train=True)
+        else:
+            self._programs = {False: self._lower(instrument=False)}
         self._build = self._full_params = None
         if self._zero:
             _sync_after_optimizer_steps(self)
@@ -197,7 +208,7 @@ class ShardedModule(nn.Module):
         self._compiled("local_graph")
         return self._programs[False]
 
-    def _lower(self, *, instrument: bool) -> torch.fx.GraphModule:
+    def _lower(self, *, instrument: bool, defer_loss: bool = True) -> torch.fx.GraphModule:
         return lower(
             self._xplan,
             self._groups,
@@ -206,7 +217,49 @@ class ShardedModule(nn.Module):
             state_shards=self._zero.shards(),
             buckets=self._buckets,
             instrument=instrument,
+            defer_loss=defer_loss,
         )
+
+    def _pipeline_runner(self, *, train: bool) -> PipelineRunner:
+        """This rank's stages of the pipelined plan (``compiled/pipelined.py``) over the whole program cut at the
+        plan's stage boundaries (``lower.split_program``): the training step's, or (``train=False``) the
+        forward-only pipeline's."""
+        from autopar.planner import stage_of_nodes
+
+        pipe = self._plan.pipeline
+        program = self._lower(instrument=False, defer_loss=False)
+        stage_of = stage_of_nodes(self._graph, pipe)
+        programs = split_program(program, self._xplan, stage_of, len(pipe.stages), self._coord, train=train)
+        axis = self.mesh.axis_index(pipe.axis)
+        outputs = None
+        if not train:
+            graph = self._graph
+            outputs = tuple(
+                torch.empty(graph.nodes[i].outputs[k].shape, dtype=graph.nodes[i].outputs[k].dtype, device="meta")
+                for i, k in (graph.outputs[leaf.index] for leaf in self._tensor_leaves())
+            )
+        runner = PipelineRunner(
+            programs, self._groups, axis, pipe.schedule, pipe.microbatches, self._step_values, outputs=outputs
+        )
+        if train:
+            self._own_stage_params(programs, axis)
+        return runner
+
+    def _own_stage_params(self, programs: list, axis: int) -> None:
+        """Keep only the parameters this rank's stages read (the others' data emptied; ``_full`` gets them from
+        the first stage holding them), and note which stages read each."""
+        params = dict(self.named_parameters())
+        sources = [n for n in self._graph.nodes if n.kind != "op"]
+        self._arg_params = [params[n.fqn] if n.kind == "param" else None for n in sources]
+        owners = stage_owners(programs, self.mesh.shape[axis], [n.fqn if n.kind == "param" else None for n in sources])
+        here = self._coord[axis]
+        for fqn, ranks in owners.items():
+            if here not in ranks:  # another stage's weight: not held here (the first owner has it, ``_full``)
+                params[fqn].data = params[fqn].data.new_empty(0)
+        self._owners = {fqn: ranks[0] for fqn, ranks in owners.items()}
+
+    def _step_values(self) -> list:
+        return self._values
 
     def _static_sources(self, params: dict[str, nn.Parameter]) -> list[tuple[Any, torch.Tensor | None]]:
         """Per argument of the lowered graph: (input node, None), or (None, the value every call passes)."""
@@ -233,9 +286,81 @@ class ShardedModule(nn.Module):
         return out
 
     # ---- running ----------------------------------------------------------------------
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of the whole batch: the gradients are left in the parameters' ``.grad``
+        (accumulated, as ``loss.backward()`` does) and the loss is returned (detached) on every rank.
+
+        A pipelined plan runs its micro-batches through the stages with its schedule
+        (``compiled/pipelined.py``); any other plan runs ``self(*args, **kwargs).backward()``."""
+        if self._build is not None:
+            self._compile(args, kwargs)
+        if self._plan.pipeline is None:
+            loss = self(*args, **kwargs)
+            loss = loss.loss if hasattr(loss, "loss") and not torch.is_tensor(loss) else loss
+            loss.backward()
+            return loss.detach()
+        self._groups.check_alive("sharded.train_step(...)")
+        pieces, weights = self._micro_batches(args, kwargs, training=True)
+        with self._groups.collectives("train_step"):
+            self._zero.sync(self.collective_counter)
+            loss = self._runner.step(pieces, weights)
+            self._runner.sum_shared_grads(self._arg_params)
+        self._values = None
+        return loss
+
+    def _micro_batches(self, args: tuple, kwargs: dict, *, training: bool) -> tuple[list, torch.Tensor]:
+        """A pipelined step's inputs: this rank's pieces of each micro-batch's batch inputs, and the loss weights
+        (``compiled/pipelined.py``); sets the step's run state and argument values."""
+        micro = split_microbatches(args, kwargs, self._plan.pipeline.microbatches)
+        calls = [self._graph.call.match(a, k, self._expected_micro) for a, k in micro]
+        inputs = [n for n in self._graph.nodes if n.kind == "input"]
+        pieces = [[self._local_input(n, call[n.fqn]) for n in inputs] for call in calls]
+        weights = loss_weights(self._graph, calls).to(self._groups.device, torch.float32)
+        self._values = [value for _, value in self._sources]
+        st = self._state
+        st.counter, st.step, st.trace, st.saved, st.training = self.collective_counter, self._step, None, None, training
+        self._step += 1
+        return pieces, weights
+
+    def _expected_micro(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
+        node = self._input_nodes[name]
+        m = self._plan.pipeline.microbatches
+        return (
+            node.outputs[0].shape,
+            node.outputs[0].dtype,
+            f"the plan was compiled for a batch of {m} micro-batches of these shapes; pass a batch of the compiled "
+            "size, or compile again with example inputs of the new shape",
+        )
+
+    def _pipeline_forward(self, args: tuple, kwargs: dict):
+        """``sharded(...)`` on a pipelined plan: a forward-only pipeline over the micro-batches, the outputs in the
+        model's structure on every rank, whose backward raises (naming ``train_step``)."""
+        if self._eval_runner is None:
+            self._eval_runner = self._pipeline_runner(train=False)
+        self._groups.check_alive("sharded(...)")
+        pieces, weights = self._micro_batches(args, kwargs, training=self.training)
+        graph = self._graph
+        metas = [
+            graph.nodes[graph.outputs[leaf.index][0]].outputs[graph.outputs[leaf.index][1]]
+            for leaf in self._tensor_leaves()
+        ]
+        loss = next((j for j, leaf in enumerate(self._tensor_leaves()) if leaf.index == graph.loss_output), None)
+        with self._groups.collectives("forward"):
+            self._zero.sync(self.collective_counter)
+            per_micro = self._eval_runner.forward_only(pieces)
+            flat = iter(self._eval_runner.gather_outputs(per_micro, weights, metas, loss))
+        self._values = None
+        leaves = [leaf.value if leaf.index is None else train_step_only(next(flat)) for leaf in graph.call.outputs]
+        return graph.call.unflatten_outputs(leaves)
+
+    def _tensor_leaves(self) -> list:
+        return [leaf for leaf in self._graph.call.outputs if leaf.index is not None]
+
     def forward(self, *args, **kwargs):
         if self._build is not None:
             self._compile(args, kwargs)
+        if self._plan.pipeline is not None:
+            return self._pipeline_forward(args, kwargs)
         self._groups.check_alive("sharded(...)")
         wait_pending()  # the previous call's loss collective, if nobody read the loss (runtime/deferred.py)
         counter = self.collective_counter
@@ -299,7 +424,13 @@ class ShardedModule(nn.Module):
         if self._build is not None:  # not compiled yet: parameters (and gradients) are still full
             return local.detach().clone()
         node, placement = self._param_state[fqn]
-        return self._gathered(local, placement, node.outputs[0].shape)
+        owner = self._owners.get(fqn)
+        if owner is None:
+            return self._gathered(local, placement, node.outputs[0].shape)
+        axis = self.mesh.axis_index(self._plan.pipeline.axis)  # a pipelined plan: its stage's ranks hold it
+        mine = self._coord[axis] == owner and local is not None
+        full = self._gathered(local, placement, node.outputs[0].shape) if mine else None
+        return from_owner(full, node.outputs[0].shape, node.outputs[0].dtype, owner, self._groups.axis_group(axis))
 
     def _gathered(self, local: torch.Tensor, placement, shape: tuple[int, ...]) -> torch.Tensor:
         """The full tensor of ``shape`` whose piece under ``placement`` this rank holds as ``local``."""
@@ -389,6 +520,8 @@ class ShardedModule(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """{original FQN: full gradient} (None where no gradient was computed)."""
+        if self._owners:  # pipelined: each from its stage's ranks, None there is None everywhere
+            return {fqn: self._full(p.grad, fqn) for fqn, p in self.named_parameters()}
         return {fqn: None if p.grad is None else self._full(p.grad, fqn) for fqn, p in self.named_parameters()}
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -12,5 +12,15 @@ from __future__ import annotations
 
 from .coster import Coster, TrainingSettings
 from .peak import BackwardMemory, peak_memory
+from .pipeline import SCHEDULES, bubble_fraction, in_flight, step_time
 
-__all__ = ["BackwardMemory", "Coster", "TrainingSettings", "peak_memory"]
+__all__ = [
+    "BackwardMemory",
+    "Coster",
+    "SCHEDULES",
+    "TrainingSettings",
+    "bubble_fraction",
+    "in_flight",
+    "peak_memory",
+    "step_time",
+]

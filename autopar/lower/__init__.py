@@ -10,5 +10,6 @@ from __future__ import annotations
 
 from .program import ExecutionPlan, RunState, SavedBytes
 from .rewrite import lower
+from .stage_programs import CarriedValue, StageProgram, split_program
 
-__all__ = ["ExecutionPlan", "RunState", "SavedBytes", "lower"]
+__all__ = ["CarriedValue", "ExecutionPlan", "RunState", "SavedBytes", "StageProgram", "lower", "split_program"]

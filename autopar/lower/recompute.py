@@ -107,6 +107,7 @@ def _outline(g: fx.Graph, name: str, nodes: list[fx.Node], order: dict, root: to
     for i, o in enumerate(outputs):
         with g.inserting_after(anchor):
             anchor = g.call_function(operator.getitem, (call, i))
+        anchor.meta.update(o.meta)  # what the output stands for (rewrite.VALUE_KEY)
         o.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in inside)
     for n in reversed(nodes):
         g.erase_node(n)

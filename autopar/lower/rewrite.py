@@ -69,7 +69,10 @@ from .program import ExecutionPlan, NodeExec, RunState
 from .recompute import outline_regions
 from .steps import EVAL_FORMS, MoveStep, OpOptions, OpStep, TraceDecomposed
 
-__all__ = ["lower", "RANDOM_OPS"]
+__all__ = ["lower", "RANDOM_OPS", "VALUE_KEY"]
+
+#: ``node.meta`` key of a lowered node standing for a captured value: the captured fx node's name.
+VALUE_KEY = "autopar_value"
 
 aten = torch.ops.aten
 RANDOM_OPS = {
@@ -186,6 +189,7 @@ def lower(
     state_shards: dict[str, torch.Tensor] | None = None,
     buckets=None,
     instrument: bool = False,
+    defer_loss: bool = True,
 ) -> fx.GraphModule:
     """This rank's local program for ``xplan`` (see the module docstring).
 
@@ -195,12 +199,19 @@ def lower(
     (full tensors; the loss as planned).  ``state_shards``: ZeRO param node name ->
     its state shard (its argument is the buffer; ``runtime/zero.py``).
     ``buckets``: a ``runtime.buckets.GradBuckets`` whose parameters' edges hand
-    their gradients to it unreduced (noted in it).  Raises ValueError for a node
-    whose strategies name several kernels.
+    their gradients to it unreduced (noted in it).  ``defer_loss=False`` keeps the
+    loss's last collective a plain move (a pipeline's last stage hands the loss to
+    its schedule).  Raises ValueError for a node whose strategies name several kernels.
+
+    Every node that stands for a value of the captured graph carries that value's
+    captured fx node name as ``meta[VALUE_KEY]`` (also the getitems standing for a
+    recompute region's outputs), so a pass over the program
+    (``stage_programs.split_program``) knows what each value is.
     """
     lowering = _Lowering(
         xplan, groups, state, seed=seed, state_shards=state_shards or {}, buckets=buckets, instrument=instrument
     )
+    lowering.defer = defer_loss
     return lowering.run()
 
 
@@ -237,6 +248,7 @@ class _Lowering:
     ) -> None:
         self.xplan, self.groups, self.state, self.graph = xplan, groups, state, xplan.graph
         self.seed, self.state_shards, self.buckets, self.instrument = seed, state_shards, buckets, instrument
+        self.defer = True  # defer the loss's last collective (``lower(defer_loss=)``)
         self.coord = tuple(groups.coordinate)
         self.dev = getattr(groups, "device", torch.device("cpu"))
         self.rng_devices = (self.dev,) if self.dev.type == "cuda" else ()
@@ -288,6 +300,9 @@ class _Lowering:
             self.region_of[fxn] = inputs.pop() if len(inputs) == 1 else None
         tail = self.g._root.prev  # what fxn lowers to is appended after the current last node
         self._lower_node(fxn, opnode)
+        value = self.env.get(fxn)
+        if isinstance(value, fx.Node) and VALUE_KEY not in value.meta:
+            value.meta[VALUE_KEY] = fxn.name
         region = self.region_of.get(fxn)
         if region is not None:
             node = tail.next
@@ -447,7 +462,7 @@ class _Lowering:
     def _defer_loss(self, outs: list) -> None:
         """The loss's last collective, started without waiting (not in the instrumented program)."""
         graph = self.graph
-        if self.instrument or graph.loss_output is None:
+        if self.instrument or graph.loss_output is None or not self.defer:
             return
         loss = outs[next(j for j, leaf in enumerate(graph.call.outputs) if leaf.index == graph.loss_output)]
         node_idx, out_idx = graph.outputs[graph.loss_output]

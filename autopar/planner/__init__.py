@@ -30,6 +30,7 @@ from .options import (
     device_profile,
     training_precision,
 )
+from .pipelined import chain_layers, plan_pipelined, stage_of_nodes
 from .plan_parts import (
     Collective,
     FallbackOp,
@@ -38,6 +39,7 @@ from .plan_parts import (
     NodePlacement,
     OpHints,
     ParamPlacement,
+    PipelinePlan,
     PlanCost,
     PlanHints,
     PlanMemory,
@@ -45,6 +47,7 @@ from .plan_parts import (
     RecomputeLayers,
     RecomputeTrial,
     SearchStats,
+    StagePart,
 )
 from .plan_table import describe_nodes, describe_plan, describe_recompute, render_table
 from .recompute_tables import RECOMPUTE_OPTIONS
@@ -70,6 +73,7 @@ __all__ = [
     "PlanHints",
     "PlanMemory",
     "PlanOptions",
+    "PipelinePlan",
     "PlanSettings",
     "PlanningContext",
     "RECOMPUTE_OPTIONS",
@@ -78,7 +82,9 @@ __all__ = [
     "SEARCH_BUDGET_S",
     "SOLVERS",
     "SearchStats",
+    "StagePart",
     "UnmatchedHintError",
+    "chain_layers",
     "check_writable",
     "describe_nodes",
     "describe_plan",
@@ -88,11 +94,13 @@ __all__ = [
     "hints_from_file",
     "plan",
     "plan_from_context",
+    "plan_pipelined",
     "prepare",
     "prepare_context",
     "rebatch",
     "render_explanation",
     "render_table",
     "search_context",
+    "stage_of_nodes",
     "training_precision",
 ]

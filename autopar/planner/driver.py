@@ -29,6 +29,7 @@ from autopar.search import Deadline
 from .context import PlanningContext, hinted_context, prepare_context, rebatch, repriced
 from .errors import MemoryCapError
 from .options import HintOptions, PlanOptions
+from .pipelined import plan_pipelined
 from .recompute_modes import search_modes, with_families
 from .schema import FAMILIES, Plan
 from .solving import SearchRun
@@ -65,6 +66,9 @@ def prepare(
     family: str | None = None,
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
+    pipeline: str = "none",
+    microbatches: int = 1,
+    schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
@@ -108,6 +112,9 @@ def plan(
     family: str | None = None,
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
+    pipeline: str = "none",
+    microbatches: int = 1,
+    schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
@@ -159,6 +166,8 @@ def plan(
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     if progress is not None:
         progress("capture + strategies", 0, 1)
+    if options.pipeline != "none":
+        return plan_pipelined(model, mesh, example_inputs, example_kwargs, options, hint_options, progress=progress)[0]
     ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
     return search_context(ctx, compare_families=compare_families, progress=progress)
 
@@ -177,6 +186,9 @@ def plan_from_context(
     family: str | None = None,
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
+    pipeline: str = "none",
+    microbatches: int = 1,
+    schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.cost import SCHEDULES
 from autopar.runtime import DEFAULT_BUCKET_BYTES, ranks_per_node
 from autopar.units import parse_bytes
 from costmodel import load_profile, optimizer_spec, precision
@@ -57,6 +58,7 @@ __all__ = [
     "PLAN_KEYWORDS",
     "PlanOptions",
     "SEARCH_BUDGET_S",
+    "SCHEDULES",
     "SOLVERS",
     "device_profile",
     "job_profile",
@@ -150,6 +152,21 @@ _KEYWORDS = (
         "--search-budget",
     ),
     Keyword(
+        "pipeline",
+        "none",
+        "the mesh axis that carries a pipeline of stages: an axis name, or 'none'",
+        "search",
+        "--pipeline",
+    ),
+    Keyword(
+        "microbatches",
+        1,
+        "micro-batches per step: the batch split evenly, each run through the stages in turn",
+        "search",
+        "--microbatches",
+    ),
+    Keyword("schedule", "1f1b", "the pipeline schedule: " + ", ".join(SCHEDULES), "search", "--schedule"),
+    Keyword(
         "hints",
         None,
         "pattern -> placements, 'replicate', 'recompute' or a matmul strategy (planner.hints)",
@@ -209,6 +226,9 @@ class PlanOptions:
     family: str | None = _default("family")
     allow_state_sharding: bool = _default("allow_state_sharding")
     search_budget_s: float | None = _default("search_budget_s")
+    pipeline: str = _default("pipeline")
+    microbatches: int = _default("microbatches")
+    schedule: str = _default("schedule")
 
     def __post_init__(self) -> None:
         if self.mem_cap is not None:
@@ -237,6 +257,13 @@ class PlanOptions:
                 "expected a positive number of seconds",
                 "pass seconds > 0, or None for no budget",
             )
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if not isinstance(self.pipeline, str) or not self.pipeline:
+            raise TypeError(f"pipeline {self.pipeline!r}: expected a mesh axis name (str) or 'none'")
+        _whole("microbatches", self.microbatches, 1, "pass how many micro-batches each step splits the batch into")
+        _one_of("schedule", self.schedule, SCHEDULES, "pass one of those pipeline schedules")
 
     def _check_priced(self) -> None:
         if self.profile is not None:

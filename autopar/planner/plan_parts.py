@@ -37,8 +37,10 @@ __all__ = [
     "PlanCost",
     "PlanHints",
     "PlanMemory",
+    "PipelinePlan",
     "PlanSettings",
     "Placements",
+    "StagePart",
     "RecomputeLayers",
     "RecomputeTrial",
     "SearchStats",
@@ -163,6 +165,33 @@ class PlanMemory:
     search_bytes: int | None = None
     transient_bytes: int | None = None
     peak_phase: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StagePart:
+    """One stage of a pipelined plan: the layers it runs (positions ``[first_layer, stop_layer)`` in the model's
+    chain of layers, ``autopar.planner.pipelined.chain_layers``; the first stage also runs the ops before the first
+    layer, the last those after the last), its forward and backward time per micro-batch and its memory."""
+
+    first_layer: int
+    stop_layer: int
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """The pipeline of a plan: the mesh axis it runs along, the stages in pipeline order (stage ``j`` runs on the
+    axis coordinate ``j mod p``: ``virtual`` stages per rank), the micro-batches per step, the schedule
+    (``autopar.cost.pipeline``), and the predicted bubble: the fraction of the step a rank idles."""
+
+    axis: str
+    schedule: str
+    microbatches: int
+    stages: tuple[StagePart, ...]
+    virtual: int = 1
+    bubble_fraction: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ from autopar.capture import find_blocks, find_layers
 
 from .hints import module_matches
 
-__all__ = ["block_regions", "hinted_regions", "layer_regions", "rest_regions", "selective_regions"]
+__all__ = ["block_regions", "convex_layers", "hinted_regions", "layer_regions", "rest_regions", "selective_regions"]
 
 
 def block_regions(ctx) -> dict[int, str]:
@@ -73,11 +73,11 @@ def layer_regions(ctx) -> dict[int, str]:
     (``capture.find_layers``), alike or not: the repeated blocks' ops (named as ``block_regions`` names them), and
     the layers beside them (T5's first block, the other stack).  What one mode for every layer recomputes."""
     layers = find_layers(ctx.graph)
-    convex = _convex_layers(ctx.graph, layers)
+    convex = convex_layers(ctx.graph, layers)
     return {i: name for name, ops in layers.items() if name in convex for i in ops}
 
 
-def _convex_layers(graph, layers: dict[str, tuple[int, ...]]) -> set[str]:
+def convex_layers(graph, layers: dict[str, tuple[int, ...]]) -> set[str]:
     """The layers through which no path leaves and comes back (``lower.recompute`` checkpoints a region as one
     call, so nothing outside it may both read a value it makes and feed a later op of it).  One sweep in graph
     order (topological): ``after[v]``, the layers some path into v (or v itself) comes from, as a bitset; a layer

@@ -14,7 +14,8 @@ default left out)::
     settings PlanSettings, params {FQN: ParamPlacement}, inputs {name: InputPlacement},
     nodes {fx name: NodePlacement}, collectives [Collective], cost PlanCost, memory PlanMemory,
     fallback_ops [FallbackOp], family, alternatives [FamilyAlternative], search SearchStats,
-    hints PlanHints (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``)
+    hints PlanHints (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``),
+    pipeline PipelinePlan (only when the plan pipelines: ``autopar.planner.pipelined``)
 
 Version 1 (read by ``from_dict``) named the memory parts without their unit
 (``params``, ``grads``, ``optimizer``, ``activations``); version 2 names them
@@ -53,6 +54,7 @@ from .plan_parts import (
     InputPlacement,
     NodePlacement,
     ParamPlacement,
+    PipelinePlan,
     PlanCost,
     PlanHints,
     PlanMemory,
@@ -93,14 +95,18 @@ class Plan:
     search: SearchStats
     timings: dict[str, float] = field(default_factory=dict)  # stage -> wall-clock seconds; never written
     hints: PlanHints | None = None
+    pipeline: PipelinePlan | None = None
 
     # ---- serialization ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mesh": self.mesh.to_dict()}
         for f in fields(self):
-            if f.name not in ("mesh", "timings", "hints"):
+            if f.name not in ("mesh", "timings", "hints", "pipeline"):
                 out[f.name] = to_json_value(getattr(self, f.name))
-        return out | ({"hints": to_json_value(self.hints)} if self.hints is not None else {})
+        for name in ("hints", "pipeline"):  # only when set
+            if getattr(self, name) is not None:
+                out[name] = to_json_value(getattr(self, name))
+        return out
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON text; also written to ``path`` when given (its folder must exist)."""
@@ -126,7 +132,7 @@ class Plan:
                 f"{SCHEMA_VERSION}; re-create the plan with `autopar plan ... -o plan.json`"
             )
         types = typing.get_type_hints(cls)
-        required = [f.name for f in fields(cls) if f.name not in ("timings", "hints")]
+        required = [f.name for f in fields(cls) if f.name not in ("timings", "hints", "pipeline")]
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(
@@ -142,7 +148,7 @@ class Plan:
             raise ValueError(f"{source}: field 'mesh': {e}; re-create the plan") from None
         strict = version == SCHEMA_VERSION  # an older plan may carry keys no longer written
         try:
-            named = [k for k in (*required, "hints") if k in d and k != "mesh"]
+            named = [k for k in (*required, "hints", "pipeline") if k in d and k != "mesh"]
             parts = {k: from_json_value(types[k], d[k], k, strict=strict) for k in named}
         except ValueError as e:
             raise ValueError(

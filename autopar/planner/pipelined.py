@@ -1,0 +1,262 @@
+"""Pipelined plans: one mesh axis carries a pipeline of stages, each stage sharded over the other axes.
+
+``plan(..., pipeline="pp", microbatches=m, schedule=...)`` (``plan_pipelined``) makes a plan whose ranks along
+axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` stages per rank (``v = 2`` for
+``interleaved``, else 1), over ``m`` micro-batches of the batch:
+
+1. the *stage mesh* is the mesh without the pipeline axis (a mesh of that axis alone: the axis at size 1);
+2. the model is captured at the micro-batch (the example's first ``1/m`` of the batch, ``split_microbatches``);
+3. the search plans the whole graph on the stage mesh at that shape, and ``lift`` puts the plan on the full
+   mesh: every value replicated along the pipeline axis (no collective runs along it; the stages' sends and the
+   sums of weights used on two stages are the runtime's, ``autopar.compiled.pipelined``);
+4. the stages split the chain of layers (``chain_layers``: every module-list entry, alike or not, in graph order)
+   evenly into ``p v`` runs; the ops before the first layer run on the first stage, those after the last on the
+   last (``stage_of_nodes`` has the rule for every op).
+
+Pricing (this version): the step is priced as equal stages, ``T = (m v + p - 1) t / (p v)`` with ``t`` the
+stage-mesh plan's step for one micro-batch (``autopar.cost.pipeline``'s closed form: the bubble is ``(p - 1) /
+(m v + p - 1)`` of it), and each rank's memory as ``1 / p`` of the model state plus the activations of the
+micro-batches it holds in flight (``cost.in_flight`` on the first rank, the most), ``1 / (p v)`` of one
+micro-batch's each.  The stage-mesh search runs without the cap; a cap the estimate breaks raises
+``MemoryCapError``.  Searching the split, ``m`` and the schedule jointly with each stage's sharding
+(``autopar.search.stages``) is the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+
+from autopar.capture import OpGraph, find_layers, split_microbatches
+from autopar.cost import bubble_fraction, in_flight
+from autopar.mesh import Mesh
+from autopar.placement import Replicate
+
+from .context import prepare_context
+from .errors import MemoryCapError
+from .options import HintOptions, PlanOptions
+from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
+from .regions import convex_layers
+from .schema import Plan
+
+__all__ = ["chain_layers", "plan_pipelined", "stage_of_nodes", "stage_mesh"]
+
+log = logging.getLogger(__name__)
+
+
+def pipeline_axis(mesh: Mesh, axis: str) -> int:
+    """The index of the pipeline axis ``axis`` on ``mesh``; ValueError when it is not an axis of size > 1."""
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"pipeline={axis!r}: {mesh} has no axis of that name (axes: {', '.join(mesh.axis_names)}). Fix: pass "
+            "one of those names (e.g. Mesh((2, 2), axis_names=('pp', 'tp')) and pipeline='pp'), or pipeline='none'"
+        )
+    index = mesh.axis_names.index(axis)
+    if mesh.shape[index] < 2:
+        raise ValueError(
+            f"pipeline={axis!r}: axis {axis!r} of {mesh} has size {mesh.shape[index]}, and a pipeline needs at "
+            "least 2 stages. Fix: pipeline an axis of size >= 2, or pipeline='none'"
+        )
+    return index
+
+
+def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
+    """The mesh each stage is sharded over: ``mesh`` without axis ``axis`` (a one-axis mesh: that axis at size 1)."""
+    if mesh.ndim == 1:
+        return Mesh((1,), axis_names=mesh.axis_names)
+    keep = [k for k in range(mesh.ndim) if k != axis]
+    return Mesh(tuple(mesh.shape[k] for k in keep), axis_names=tuple(mesh.axis_names[k] for k in keep))
+
+
+def chain_layers(graph: OpGraph) -> list[tuple[str, tuple[int, ...]]]:
+    """The layers a pipeline splits, in graph order: every module-list entry whose ops are convex
+    (``capture.find_layers``), alike or not, as (name, op node indices), ordered by their first op."""
+    layers = find_layers(graph)
+    convex = convex_layers(graph, layers)
+    return sorted(((name, ops) for name, ops in layers.items() if name in convex), key=lambda item: min(item[1]))
+
+
+def even_stages(layer_count: int, stages: int) -> tuple[tuple[int, int], ...]:
+    """``[first, stop)`` layer ranges of ``stages`` runs as equal as they go, the longer ones first."""
+    base, extra = divmod(layer_count, stages)
+    out, first = [], 0
+    for j in range(stages):
+        stop = first + base + (1 if j < extra else 0)
+        out.append((first, stop))
+        first = stop
+    return tuple(out)
+
+
+def stage_of_nodes(graph: OpGraph, pipeline: PipelinePlan) -> dict[str, int]:
+    """Op node name -> the stage (position in ``pipeline.stages``) that runs it.
+
+    A layer's ops run on the stage holding the layer.  Any other op runs on the latest stage among the ops it
+    reads (the head after the last layer: the last stage); an op that reads no op of a stage (masks, positions,
+    rotary tables made from the inputs alone) runs on the earliest stage among its readers, so it is made once
+    and sent on, and an op read by none on the last stage.  Raises AssertionError when an op would read a value
+    of a later stage (layers that are not a chain)."""
+    layers = chain_layers(graph)
+    stage_of_layer = {k: j for j, part in enumerate(pipeline.stages) for k in range(part.first_layer, part.stop_layer)}
+    pinned = {i: stage_of_layer[k] for k, (_, ops) in enumerate(layers) for i in ops}
+    stage: dict[int, int] = {}
+    for node in graph.nodes:  # forward: the latest stage read
+        if node.kind != "op":
+            continue
+        read = [stage[u] for u, _ in node.inputs if u in stage]
+        if node.index in pinned:
+            stage[node.index] = pinned[node.index]
+        elif read:
+            stage[node.index] = max(read)
+    users: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        for u, _ in node.inputs:
+            users.setdefault(u, []).append(node.index)
+    last = len(pipeline.stages) - 1
+    for node in reversed(graph.nodes):  # backward: what reads no stage runs on its earliest reader's
+        if node.kind == "op" and node.index not in stage:
+            read_by = [stage[v] for v in users.get(node.index, ()) if v in stage]
+            stage[node.index] = min(read_by) if read_by else last
+    for node in graph.nodes:
+        for u, _ in node.inputs:
+            if u in stage and node.index in stage and stage[u] > stage[node.index]:
+                raise AssertionError(
+                    f"pipeline stages: op {node.name} (stage {stage[node.index]}) reads {graph.nodes[u].name} of a "
+                    f"later stage {stage[u]}: the layers do not form a chain"
+                )
+    return {graph.nodes[i].name: j for i, j in stage.items()}
+
+
+def plan_pipelined(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs,
+    example_kwargs: dict | None,
+    options: PlanOptions,
+    hint_options: HintOptions,
+    *,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[Plan, OpGraph]:
+    """The pipelined plan of ``options.pipeline`` (module docstring) and the graph it was made on (captured at
+    the micro-batch)."""
+    from .driver import search_context
+
+    axis = pipeline_axis(mesh, options.pipeline)
+    p, m = mesh.shape[axis], options.microbatches
+    v = 2 if options.schedule == "interleaved" else 1
+    if options.schedule == "1f1b" and m < p:
+        raise ValueError(
+            f"schedule='1f1b' on {p} pipeline stages needs at least {p} micro-batches (each stage runs one in "
+            f"flight before its first backward), got microbatches={m}. Fix: pass microbatches={p} or more, or "
+            "schedule='gpipe'"
+        )
+    if options.schedule == "interleaved" and m % p:
+        raise ValueError(
+            f"schedule='interleaved' sends micro-batches in groups of the {p} pipeline ranks: microbatches={m} is "
+            f"not a multiple of {p}. Fix: pass microbatches={p * max(1, m // p)} or schedule='1f1b'"
+        )
+    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    (micro_args, micro_kwargs), *_ = split_microbatches(tuple(args), dict(example_kwargs or {}), m)
+    inner = dataclasses.replace(options, pipeline="none", microbatches=1, mem_cap=None)
+    ctx = prepare_context(model, stage_mesh(mesh, axis), micro_args, micro_kwargs, inner, hint_options)
+    layers = chain_layers(ctx.graph)
+    if not layers:
+        raise ValueError(
+            f"pipeline={options.pipeline!r}: {type(model).__name__} has no layers (entries of an nn.ModuleList or "
+            "nn.Sequential of two or more) to split into stages; autopar cuts pipelines between layers, not inside "
+            "ops. Fix: hold the repeated blocks in an nn.ModuleList, or pipeline='none'"
+        )
+    if len(layers) < p * v:
+        names = ", ".join(n for n, _ in layers[:4]) + (", ..." if len(layers) > 4 else "")
+        raise ValueError(
+            f"pipeline={options.pipeline!r}: {p * v} stages ({p} ranks x {v} per rank) but {type(model).__name__} "
+            f"has {len(layers)} layers to split ({names}). Fix: pipeline a smaller axis"
+            + (", schedule='1f1b' (one stage per rank)" if v > 1 else "")
+            + ", or no pipeline"
+        )
+    inner_plan = search_context(ctx, compare_families=False, progress=progress)
+    stages = tuple(StagePart(a, b) for a, b in even_stages(len(layers), p * v))
+    pipe = PipelinePlan(options.pipeline, options.schedule, m, stages, v, bubble_fraction(options.schedule, p, m, v))
+    plan = lift(inner_plan, mesh, axis, pipe)
+    cap = options.mem_cap
+    plan = dataclasses.replace(
+        plan,
+        settings=dataclasses.replace(plan.settings, mem_cap_bytes=cap),
+        memory=dataclasses.replace(plan.memory, cap_bytes=cap),
+    )
+    if cap is not None and plan.memory.per_device_bytes > cap:
+        raise MemoryCapError(
+            f"no pipelined plan fits: {plan.memory.per_device_bytes} bytes per device estimated (the stage-mesh plan's "
+            f"state over {p} stages plus {m} micro-batches' activations in flight) against the cap of {cap}. Fix: "
+            "more micro-batches, a longer pipeline axis, recompute='full', or a larger cap"
+        )
+    return plan, ctx.graph
+
+
+def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan) -> Plan:
+    """``inner`` (planned on ``stage_mesh(mesh, axis)`` for one micro-batch) on ``mesh``: every placement
+    replicated along ``axis``, priced as the pipeline runs (module docstring)."""
+
+    def on_mesh(placements: tuple) -> tuple:
+        if len(placements) == mesh.ndim:  # a one-axis mesh: the stage mesh kept the axis at size 1
+            return tuple(Replicate() if k == axis else pl for k, pl in enumerate(placements))
+        return (*placements[:axis], Replicate(), *placements[axis:])
+
+    def kernels(per_axis: tuple) -> tuple:
+        return per_axis if len(per_axis) == mesh.ndim else (*per_axis[:axis], None, *per_axis[axis:])
+
+    params = {
+        k: dataclasses.replace(v, placements=on_mesh(v.placements), state_placements=on_mesh(v.state_placements))
+        for k, v in inner.params.items()
+    }
+    inputs = {k: dataclasses.replace(v, placements=on_mesh(v.placements)) for k, v in inner.inputs.items()}
+    nodes = {
+        k: dataclasses.replace(
+            v,
+            inputs=tuple(on_mesh(pl) for pl in v.inputs),
+            outputs=tuple(on_mesh(pl) for pl in v.outputs),
+            kernels=kernels(v.kernels),
+        )
+        for k, v in inner.nodes.items()
+    }
+    name = mesh.axis_names[axis]
+    collectives = tuple(c for c in inner.collectives if c.axis != name)  # a size-1 axis moves nothing
+    return dataclasses.replace(
+        inner,
+        mesh=mesh,
+        params=params,
+        inputs=inputs,
+        nodes=nodes,
+        collectives=collectives,
+        cost=_pipeline_cost(inner.cost, mesh.shape[axis], pipe),
+        memory=_pipeline_memory(inner.memory, mesh.shape[axis], pipe),
+        pipeline=pipe,
+        alternatives=(),
+    )
+
+
+def _pipeline_cost(micro: PlanCost, p: int, pipe: PipelinePlan) -> PlanCost:
+    """Equal stages: ``T = (m v + p - 1) t / (p v)`` for a micro-batch step ``t`` of the whole model."""
+    m, v = pipe.microbatches, pipe.virtual
+    scale = (m * v + p - 1) / (p * v)
+    bubble = micro.total_s * (p - 1) / (p * v)
+    terms = {k: t * m / p for k, t in micro.terms.items()} | {"pipeline bubble": bubble}
+    return PlanCost(micro.compute_s * scale, micro.comm_s * scale, micro.total_s * scale, terms)
+
+
+def _pipeline_memory(micro: PlanMemory, p: int, pipe: PipelinePlan) -> PlanMemory:
+    """``1 / p`` of the model state plus the first rank's micro-batches in flight, ``1 / (p v)`` of one's
+    activations each."""
+    held = in_flight(pipe.schedule, p, pipe.microbatches, 0, pipe.virtual)
+    state = [-(-b // p) for b in (micro.params_bytes, micro.grads_bytes, micro.optimizer_bytes)]
+    activations = -(-micro.activations_bytes * held // (p * pipe.virtual))
+    return PlanMemory(
+        per_device_bytes=sum(state) + activations,
+        params_bytes=state[0],
+        grads_bytes=state[1],
+        optimizer_bytes=state[2],
+        activations_bytes=activations,
+        cap_bytes=micro.cap_bytes,
+    )

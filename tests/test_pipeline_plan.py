@@ -1,0 +1,114 @@
+"""Pipelined plans (issue 31): what a forced pipeline plans, its stages, its JSON, and the bad inputs it refuses.
+
+The runs on gloo ranks (training like one device) are in ``test_pipeline_run.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.capture import capture, split_microbatches
+from autopar.models import load_model
+from autopar.planner import chain_layers, stage_of_nodes
+
+
+def _gpt2(batch=8, layers=4):
+    return load_model("gpt2-tiny", batch=batch, seq=16, overrides={"n_layer": layers})
+
+
+def _plan(model, args, kwargs, mesh, **options):
+    return autopar.plan(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, profile="cpu", compare_families=False, **options
+    )
+
+
+@pytest.fixture(scope="module")
+def pp_plan():
+    model, args, kwargs = _gpt2(layers=3)
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "tp"))
+    return model, args, kwargs, _plan(model, args, kwargs, mesh, pipeline="pp", microbatches=4)
+
+
+def test_a_forced_pipeline_splits_the_layers_and_replicates_along_its_axis(pp_plan):
+    model, args, kwargs, plan = pp_plan
+    pipe = plan.pipeline
+    assert (pipe.axis, pipe.schedule, pipe.microbatches, pipe.virtual) == ("pp", "1f1b", 4, 1)
+    # three layers on two stages: the uneven split puts the extra layer first
+    assert [(s.first_layer, s.stop_layer) for s in pipe.stages] == [(0, 2), (2, 3)]
+    assert pipe.bubble_fraction == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
+    # nothing runs along the pipeline axis: every value replicated there, no collective on it
+    for node in plan.nodes.values():
+        assert all(str(pl[0]) == "R" for pl in (*node.inputs, *node.outputs)), node
+    assert all(c.axis != "pp" for c in plan.collectives)
+    assert autopar.Plan.from_json(plan.to_json()).pipeline == pipe
+
+
+def test_every_op_runs_on_one_stage_layers_where_the_split_puts_them(pp_plan):
+    model, args, kwargs, plan = pp_plan
+    (micro_args, micro_kwargs), *_ = split_microbatches(args, kwargs, plan.pipeline.microbatches)
+    graph = capture(model, micro_args, micro_kwargs)
+    stage = stage_of_nodes(graph, plan.pipeline)
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    assert set(stage) == {n.name for n in ops}
+    layers = chain_layers(graph)
+    assert [name for name, _ in layers] == [f"transformer.h.{i}" for i in range(3)]
+    for k, (_, members) in enumerate(layers):
+        assert {stage[graph.nodes[i].name] for i in members} == {0 if k < 2 else 1}
+    by_module = {}
+    for n in ops:
+        by_module.setdefault(n.module, set()).add(stage[n.name])
+    assert by_module["transformer.wte"] == {0} and by_module["lm_head"] == {1} and by_module["transformer.ln_f"] == {1}
+    for n in ops:  # values flow forward through the stages only
+        assert all(stage.get(graph.nodes[u].name, 0) <= stage[n.name] for u, _ in n.inputs)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).mean()
+
+
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("batch", r"the batch of 6 does not split into 4 equal micro-batches\. Fix: pass microbatches= a divisor"),
+        ("stages", r"4 stages \(4 ranks x 1 per rank\) but GPT2LMHeadModel has 2 layers to split"),
+        ("interleaved-stages", r"4 stages \(2 ranks x 2 per rank\).*Fix: .*schedule='1f1b'"),
+        ("axis", r"pipeline='pp': Mesh\(dp=2, tp=2\) has no axis of that name \(axes: dp, tp\)"),
+        ("axis-size", r"axis 'pp' of Mesh\(pp=1, tp=2\) has size 1, and a pipeline needs at least 2 stages"),
+        ("no-layers", r"_MLP has no layers \(entries of an nn\.ModuleList.*not inside ops"),
+        ("1f1b-m", r"schedule='1f1b' on 2 pipeline stages needs at least 2 micro-batches"),
+        ("interleaved-m", r"microbatches=3 is not a multiple of 2"),
+        ("schedule", r"schedule 'zb': expected one of \('gpipe', '1f1b', 'interleaved'\)"),
+        ("microbatches", r"microbatches 0: expected an int >= 1"),
+    ],
+)
+def test_bad_pipelines_are_refused_with_the_fix(case, expected):
+    model, args, kwargs = _gpt2(batch=6 if case == "batch" else 8, layers=2)
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "tp"))
+    options = {"pipeline": "pp", "microbatches": 4}
+    if case == "stages":
+        mesh = autopar.Mesh((4,), axis_names=("pp",))
+    elif case == "interleaved-stages":
+        options["schedule"] = "interleaved"
+    elif case == "axis":
+        mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
+    elif case == "axis-size":
+        mesh = autopar.Mesh((1, 2), axis_names=("pp", "tp"))
+    elif case == "no-layers":
+        model, args, kwargs = _MLP(), (torch.randn(8, 8),), {}
+    elif case in ("1f1b-m", "interleaved-m"):
+        options.update(microbatches={"1f1b-m": 1, "interleaved-m": 3}[case])
+        options["schedule"] = "1f1b" if case == "1f1b-m" else "interleaved"
+        model, args, kwargs = _gpt2(batch=6 if case == "interleaved-m" else 8, layers=4)
+    elif case == "schedule":
+        options["schedule"] = "zb"
+    elif case == "microbatches":
+        options["microbatches"] = 0
+    with pytest.raises(ValueError, match=expected):
+        _plan(model, args, kwargs, mesh, **options)

@@ -1,0 +1,107 @@
+"""Pipelined plans train like one device (draft)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import PARTITIONING_PROFILE, run_ranks
+from test_execution import ADAMW
+
+STEPS = 3
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _model(name, batch, layers):
+    from autopar.models import load_model
+
+    key = {"gpt2-tiny": "n_layer", "t5-tiny": "num_layers"}.get(name, "num_hidden_layers")
+    model, args, kwargs = load_model(name, batch=batch, seq=16, device="cpu", overrides={key: layers}, no_dropout=True)
+    labels = kwargs["labels"].clone()
+    labels[: batch // 2, 3:] = -100  # the first micro-batches count fewer tokens
+    return model.train(), args, dict(kwargs, labels=labels)
+
+
+def _train(model, step, args, kwargs):
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    losses, grads = [], None
+    for k in range(STEPS):
+        losses.append(float(step(*args, **kwargs)))
+        if k == 0:
+            grads = (
+                model.full_grads()
+                if hasattr(model, "full_grads")
+                else {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            )
+        opt.step()
+        opt.zero_grad()
+    params = (
+        model.full_state_dict()
+        if hasattr(model, "full_state_dict")
+        else {n: v.detach().clone() for n, v in model.state_dict().items()}
+    )
+    return losses, grads, params
+
+
+def _pipeline_rank_fn(rank, world, name, layers, mesh_shape, axis_names, options, batch):
+    import autopar
+
+    model, args, kwargs = _model(name, batch, layers)
+    mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)
+    sharded = autopar.compile(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, **options
+    )
+    trained = _train(sharded, sharded.train_step, args, kwargs)
+    out = sharded(*args, **kwargs)  # a forward-only pipeline: the outputs on every rank
+    try:
+        out.loss.backward()
+        refused = "no error"
+    except RuntimeError as e:
+        refused = str(e)
+    return sharded.plan.family, trained, (out.loss.detach(), out.logits.detach()), refused
+
+
+def _reference(name, layers, batch):
+    model, args, kwargs = _model(name, batch, layers)
+
+    def step(*a, **k):
+        loss = model(*a, **k).loss
+        loss.backward()
+        return loss.detach()
+
+    trained = _train(model, step, args, kwargs)
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    return trained, (out.loss, out.logits)
+
+
+CASES = [
+    ("gpt2-tiny", 2, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="1f1b")),
+    ("gpt2-tiny", 3, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="gpipe")),
+    ("gpt2-tiny", 4, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="interleaved")),
+    ("llama-tiny", 2, (2, 2), ("pp", "tp"), dict(pipeline="pp", microbatches=4, family="tensor parallel")),
+    ("bert-tiny", 2, (2, 2), ("pp", "dp"), dict(pipeline="pp", microbatches=2, family="sharded parameters")),
+    ("gpt2-tiny", 2, (2, 2), ("pp", "dp"), dict(pipeline="pp", microbatches=2, recompute="full")),
+    ("t5-tiny", 2, (2,), ("pp",), dict(pipeline="pp", microbatches=2)),
+    ("t5-tiny", 2, (2,), ("pp",), dict(pipeline="pp", microbatches=1, schedule="gpipe")),
+    ("t5-tiny", 2, (2,), ("pp",), dict(pipeline="pp", microbatches=2, schedule="gpipe")),
+]
+
+
+@pytest.mark.parametrize("name,layers,mesh_shape,axis_names,options", CASES)
+def test_pipelined_training_matches_one_device(name, layers, mesh_shape, axis_names, options):
+    batch = 8
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    results = run_ranks(_pipeline_rank_fn, world, name, layers, mesh_shape, axis_names, options, batch, timeout_s=300)
+    (want_losses, want_grads, want_params), (want_loss, want_logits) = _reference(name, layers, batch)
+    for rank, (family, (losses, grads, params), (loss, logits), refused) in enumerate(results):
+        print(rank, family)
+        torch.testing.assert_close(loss, want_loss, rtol=RTOL, atol=ATOL, msg=f"rank {rank}: eval loss")
+        torch.testing.assert_close(logits, want_logits, rtol=RTOL, atol=ATOL, msg=f"rank {rank}: eval logits")
+        assert "sharded.train_step" in refused, refused
+        assert losses == pytest.approx(want_losses, rel=RTOL, abs=ATOL), (rank, losses, want_losses)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, rtol=RTOL, atol=ATOL, msg=f"rank {rank} grad {k}")
+        for k, v in want_params.items():
+            torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
