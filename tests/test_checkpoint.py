@@ -84,7 +84,10 @@ def _scheduler(opt):
 def _steps(module, opt, sched, args, kwargs, n):
     call = module if isinstance(module, autopar.ShardedModule) else (lambda *a, **k: module(*a, **k).to_tuple())
     for _ in range(n):
-        call(*args, **kwargs)[0].backward()
+        if isinstance(module, autopar.ShardedModule) and module.plan.pipeline is not None:
+            module.train_step(*args, **kwargs)  # forward and backward over the micro-batches
+        else:
+            call(*args, **kwargs)[0].backward()
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -172,8 +175,12 @@ def _uninterrupted():
     return halfway, _state_of(model, opt)
 
 
-def _assert_same_state(got, want, what):
+def _assert_same_state(got, want, what, *, own_moments=False):
+    """``own_moments``: a pipeline rank holds the optimizer state of its stages' weights only."""
     assert got["lr"] == pytest.approx(want["lr"], rel=1e-12), what
+    if own_moments:
+        assert got["moments"] and set(got["moments"]) < set(want["moments"]), (what, sorted(got["moments"]))
+        want = dict(want, moments={k: want["moments"][k] for k in got["moments"]})
     for part in ("params", "moments"):
         assert set(got[part]) == set(want[part]), (what, part, set(got[part]) ^ set(want[part]))
         for k, v in want[part].items():
@@ -303,6 +310,52 @@ def test_a_plain_module_in_one_process_loads_the_mesh_checkpoint_and_resumes(sav
     got = _resume_plain(path)
     assert got["train"] == {"step": STEPS}
     _assert_same_state(got["state"], reference[1], "resumed on one process")
+
+
+# ---- pipelines (issue 31): a rank holds its stages' weights, and the checkpoint reshards across stages --------
+
+PIPELINE = {"pipeline": "pp", "microbatches": 2}
+
+
+def _pipelined_save_rank(rank, world, path):
+    model, args, kwargs = _model("gpt2-tiny")
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "tp"))
+    sharded = autopar.compile(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, **PIPELINE
+    )
+    opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
+    sched = _scheduler(opt)
+    _steps(sharded, opt, sched, args, kwargs, STEPS)
+    autopar.save(path, sharded, opt, extra={"scheduler": sched, "train": {"step": STEPS}})
+    return {"state": _state_of(sharded, opt), "family": sharded.plan.family}
+
+
+def test_a_pipelined_checkpoint_resumes_without_a_pipeline_and_in_one_process(tmp_path, reference):
+    """Saved under 2 stages x tensor parallel 2 (each stage's ranks write its weights, GPT-2's tied embedding by
+    the first stage), resumed under (4,) without a pipeline and in one plain process: each ends as the
+    uninterrupted one-device run."""
+    path = str(tmp_path / "pipelined")
+    saved = run_ranks(_pipelined_save_rank, 4, path)
+    assert "tensor parallel" in saved[0]["family"]
+    for rank, r in enumerate(saved):
+        _assert_same_state(r["state"], reference[0], f"pipelined save, rank {rank}", own_moments=True)
+    resumed = run_ranks(_resume_rank, 4, path, (4,), ("dp",), {})
+    for r in resumed:
+        assert r["train"] == {"step": STEPS}
+        _assert_same_state(r["state"], reference[1], f"resumed on (4,) {resumed[0]['family']}")
+    plain = _resume_plain(path)
+    _assert_same_state(plain["state"], reference[1], "the pipelined checkpoint resumed in one process")
+
+
+def test_a_checkpoint_without_a_pipeline_resumes_under_two_stages(saved, reference):
+    path, _ = saved
+    resumed = run_ranks(_resume_rank, 4, path, (2, 2), ("pp", "tp"), PIPELINE)
+    moments = set()
+    for rank, r in enumerate(resumed):
+        assert r["train"] == {"step": STEPS}
+        _assert_same_state(r["state"], reference[1], f"resumed on 2 stages, rank {rank}", own_moments=True)
+        moments |= set(r["state"]["moments"])
+    assert moments == set(reference[1]["moments"])  # the stages together hold every weight's state
 
 
 # ---- faults --------------------------------------------------------------------------------------------

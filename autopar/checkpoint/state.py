@@ -18,6 +18,9 @@ saves from one and loads into the other:
   ``exp_avg``) is laid out as that parameter (a ``PieceTensor`` at its state
   placement); a 0-d tensor (``step``) is the same on every rank and saved once;
   any other shape is refused (no per-rank state autopar cannot lay out).
+- **Pipelines.** A rank of a pipelined plan holds only its stages' weights: the others'
+  entries are handles with no box (``LocalState.held``), so the ranks of the stage that
+  holds a weight write and read it, and its optimizer state.
   Loading into an optimizer that has not stepped yet first creates its state with
   one step at learning rate 0 on zero gradients (as DCP's own helpers do), then
   writes the checkpoint's values into it in place and restores the param groups'
@@ -69,6 +72,8 @@ def _handle(module: nn.Module, piece: LocalState) -> torch.Tensor:
     """What the checkpoint reads and writes for one entry: a PieceTensor on a mesh, the tensor itself on one process."""
     if not isinstance(module, ShardedModule):
         return piece.local
+    if not piece.held:  # another pipeline stage's weight: this rank writes and reads no box of it
+        return PieceTensor(piece.local, piece.shape, ())
     return PieceTensor.of(piece.local, piece.shape, piece.placements, module.mesh.shape, module.coordinate)
 
 
@@ -121,7 +126,8 @@ class OptimizerState:
         for group, fqns in _param_groups(self.optimizer, names):
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
             for p, fqn in zip(group["params"], fqns, strict=True):
-                if p in self.optimizer.state:
+                # a weight of another pipeline stage: its optimizer state is the stage's to save
+                if p in self.optimizer.state and pieces[fqn].held:
                     state[fqn] = {k: self._value(fqn, k, v, p, pieces[fqn]) for k, v in self.optimizer.state[p].items()}
         return {"state": state, "param_groups": groups}
 

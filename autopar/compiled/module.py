@@ -66,7 +66,7 @@ from autopar.planner import Plan
 from autopar.runtime import DEFAULT_BUCKET_BYTES, GradBuckets, StateShards, bucketable, wait_pending
 from autopar.spec import TensorMeta, local_shape
 
-from .pipelined import PipelineRunner, from_owner, loss_weights, stage_owners, train_step_only
+from .pipeline_runner import PipelineRunner, from_owner, loss_weights, stage_owners, train_step_only
 
 __all__ = ["ShardedModule", "NotCompiledError", "LocalState"]
 
@@ -125,6 +125,8 @@ class ShardedModule(nn.Module):
         self._values: list | None = None  # during a pipelined step: the program's argument values
         self._arg_params: list = []
         self._owners: dict[str, int] = {}  # pipelined: parameter FQN -> the first pipeline coordinate holding it
+        self._holders: dict[str, tuple[int, ...]] = {}  # pipelined: parameter FQN -> every coordinate holding it
+        self._pipeline_axis = -1
         self._step = 0
         self._coord = tuple(groups.coordinate)
         # until compiled: the full parameters under their names, so an optimizer can be built before a lazy
@@ -159,7 +161,9 @@ class ShardedModule(nn.Module):
             n.fqn: local_shape(n.outputs[0].shape, xplan.sources[n.name][0], self.mesh.shape, self._coord)
             for n in self._input_nodes.values()
         }
-        pipelined = plan.pipeline is not None  # micro-batches reduce per backward: no buckets (compiled/pipelined.py)
+        pipelined = (
+            plan.pipeline is not None
+        )  # micro-batches reduce per backward: no buckets (compiled/pipeline_runner.py)
         bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes and not pipelined else {}
         sizes = {n.name: params[n.fqn].numel() * params[n.fqn].element_size() for n in graph.params()}
         self._buckets = GradBuckets(self._groups, bucketed, sizes, self._bucket_bytes) if bucketed else None
@@ -221,7 +225,7 @@ class ShardedModule(nn.Module):
         )
 
     def _pipeline_runner(self, *, train: bool) -> PipelineRunner:
-        """This rank's stages of the pipelined plan (``compiled/pipelined.py``) over the whole program cut at the
+        """This rank's stages of the pipelined plan (``compiled/pipeline_runner.py``) over the whole program cut at the
         plan's stage boundaries (``lower.split_program``): the training step's, or (``train=False``) the
         forward-only pipeline's."""
         from autopar.planner import stage_of_nodes
@@ -253,10 +257,14 @@ class ShardedModule(nn.Module):
         self._arg_params = [params[n.fqn] if n.kind == "param" else None for n in sources]
         owners = stage_owners(programs, self.mesh.shape[axis], [n.fqn if n.kind == "param" else None for n in sources])
         here = self._coord[axis]
-        for fqn, ranks in owners.items():
-            if here not in ranks:  # another stage's weight: not held here (the first owner has it, ``_full``)
-                params[fqn].data = params[fqn].data.new_empty(0)
+        for position, node in enumerate(sources):
+            if node.kind == "param" and node.fqn in owners and here not in owners[node.fqn]:
+                # another stage's weight: not held here (the first stage holding it has it, ``_full``)
+                self._zero.drop(node.name)
+                params[node.fqn].data = params[node.fqn].data.new_empty(0)
+                self._sources[position] = (None, params[node.fqn])
         self._owners = {fqn: ranks[0] for fqn, ranks in owners.items()}
+        self._holders, self._pipeline_axis = owners, axis
 
     def _step_values(self) -> list:
         return self._values
@@ -291,7 +299,7 @@ class ShardedModule(nn.Module):
         (accumulated, as ``loss.backward()`` does) and the loss is returned (detached) on every rank.
 
         A pipelined plan runs its micro-batches through the stages with its schedule
-        (``compiled/pipelined.py``); any other plan runs ``self(*args, **kwargs).backward()``."""
+        (``compiled/pipeline_runner.py``); any other plan runs ``self(*args, **kwargs).backward()``."""
         if self._build is not None:
             self._compile(args, kwargs)
         if self._plan.pipeline is None:
@@ -310,7 +318,7 @@ class ShardedModule(nn.Module):
 
     def _micro_batches(self, args: tuple, kwargs: dict, *, training: bool) -> tuple[list, torch.Tensor]:
         """A pipelined step's inputs: this rank's pieces of each micro-batch's batch inputs, and the loss weights
-        (``compiled/pipelined.py``); sets the step's run state and argument values."""
+        (``compiled/pipeline_runner.py``); sets the step's run state and argument values."""
         micro = split_microbatches(args, kwargs, self._plan.pipeline.microbatches)
         calls = [self._graph.call.match(a, k, self._expected_micro) for a, k in micro]
         inputs = [n for n in self._graph.nodes if n.kind == "input"]
@@ -494,7 +502,8 @@ class ShardedModule(nn.Module):
                     out[key] = LocalState(p.detach(), self._replicated, tuple(p.shape))
                 else:
                     node, placement = node_state
-                    out[key] = LocalState(p.detach(), tuple(placement), tuple(node.outputs[0].shape))
+                    held = key not in self._owners or self._coord[self._pipeline_axis] in self._holders[key]
+                    out[key] = LocalState(p.detach(), tuple(placement), tuple(node.outputs[0].shape), held)
             elif key in self._buffer_pieces:
                 piece, placement, shape = self._buffer_pieces[key]
                 out[key] = LocalState(piece, tuple(placement), tuple(shape))
@@ -549,11 +558,13 @@ class ShardedModule(nn.Module):
 
 
 class LocalState(NamedTuple):
-    """One state-dict entry on this rank: its piece (``local``) under ``placements`` of a ``shape`` tensor."""
+    """One state-dict entry on this rank: its piece (``local``) under ``placements`` of a ``shape`` tensor;
+    ``held=False``: none (a pipelined plan's weight of another stage: ``local`` is empty)."""
 
     local: torch.Tensor
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
+    held: bool = True
 
 
 class NotCompiledError(RuntimeError):

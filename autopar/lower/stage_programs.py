@@ -2,7 +2,7 @@
 
 ``split_program(program, xplan, stage_of, stages)`` takes the whole local program (``lower(...,
 defer_loss=False)``, one rank's ops and moves for the whole model) and the stage of every captured op
-(``planner.pipelined.stage_of_nodes``), and gives one ``StageProgram`` per stage:
+(``planner.pipeline_planning.stage_of_nodes``), and gives one ``StageProgram`` per stage:
 
 * which stage runs a lowered node: the stage of the captured value it stands for (``rewrite.VALUE_KEY``); a
   node standing for none (a move, a recompute call, a fused loss's pieces) runs where its first reader runs (the

@@ -30,7 +30,7 @@ from .options import (
     device_profile,
     training_precision,
 )
-from .pipelined import chain_layers, plan_pipelined, stage_of_nodes
+from .pipeline_planning import chain_layers, plan_pipelined, stage_of_nodes
 from .plan_parts import (
     Collective,
     FallbackOp,

@@ -29,7 +29,7 @@ from autopar.search import Deadline
 from .context import PlanningContext, hinted_context, prepare_context, rebatch, repriced
 from .errors import MemoryCapError
 from .options import HintOptions, PlanOptions
-from .pipelined import plan_pipelined
+from .pipeline_planning import plan_pipelined
 from .recompute_modes import search_modes, with_families
 from .schema import FAMILIES, Plan
 from .solving import SearchRun

@@ -170,8 +170,8 @@ class PlanMemory:
 @dataclass(frozen=True, slots=True)
 class StagePart:
     """One stage of a pipelined plan: the layers it runs (positions ``[first_layer, stop_layer)`` in the model's
-    chain of layers, ``autopar.planner.pipelined.chain_layers``; the first stage also runs the ops before the first
-    layer, the last those after the last), its forward and backward time per micro-batch and its memory."""
+    chain of layers, ``planner.pipeline_planning.chain_layers``; the first stage also runs the ops before the
+    first layer, the last those after the last), its forward and backward time per micro-batch and its memory."""
 
     first_layer: int
     stop_layer: int

@@ -15,7 +15,7 @@ default left out)::
     nodes {fx name: NodePlacement}, collectives [Collective], cost PlanCost, memory PlanMemory,
     fallback_ops [FallbackOp], family, alternatives [FamilyAlternative], search SearchStats,
     hints PlanHints (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``),
-    pipeline PipelinePlan (only when the plan pipelines: ``autopar.planner.pipelined``)
+    pipeline PipelinePlan (only when the plan pipelines: ``autopar.planner.pipeline_planning``)
 
 Version 1 (read by ``from_dict``) named the memory parts without their unit
 (``params``, ``grads``, ``optimizer``, ``activations``); version 2 names them

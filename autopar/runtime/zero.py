@@ -183,6 +183,10 @@ class StateShards:
         self._entries[name] = _Entry(fqn, meta, tuple(placement), tuple(state), buffer, param, param._version)
         return param
 
+    def drop(self, name: str) -> None:
+        """Forget parameter ``name`` (a pipelined plan's weight another stage holds): no buffer, no all-gather."""
+        self._entries.pop(name, None)
+
     # ---- views --------------------------------------------------------------------------
     def buffers(self) -> dict[str, torch.Tensor]:
         """Planning node name -> buffer (the parameter's piece under its placement)."""

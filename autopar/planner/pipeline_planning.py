@@ -8,7 +8,7 @@ axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` 
 2. the model is captured at the micro-batch (the example's first ``1/m`` of the batch, ``split_microbatches``);
 3. the search plans the whole graph on the stage mesh at that shape, and ``lift`` puts the plan on the full
    mesh: every value replicated along the pipeline axis (no collective runs along it; the stages' sends and the
-   sums of weights used on two stages are the runtime's, ``autopar.compiled.pipelined``);
+   sums of weights used on two stages are the runtime's, ``autopar.compiled.pipeline_runner``);
 4. the stages split the chain of layers (``chain_layers``: every module-list entry, alike or not, in graph order)
    evenly into ``p v`` runs; the ops before the first layer run on the first stage, those after the last on the
    last (``stage_of_nodes`` has the rule for every op).
@@ -34,13 +34,16 @@ from autopar.capture import OpGraph, find_layers, split_microbatches
 from autopar.cost import bubble_fraction, in_flight
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
+from autopar.search import Deadline
 
-from .context import prepare_context
+from .context import hinted_context, prepare_context
 from .errors import MemoryCapError
 from .options import HintOptions, PlanOptions
 from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
+from .recompute_modes import search_modes
 from .regions import convex_layers
 from .schema import Plan
+from .solving import SearchRun
 
 __all__ = ["chain_layers", "plan_pipelined", "stage_of_nodes", "stage_mesh"]
 
@@ -141,8 +144,6 @@ def plan_pipelined(
 ) -> tuple[Plan, OpGraph]:
     """The pipelined plan of ``options.pipeline`` (module docstring) and the graph it was made on (captured at
     the micro-batch)."""
-    from .driver import search_context
-
     axis = pipeline_axis(mesh, options.pipeline)
     p, m = mesh.shape[axis], options.microbatches
     v = 2 if options.schedule == "interleaved" else 1
@@ -176,7 +177,9 @@ def plan_pipelined(
             + (", schedule='1f1b' (one stage per rank)" if v > 1 else "")
             + ", or no pipeline"
         )
-    inner_plan = search_context(ctx, compare_families=False, progress=progress)
+    hinted_ctx, resolved = hinted_context(ctx, None)
+    run = SearchRun(Deadline.after(inner.search_budget_s), progress)
+    inner_plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
     stages = tuple(StagePart(a, b) for a, b in even_stages(len(layers), p * v))
     pipe = PipelinePlan(options.pipeline, options.schedule, m, stages, v, bubble_fraction(options.schedule, p, m, v))
     plan = lift(inner_plan, mesh, axis, pipe)
