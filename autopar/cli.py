@@ -464,12 +464,14 @@ def _run_plan(args, mesh: Mesh, options, hint_options, seq: int):
     """The plan, its errors in the CLI's words (the API's fixes name keywords; here they are flags)."""
     from autopar.launch import TerminalProgress
     from autopar.models import load_model
-    from autopar.planner import MemoryCapError, UnmatchedHintError, prepare_context, search_context
+    from autopar.planner import MemoryCapError, UnmatchedHintError, plan_pipelined, prepare_context, search_context
 
     bar = TerminalProgress()  # stages and a bar on a terminal when planning takes over a second
     try:
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=seq)
         bar("capture + strategies", 0, 1)
+        if options.pipeline != "none" or options.microbatches > 1:
+            return plan_pipelined(model, mesh, margs, mkwargs, options, hint_options, progress=bar)[0]
         ctx = prepare_context(model, mesh, margs, mkwargs, options, hint_options)
         return search_context(ctx, compare_families=not args.no_compare, progress=bar)
     except UnmatchedHintError as e:

@@ -34,7 +34,7 @@ def pp_plan():
 def test_a_forced_pipeline_splits_the_layers_and_replicates_along_its_axis(pp_plan):
     model, args, kwargs, plan = pp_plan
     pipe = plan.pipeline
-    assert (pipe.axis, pipe.schedule, pipe.microbatches, pipe.virtual) == ("pp", "1f1b", 4, 1)
+    assert (pipe.axis, pipe.schedule, plan.microbatches, pipe.virtual) == ("pp", "1f1b", 4, 1)
     # three layers on two stages: the uneven split puts the extra layer first
     assert [(s.first_layer, s.stop_layer) for s in pipe.stages] == [(0, 2), (2, 3)]
     assert pipe.bubble_fraction == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
@@ -47,7 +47,7 @@ def test_a_forced_pipeline_splits_the_layers_and_replicates_along_its_axis(pp_pl
 
 def test_every_op_runs_on_one_stage_layers_where_the_split_puts_them(pp_plan):
     model, args, kwargs, plan = pp_plan
-    (micro_args, micro_kwargs), *_ = split_microbatches(args, kwargs, plan.pipeline.microbatches)
+    (micro_args, micro_kwargs), *_ = split_microbatches(args, kwargs, plan.microbatches)
     graph = capture(model, micro_args, micro_kwargs)
     stage = stage_of_nodes(graph, plan.pipeline)
     ops = [n for n in graph.nodes if n.kind == "op"]

@@ -214,9 +214,9 @@ def _plan_on_rank0(
 
 def _capture_for(plan: Plan, model, args: tuple, kwargs: dict) -> OpGraph:
     """The graph ``plan`` runs: the model captured at the call's shapes, or at the first micro-batch's when the
-    plan pipelines (its stages run one micro-batch at a time)."""
-    if plan.pipeline is not None:
-        (args, kwargs), *_ = split_microbatches(args, kwargs, plan.pipeline.microbatches)
+    plan runs several (its program runs one micro-batch at a time)."""
+    if plan.microbatches > 1:
+        (args, kwargs), *_ = split_microbatches(args, kwargs, plan.microbatches)
     return capture(model, args, kwargs)
 
 
@@ -225,7 +225,7 @@ def _plan_here(
 ) -> tuple[Plan, OpGraph]:
     """The plan ``compile`` runs and the graph it was made on, planned in this process (no family rows: the
     report is not printed)."""
-    if options.pipeline != "none":
+    if options.pipeline != "none" or options.microbatches > 1:
         return plan_pipelined(model, mesh, args, kwargs, options, hint_options)
     ctx = prepare_context(model, mesh, args, kwargs, options, hint_options)
     return search_context(ctx, compare_families=False), ctx.graph

@@ -58,15 +58,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autopar.capture import OpGraph, split_microbatches
-from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower, split_program
+from autopar.capture import OpGraph
+from autopar.lower import ExecutionPlan, RunState, SavedBytes, lower
 from autopar.pieces import shard_tensor
 from autopar.placement import Placement, Replicate
 from autopar.planner import Plan
 from autopar.runtime import DEFAULT_BUCKET_BYTES, GradBuckets, StateShards, bucketable, wait_pending
 from autopar.spec import TensorMeta, local_shape
 
-from .pipeline_runner import PipelineRunner, from_owner, loss_weights, stage_owners, train_step_only
+from .micro_steps import MicroBatchSteps
+from .pipeline_runner import PipelineRunner, from_owner
 
 __all__ = ["ShardedModule", "NotCompiledError", "LocalState"]
 
@@ -81,7 +82,7 @@ def _set_param(root: nn.Module, fqn: str, value: nn.Parameter) -> None:
     mod.register_parameter(leaf, value)
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(MicroBatchSteps, nn.Module):
     """One rank's part of a compiled model (see the module docstring)."""
 
     def __init__(
@@ -224,51 +225,6 @@ class ShardedModule(nn.Module):
             defer_loss=defer_loss,
         )
 
-    def _pipeline_runner(self, *, train: bool) -> PipelineRunner:
-        """This rank's stages of the pipelined plan (``compiled/pipeline_runner.py``) over the whole program cut at the
-        plan's stage boundaries (``lower.split_program``): the training step's, or (``train=False``) the
-        forward-only pipeline's."""
-        from autopar.planner import stage_of_nodes
-
-        pipe = self._plan.pipeline
-        program = self._lower(instrument=False, defer_loss=False)
-        stage_of = stage_of_nodes(self._graph, pipe)
-        programs = split_program(program, self._xplan, stage_of, len(pipe.stages), self._coord, train=train)
-        axis = self.mesh.axis_index(pipe.axis)
-        outputs = None
-        if not train:
-            graph = self._graph
-            outputs = tuple(
-                torch.empty(graph.nodes[i].outputs[k].shape, dtype=graph.nodes[i].outputs[k].dtype, device="meta")
-                for i, k in (graph.outputs[leaf.index] for leaf in self._tensor_leaves())
-            )
-        runner = PipelineRunner(
-            programs, self._groups, axis, pipe.schedule, pipe.microbatches, self._step_values, outputs=outputs
-        )
-        if train:
-            self._own_stage_params(programs, axis)
-        return runner
-
-    def _own_stage_params(self, programs: list, axis: int) -> None:
-        """Keep only the parameters this rank's stages read (the others' data emptied; ``_full`` gets them from
-        the first stage holding them), and note which stages read each."""
-        params = dict(self.named_parameters())
-        sources = [n for n in self._graph.nodes if n.kind != "op"]
-        self._arg_params = [params[n.fqn] if n.kind == "param" else None for n in sources]
-        owners = stage_owners(programs, self.mesh.shape[axis], [n.fqn if n.kind == "param" else None for n in sources])
-        here = self._coord[axis]
-        for position, node in enumerate(sources):
-            if node.kind == "param" and node.fqn in owners and here not in owners[node.fqn]:
-                # another stage's weight: not held here (the first stage holding it has it, ``_full``)
-                self._zero.drop(node.name)
-                params[node.fqn].data = params[node.fqn].data.new_empty(0)
-                self._sources[position] = (None, params[node.fqn])
-        self._owners = {fqn: ranks[0] for fqn, ranks in owners.items()}
-        self._holders, self._pipeline_axis = owners, axis
-
-    def _step_values(self) -> list:
-        return self._values
-
     def _static_sources(self, params: dict[str, nn.Parameter]) -> list[tuple[Any, torch.Tensor | None]]:
         """Per argument of the lowered graph: (input node, None), or (None, the value every call passes)."""
         zero_buffers = self._zero.buffers()
@@ -294,76 +250,6 @@ class ShardedModule(nn.Module):
         return out
 
     # ---- running ----------------------------------------------------------------------
-    def train_step(self, *args, **kwargs) -> torch.Tensor:
-        """Forward and backward of the whole batch: the gradients are left in the parameters' ``.grad``
-        (accumulated, as ``loss.backward()`` does) and the loss is returned (detached) on every rank.
-
-        A pipelined plan runs its micro-batches through the stages with its schedule
-        (``compiled/pipeline_runner.py``); any other plan runs ``self(*args, **kwargs).backward()``."""
-        if self._build is not None:
-            self._compile(args, kwargs)
-        if self._plan.pipeline is None:
-            loss = self(*args, **kwargs)
-            loss = loss.loss if hasattr(loss, "loss") and not torch.is_tensor(loss) else loss
-            loss.backward()
-            return loss.detach()
-        self._groups.check_alive("sharded.train_step(...)")
-        pieces, weights = self._micro_batches(args, kwargs, training=True)
-        with self._groups.collectives("train_step"):
-            self._zero.sync(self.collective_counter)
-            loss = self._runner.step(pieces, weights)
-            self._runner.sum_shared_grads(self._arg_params)
-        self._values = None
-        return loss
-
-    def _micro_batches(self, args: tuple, kwargs: dict, *, training: bool) -> tuple[list, torch.Tensor]:
-        """A pipelined step's inputs: this rank's pieces of each micro-batch's batch inputs, and the loss weights
-        (``compiled/pipeline_runner.py``); sets the step's run state and argument values."""
-        micro = split_microbatches(args, kwargs, self._plan.pipeline.microbatches)
-        calls = [self._graph.call.match(a, k, self._expected_micro) for a, k in micro]
-        inputs = [n for n in self._graph.nodes if n.kind == "input"]
-        pieces = [[self._local_input(n, call[n.fqn]) for n in inputs] for call in calls]
-        weights = loss_weights(self._graph, calls).to(self._groups.device, torch.float32)
-        self._values = [value for _, value in self._sources]
-        st = self._state
-        st.counter, st.step, st.trace, st.saved, st.training = self.collective_counter, self._step, None, None, training
-        self._step += 1
-        return pieces, weights
-
-    def _expected_micro(self, name: str) -> tuple[tuple[int, ...], torch.dtype, str]:
-        node = self._input_nodes[name]
-        m = self._plan.pipeline.microbatches
-        return (
-            node.outputs[0].shape,
-            node.outputs[0].dtype,
-            f"the plan was compiled for a batch of {m} micro-batches of these shapes; pass a batch of the compiled "
-            "size, or compile again with example inputs of the new shape",
-        )
-
-    def _pipeline_forward(self, args: tuple, kwargs: dict):
-        """``sharded(...)`` on a pipelined plan: a forward-only pipeline over the micro-batches, the outputs in the
-        model's structure on every rank, whose backward raises (naming ``train_step``)."""
-        if self._eval_runner is None:
-            self._eval_runner = self._pipeline_runner(train=False)
-        self._groups.check_alive("sharded(...)")
-        pieces, weights = self._micro_batches(args, kwargs, training=self.training)
-        graph = self._graph
-        metas = [
-            graph.nodes[graph.outputs[leaf.index][0]].outputs[graph.outputs[leaf.index][1]]
-            for leaf in self._tensor_leaves()
-        ]
-        loss = next((j for j, leaf in enumerate(self._tensor_leaves()) if leaf.index == graph.loss_output), None)
-        with self._groups.collectives("forward"):
-            self._zero.sync(self.collective_counter)
-            per_micro = self._eval_runner.forward_only(pieces)
-            flat = iter(self._eval_runner.gather_outputs(per_micro, weights, metas, loss))
-        self._values = None
-        leaves = [leaf.value if leaf.index is None else train_step_only(next(flat)) for leaf in graph.call.outputs]
-        return graph.call.unflatten_outputs(leaves)
-
-    def _tensor_leaves(self) -> list:
-        return [leaf for leaf in self._graph.call.outputs if leaf.index is not None]
-
     def forward(self, *args, **kwargs):
         if self._build is not None:
             self._compile(args, kwargs)

@@ -78,6 +78,17 @@ class PlanningContext:
         return rebatch(self, batch)
 
 
+def check_no_pipeline(options: PlanOptions, what: str) -> None:
+    """A context is captured at the whole batch for one mesh: a pipelined plan (captured at the micro-batch,
+    each stage over the mesh without the pipeline axis) is made by ``plan`` / ``compile`` instead."""
+    if options.pipeline != "none" or options.microbatches != 1:
+        raise ValueError(
+            f"{what}(pipeline={options.pipeline!r}, microbatches={options.microbatches}): a prepared context plans "
+            "the whole batch on the whole mesh; a pipelined plan is captured at the micro-batch and searched per "
+            "stage. Fix: call autopar.plan(...) or autopar.compile(...) with those keywords"
+        )
+
+
 def prepare_context(
     model: torch.nn.Module,
     mesh: Mesh,
@@ -91,6 +102,7 @@ def prepare_context(
     """``prepare`` on the options objects (``compile`` and ``plan`` call it with theirs)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))")
+    check_no_pipeline(options, "prepare")
     options = options.resolved(model)
     if options.devices_per_node is not None:
         check_devices_per_node(mesh.shape, options.devices_per_node)  # before the capture

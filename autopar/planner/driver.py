@@ -26,7 +26,7 @@ import torch
 from autopar.mesh import Mesh
 from autopar.search import Deadline
 
-from .context import PlanningContext, hinted_context, prepare_context, rebatch, repriced
+from .context import PlanningContext, check_no_pipeline, hinted_context, prepare_context, rebatch, repriced
 from .errors import MemoryCapError
 from .options import HintOptions, PlanOptions
 from .pipeline_planning import plan_pipelined
@@ -166,7 +166,7 @@ def plan(
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     if progress is not None:
         progress("capture + strategies", 0, 1)
-    if options.pipeline != "none":
+    if options.pipeline != "none" or options.microbatches > 1:
         return plan_pipelined(model, mesh, example_inputs, example_kwargs, options, hint_options, progress=progress)[0]
     ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
     return search_context(ctx, compare_families=compare_families, progress=progress)
@@ -229,6 +229,7 @@ def search_context(
     not at their defaults (None: ``ctx.options``), and ``hint_options`` in place of the context's hints (None:
     those)."""
     options = ctx.options if options is None else ctx.options.updated_by(options)
+    check_no_pipeline(options, "plan_from_context")
     if options.priced() != ctx.options.priced():
         ctx = repriced(ctx, options)
     run = SearchRun(Deadline.after(options.search_budget_s), progress)

@@ -1,4 +1,9 @@
-"""Pipelined plans: one mesh axis carries a pipeline of stages, each stage sharded over the other axes.
+"""Micro-batched plans: one mesh axis carries a pipeline of stages, each stage sharded over the other axes; or
+micro-batches accumulated without one.
+
+``plan(..., microbatches=m)`` without a pipeline plans one micro-batch on the whole mesh (its memory is the step's:
+one micro-batch's activations at a time) and prices the step as ``m`` of them plus one optimizer step
+(``step_cost``); ``ShardedModule.train_step`` runs them one after another, the gradients accumulating.
 
 ``plan(..., pipeline="pp", microbatches=m, schedule=...)`` (``plan_pipelined``) makes a plan whose ranks along
 axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` stages per rank (``v = 2`` for
@@ -13,9 +18,9 @@ axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` 
    evenly into ``p v`` runs; the ops before the first layer run on the first stage, those after the last on the
    last (``stage_of_nodes`` has the rule for every op).
 
-Pricing (this version): the step is priced as equal stages, ``T = (m v + p - 1) t / (p v)`` with ``t`` the
-stage-mesh plan's step for one micro-batch (``autopar.cost.pipeline``'s closed form: the bubble is ``(p - 1) /
-(m v + p - 1)`` of it), and each rank's memory as ``1 / p`` of the model state plus the activations of the
+Pricing (this version): the step is priced as equal stages (``step_cost``: ``T = (m v + p - 1) / (p v) t_micro
++ t_step / p``, ``autopar.cost.pipeline``'s closed form, the bubble ``(p - 1) / (m v + p - 1)`` of the
+micro-batch part), and each rank's memory as ``1 / p`` of the model state plus the activations of the
 micro-batches it holds in flight (``cost.in_flight`` on the first rank, the most), ``1 / (p v)`` of one
 micro-batch's each.  The stage-mesh search runs without the cap; a cap the estimate breaks raises
 ``MemoryCapError``.  Searching the split, ``m`` and the schedule jointly with each stage's sharding
@@ -142,47 +147,33 @@ def plan_pipelined(
     *,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[Plan, OpGraph]:
-    """The pipelined plan of ``options.pipeline`` (module docstring) and the graph it was made on (captured at
-    the micro-batch)."""
-    axis = pipeline_axis(mesh, options.pipeline)
-    p, m = mesh.shape[axis], options.microbatches
-    v = 2 if options.schedule == "interleaved" else 1
-    if options.schedule == "1f1b" and m < p:
-        raise ValueError(
-            f"schedule='1f1b' on {p} pipeline stages needs at least {p} micro-batches (each stage runs one in "
-            f"flight before its first backward), got microbatches={m}. Fix: pass microbatches={p} or more, or "
-            "schedule='gpipe'"
-        )
-    if options.schedule == "interleaved" and m % p:
-        raise ValueError(
-            f"schedule='interleaved' sends micro-batches in groups of the {p} pipeline ranks: microbatches={m} is "
-            f"not a multiple of {p}. Fix: pass microbatches={p * max(1, m // p)} or schedule='1f1b'"
-        )
+    """The plan that runs the batch as ``options.microbatches`` micro-batches, through a pipeline along
+    ``options.pipeline`` or (``pipeline="none"``) accumulated on the whole mesh, and the graph it was made on
+    (captured at the micro-batch; module docstring)."""
+    piped = options.pipeline != "none"
+    axis = pipeline_axis(mesh, options.pipeline) if piped else -1
+    p, m = (mesh.shape[axis] if piped else 1), options.microbatches
+    v = 2 if piped and options.schedule == "interleaved" else 1
+    if piped:
+        _check_schedule(options.schedule, p, m)
     args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     (micro_args, micro_kwargs), *_ = split_microbatches(tuple(args), dict(example_kwargs or {}), m)
-    inner = dataclasses.replace(options, pipeline="none", microbatches=1, mem_cap=None)
-    ctx = prepare_context(model, stage_mesh(mesh, axis), micro_args, micro_kwargs, inner, hint_options)
-    layers = chain_layers(ctx.graph)
-    if not layers:
-        raise ValueError(
-            f"pipeline={options.pipeline!r}: {type(model).__name__} has no layers (entries of an nn.ModuleList or "
-            "nn.Sequential of two or more) to split into stages; autopar cuts pipelines between layers, not inside "
-            "ops. Fix: hold the repeated blocks in an nn.ModuleList, or pipeline='none'"
-        )
-    if len(layers) < p * v:
-        names = ", ".join(n for n, _ in layers[:4]) + (", ..." if len(layers) > 4 else "")
-        raise ValueError(
-            f"pipeline={options.pipeline!r}: {p * v} stages ({p} ranks x {v} per rank) but {type(model).__name__} "
-            f"has {len(layers)} layers to split ({names}). Fix: pipeline a smaller axis"
-            + (", schedule='1f1b' (one stage per rank)" if v > 1 else "")
-            + ", or no pipeline"
-        )
+    # accumulated micro-batches hold one micro-batch's activations at a time: the cap holds as it is
+    inner = dataclasses.replace(options, pipeline="none", microbatches=1, mem_cap=None if piped else options.mem_cap)
+    ctx = prepare_context(
+        model, stage_mesh(mesh, axis) if piped else mesh, micro_args, micro_kwargs, inner, hint_options
+    )
+    if piped:
+        layers = chain_layers(ctx.graph)
+        _check_layers(options.pipeline, type(model).__name__, layers, p, v)
     hinted_ctx, resolved = hinted_context(ctx, None)
     run = SearchRun(Deadline.after(inner.search_budget_s), progress)
-    inner_plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
+    micro_plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
+    if not piped:
+        return dataclasses.replace(micro_plan, microbatches=m, cost=step_cost(micro_plan.cost, m)), ctx.graph
     stages = tuple(StagePart(a, b) for a, b in even_stages(len(layers), p * v))
-    pipe = PipelinePlan(options.pipeline, options.schedule, m, stages, v, bubble_fraction(options.schedule, p, m, v))
-    plan = lift(inner_plan, mesh, axis, pipe)
+    pipe = PipelinePlan(options.pipeline, options.schedule, stages, v, bubble_fraction(options.schedule, p, m, v))
+    plan = lift(micro_plan, mesh, axis, pipe, m)
     cap = options.mem_cap
     plan = dataclasses.replace(
         plan,
@@ -198,7 +189,40 @@ def plan_pipelined(
     return plan, ctx.graph
 
 
-def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan) -> Plan:
+def _check_schedule(schedule: str, p: int, m: int) -> None:
+    """What ``torch.distributed.pipelining`` runs: 1F1B at least ``p`` micro-batches, interleaved a multiple of
+    ``p``."""
+    if schedule == "1f1b" and m < p:
+        raise ValueError(
+            f"schedule='1f1b' on {p} pipeline stages needs at least {p} micro-batches (each stage runs one in "
+            f"flight before its first backward), got microbatches={m}. Fix: pass microbatches={p} or more, or "
+            "schedule='gpipe'"
+        )
+    if schedule == "interleaved" and m % p:
+        raise ValueError(
+            f"schedule='interleaved' sends micro-batches in groups of the {p} pipeline ranks: microbatches={m} is "
+            f"not a multiple of {p}. Fix: pass microbatches={p * max(1, m // p)} or schedule='1f1b'"
+        )
+
+
+def _check_layers(axis: str, model: str, layers: list, p: int, v: int) -> None:
+    if not layers:
+        raise ValueError(
+            f"pipeline={axis!r}: {model} has no layers (entries of an nn.ModuleList or nn.Sequential of two or "
+            "more) to split into stages; autopar cuts pipelines between layers, not inside ops. Fix: hold the "
+            "repeated blocks in an nn.ModuleList, or pipeline='none'"
+        )
+    if len(layers) < p * v:
+        names = ", ".join(n for n, _ in layers[:4]) + (", ..." if len(layers) > 4 else "")
+        raise ValueError(
+            f"pipeline={axis!r}: {p * v} stages ({p} ranks x {v} per rank) but {model} has {len(layers)} layers to "
+            f"split ({names}). Fix: pipeline a smaller axis"
+            + (", schedule='1f1b' (one stage per rank)" if v > 1 else "")
+            + ", or no pipeline"
+        )
+
+
+def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, microbatches: int) -> Plan:
     """``inner`` (planned on ``stage_mesh(mesh, axis)`` for one micro-batch) on ``mesh``: every placement
     replicated along ``axis``, priced as the pipeline runs (module docstring)."""
 
@@ -233,26 +257,43 @@ def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan) -> Plan:
         inputs=inputs,
         nodes=nodes,
         collectives=collectives,
-        cost=_pipeline_cost(inner.cost, mesh.shape[axis], pipe),
-        memory=_pipeline_memory(inner.memory, mesh.shape[axis], pipe),
+        cost=step_cost(inner.cost, microbatches, mesh.shape[axis], pipe.virtual),
+        memory=_pipeline_memory(inner.memory, mesh.shape[axis], pipe, microbatches),
         pipeline=pipe,
+        microbatches=microbatches,
         alternatives=(),
     )
 
 
-def _pipeline_cost(micro: PlanCost, p: int, pipe: PipelinePlan) -> PlanCost:
-    """Equal stages: ``T = (m v + p - 1) t / (p v)`` for a micro-batch step ``t`` of the whole model."""
-    m, v = pipe.microbatches, pipe.virtual
-    scale = (m * v + p - 1) / (p * v)
-    bubble = micro.total_s * (p - 1) / (p * v)
-    terms = {k: t * m / p for k, t in micro.terms.items()} | {"pipeline bubble": bubble}
-    return PlanCost(micro.compute_s * scale, micro.comm_s * scale, micro.total_s * scale, terms)
+def per_step(term: str) -> bool:
+    """Whether a cost term (``PlanCost.terms``) is paid once per step, not per micro-batch: the optimizer step and
+    what runs with it (the all-gather of ZeRO-sharded weights)."""
+    return term == "optimizer step" or term.endswith("(optimizer)")
 
 
-def _pipeline_memory(micro: PlanMemory, p: int, pipe: PipelinePlan) -> PlanMemory:
+def step_cost(micro: PlanCost, m: int, p: int = 1, v: int = 1) -> PlanCost:
+    """A step of ``m`` micro-batches from the plan of one (``micro``), with equal stages on ``p`` pipeline ranks
+    (``v`` per rank; ``p = 1``: accumulated on the whole mesh):
+
+        T = (m v + p - 1) / (p v) t_micro + t_step / p
+
+    ``t_micro``: the terms each micro-batch pays (ops, their collectives), of which each of the ``p v`` stages
+    runs ``1 / (p v)``; ``(m v + p - 1)`` stage slots pass on the slowest rank, ``(p - 1)`` of them the bubble
+    (its own term); ``t_step``: the terms paid once per step (``per_step``), each stage for its own weights."""
+    scale = m / p
+    terms = {k: t / p if per_step(k) else t * scale for k, t in micro.terms.items()}
+    per_micro = sum(t for k, t in micro.terms.items() if not per_step(k))
+    if p > 1:
+        terms["pipeline bubble"] = per_micro * (p - 1) / (p * v)
+    compute = sum(t for k, t in terms.items() if k in ("ops (forward + backward)", "optimizer step"))
+    total = sum(terms.values())
+    return PlanCost(compute, total - compute - terms.get("pipeline bubble", 0.0), total, terms)
+
+
+def _pipeline_memory(micro: PlanMemory, p: int, pipe: PipelinePlan, m: int) -> PlanMemory:
     """``1 / p`` of the model state plus the first rank's micro-batches in flight, ``1 / (p v)`` of one's
     activations each."""
-    held = in_flight(pipe.schedule, p, pipe.microbatches, 0, pipe.virtual)
+    held = in_flight(pipe.schedule, p, m, 0, pipe.virtual)
     state = [-(-b // p) for b in (micro.params_bytes, micro.grads_bytes, micro.optimizer_bytes)]
     activations = -(-micro.activations_bytes * held // (p * pipe.virtual))
     return PlanMemory(

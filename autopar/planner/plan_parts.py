@@ -182,13 +182,12 @@ class StagePart:
 
 @dataclass(frozen=True, slots=True)
 class PipelinePlan:
-    """The pipeline of a plan: the mesh axis it runs along, the stages in pipeline order (stage ``j`` runs on the
-    axis coordinate ``j mod p``: ``virtual`` stages per rank), the micro-batches per step, the schedule
-    (``autopar.cost.pipeline``), and the predicted bubble: the fraction of the step a rank idles."""
+    """The pipeline of a plan: the mesh axis it runs along, the schedule (``autopar.cost.pipeline``), the stages
+    in pipeline order (stage ``j`` runs on the axis coordinate ``j mod p``: ``virtual`` stages per rank), and the
+    predicted bubble: the fraction of the step a rank idles (the micro-batches are ``Plan.microbatches``)."""
 
     axis: str
     schedule: str
-    microbatches: int
     stages: tuple[StagePart, ...]
     virtual: int = 1
     bubble_fraction: float = 0.0

@@ -15,7 +15,8 @@ default left out)::
     nodes {fx name: NodePlacement}, collectives [Collective], cost PlanCost, memory PlanMemory,
     fallback_ops [FallbackOp], family, alternatives [FamilyAlternative], search SearchStats,
     hints PlanHints (only when the plan was hinted: the normalized hints, see ``autopar.planner.hints``),
-    pipeline PipelinePlan (only when the plan pipelines: ``autopar.planner.pipeline_planning``)
+    pipeline PipelinePlan (only when the plan pipelines: ``autopar.planner.pipeline_planning``),
+    microbatches (only when the step runs the batch as several micro-batches)
 
 Version 1 (read by ``from_dict``) named the memory parts without their unit
 (``params``, ``grads``, ``optimizer``, ``activations``); version 2 names them
@@ -70,6 +71,9 @@ __all__ = ["Plan", "FAMILIES", "SCHEMA_VERSION", "check_writable"]
 SCHEMA_VERSION = 2
 #: The plan families a plan may be forced into (``Plan.family``; ``plan(family=...)``).
 FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
+#: The fields written only when they differ from their default (a plan without hints, pipeline or micro-batches
+#: reads as before).
+_WHEN_SET = {"hints": None, "pipeline": None, "microbatches": 1}
 #: Version 1's memory keys, by the name version 2 gives them.
 _V1_MEMORY = {"params_bytes": "params", "grads_bytes": "grads", "optimizer_bytes": "optimizer"} | {
     "activations_bytes": "activations"
@@ -96,15 +100,16 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)  # stage -> wall-clock seconds; never written
     hints: PlanHints | None = None
     pipeline: PipelinePlan | None = None
+    microbatches: int = 1
 
     # ---- serialization ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mesh": self.mesh.to_dict()}
         for f in fields(self):
-            if f.name not in ("mesh", "timings", "hints", "pipeline"):
+            if f.name not in ("mesh", "timings", *_WHEN_SET):
                 out[f.name] = to_json_value(getattr(self, f.name))
-        for name in ("hints", "pipeline"):  # only when set
-            if getattr(self, name) is not None:
+        for name, default in _WHEN_SET.items():  # only when set
+            if getattr(self, name) != default:
                 out[name] = to_json_value(getattr(self, name))
         return out
 
@@ -132,7 +137,7 @@ class Plan:
                 f"{SCHEMA_VERSION}; re-create the plan with `autopar plan ... -o plan.json`"
             )
         types = typing.get_type_hints(cls)
-        required = [f.name for f in fields(cls) if f.name not in ("timings", "hints", "pipeline")]
+        required = [f.name for f in fields(cls) if f.name not in ("timings", *_WHEN_SET)]
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(
@@ -148,7 +153,7 @@ class Plan:
             raise ValueError(f"{source}: field 'mesh': {e}; re-create the plan") from None
         strict = version == SCHEMA_VERSION  # an older plan may carry keys no longer written
         try:
-            named = [k for k in (*required, "hints", "pipeline") if k in d and k != "mesh"]
+            named = [k for k in (*required, *_WHEN_SET) if k in d and k != "mesh"]
             parts = {k: from_json_value(types[k], d[k], k, strict=strict) for k in named}
         except ValueError as e:
             raise ValueError(
