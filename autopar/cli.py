@@ -6,7 +6,7 @@
     autopar models          # the built-in model names
     autopar run MODEL --mesh 2x2 [--axis-names dp,tp] --steps 3 --check [--batch 4 --seq 32] \\
         [--family auto|data-parallel|sharded-parameters|tensor-parallel] [--lr 1e-3] \\
-        [--save DIR [--save-every N]] [--resume PATH]
+        [--save DIR [--save-every N]] [--resume PATH] [--pipeline AXIS --microbatches N --schedule 1f1b]
     autopar export CHECKPOINT_DIR -o OUT_DIR [--max-shard-size 5GiB] [--dtype fp32|bf16|fp16] [--include-tied]
 
 ``run`` trains on local CPU ranks it spawns (or, under torchrun, as this rank) and,
@@ -147,13 +147,10 @@ def _add_plan_parser(sub) -> None:
 
 def _add_planning_flags(pl) -> None:
     """The flags of ``autopar.planner.PLAN_KEYWORDS``: each lands in ``args.<keyword>``, its default the table's."""
-    from autopar.cost import SCHEDULES
     from autopar.planner import PLAN_KEYWORDS, RECOMPUTE_OPTIONS, SOLVERS
     from costmodel import OPTIMIZERS
 
-    def flag(name: str, **spec) -> None:
-        pl.add_argument(PLAN_KEYWORDS[name].flag, dest=name, default=PLAN_KEYWORDS[name].default, **spec)
-
+    flag = _keyword_flag(pl)
     flag("mem_cap", type=_bytes_arg, help="per-device memory cap: bytes or 40GiB, 512MiB (default none)")
     flag(
         "profile",
@@ -205,20 +202,34 @@ def _add_planning_flags(pl) -> None:
         metavar="SECONDS",
         help=f"stop the search after this long with the best plan met and its proven gap (default {budget:g})",
     )
-    flag(
-        "pipeline",
-        metavar="AXIS",
-        help="run a pipeline of stages along this mesh axis (an --axis-names name), or none (the default)",
-    )
-    flag(
-        "microbatches",
-        type=_positive_int,
-        metavar="N",
-        help="micro-batches per step, the batch split evenly (default 1)",
-    )
-    flag("schedule", choices=SCHEDULES, help="the pipeline schedule (default 1f1b)")
+    _pipeline_flags(flag)
     flag("hints", metavar="FILE", help="JSON or TOML file of pattern = value hints")
     flag("strict", action="store_true", help="a hint pattern that matches nothing is an error")
+
+
+def _keyword_flag(parser):
+    """``flag(name, **spec)``: the ``PLAN_KEYWORDS`` flag of ``name`` on ``parser``, its default the table's."""
+    from autopar.planner import PLAN_KEYWORDS
+
+    def flag(name: str, **spec) -> None:
+        parser.add_argument(PLAN_KEYWORDS[name].flag, dest=name, default=PLAN_KEYWORDS[name].default, **spec)
+
+    return flag
+
+
+def _pipeline_flags(flag) -> None:
+    """``--pipeline``, ``--microbatches``, ``--schedule`` (``autopar plan`` and ``autopar run``)."""
+    from autopar.cost import SCHEDULES
+
+    flag("pipeline", metavar="AXIS", help="run a pipeline of stages along this mesh axis, or none (the default)")
+    flag(
+        "microbatches",
+        type=_microbatches_arg,
+        metavar="N",
+        help="micro-batches per step, the batch split evenly: a number, or auto (the default: 1 without a "
+        "pipeline; with one, the most up to 4 per stage that the batch splits into evenly)",
+    )
+    flag("schedule", choices=SCHEDULES, help="the pipeline schedule (default 1f1b)")
 
 
 def _hint_arg(text: str) -> tuple[str, object]:
@@ -250,11 +261,7 @@ def _bucket_arg(text: str) -> int | None:
 
 
 #: ``--family``'s words for ``autopar.planner.FAMILIES`` (``autopar run --family`` takes the same).
-_FLAG_FAMILY = {
-    "data-parallel": "data parallel",
-    "sharded-parameters": "sharded parameters",
-    "tensor-parallel": "tensor parallel",
-}
+_FLAG_FAMILY = {f.replace(" ", "-"): f for f in ("data parallel", "sharded parameters", "tensor parallel")}
 
 
 def _family_arg(text: str) -> str | None:
@@ -266,20 +273,21 @@ def _family_arg(text: str) -> str | None:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1") from None
+    n = int(text) if text.strip().lstrip("+").isdigit() else 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
     return n
+
+
+def _microbatches_arg(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
 
 
 def _positive_float(text: str) -> float:
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0") from None
+        x = 0.0
     if not x > 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
     return x
@@ -313,6 +321,7 @@ def _add_run_parser(sub) -> None:
         help="recompute in backward: auto (the default), none, selective (attention cores and activations), "
         "full (whole layers)",
     )
+    _pipeline_flags(_keyword_flag(r))
     r.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     r.add_argument(
@@ -409,6 +418,9 @@ def _cmd_run(args) -> int:
             timeout_s=args.timeout,
             save_dir=args.save,
             save_every=_save_every(args),
+            pipeline=args.pipeline,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
         )
         config = dataclasses.replace(config, resume_dir=_resume(args.resume, config))
         report = run(config)
@@ -470,7 +482,7 @@ def _run_plan(args, mesh: Mesh, options, hint_options, seq: int):
     try:
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=seq)
         bar("capture + strategies", 0, 1)
-        if options.pipeline != "none" or options.microbatches > 1:
+        if options.micro_batched:
             return plan_pipelined(model, mesh, margs, mkwargs, options, hint_options, progress=bar)[0]
         ctx = prepare_context(model, mesh, margs, mkwargs, options, hint_options)
         return search_context(ctx, compare_families=not args.no_compare, progress=bar)

@@ -12,7 +12,7 @@ Hands on: ``OpGraph`` (``graph``): nodes in topological order, each op's ``OpCal
 
 from __future__ import annotations
 
-from .batch import BatchTemplate, capture_template, specialize, split_microbatches, static_template
+from .batch import BatchTemplate, batch_of, capture_template, specialize, split_microbatches, static_template
 from .blocks import block_hints
 from .call_spec import CallSpec, InputMismatchError, bind_call, register_dataclasses
 from .decompose import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
@@ -23,6 +23,7 @@ from .repeat import Blocks, find_blocks, find_layers
 __all__ = [
     "canonical_param_names",
     "BatchTemplate",
+    "batch_of",
     "Blocks",
     "CallSpec",
     "CaptureError",

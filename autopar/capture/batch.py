@@ -66,7 +66,15 @@ from .export import (
 )
 from .fake_values import NUMBERED, fake_on, meta_storage
 
-__all__ = ["BatchTemplate", "capture_template", "split_microbatches", "static_template", "specialize", "with_batch"]
+__all__ = [
+    "BatchTemplate",
+    "batch_of",
+    "capture_template",
+    "split_microbatches",
+    "static_template",
+    "specialize",
+    "with_batch",
+]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -212,6 +220,12 @@ def with_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict]:
         return x[torch.arange(batch) % x.shape[0]]
 
     return pytree.tree_map(resize, (args, kwargs))
+
+
+def batch_of(args: tuple, kwargs: dict) -> int | None:
+    """The batch of a call: the dim-0 size every tensor input shares, or None when they share none."""
+    batch = _common_batch(args, kwargs)
+    return None if isinstance(batch, str) else batch
 
 
 def split_microbatches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict]]:

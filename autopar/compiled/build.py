@@ -82,7 +82,7 @@ def compile(
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
-    microbatches: int = 1,
+    microbatches: int | str = "auto",
     schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,
@@ -225,7 +225,7 @@ def _plan_here(
 ) -> tuple[Plan, OpGraph]:
     """The plan ``compile`` runs and the graph it was made on, planned in this process (no family rows: the
     report is not printed)."""
-    if options.pipeline != "none" or options.microbatches > 1:
+    if options.micro_batched:
         return plan_pipelined(model, mesh, args, kwargs, options, hint_options)
     ctx = prepare_context(model, mesh, args, kwargs, options, hint_options)
     return search_context(ctx, compare_families=False), ctx.graph

@@ -2,7 +2,7 @@
 
 ``runner`` trains a model (``autopar.models`` finds it: a built-in name or a user's
 factory) on every rank and compares outputs, gradients and parameters with one
-device; ``run_report`` renders what it found; ``resume`` checks a checkpoint can be
+device (``one_device_check``); ``run_report`` renders what it found; ``resume`` checks a checkpoint can be
 replayed; ``progress`` is the terminal progress bar the CLI and calibration draw.
 """
 

@@ -32,11 +32,9 @@ raises ``LaunchError`` carrying that rank's traceback.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +47,7 @@ from autopar.mesh import Mesh
 from autopar.planner import FAMILIES, Plan, PlanMemory
 from autopar.runtime import RankError, RankSettings, ranks_per_node, spawn_ranks
 
+from .one_device_check import ATOL, RTOL, Deviation, compare
 from .resume import resolve_checkpoint, resume, save_if_due, saved_step
 
 __all__ = [
@@ -69,9 +68,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-RTOL, ATOL = 1e-4, 1e-5
-_ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which _train uses
 
 
 class LaunchError(RuntimeError):
@@ -97,6 +93,9 @@ class RunConfig:
     save_dir: str | None = None  # write checkpoints DIR/step-<n> (resume.py)
     save_every: int = 0  # and after every n-th step (0: after the last only)
     resume_dir: str | None = None  # continue from this checkpoint (or the latest step-<n> in it)
+    pipeline: str = "none"  # the mesh axis that carries a pipeline (planner.pipeline_planning)
+    microbatches: int | str = "auto"  # micro-batches per step (through the pipeline, or accumulated)
+    schedule: str = "1f1b"  # the pipeline schedule
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("steps", "batch", "seq") if getattr(self, k) < 1]
@@ -149,18 +148,6 @@ class RankResult:
     plan_memory: PlanMemory
     recompute_line: str = ""  # the plan's "recompute:" line (planner.plan_table.describe_recompute)
     nodes_line: str = ""  # which mesh axes span nodes (planner.plan_table.describe_nodes), '' on one node
-
-
-@dataclass(frozen=True, slots=True)
-class Deviation:
-    """The largest ``|distributed - reference|`` of one quantity, and whether all of it is within tolerance."""
-
-    quantity: str
-    tensors: int
-    max_abs: float
-    worst: str
-    ok: bool
-    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,20 +251,19 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
     record_step = first if sharded else record_step
     losses, times, outputs, names, grads, held, written = [], [], (), (), {}, {}, []
     saved = None  # what the first forward saved for backward (lower.SavedBytes; every step saves the same)
+    stepped = sharded and module.plan.microbatches > 1  # micro-batches: sharded.train_step runs forward + backward
     for step in range(first, config.steps):
-        if sharded:  # measured on the first step only: the instrumented graph costs a hook per op
+        if sharded and not stepped:  # measured on the first step only: the instrumented graph costs a hook per op
             module.measure_saved = step == first
         t0 = time.perf_counter()
-        flat = _flat(module(*args, **kwargs))
-        if sharded and step == first:
+        flat, loss = _forward_backward(module, args, kwargs, stepped, where, outputs=step == record_step)
+        if sharded and step == first and not stepped:
             saved = module.saved_bytes
-        loss_at = _loss_index(flat, where)
-        loss = flat[loss_at][1]
-        loss.backward()
         dt = time.perf_counter() - t0
         if step == record_step and config.check:
-            outputs = tuple(v.detach().cpu() for i, (_, v) in enumerate(flat) if i != loss_at)
-            names = tuple(k for i, (k, _) in enumerate(flat) if i != loss_at)
+            if not _accumulated(config):  # accumulated micro-batches: sharded(...) takes one, not the batch
+                outputs = tuple(v.detach().cpu() for _, v in flat)
+                names = tuple(k for k, _ in flat)
             if sharded:
                 grads = module.full_grads()
             else:
@@ -314,6 +300,28 @@ def _train(module: nn.Module, args, kwargs, config: RunConfig, *, keep: bool, wh
     return record, held
 
 
+def _accumulated(config: RunConfig) -> bool:
+    return config.microbatches not in (1, "auto") and config.pipeline == "none"
+
+
+def _forward_backward(module, args, kwargs, stepped: bool, where: str, *, outputs: bool):
+    """(the named outputs other than the loss, the loss) of one training step's forward and backward.
+
+    ``stepped``: the module's ``train_step`` (micro-batches); the outputs, when asked for, from a forward-only
+    call before it (a pipelined plan's forward runs the whole batch through the stages)."""
+    if stepped:
+        flat = []
+        if outputs and module.plan.pipeline is not None:
+            flat = _flat(module(*args, **kwargs))
+            flat = [kv for i, kv in enumerate(flat) if i != _loss_index(flat, where)]
+        return flat, module.train_step(*args, **kwargs)
+    flat = _flat(module(*args, **kwargs))
+    loss_at = _loss_index(flat, where)
+    loss = flat[loss_at][1]
+    loss.backward()
+    return [kv for i, kv in enumerate(flat) if i != loss_at], loss
+
+
 def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     """The plan ``autopar.compile`` would make on every rank, made once (on a CPU model, as the ranks run it).
 
@@ -323,9 +331,25 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     CPU, not the meta device: torch.export traces the kernels the tensors run, and
     some graphs differ between the two (``compiled.checks.check_plan_graph``).
     """
-    from autopar.planner import plan_from_context, prepare
+    from autopar.planner import plan, plan_from_context, prepare
 
     model, args, kwargs = build_model(config, "cpu")
+    if config.microbatches not in (1, "auto") or config.pipeline != "none":  # at the micro-batch: plan's path
+        return plan(
+            model,
+            config.mesh(),
+            example_inputs=args,
+            example_kwargs=kwargs,
+            profile=profile,
+            dtype="fp32",
+            devices_per_node=ranks_per_node(),
+            family=config.family,
+            recompute=config.recompute,
+            pipeline=config.pipeline,
+            microbatches=config.microbatches,
+            schedule=config.schedule,
+            compare_families=False,
+        )
     ctx = prepare(
         model,
         config.mesh(),
@@ -379,85 +403,6 @@ def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> Trai
     model, args, kwargs = build_model(config, device)
     record, _ = _train(model, args, kwargs, config, keep=True, where=f"autopar run {config.model}", record_step=start)
     return record
-
-
-# ---- comparison -------------------------------------------------------------------------
-def _deviation(quantity: str, pairs: list[tuple[str, Any, Any]]) -> Deviation:
-    worst, max_abs, ok = "-", 0.0, True
-    for name, got, want in pairs:
-        if got is None and want is None:
-            continue
-        if got is None or want is None or tuple(got.shape) != tuple(want.shape):
-            shapes = [None if t is None else tuple(t.shape) for t in (got, want)]
-            return Deviation(quantity, len(pairs), math.inf, f"{name} (shape {shapes[0]} vs {shapes[1]})", False)
-        got, want = got.detach().double().cpu(), want.detach().double().cpu()
-        diff = float((got - want).abs().max()) if got.numel() else 0.0
-        if math.isnan(diff):
-            diff = math.inf
-        ok = ok and bool(torch.isclose(got, want, rtol=RTOL, atol=ATOL).all())
-        if diff > max_abs or worst == "-":
-            worst, max_abs = name, diff
-    return Deviation(quantity, len(pairs), max_abs, worst, ok)
-
-
-def compare(ranks: tuple[RankResult, ...], reference: TrainRecord) -> list[Deviation]:
-    """Losses of every rank and step, step-0 outputs and grads and final params of rank 0."""
-    losses = [
-        (f"rank {r.rank} step {s}", torch.tensor(a), torch.tensor(reference.losses[s]))
-        for r in ranks
-        for s, a in enumerate(r.record.losses, start=r.record.first_step)
-    ]
-    r0 = next(r for r in ranks if r.rank == 0).record
-    devs = [_deviation("loss (every step, every rank)", losses)]
-    if len(r0.outputs) != len(reference.outputs):
-        devs.append(
-            Deviation(
-                f"outputs (step {r0.first_step})", len(reference.outputs), math.inf, "number of outputs differs", False
-            )
-        )
-    elif reference.outputs:
-        names = reference.output_names  # a sharded module returns a flat tuple: the reference names it
-        quantity = ", ".join(names) + f" (step {r0.first_step})"
-        devs.append(_deviation(quantity, list(zip(names, r0.outputs, reference.outputs))))
-
-    def keyed(quantity: str, got: Mapping, want: Mapping) -> Deviation:
-        if got.keys() != want.keys():
-            odd = sorted(set(got) ^ set(want))
-            return Deviation(quantity, len(want), math.inf, f"names differ: {odd[:3]}", False)
-        return _deviation(quantity, [(k, got[k], want[k]) for k in want])
-
-    devs.append(keyed(f"gradients (step {r0.first_step})", r0.grads, reference.grads))
-    params = keyed(f"parameters after step {len(reference.losses) - 1}", r0.params, reference.params)
-    if not params.ok and devs[-1].ok:
-        params = replace(params, note=_adam_note(r0, reference))
-    devs.append(params)
-    return devs
-
-
-def _adam_note(got: TrainRecord, want: TrainRecord) -> str:
-    """Why parameters can fail while gradients pass: the worst element's gradient is near AdamW's eps."""
-    worst = None  # (excess over tolerance, name, flat index)
-    for name, ref in want.params.items():
-        mine = got.params.get(name)
-        if mine is None or want.grads.get(name) is None or got.grads.get(name) is None or mine.shape != ref.shape:
-            continue
-        ref = ref.double()
-        excess = ((mine.double() - ref).abs() - (ATOL + RTOL * ref.abs())).flatten()
-        if excess.numel() and float(excess.max()) > 0 and (worst is None or float(excess.max()) > worst[0]):
-            worst = (float(excess.max()), name, int(excess.argmax()))
-    if worst is None:
-        return ""
-    _, name, flat = worst
-    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.params[name].shape))
-    g_want, g_got = float(want.grads[name][idx]), float(got.grads[name][idx])
-    if abs(g_want) >= 100 * _ADAM_EPS:
-        return ""
-    return (
-        f"{name}{list(idx)} is the worst element outside tolerance; its step-0 gradient, {g_got:.3e} here and "
-        f"{g_want:.3e} on one device, is of the order of AdamW's eps ({_ADAM_EPS:g}), where lr*m/(sqrt(v)+eps) "
-        "turns a rounding difference into a visible update. The gradients agree within tolerance: this is "
-        "most likely rounding, not a sharding error (a smaller or different --seq/--batch usually passes)."
-    )
 
 
 # ---- launching ----------------------------------------------------------------------------

@@ -81,7 +81,7 @@ class PlanningContext:
 def check_no_pipeline(options: PlanOptions, what: str) -> None:
     """A context is captured at the whole batch for one mesh: a pipelined plan (captured at the micro-batch,
     each stage over the mesh without the pipeline axis) is made by ``plan`` / ``compile`` instead."""
-    if options.pipeline != "none" or options.microbatches != 1:
+    if options.micro_batched:
         raise ValueError(
             f"{what}(pipeline={options.pipeline!r}, microbatches={options.microbatches}): a prepared context plans "
             "the whole batch on the whole mesh; a pipelined plan is captured at the micro-batch and searched per "

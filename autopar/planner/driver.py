@@ -67,7 +67,7 @@ def prepare(
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
-    microbatches: int = 1,
+    microbatches: int | str = "auto",
     schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,
@@ -113,7 +113,7 @@ def plan(
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
-    microbatches: int = 1,
+    microbatches: int | str = "auto",
     schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,
@@ -166,7 +166,7 @@ def plan(
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     if progress is not None:
         progress("capture + strategies", 0, 1)
-    if options.pipeline != "none" or options.microbatches > 1:
+    if options.micro_batched:
         return plan_pipelined(model, mesh, example_inputs, example_kwargs, options, hint_options, progress=progress)[0]
     ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
     return search_context(ctx, compare_families=compare_families, progress=progress)
@@ -187,7 +187,7 @@ def plan_from_context(
     allow_state_sharding: bool = True,
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
-    microbatches: int = 1,
+    microbatches: int | str = "auto",
     schedule: str = "1f1b",
     hints: dict[str, Any] | None = None,
     input_placements=None,

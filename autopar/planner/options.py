@@ -160,8 +160,8 @@ _KEYWORDS = (
     ),
     Keyword(
         "microbatches",
-        1,
-        "micro-batches per step: the batch split evenly, each run through the stages in turn",
+        "auto",
+        "micro-batches per step, the batch split evenly: an int, or 'auto'",
         "search",
         "--microbatches",
     ),
@@ -227,7 +227,7 @@ class PlanOptions:
     allow_state_sharding: bool = _default("allow_state_sharding")
     search_budget_s: float | None = _default("search_budget_s")
     pipeline: str = _default("pipeline")
-    microbatches: int = _default("microbatches")
+    microbatches: int | str = _default("microbatches")
     schedule: str = _default("schedule")
 
     def __post_init__(self) -> None:
@@ -262,8 +262,14 @@ class PlanOptions:
     def _check_pipeline(self) -> None:
         if not isinstance(self.pipeline, str) or not self.pipeline:
             raise TypeError(f"pipeline {self.pipeline!r}: expected a mesh axis name (str) or 'none'")
-        _whole("microbatches", self.microbatches, 1, "pass how many micro-batches each step splits the batch into")
+        if self.microbatches != "auto":
+            _whole("microbatches", self.microbatches, 1, "pass how many micro-batches the batch splits into, or 'auto'")
         _one_of("schedule", self.schedule, SCHEDULES, "pass one of those pipeline schedules")
+
+    @property
+    def micro_batched(self) -> bool:
+        """Whether the step runs the batch in micro-batches: through a pipeline, or accumulated."""
+        return self.pipeline != "none" or self.microbatches not in (1, "auto")
 
     def _check_priced(self) -> None:
         if self.profile is not None:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.capture import OpGraph, find_layers, split_microbatches
+from autopar.capture import OpGraph, batch_of, find_layers, split_microbatches
 from autopar.cost import bubble_fraction, in_flight
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
@@ -152,11 +152,14 @@ def plan_pipelined(
     (captured at the micro-batch; module docstring)."""
     piped = options.pipeline != "none"
     axis = pipeline_axis(mesh, options.pipeline) if piped else -1
-    p, m = (mesh.shape[axis] if piped else 1), options.microbatches
+    p = mesh.shape[axis] if piped else 1
     v = 2 if piped and options.schedule == "interleaved" else 1
+    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    m = options.microbatches
+    if m == "auto":
+        m = auto_microbatches(batch_of(tuple(args), dict(example_kwargs or {})), p, mesh.size // p, options.schedule)
     if piped:
         _check_schedule(options.schedule, p, m)
-    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     (micro_args, micro_kwargs), *_ = split_microbatches(tuple(args), dict(example_kwargs or {}), m)
     # accumulated micro-batches hold one micro-batch's activations at a time: the cap holds as it is
     inner = dataclasses.replace(options, pipeline="none", microbatches=1, mem_cap=None if piped else options.mem_cap)
@@ -171,7 +174,7 @@ def plan_pipelined(
     micro_plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
     if not piped:
         return dataclasses.replace(micro_plan, microbatches=m, cost=step_cost(micro_plan.cost, m)), ctx.graph
-    stages = tuple(StagePart(a, b) for a, b in even_stages(len(layers), p * v))
+    stages = _stage_parts(micro_plan, [name for name, _ in layers], options.schedule, p, m, v)
     pipe = PipelinePlan(options.pipeline, options.schedule, stages, v, bubble_fraction(options.schedule, p, m, v))
     plan = lift(micro_plan, mesh, axis, pipe, m)
     cap = options.mem_cap
@@ -187,6 +190,55 @@ def plan_pipelined(
             "more micro-batches, a longer pipeline axis, recompute='full', or a larger cap"
         )
     return plan, ctx.graph
+
+
+def auto_microbatches(batch: int | None, p: int, others: int, schedule: str) -> int:
+    """``microbatches="auto"``: 1 without a pipeline (``p = 1``); with one, the most micro-batches up to ``4 p``
+    (the bubble ``(p - 1) / (m + p - 1)`` under a fifth) that split the batch evenly, each micro-batch still
+    splitting evenly over the ``others`` ranks of the other axes, and that the schedule runs; failing that, the
+    fewest the schedule runs.  Searching ``m`` with the stages is the next step (module docstring)."""
+    if p == 1 or batch is None:
+        return 1
+    runs = [m for m in range(1, batch + 1) if batch % m == 0 and _schedule_runs(schedule, p, m)]
+    if not runs:
+        raise ValueError(
+            f"a batch of {batch} does not split into micro-batches a {p}-stage {schedule} pipeline runs (at least "
+            f"{p}{', a multiple of it' if schedule == 'interleaved' else ''}). Fix: a batch of {p} or more, or "
+            "schedule='gpipe'"
+        )
+    even = [m for m in runs if m <= 4 * p and (batch // m) % others == 0]
+    return max(even) if even else min(runs)
+
+
+def _schedule_runs(schedule: str, p: int, m: int) -> bool:
+    return not (schedule == "1f1b" and m < p) and not (schedule == "interleaved" and m % p)
+
+
+def _stage_parts(micro: Plan, layers: list[str], schedule: str, p: int, m: int, v: int) -> tuple[StagePart, ...]:
+    """The even split's stages, priced as equal stages: each ``1 / (p v)`` of a micro-batch's ops, its rank
+    holding ``1 / p`` of the model state and its micro-batches in flight (``_pipeline_memory``)."""
+    per_micro = sum(t for k, t in micro.cost.terms.items() if not per_step(k))
+    out = []
+    for j, (a, b) in enumerate(even_stages(len(layers), p * v)):
+        held = in_flight(schedule, p, m, j % p, v)
+        memory = _pipeline_memory(micro.memory, p, v, held).per_device_bytes
+        named = layer_span(layers[a:b])
+        named = ("(before) " if j == 0 else "") + named + (" (after)" if j == p * v - 1 else "")
+        out.append(StagePart(a, b, named, per_micro / (p * v), memory))
+    return tuple(out)
+
+
+def layer_span(names: list[str]) -> str:
+    """``transformer.h.0-3`` for a run of one module list's entries, else the first and last name."""
+    if not names:
+        return ""
+    prefix, _, first = names[0].rpartition(".")
+    last_prefix, _, last = names[-1].rpartition(".")
+    if len(names) == 1:
+        return names[0]
+    if prefix == last_prefix and first.isdigit() and last.isdigit():
+        return f"{prefix}.{first}-{last}"
+    return f"{names[0]} .. {names[-1]}"
 
 
 def _check_schedule(schedule: str, p: int, m: int) -> None:
@@ -258,7 +310,12 @@ def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, microbatches: i
         nodes=nodes,
         collectives=collectives,
         cost=step_cost(inner.cost, microbatches, mesh.shape[axis], pipe.virtual),
-        memory=_pipeline_memory(inner.memory, mesh.shape[axis], pipe, microbatches),
+        memory=_pipeline_memory(
+            inner.memory,
+            mesh.shape[axis],
+            pipe.virtual,
+            in_flight(pipe.schedule, mesh.shape[axis], microbatches, 0, pipe.virtual),
+        ),
         pipeline=pipe,
         microbatches=microbatches,
         alternatives=(),
@@ -290,12 +347,11 @@ def step_cost(micro: PlanCost, m: int, p: int = 1, v: int = 1) -> PlanCost:
     return PlanCost(compute, total - compute - terms.get("pipeline bubble", 0.0), total, terms)
 
 
-def _pipeline_memory(micro: PlanMemory, p: int, pipe: PipelinePlan, m: int) -> PlanMemory:
-    """``1 / p`` of the model state plus the first rank's micro-batches in flight, ``1 / (p v)`` of one's
-    activations each."""
-    held = in_flight(pipe.schedule, p, m, 0, pipe.virtual)
+def _pipeline_memory(micro: PlanMemory, p: int, v: int, held: int) -> PlanMemory:
+    """A rank's memory with equal stages: ``1 / p`` of the model state plus ``held`` stage-micro-batches in
+    flight, ``1 / (p v)`` of one micro-batch's activations each (the first rank holds the most)."""
     state = [-(-b // p) for b in (micro.params_bytes, micro.grads_bytes, micro.optimizer_bytes)]
-    activations = -(-micro.activations_bytes * held // (p * pipe.virtual))
+    activations = -(-micro.activations_bytes * held // (p * v))
     return PlanMemory(
         per_device_bytes=sum(state) + activations,
         params_bytes=state[0],

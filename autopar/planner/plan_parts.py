@@ -170,13 +170,14 @@ class PlanMemory:
 @dataclass(frozen=True, slots=True)
 class StagePart:
     """One stage of a pipelined plan: the layers it runs (positions ``[first_layer, stop_layer)`` in the model's
-    chain of layers, ``planner.pipeline_planning.chain_layers``; the first stage also runs the ops before the
-    first layer, the last those after the last), its forward and backward time per micro-batch and its memory."""
+    chain of layers, ``planner.pipeline_planning.chain_layers``, named in ``layers``; the first stage also runs
+    the ops before the first layer, the last those after the last), its forward and backward time for one
+    micro-batch and the memory of its rank (state plus the activations of the micro-batches it holds)."""
 
     first_layer: int
     stop_layer: int
-    forward_s: float = 0.0
-    backward_s: float = 0.0
+    layers: str = ""
+    time_s: float = 0.0
     memory_bytes: int = 0
 
 

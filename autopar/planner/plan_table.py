@@ -205,6 +205,11 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
             f"hints: {len(h.params)} parameters, {len(h.inputs)} inputs and {ops} op "
             f"tensors given{regions}; the search chose the rest"
         )
+    if plan.pipeline is not None:
+        con.print(describe_pipeline(plan))
+        con.print(_stages_table(plan))
+    elif plan.microbatches > 1:
+        con.print(f"micro-batches: {plan.microbatches} per step, accumulated (one micro-batch's activations at a time)")
     con.print(_params_table(plan))
     con.print(_collectives_table(plan))
     con.print(_totals_table(plan))
@@ -297,12 +302,40 @@ def _collectives_table(plan: Plan) -> Table:
     return t
 
 
+def describe_pipeline(plan: Plan) -> str:
+    """One line: the pipeline's axis and stages, the micro-batches, the schedule and the bubble."""
+    pipe = plan.pipeline
+    p = plan.mesh.shape[plan.mesh.axis_names.index(pipe.axis)]
+    per_rank = f", {pipe.virtual} per rank" if pipe.virtual > 1 else ""
+    return (
+        f"pipeline: {len(pipe.stages)} stages along axis {pipe.axis!r} ({p} ranks{per_rank}), "
+        f"{plan.microbatches} micro-batches, schedule {pipe.schedule}, bubble {pipe.bubble_fraction:.1%} of the step; "
+        "each stage sharded over the other axes as below"
+    )
+
+
+def _stages_table(plan: Plan) -> Table:
+    pipe = plan.pipeline
+    p = plan.mesh.shape[plan.mesh.axis_names.index(pipe.axis)]
+    t = Table(title="pipeline stages (time: forward + backward of one micro-batch)", title_justify="left")
+    for col in ("stage", "rank", "layers", "sharding", "time", "memory"):
+        t.add_column(col)
+    cap = plan.memory.cap_bytes
+    for j, stage in enumerate(pipe.stages):
+        memory = format_bytes(stage.memory_bytes) + (f" of {format_bytes(cap)}" if cap is not None else "")
+        sharding = plan.family.split(" (")[0]
+        t.add_row(str(j), f"{pipe.axis}={j % p}", stage.layers, sharding, _ms(stage.time_s), memory)
+    return t
+
+
 def _totals_table(plan: Plan) -> Table:
     t = Table(title="totals per device", title_justify="left")
     t.add_column("quantity")
     t.add_column("value")
     c, m = plan.cost, plan.memory
     t.add_row("step time", f"{_ms(c.total_s)} = compute {_ms(c.compute_s)} + communication {_ms(c.comm_s)}")
+    if "pipeline bubble" in c.terms:
+        t.add_row("  pipeline bubble", _ms(c.terms["pipeline bubble"]))
     t.add_row("memory", f"{format_bytes(m.per_device_bytes)} of cap {format_bytes(m.cap_bytes)}")
     t.add_row("  params", format_bytes(m.params_bytes))
     t.add_row("  grads", format_bytes(m.grads_bytes))
