@@ -35,9 +35,15 @@ def test_a_forced_pipeline_splits_the_layers_and_replicates_along_its_axis(pp_pl
     model, args, kwargs, plan = pp_plan
     pipe = plan.pipeline
     assert (pipe.axis, pipe.schedule, plan.microbatches, pipe.virtual) == ("pp", "1f1b", 4, 1)
-    # three layers on two stages: the uneven split puts the extra layer first
-    assert [(s.first_layer, s.stop_layer) for s in pipe.stages] == [(0, 2), (2, 3)]
-    assert pipe.bubble_fraction == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
+    # three layers on two stages: every layer on one stage, in order
+    bounds = [(s.first_layer, s.stop_layer) for s in pipe.stages]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 3 and bounds[0][1] == bounds[1][0] and 0 < bounds[0][1] < 3
+    terms = plan.cost.terms
+    assert plan.cost.total_s == pytest.approx(sum(terms.values()))
+    assert pipe.bubble_fraction == pytest.approx(
+        terms["pipeline bubble"] / (plan.cost.total_s - terms["optimizer step"])
+    )
+    assert pipe.bubble_fraction > 1 / 5  # at least the equal stages' (p - 1) / (m + p - 1): these are not equal
     # nothing runs along the pipeline axis: every value replicated there, no collective on it
     for node in plan.nodes.values():
         assert all(str(pl[0]) == "R" for pl in (*node.inputs, *node.outputs)), node
@@ -112,3 +118,33 @@ def test_bad_pipelines_are_refused_with_the_fix(case, expected):
         options["microbatches"] = 0
     with pytest.raises(ValueError, match=expected):
         _plan(model, args, kwargs, mesh, **options)
+
+
+def test_stage_prices_add_up_to_the_searched_plan_and_the_split_follows_them():
+    """``planner.stage_prices``: every op's charge lands in one position of the chain (the layers' and the ends'
+    times sum to the stage-mesh plan's ops), every weight in the stages reading it; and the split is chosen by
+    those prices: a 50k-word head on the last stage leaves it one layer (an even split gives it two)."""
+    from autopar.planner.pipeline_planning import stage_mesh
+    from autopar.planner.stage_prices import chain_prices
+    from costmodel import load_profile
+
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 4, "vocab_size": 50000})
+    mesh = autopar.Mesh((2,), axis_names=("pp",))
+    plan = _plan(model, args, kwargs, mesh, pipeline="pp", microbatches=4)
+    assert [(s.first_layer, s.stop_layer) for s in plan.pipeline.stages] == [(0, 3), (3, 4)]
+    times = [s.time_s for s in plan.pipeline.stages]
+    assert times[1] > 2 * times[0]  # the head outweighs three layers: the pace is the last stage's
+    (micro_args, micro_kwargs), *_ = split_microbatches(args, kwargs, 4)
+    micro = _plan(model, micro_args, micro_kwargs, stage_mesh(mesh, 0))
+    graph = capture(model, micro_args, micro_kwargs)
+    prices = chain_prices(graph, micro, chain_layers(graph), load_profile("cpu").intra_node)
+    ops = [micro.node_costs[n.name] for n in graph.nodes if n.kind == "op"]
+    parts = (prices.layers, prices.prelude, prices.postlude)
+    charged = sum(sum(c.forward_s) + sum(c.backward_s) for c in parts)
+    assert charged == pytest.approx(sum(t for t, _ in ops) / 1e12, rel=1e-9)
+    assert sum(sum(c.act_bytes) for c in parts) == sum(b for _, b in ops)
+    weights = {n.name: micro.node_costs[n.name][1] for n in graph.nodes if n.kind == "param"}
+    tied = weights[next(n.name for n in graph.nodes if n.kind == "param" and n.fqn == "transformer.wte.weight")]
+    # the tied embedding is held by the first stage and the head's: counted on both ends
+    assert sum(sum(c.state_bytes) for c in parts) == sum(weights.values()) + tied
+    assert len(prices.cuts) == 3 and all(t > 0 for t in prices.cuts)

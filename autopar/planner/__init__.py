@@ -30,7 +30,7 @@ from .options import (
     device_profile,
     training_precision,
 )
-from .pipeline_planning import chain_layers, plan_pipelined, stage_of_nodes
+from .pipeline_planning import plan_pipelined
 from .plan_parts import (
     Collective,
     FallbackOp,
@@ -52,6 +52,7 @@ from .plan_parts import (
 from .plan_table import describe_nodes, describe_plan, describe_recompute, render_table
 from .recompute_tables import RECOMPUTE_OPTIONS
 from .schema import FAMILIES, Plan, check_writable
+from .stage_assignment import chain_layers, stage_of_nodes
 
 __all__ = [
     "Collective",

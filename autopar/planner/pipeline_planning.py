@@ -14,17 +14,16 @@ axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` 
 3. the search plans the whole graph on the stage mesh at that shape, and ``lift`` puts the plan on the full
    mesh: every value replicated along the pipeline axis (no collective runs along it; the stages' sends and the
    sums of weights used on two stages are the runtime's, ``autopar.compiled.pipeline_runner``);
-4. the stages split the chain of layers (``chain_layers``: every module-list entry, alike or not, in graph order)
-   evenly into ``p v`` runs; the ops before the first layer run on the first stage, those after the last on the
-   last (``stage_of_nodes`` has the rule for every op).
+4. the stages split the chain of layers (``stage_assignment.chain_layers``: every module-list entry, alike or
+   not, in graph order) into ``p v`` runs; the ops before the first layer run on the first stage, those after
+   the last on the last (``stage_assignment.stage_of_nodes`` has the rule for every op).
 
-Pricing (this version): the step is priced as equal stages (``step_cost``: ``T = (m v + p - 1) / (p v) t_micro
-+ t_step / p``, ``autopar.cost.pipeline``'s closed form, the bubble ``(p - 1) / (m v + p - 1)`` of the
-micro-batch part), and each rank's memory as ``1 / p`` of the model state plus the activations of the
-micro-batches it holds in flight (``cost.in_flight`` on the first rank, the most), ``1 / (p v)`` of one
-micro-batch's each.  The stage-mesh search runs without the cap; a cap the estimate breaks raises
-``MemoryCapError``.  Searching the split, ``m`` and the schedule jointly with each stage's sharding
-(``autopar.search.stages``) is the next step.
+Pricing (``stage_prices``): the plan's own charge of every node summed per layer, its ends and the values
+crossing each cut; for GPipe and 1F1B the split is ``search.stages.split_stages``' (uneven where that pays, each
+stage's state plus its micro-batches in flight under the cap), for interleaved schedules an even split priced by
+the list schedule; the step adds the slowest rank's optimizer step.  The stage-mesh search itself runs without
+the cap, for one micro-batch's whole step: weighting its terms as the pipeline pays them, and choosing whether to
+pipeline, which axis, ``m`` and the schedule, is the next step.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from autopar.capture import OpGraph, batch_of, find_layers, split_microbatches
-from autopar.cost import bubble_fraction, in_flight
+from autopar.capture import OpGraph, batch_of, split_microbatches
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
 from autopar.search import Deadline
@@ -46,11 +44,12 @@ from .errors import MemoryCapError
 from .options import HintOptions, PlanOptions
 from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
 from .recompute_modes import search_modes
-from .regions import convex_layers
 from .schema import Plan
 from .solving import SearchRun
+from .stage_assignment import chain_layers, layer_span
+from .stage_prices import PricedPipeline, chain_prices, priced_stages
 
-__all__ = ["chain_layers", "plan_pipelined", "stage_of_nodes", "stage_mesh"]
+__all__ = ["auto_microbatches", "plan_pipelined", "stage_mesh", "step_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -79,64 +78,6 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
     return Mesh(tuple(mesh.shape[k] for k in keep), axis_names=tuple(mesh.axis_names[k] for k in keep))
 
 
-def chain_layers(graph: OpGraph) -> list[tuple[str, tuple[int, ...]]]:
-    """The layers a pipeline splits, in graph order: every module-list entry whose ops are convex
-    (``capture.find_layers``), alike or not, as (name, op node indices), ordered by their first op."""
-    layers = find_layers(graph)
-    convex = convex_layers(graph, layers)
-    return sorted(((name, ops) for name, ops in layers.items() if name in convex), key=lambda item: min(item[1]))
-
-
-def even_stages(layer_count: int, stages: int) -> tuple[tuple[int, int], ...]:
-    """``[first, stop)`` layer ranges of ``stages`` runs as equal as they go, the longer ones first."""
-    base, extra = divmod(layer_count, stages)
-    out, first = [], 0
-    for j in range(stages):
-        stop = first + base + (1 if j < extra else 0)
-        out.append((first, stop))
-        first = stop
-    return tuple(out)
-
-
-def stage_of_nodes(graph: OpGraph, pipeline: PipelinePlan) -> dict[str, int]:
-    """Op node name -> the stage (position in ``pipeline.stages``) that runs it.
-
-    A layer's ops run on the stage holding the layer.  Any other op runs on the latest stage among the ops it
-    reads (the head after the last layer: the last stage); an op that reads no op of a stage (masks, positions,
-    rotary tables made from the inputs alone) runs on the earliest stage among its readers, so it is made once
-    and sent on, and an op read by none on the last stage.  Raises AssertionError when an op would read a value
-    of a later stage (layers that are not a chain)."""
-    layers = chain_layers(graph)
-    stage_of_layer = {k: j for j, part in enumerate(pipeline.stages) for k in range(part.first_layer, part.stop_layer)}
-    pinned = {i: stage_of_layer[k] for k, (_, ops) in enumerate(layers) for i in ops}
-    stage: dict[int, int] = {}
-    for node in graph.nodes:  # forward: the latest stage read
-        if node.kind != "op":
-            continue
-        read = [stage[u] for u, _ in node.inputs if u in stage]
-        if node.index in pinned:
-            stage[node.index] = pinned[node.index]
-        elif read:
-            stage[node.index] = max(read)
-    users: dict[int, list[int]] = {}
-    for node in graph.nodes:
-        for u, _ in node.inputs:
-            users.setdefault(u, []).append(node.index)
-    last = len(pipeline.stages) - 1
-    for node in reversed(graph.nodes):  # backward: what reads no stage runs on its earliest reader's
-        if node.kind == "op" and node.index not in stage:
-            read_by = [stage[v] for v in users.get(node.index, ()) if v in stage]
-            stage[node.index] = min(read_by) if read_by else last
-    for node in graph.nodes:
-        for u, _ in node.inputs:
-            if u in stage and node.index in stage and stage[u] > stage[node.index]:
-                raise AssertionError(
-                    f"pipeline stages: op {node.name} (stage {stage[node.index]}) reads {graph.nodes[u].name} of a "
-                    f"later stage {stage[u]}: the layers do not form a chain"
-                )
-    return {graph.nodes[i].name: j for i, j in stage.items()}
-
-
 def plan_pipelined(
     model: torch.nn.Module,
     mesh: Mesh,
@@ -161,8 +102,10 @@ def plan_pipelined(
     if piped:
         _check_schedule(options.schedule, p, m)
     (micro_args, micro_kwargs), *_ = split_microbatches(tuple(args), dict(example_kwargs or {}), m)
-    # accumulated micro-batches hold one micro-batch's activations at a time: the cap holds as it is
-    inner = dataclasses.replace(options, pipeline="none", microbatches=1, mem_cap=None if piped else options.mem_cap)
+    # accumulated micro-batches hold one micro-batch's activations at a time: the cap holds as it is; a stage's
+    # memory is the split's to keep under it (stage_prices)
+    cap = options.mem_cap
+    inner = dataclasses.replace(options, pipeline="none", microbatches=1, mem_cap=None if piped else cap)
     ctx = prepare_context(
         model, stage_mesh(mesh, axis) if piped else mesh, micro_args, micro_kwargs, inner, hint_options
     )
@@ -174,22 +117,33 @@ def plan_pipelined(
     micro_plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
     if not piped:
         return dataclasses.replace(micro_plan, microbatches=m, cost=step_cost(micro_plan.cost, m)), ctx.graph
-    stages = _stage_parts(micro_plan, [name for name, _ in layers], options.schedule, p, m, v)
-    pipe = PipelinePlan(options.pipeline, options.schedule, stages, v, bubble_fraction(options.schedule, p, m, v))
-    plan = lift(micro_plan, mesh, axis, pipe, m)
-    cap = options.mem_cap
-    plan = dataclasses.replace(
-        plan,
-        settings=dataclasses.replace(plan.settings, mem_cap_bytes=cap),
-        memory=dataclasses.replace(plan.memory, cap_bytes=cap),
+    link = ctx.coster.settings.profile.link_for_axis(mesh.shape, axis)
+    try:
+        priced = priced_stages(chain_prices(ctx.graph, micro_plan, layers, link), options.schedule, m, p, v, cap)
+    except ValueError as e:  # no split fits the cap
+        raise MemoryCapError(f"no pipelined plan fits: {e}", _least_bytes(e)) from None
+    names = [name for name, _ in layers]
+    stages = tuple(
+        dataclasses.replace(st, layers=_stage_name(names, st, j, len(priced.stages)))
+        for j, st in enumerate(priced.stages)
     )
-    if cap is not None and plan.memory.per_device_bytes > cap:
-        raise MemoryCapError(
-            f"no pipelined plan fits: {plan.memory.per_device_bytes} bytes per device estimated (the stage-mesh plan's "
-            f"state over {p} stages plus {m} micro-batches' activations in flight) against the cap of {cap}. Fix: "
-            "more micro-batches, a longer pipeline axis, recompute='full', or a larger cap"
-        )
-    return plan, ctx.graph
+    bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
+    pipe = PipelinePlan(options.pipeline, options.schedule, stages, v, bubble)
+    return lift(micro_plan, mesh, axis, pipe, m, priced, cap), ctx.graph
+
+
+def _least_bytes(error: ValueError) -> int:
+    """The least memory ``search.stages.split_stages``' error names (its ``... is N bytes``)."""
+    import re
+
+    found = re.search(r"is (\d+) bytes", str(error))
+    return int(found.group(1)) if found else 0
+
+
+def _stage_name(names: list[str], stage: StagePart, j: int, count: int) -> str:
+    """The layers of stage ``j`` of ``count`` (``transformer.h.0-5``), the ends marked on the first and last."""
+    named = layer_span(names[stage.first_layer : stage.stop_layer])
+    return ("(before) " if j == 0 else "") + named + (" (after)" if j == count - 1 else "")
 
 
 def auto_microbatches(batch: int | None, p: int, others: int, schedule: str) -> int:
@@ -212,33 +166,6 @@ def auto_microbatches(batch: int | None, p: int, others: int, schedule: str) -> 
 
 def _schedule_runs(schedule: str, p: int, m: int) -> bool:
     return not (schedule == "1f1b" and m < p) and not (schedule == "interleaved" and m % p)
-
-
-def _stage_parts(micro: Plan, layers: list[str], schedule: str, p: int, m: int, v: int) -> tuple[StagePart, ...]:
-    """The even split's stages, priced as equal stages: each ``1 / (p v)`` of a micro-batch's ops, its rank
-    holding ``1 / p`` of the model state and its micro-batches in flight (``_pipeline_memory``)."""
-    per_micro = sum(t for k, t in micro.cost.terms.items() if not per_step(k))
-    out = []
-    for j, (a, b) in enumerate(even_stages(len(layers), p * v)):
-        held = in_flight(schedule, p, m, j % p, v)
-        memory = _pipeline_memory(micro.memory, p, v, held).per_device_bytes
-        named = layer_span(layers[a:b])
-        named = ("(before) " if j == 0 else "") + named + (" (after)" if j == p * v - 1 else "")
-        out.append(StagePart(a, b, named, per_micro / (p * v), memory))
-    return tuple(out)
-
-
-def layer_span(names: list[str]) -> str:
-    """``transformer.h.0-3`` for a run of one module list's entries, else the first and last name."""
-    if not names:
-        return ""
-    prefix, _, first = names[0].rpartition(".")
-    last_prefix, _, last = names[-1].rpartition(".")
-    if len(names) == 1:
-        return names[0]
-    if prefix == last_prefix and first.isdigit() and last.isdigit():
-        return f"{prefix}.{first}-{last}"
-    return f"{names[0]} .. {names[-1]}"
 
 
 def _check_schedule(schedule: str, p: int, m: int) -> None:
@@ -274,9 +201,9 @@ def _check_layers(axis: str, model: str, layers: list, p: int, v: int) -> None:
         )
 
 
-def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, microbatches: int) -> Plan:
+def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, m: int, priced: PricedPipeline, cap) -> Plan:
     """``inner`` (planned on ``stage_mesh(mesh, axis)`` for one micro-batch) on ``mesh``: every placement
-    replicated along ``axis``, priced as the pipeline runs (module docstring)."""
+    replicated along ``axis``, priced as the pipeline runs (``priced``: its split's step and fullest rank)."""
 
     def on_mesh(placements: tuple) -> tuple:
         if len(placements) == mesh.ndim:  # a one-axis mesh: the stage mesh kept the axis at size 1
@@ -301,23 +228,21 @@ def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, microbatches: i
         for k, v in inner.nodes.items()
     }
     name = mesh.axis_names[axis]
-    collectives = tuple(c for c in inner.collectives if c.axis != name)  # a size-1 axis moves nothing
+    work = priced.step_s - priced.bubble_s - priced.optimizer_s
+    terms = {"pipeline stages (forward + backward)": work, "pipeline bubble": priced.bubble_s}
+    terms["optimizer step"] = priced.optimizer_s
     return dataclasses.replace(
         inner,
         mesh=mesh,
+        settings=dataclasses.replace(inner.settings, mem_cap_bytes=cap),
         params=params,
         inputs=inputs,
         nodes=nodes,
-        collectives=collectives,
-        cost=step_cost(inner.cost, microbatches, mesh.shape[axis], pipe.virtual),
-        memory=_pipeline_memory(
-            inner.memory,
-            mesh.shape[axis],
-            pipe.virtual,
-            in_flight(pipe.schedule, mesh.shape[axis], microbatches, 0, pipe.virtual),
-        ),
+        collectives=tuple(c for c in inner.collectives if c.axis != name),  # a size-1 axis moves nothing
+        cost=PlanCost(work + priced.optimizer_s, 0.0, priced.step_s, terms),
+        memory=_rank_memory(inner.memory, priced, cap),
         pipeline=pipe,
-        microbatches=microbatches,
+        microbatches=m,
         alternatives=(),
     )
 
@@ -328,35 +253,26 @@ def per_step(term: str) -> bool:
     return term == "optimizer step" or term.endswith("(optimizer)")
 
 
-def step_cost(micro: PlanCost, m: int, p: int = 1, v: int = 1) -> PlanCost:
-    """A step of ``m`` micro-batches from the plan of one (``micro``), with equal stages on ``p`` pipeline ranks
-    (``v`` per rank; ``p = 1``: accumulated on the whole mesh):
-
-        T = (m v + p - 1) / (p v) t_micro + t_step / p
-
-    ``t_micro``: the terms each micro-batch pays (ops, their collectives), of which each of the ``p v`` stages
-    runs ``1 / (p v)``; ``(m v + p - 1)`` stage slots pass on the slowest rank, ``(p - 1)`` of them the bubble
-    (its own term); ``t_step``: the terms paid once per step (``per_step``), each stage for its own weights."""
-    scale = m / p
-    terms = {k: t / p if per_step(k) else t * scale for k, t in micro.terms.items()}
-    per_micro = sum(t for k, t in micro.terms.items() if not per_step(k))
-    if p > 1:
-        terms["pipeline bubble"] = per_micro * (p - 1) / (p * v)
+def step_cost(micro: PlanCost, m: int) -> PlanCost:
+    """A step of ``m`` accumulated micro-batches from the plan of one (``micro``): ``T = m t_micro + t_step``,
+    ``t_micro`` the terms each micro-batch pays (ops, their collectives), ``t_step`` those paid once per step
+    (``per_step``)."""
+    terms = {k: t if per_step(k) else t * m for k, t in micro.terms.items()}
     compute = sum(t for k, t in terms.items() if k in ("ops (forward + backward)", "optimizer step"))
     total = sum(terms.values())
-    return PlanCost(compute, total - compute - terms.get("pipeline bubble", 0.0), total, terms)
+    return PlanCost(compute, total - compute, total, terms)
 
 
-def _pipeline_memory(micro: PlanMemory, p: int, v: int, held: int) -> PlanMemory:
-    """A rank's memory with equal stages: ``1 / p`` of the model state plus ``held`` stage-micro-batches in
-    flight, ``1 / (p v)`` of one micro-batch's activations each (the first rank holds the most)."""
-    state = [-(-b // p) for b in (micro.params_bytes, micro.grads_bytes, micro.optimizer_bytes)]
-    activations = -(-micro.activations_bytes * held // (p * v))
+def _rank_memory(micro: PlanMemory, priced: PricedPipeline, cap: int | None) -> PlanMemory:
+    """The fullest rank's memory: its stages' state, split into parameters, gradients and optimizer state as the
+    whole model's is, and its micro-batches' activations in flight."""
+    whole = micro.params_bytes + micro.grads_bytes + micro.optimizer_bytes
+    share = [part * priced.state_bytes // max(whole, 1) for part in (micro.params_bytes, micro.grads_bytes)]
     return PlanMemory(
-        per_device_bytes=sum(state) + activations,
-        params_bytes=state[0],
-        grads_bytes=state[1],
-        optimizer_bytes=state[2],
-        activations_bytes=activations,
-        cap_bytes=micro.cap_bytes,
+        per_device_bytes=priced.memory_bytes,
+        params_bytes=share[0],
+        grads_bytes=share[1],
+        optimizer_bytes=priced.state_bytes - sum(share),
+        activations_bytes=priced.activation_bytes,
+        cap_bytes=cap,
     )

@@ -333,9 +333,12 @@ def _totals_table(plan: Plan) -> Table:
     t.add_column("quantity")
     t.add_column("value")
     c, m = plan.cost, plan.memory
-    t.add_row("step time", f"{_ms(c.total_s)} = compute {_ms(c.compute_s)} + communication {_ms(c.comm_s)}")
-    if "pipeline bubble" in c.terms:
-        t.add_row("  pipeline bubble", _ms(c.terms["pipeline bubble"]))
+    if plan.pipeline is not None:
+        stages, bubble = c.terms.get("pipeline stages (forward + backward)", 0.0), c.terms.get("pipeline bubble", 0.0)
+        parts = f"stages {_ms(stages)} + bubble {_ms(bubble)} + optimizer step {_ms(c.terms.get('optimizer step'))}"
+        t.add_row("step time", f"{_ms(c.total_s)} = {parts}")
+    else:
+        t.add_row("step time", f"{_ms(c.total_s)} = compute {_ms(c.compute_s)} + communication {_ms(c.comm_s)}")
     t.add_row("memory", f"{format_bytes(m.per_device_bytes)} of cap {format_bytes(m.cap_bytes)}")
     t.add_row("  params", format_bytes(m.params_bytes))
     t.add_row("  grads", format_bytes(m.grads_bytes))

@@ -101,12 +101,14 @@ class Plan:
     hints: PlanHints | None = None
     pipeline: PipelinePlan | None = None
     microbatches: int = 1
+    # node name -> (ps, bytes) the search charged it (planner.assemble.node_costs); never written, not compared
+    node_costs: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- serialization ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mesh": self.mesh.to_dict()}
         for f in fields(self):
-            if f.name not in ("mesh", "timings", *_WHEN_SET):
+            if f.name not in ("mesh", "timings", "node_costs", *_WHEN_SET):
                 out[f.name] = to_json_value(getattr(self, f.name))
         for name, default in _WHEN_SET.items():  # only when set
             if getattr(self, name) != default:
@@ -137,7 +139,7 @@ class Plan:
                 f"{SCHEMA_VERSION}; re-create the plan with `autopar plan ... -o plan.json`"
             )
         types = typing.get_type_hints(cls)
-        required = [f.name for f in fields(cls) if f.name not in ("timings", *_WHEN_SET)]
+        required = [f.name for f in fields(cls) if f.name not in ("timings", "node_costs", *_WHEN_SET)]
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from autopar.capture import Blocks
 from autopar.search import ChainError, Deadline, InfeasibleError, Solution, Start, solve_chain, solve_cpsat, solve_dp
 
-from .assemble import assemble_plan, breakdown
+from .assemble import assemble_plan, breakdown, node_costs
 from .errors import MemoryCapError, cap_error, no_plan_error
 from .families import family_restriction, param_nodes
 from .hints import ResolvedHints, resolve_hints
@@ -136,7 +136,13 @@ def plan_under(
     if loop.lower is not None:
         search = replace(search, peak_lower_ps=int(loop.lower))
     # search_s is the whole call's: search_context times every search (modes, peak loop, family rows)
-    return replace(result, timings=dict(space.ctx.timings), hints=hints_of(resolved.record), search=search)
+    return replace(
+        result,
+        timings=dict(space.ctx.timings),
+        hints=hints_of(resolved.record),
+        search=search,
+        node_costs=node_costs(here, best.choice),
+    )
 
 
 class SearchSpace:

@@ -16,8 +16,8 @@ Modules, each importing only modules listed before it:
   ``segments``: Pareto tables over port-state pairs and their product;  ``deepen``: the chain's passes
   under a target;  ``chain``: ``solve_chain``;
 * ``cpsat``: the referee;  ``generate``: synthetic problems for tests and benchmarks;
-* ``stages``: the split of a chain of layers into pipeline stages under a memory cap (issue 31's planning term;
-  the planner does not call it yet).
+* ``stages``: the split of a chain of layers into pipeline stages under a memory cap (the planner's
+  ``pipeline_planning`` calls it).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .cpsat import solve_cpsat
 from .deadline import Deadline
 from .dp import min_memory, solve_dp
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, Start, solve_brute_force
+from .stages import StageCosts, StageSplit, split_stages, step_of_split
 
 __all__ = [
     "INF",
@@ -42,4 +43,8 @@ __all__ = [
     "min_memory",
     "solve_cpsat",
     "solve_brute_force",
+    "StageCosts",
+    "StageSplit",
+    "split_stages",
+    "step_of_split",
 ]

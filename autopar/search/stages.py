@@ -1,6 +1,7 @@
 """The split of a chain of layers into pipeline stages: contiguous, uneven where that pays, under a memory cap.
 
-Issue 31's stage split (the planner does not call this module yet).  Layers ``0 .. L-1`` run in order; stage
+Issue 31's stage split (``planner.pipeline_planning`` calls it with the prices of ``planner.stage_prices``).
+Layers ``0 .. L-1`` run in order; stage
 ``j`` of ``p`` takes the run ``[k_j, k_(j+1))`` (``k_0 = 0``, ``k_p = L``, every run non-empty), stage 0 also the
 part of the model before the layers (``prelude``: embeddings) and stage ``p - 1`` the part after them
 (``postlude``: final norm, head, loss).  Per micro-batch, stage j's forward takes ``F_j`` (the sum of its
@@ -89,24 +90,30 @@ class _Prefix:
 
 @dataclass(frozen=True, slots=True)
 class _Pipeline:
-    """What prices one stage: the layers' prefix sums, the ends and the micro-batches in flight per stage."""
+    """What prices one stage: the layers' prefix sums, the ends, the micro-batches in flight per stage, and the
+    time to send what crosses each cut (``cuts[k]``: after layer k)."""
 
     prefix: _Prefix
     prelude: StageCosts
     postlude: StageCosts
     held: tuple[int, ...]
+    cuts: tuple[float, ...] = ()
 
     @property
     def p(self) -> int:
         return len(self.held)
 
     def stage(self, j: int, i: int, k: int) -> tuple[float, float, int]:
-        """(forward s, backward s, memory bytes) of stage j on layers ``[i, k)``."""
+        """(forward s, backward s, memory bytes) of stage j on layers ``[i, k)``: a stage sends its last layer's
+        values on in forward and its first layer's input gradients back in backward."""
         f, b, s, a = self.prefix.run(i, k)
         for end, here in ((self.prelude, j == 0), (self.postlude, j == self.p - 1)):
             if here:
                 f, b = f + end.forward_s[0], b + end.backward_s[0]
                 s, a = s + end.state_bytes[0], a + end.act_bytes[0]
+        if self.cuts:
+            f += self.cuts[k - 1] if k - 1 < len(self.cuts) else 0.0
+            b += self.cuts[i - 1] if i > 0 else 0.0
         return f, b, s + self.held[j] * a
 
 
@@ -116,11 +123,13 @@ def split_stages(
     m: int,
     cap_bytes: int | None = None,
     ends: tuple[StageCosts, StageCosts] | None = None,
+    cuts: Sequence[float] = (),
 ) -> StageSplit:
     """The split of ``layers`` into ``p = len(in_flight)`` contiguous stages with the least step time over ``m``
     micro-batches (module docstring) whose every stage fits ``cap_bytes`` (None: no cap), stage j holding the
     activations of ``in_flight[j]`` micro-batches (``cost.pipeline.in_flight`` of the schedule); ``ends``: the
-    (prelude, postlude) costs on the first and last stage (None: nothing).
+    (prelude, postlude) costs on the first and last stage (None: nothing); ``cuts[k]``: the seconds to send what
+    crosses a cut after layer k (forward; its gradient back takes as long), paid by the stages on either side.
 
     ValueError for more stages than layers (each stage needs one), or a cap no split fits (the message names
     the least memory of the fullest stage any split reaches)."""
@@ -132,7 +141,7 @@ def split_stages(
         )
     nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
     prelude, postlude = ends or (nothing, nothing)
-    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight))
+    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts))
     fronts = _fronts(pipe, layers.count, cap_bytes)
     final = fronts[p].get(layers.count, {})
     if not final:
@@ -145,7 +154,7 @@ def split_stages(
         )
     pace = min(final, key=lambda fb: fb[0] + fb[1])
     bounds = _walk_back(fronts, final[pace], p, layers.count)
-    return step_of_split(layers, bounds, in_flight, m, ends)
+    return step_of_split(layers, bounds, in_flight, m, ends, cuts)
 
 
 def _fronts(pipe: _Pipeline, n: int, cap: int | None) -> list[dict[int, dict[tuple[float, float], tuple]]]:
@@ -211,13 +220,14 @@ def step_of_split(
     in_flight: Sequence[int],
     m: int,
     ends: tuple[StageCosts, StageCosts] | None = None,
+    cuts: Sequence[float] = (),
 ) -> StageSplit:
     """The step time over ``m`` micro-batches (module docstring's ``T``), stage times and stage memory of one
     split (stage j on layers ``[bounds[j], bounds[j + 1])``, holding ``in_flight[j]`` micro-batches)."""
     p = len(bounds) - 1
     nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
     prelude, postlude = ends or (nothing, nothing)
-    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight))
+    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts))
     stages = [pipe.stage(j, bounds[j], bounds[j + 1]) for j in range(p)]
     fs, bs, mems = (tuple(x[i] for x in stages) for i in range(3))
     step = sum(fs) + sum(bs) + (m - 1) * (max(fs) + max(bs))

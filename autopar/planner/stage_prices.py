@@ -1,0 +1,185 @@
+"""What a pipeline's stages cost: a stage-mesh plan's prices summed per layer, and the split they choose.
+
+``chain_prices`` reads the search's own charge of every node (``Plan.node_costs``: its time and bytes with the
+moves into it; summed they are the plan's objective and searched memory) and sums it per position of the chain
+of layers (``pipeline_planning.chain_layers``), as ``pipeline_planning.stage_of_nodes`` runs the ops:
+
+* an op of layer ``k`` is layer ``k``'s; any other op goes where the stages would run it with one layer per stage:
+  on the first stage (the *prelude*: embeddings, masks, rotary tables), on the last (the *postlude*: final norm,
+  head, loss), or with the layer it follows or first feeds;
+* an op's time is its forward and backward for one micro-batch, split ``1 : 2`` between them (the usual ratio of
+  a matmul's backward to its forward; with proportional stages only their sum sets the step, ``search.stages``);
+  its bytes are what it saves for backward, held once per micro-batch in flight;
+* a parameter's bytes (its state) and time (its optimizer step, once per step) go to the first layer reading it,
+  and to each end (prelude, postlude) reading it: a weight two stages read is held by both (a tied embedding);
+* a cut after layer ``k`` costs the time to send the values made up to it that a later op reads (this rank's
+  pieces under the plan's placements) over the pipeline axis's link, and their gradients back.
+
+``priced_stages`` then splits the layers: for GPipe and 1F1B by ``search.stages.split_stages`` (uneven where that
+pays, every stage under the cap with its micro-batches in flight), for interleaved schedules evenly into ``p v``
+stages priced by ``cost.pipeline.step_time``'s list schedule; and adds the slowest rank's optimizer steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.capture import OpGraph
+from autopar.cost import in_flight, step_time
+from autopar.search import StageCosts, split_stages, step_of_split
+from autopar.spec import local_shape
+from costmodel import LinkProfile, p2p_time_s
+
+from .plan_parts import PipelinePlan, StagePart
+from .problem_tables import PS_PER_S
+from .schema import Plan
+from .stage_assignment import stage_of_nodes
+
+__all__ = ["ChainPrices", "PricedPipeline", "chain_prices", "priced_stages"]
+
+#: An op's backward to forward time (a matmul's backward runs two matmuls of its size).
+BACKWARD_TO_FORWARD = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPrices:
+    """Per position of the chain: the layers' costs, the prelude's and the postlude's (``search.stages``' form),
+    each position's optimizer step (``step_s``: the layers', then the prelude's and the postlude's) and the
+    seconds to send what crosses each cut (``cuts[k]``: after layer k)."""
+
+    layers: StageCosts
+    prelude: StageCosts
+    postlude: StageCosts
+    step_s: tuple[float, ...]
+    cuts: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PricedPipeline:
+    """A split and its price: the stages, the step (the schedule's time plus the slowest rank's optimizer step),
+    the part of it that is the schedule's bubble, the optimizer step, and the fullest rank's memory: its model
+    state and the activations of its micro-batches in flight."""
+
+    stages: tuple[StagePart, ...]
+    step_s: float
+    bubble_s: float
+    optimizer_s: float
+    state_bytes: int
+    activation_bytes: int
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile) -> ChainPrices:
+    """The chain's prices from ``plan`` (searched on the stage mesh for one micro-batch of ``graph``; module
+    docstring); ``layers``: ``chain_layers(graph)``; ``link``: the pipeline axis's."""
+    n = len(layers)
+    one_each = PipelinePlan("", "gpipe", tuple(StagePart(k, k + 1) for k in range(n)))
+    index = {node.name: node.index for node in graph.nodes}
+    position = {index[name]: k for name, k in stage_of_nodes(graph, one_each).items()}
+    consumers = graph.consumers()
+    in_layer = {i for _, ops in layers for i in ops}
+    prelude, postlude = n, n + 1  # the ends' slots after the layers'
+    time, step = [0.0] * (n + 2), [0.0] * (n + 2)
+    saved, state = [0] * (n + 2), [0] * (n + 2)
+
+    def slot(i: int) -> int:
+        k = position[i]
+        if i in in_layer or 0 < k < n - 1:
+            return k
+        return prelude if k == 0 else postlude
+
+    for node in graph.nodes:
+        t_ps, nbytes = plan.node_costs.get(node.name, (0, 0))
+        if node.kind == "op":
+            time[slot(node.index)] += t_ps / PS_PER_S
+            saved[slot(node.index)] += nbytes
+        elif node.kind == "param":
+            readers = {slot(v) for v, _, _ in consumers.get(node.index, ()) if v in position}
+            layers_reading = [s for s in readers if s < n]
+            holders = {s for s in readers if s >= n} | ({min(layers_reading)} if layers_reading else set())
+            for s in holders:
+                state[s] += nbytes
+                step[s] += t_ps / PS_PER_S
+
+    def costs(slots: range | list[int]) -> StageCosts:
+        f = [time[s] / (1 + BACKWARD_TO_FORWARD) for s in slots]
+        return StageCosts(f, [x * BACKWARD_TO_FORWARD for x in f], [state[s] for s in slots], [saved[s] for s in slots])
+
+    cuts = tuple(p2p_time_s(b, link) for b in _cut_bytes(graph, plan, position, n))
+    return ChainPrices(costs(range(n)), costs([prelude]), costs([postlude]), tuple(step), cuts)
+
+
+def _cut_bytes(graph: OpGraph, plan: Plan, position: dict[int, int], n: int) -> list[int]:
+    """Bytes of this rank's pieces of the values crossing each cut (after layer k, k < n - 1)."""
+    mesh_shape, coord = plan.mesh.shape, (0,) * plan.mesh.ndim
+    crossing = [0] * max(n - 1, 0)
+    last_read: dict[tuple[int, int], int] = {}
+    for node in graph.nodes:
+        if node.kind == "op":
+            for ref in node.inputs:
+                last_read[ref] = max(last_read.get(ref, -1), position[node.index])
+    for (u, o), last in last_read.items():
+        node = graph.nodes[u]
+        if node.kind not in ("op", "input"):
+            continue  # weights and buffers are each stage's own
+        first = position.get(u, 0)
+        if node.kind == "op":
+            placement = plan.nodes[node.name].outputs[o]
+        else:
+            placement = next(v.placements for k, v in plan.inputs.items() if k == node.fqn)
+        meta = node.outputs[o]
+        nbytes = _numel(local_shape(meta.shape, placement, mesh_shape, coord)) * meta.itemsize
+        for k in range(first, min(last, n - 1)):
+            crossing[k] += nbytes
+    return crossing
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def priced_stages(prices: ChainPrices, schedule: str, m: int, p: int, v: int, cap: int | None) -> PricedPipeline:
+    """The split of the chain into ``p v`` stages and its price (module docstring)."""
+    n = prices.layers.count
+    held = [in_flight(schedule, p, m, r, v) for r in range(p)]
+    ends = (prices.prelude, prices.postlude)
+    if v == 1:
+        split = split_stages(prices.layers, held, m, cap, ends, prices.cuts)
+        schedule_s = split.step_s
+    else:
+        bounds = [0]
+        for j in range(p * v):
+            bounds.append(bounds[-1] + n // (p * v) + (1 if j < n % (p * v) else 0))
+        split = step_of_split(prices.layers, bounds, [1] * (p * v), m, ends, prices.cuts)
+        schedule_s = step_time(schedule, list(split.forward_s), list(split.backward_s), m, v=v)
+    per_stage = [f + b for f, b in zip(split.forward_s, split.backward_s, strict=True)]
+    optimizer, state, acts = [0.0] * p, [0] * p, [0] * p
+    for j in range(p * v):
+        run_step, run_state, run_acts = _stage_run(prices, split.bounds[j], split.bounds[j + 1], j, p * v)
+        optimizer[j % p] += run_step
+        state[j % p] += run_state
+        acts[j % p] += -(-held[j % p] * run_acts // v)  # the rank's micro-batches in flight, over its v stages
+    fullest = max(range(p), key=lambda r: state[r] + acts[r])
+    memory = [state[r] + acts[r] for r in range(p)]
+    stages = tuple(
+        StagePart(split.bounds[j], split.bounds[j + 1], "", per_stage[j], memory[j % p]) for j in range(p * v)
+    )
+    bubble = max(schedule_s - m * sum(per_stage) / p, 0.0)
+    return PricedPipeline(stages, schedule_s + max(optimizer), bubble, max(optimizer), state[fullest], acts[fullest])
+
+
+def _stage_run(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> tuple[float, int, int]:
+    """(optimizer seconds, state bytes, activation bytes of one micro-batch) of stage ``j`` on layers
+    ``[a, b)``: the first stage with the prelude, the last with the postlude."""
+    n, layers = prices.layers.count, prices.layers
+    first, last = j == 0, j == stages - 1
+    step = sum(prices.step_s[a:b]) + first * prices.step_s[n] + last * prices.step_s[n + 1]
+    state = sum(layers.state_bytes[a:b]) + first * prices.prelude.state_bytes[0] + last * prices.postlude.state_bytes[0]
+    acts = sum(layers.act_bytes[a:b]) + first * prices.prelude.act_bytes[0] + last * prices.postlude.act_bytes[0]
+    return step, state, acts
