@@ -144,9 +144,12 @@ def test_benchmark_variants_force_recomputation():
     model = BenchModel("gpt2-tiny", 2, 8, {})
     assert Variant("recompute:selective").plan_options(model, 100.0) == {"recompute": "selective"}
     Variant("recompute:full").validate("here")
-    for bad in ("recompute:sometimes", "full"):
+    for bad in ("recompute:sometimes", "full", "pipeline:tp/zb/m2", "pipeline:tp/1f1b"):
         with pytest.raises(ValueError, match="recompute:<none | selective | full>"):
             Variant(bad).validate("here")
+    piped = Variant("pipeline:dp/interleaved/m4")
+    piped.validate("here")
+    assert piped.plan_options(model, 100.0) == {"pipeline": "dp", "schedule": "interleaved", "microbatches": 4}
 
 
 def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
@@ -156,7 +159,7 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     bench = tmp_path / "bench.toml"
     bench.write_text(
         "meshes = [[2]]\n"
-        'variants = ["auto", "family:tensor parallel", "cap:0.0", "poor hint"]\n'
+        'variants = ["auto", "family:tensor parallel", "cap:0.0", "poor hint", "pipeline:tp/1f1b/m2"]\n'
         "warmup_steps = 1\nrounds = 2\nsteps_per_round = 1\nmemory_steps = 2\n"
         '[[models]]\nname = "gpt2-tiny"\nbatch = 4\nseq = 16\n'
         'poor_hint = { "model.transformer.h.*.mlp.c_fc.weight" = { tp = "S(0)" } }\n'
@@ -170,7 +173,11 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
         assert key in figures, key
     case = figures["cases"]["gpt2-tiny 2"]
     labels = [v for p in case["plans"] for v in p["variants"]]
-    assert sorted(labels) == ["auto", "cap:0.0", "family:tensor parallel", "poor hint"]  # the least-memory cap fits
+    # the least-memory cap fits; the pipeline runs its two stages over 2 micro-batches
+    assert sorted(labels) == ["auto", "cap:0.0", "family:tensor parallel", "pipeline:tp/1f1b/m2", "poor hint"]
+    piped = next(p for p in case["plans"] if "pipeline:tp/1f1b/m2" in p["variants"])
+    assert 0 < piped["predicted_bubble"] < 1 and 0 < piped["measured_bubble"] < 1, piped
+    assert all(p["predicted_bubble"] is None for p in case["plans"] if p is not piped)
     least = next(p for p in case["plans"] if "cap:0.0" in p["variants"])
     auto = next(p for p in case["plans"] if "auto" in p["variants"])
     assert least["predicted_bytes"] <= auto["predicted_bytes"]

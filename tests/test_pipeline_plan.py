@@ -148,3 +148,20 @@ def test_stage_prices_add_up_to_the_searched_plan_and_the_split_follows_them():
     # the tied embedding is held by the first stage and the head's: counted on both ends
     assert sum(sum(c.state_bytes) for c in parts) == sum(weights.values()) + tied
     assert len(prices.cuts) == 3 and all(t > 0 for t in prices.cuts)
+
+
+def test_autopar_plan_prints_the_stage_table_and_the_json_round_trips(capsys, tmp_path):
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "gpt2", "--mesh", "2x4", "--axis-names", "pp,tp", "--pipeline", "pp", "--no-compare", "-o"]
+    assert main([*argv, str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline: 2 stages along axis 'pp' (2 ranks)" in text and "schedule 1f1b" in text
+    rows = [line for line in text.splitlines() if "pp=0" in line or "pp=1" in line]
+    assert len(rows) == 2 and "(before) transformer.h.0-" in rows[0] and "-11 (after)" in rows[1]
+    assert "bubble" in text and "stages" in text.split("step time")[1].splitlines()[0]
+    plan = autopar.Plan.from_json(out)
+    # auto: the most up to 4 per stage whose micro-batch still splits over the 4 other ranks: 8 rows -> 2 of 4
+    assert plan.pipeline.axis == "pp" and plan.microbatches == 2
+    assert autopar.Plan.from_json(plan.to_json()).to_json() == plan.to_json()

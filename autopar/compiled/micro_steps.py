@@ -44,6 +44,13 @@ class MicroBatchSteps:
         self._values = None
         return loss
 
+    @property
+    def pipeline_busy_s(self) -> float:
+        """Seconds this rank's pipeline stages have spent in forward and backward since compiling (their
+        chunks' compute, without the schedule's waits: ``1 - busy / step time`` is the rank's bubble); 0.0
+        for a plan without a pipeline."""
+        return self._runner.busy_s if self._runner is not None else 0.0
+
     def _accumulated_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """``train_step`` without a pipeline: each micro-batch's forward and its weighted backward in turn."""
         m = self._plan.microbatches

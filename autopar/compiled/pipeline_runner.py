@@ -12,15 +12,19 @@ crosses a boundary described up front (``CarriedValue``), and drives them with t
   from the inputs alone (a mean over the tokens whose label is not ignored), ``l_i = a_i / d_i`` and ``w_i = d_i /
   sum_j d_j``, so ``sum_i w_i l_i = sum_i a_i / sum_j d_j`` however the ignored tokens fall; for any other loss
   ``w_i = 1 / m`` (a mean over equal micro-batches).  The schedule does not scale again (``scale_grads=False``);
-* a parameter two ranks' stages read (a tied embedding and head) gets its gradient summed over the pipeline
-  axis after the schedule (ranks without it add zeros);
+* a parameter two ranks' stages read (a tied embedding and head) gets its gradient summed after the schedule
+  between the ranks holding it (a process group of those ranks per line of the pipeline axis);
 * the loss is summed over the pipeline axis, so every rank returns it, not only the last stage's.
+
+``busy_s`` adds up the time this rank's stages spend in their chunks' forward and backward (the schedule's own
+sends and waits outside them): ``1 - busy / step`` is the rank's measured bubble (``autopar fidelity``).
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,7 +101,11 @@ class PipelineRunner:
             self.schedule = pipelining.ScheduleInterleaved1F1B(self.stages, **common)
         else:
             self.schedule = kinds[schedule](self.stages[0], **common)
-        self.shared = _shared_sources(programs, p)
+        self.shared = self._shared_groups(programs, p, rank)
+        self.busy_s = 0.0  # time this rank's stages spent in forward and backward (the rest of a step: the bubble)
+        for stage in self.stages:
+            _time_into(self, stage, "forward_one_chunk")
+            _time_into(self, stage, "backward_one_chunk")
 
     def _stage(self, prog: StageProgram, sources, device, pipelining):
         last = prog.index == self.count - 1
@@ -176,13 +184,27 @@ class PipelineRunner:
             out.append(value)
         return out
 
+    def _shared_groups(self, programs: list[StageProgram], p: int, rank: int) -> list[tuple[int, object]]:
+        """(argument position, process group) of each parameter stages on two or more pipeline ranks read, this
+        rank among them: the group of its line's ranks holding it (Megatron's embedding group).  Every rank
+        creates every line's group, in the same order (``dist.new_group`` is collective over the world)."""
+        out = []
+        lines = self.groups.mesh.axis_groups(self.axis)
+        for position, holders in _shared_sources(programs, p):
+            for line in lines:
+                group = dist.new_group([line[h] for h in holders])
+                if rank in holders and dist.get_rank() in line:
+                    out.append((position, group))
+        return out
+
     def sum_shared_grads(self, params: list[torch.Tensor | None]) -> None:
-        """Sum over the pipeline axis the gradients of the parameters two ranks' stages read (``params``: the
-        parameter at each whole-program argument position, None for the others)."""
-        for position in self.shared:
+        """Sum between the ranks holding it the gradient of each parameter stages on two or more pipeline ranks
+        read (``params``: the parameter at each whole-program argument position, None for the others); a
+        holder whose stages left it no gradient adds zeros."""
+        for position, group in self.shared:
             param = params[position]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad, group=self.group)
+            dist.all_reduce(grad, group=group)
             if param.grad is None:
                 param.grad = grad
 
@@ -234,18 +256,33 @@ def train_step_only(t: torch.Tensor) -> torch.Tensor:
     return _TrainStepOnly.apply(t.detach().requires_grad_()) if t.is_floating_point() else t
 
 
+def _time_into(runner: PipelineRunner, stage, method: str) -> None:
+    """Wrap ``stage.method`` (a chunk's forward or backward) so its wall time adds to ``runner.busy_s``."""
+    inner = getattr(stage, method)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            runner.busy_s += time.perf_counter() - t0
+
+    setattr(stage, method, timed)
+
+
 def _weighted(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The schedule's loss function: micro-batch ``i``'s loss times its weight (``target`` chunk ``i``)."""
     return output * weight.reshape(())
 
 
-def _shared_sources(programs: list[StageProgram], p: int) -> list[int]:
-    """Argument positions read by stages on two or more pipeline ranks, in order (the same on every rank)."""
+def _shared_sources(programs: list[StageProgram], p: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(argument position, the pipeline coordinates reading it) of each argument stages on two or more pipeline
+    ranks read, in order (the same on every rank)."""
     ranks: dict[int, set[int]] = {}
     for prog in programs:
         for position in prog.sources:
             ranks.setdefault(position, set()).add(prog.index % p)
-    return sorted(k for k, r in ranks.items() if len(r) > 1)
+    return sorted((k, tuple(sorted(r))) for k, r in ranks.items() if len(r) > 1)
 
 
 def loss_weights(graph: OpGraph, micro_calls: list[dict[str, torch.Tensor]]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autopar.cost import SCHEDULES
 from autopar.models import config_dir, tomllib
 from autopar.planner import FAMILIES
 
@@ -32,9 +33,18 @@ class BenchModel:
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One way to plan: ``auto``, ``family:<name>``, ``no state sharding``, ``cap:<fraction>``, ``poor hint``,
-    ``recompute:<none|selective|full>`` (activation recomputation forced in every layer)."""
+    ``recompute:<none|selective|full>`` (activation recomputation forced in every layer), or
+    ``pipeline:<axis>/<schedule>/m<N>`` (a pipeline forced on that mesh axis, N micro-batches)."""
 
     label: str
+
+    @property
+    def pipeline(self) -> dict[str, Any] | None:
+        """The ``pipeline``, ``schedule`` and ``microbatches`` keywords of a pipeline variant, else None."""
+        if not self.label.startswith("pipeline:"):
+            return None
+        axis, schedule, m = self.label.removeprefix("pipeline:").split("/")
+        return {"pipeline": axis, "schedule": schedule, "microbatches": int(m.removeprefix("m"))}
 
     @property
     def cap_fraction(self) -> float | None:
@@ -59,6 +69,8 @@ class Variant:
             return {"hints": dict(model.poor_hint)}
         if self.label.startswith("recompute:"):
             return {"recompute": self.label.removeprefix("recompute:")}
+        if self.pipeline is not None:
+            return dict(self.pipeline)
         raise AssertionError(f"variant {self.label!r} passed validation but has no options")
 
     def validate(self, where: str) -> None:
@@ -67,16 +79,23 @@ class Variant:
             or (self.label.startswith("family:") and self.label.removeprefix("family:") in FAMILIES)
             or (self.label.startswith("cap:") and _fraction(self.label.removeprefix("cap:")))
             or (self.label.startswith("recompute:") and self.label.removeprefix("recompute:") in _FORCED_RECOMPUTE)
+            or _pipeline_label(self.label)
         )
         if not ok:
             raise ValueError(
                 f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(FAMILIES)}>', "
                 "'no state sharding', 'cap:<fraction in [0, 1]>', 'poor hint', "
-                f"'recompute:<{' | '.join(_FORCED_RECOMPUTE)}>'; fix the variants list"
+                f"'recompute:<{' | '.join(_FORCED_RECOMPUTE)}>', 'pipeline:<axis>/<{' | '.join(SCHEDULES)}>/m<N>'; "
+                "fix the variants list"
             )
 
 
 _FORCED_RECOMPUTE = ("none", "selective", "full")
+
+
+def _pipeline_label(label: str) -> bool:
+    parts = label.removeprefix("pipeline:").split("/") if label.startswith("pipeline:") else []
+    return len(parts) == 3 and parts[1] in SCHEDULES and parts[2].startswith("m") and parts[2][1:].isdigit()
 
 
 def _fraction(text: str) -> bool:

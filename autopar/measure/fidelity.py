@@ -73,6 +73,8 @@ class PlanResult:
     round_s: tuple[float, ...]
     peak_steps: tuple[int, ...]
     held_bytes: int
+    predicted_bubble: float | None = None  # a pipelined plan's bubble fraction, predicted and measured
+    measured_bubble: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -234,13 +236,13 @@ def plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profil
     infeasible: dict[str, str] = {}
     for variant in variants:
         try:
-            plan = (
-                auto
-                if variant.label == "auto"
-                else plan_from_context(
-                    ctx, compare_families=False, **variant.plan_options(model, auto_bytes, least_bytes)
-                )
-            )
+            options = variant.plan_options(model, auto_bytes, least_bytes)
+            if variant.label == "auto":
+                plan = auto
+            elif variant.pipeline is not None:  # captured at the micro-batch: autopar.plan's path
+                plan = _plan(net, amesh, (ids, labels), profile, options)
+            else:
+                plan = plan_from_context(ctx, compare_families=False, **options)
         except (MemoryCapError, ValueError) as e:
             infeasible[variant.label] = str(e).splitlines()[0]
             continue
@@ -249,10 +251,17 @@ def plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profil
     return [(tuple(labels), text) for labels, text in distinct.values()], infeasible
 
 
+def _plan(net, mesh, inputs: tuple, profile: str, options: dict):
+    from autopar.planner import plan
+
+    return plan(net, mesh, example_inputs=inputs, profile=profile, dtype="fp32", compare_families=False, **options)
+
+
 def _plan_key(plan) -> str:
-    """What makes two plans run alike: placements of every parameter, input and node (not settings or hints)."""
+    """What makes two plans run alike: placements of every parameter, input and node, and the pipeline and
+    micro-batches (not settings or hints)."""
     d = plan.to_dict()
-    return json.dumps([d["params"], d["inputs"], d["nodes"]], sort_keys=True)
+    return json.dumps([d["params"], d["inputs"], d["nodes"], d.get("pipeline"), d.get("microbatches")], sort_keys=True)
 
 
 def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -> tuple[PlanResult, ...]:
@@ -277,7 +286,10 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
 
     def step(i: int) -> None:
         _, sharded, opt = runs[i]
-        sharded(*inputs).backward()
+        if sharded.plan.microbatches > 1:
+            sharded.train_step(*inputs)  # the micro-batches, through the stages
+        else:
+            sharded(*inputs).backward()
         opt.step()
         opt.zero_grad()
 
@@ -285,17 +297,19 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
         for _ in range(bench.warmup_steps):
             step(i)
     times: list[list[float]] = [[] for _ in runs]
+    busy = [0.0] * len(runs)  # this rank's pipeline stages' compute over the timed rounds
     for r in range(bench.rounds):
         for j in range(len(runs)):
             i = (j + r) % len(runs)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, busy0 = time.perf_counter(), runs[i][1].pipeline_busy_s
             for _ in range(bench.steps_per_round):
                 step(i)
             if device.type == "cuda":  # the kernels queued, not only launched
                 torch.cuda.synchronize(device)
             dist.barrier()
             times[i].append((time.perf_counter() - t0) / bench.steps_per_round)
+            busy[i] += runs[i][1].pipeline_busy_s - busy0
     peaks = []  # per plan: (each measured step's largest rank peak, that rank's held bytes)
     for i, (_, sharded, opt) in enumerate(runs):
         steps, held_by = [], 0
@@ -308,8 +322,9 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
             top, held_by = max(every)
             steps.append(top)
         peaks.append((tuple(steps), held_by))
+    bubbles = _measured_bubbles(runs, times, busy, bench.steps_per_round)
     out = []
-    for (labels, _), (plan, _, _), t, (peak, held) in zip(plans, runs, times, peaks):
+    for (labels, _), (plan, _, _), t, (peak, held), bubble in zip(plans, runs, times, peaks, bubbles):
         out.append(
             PlanResult(
                 tuple(labels),
@@ -321,9 +336,28 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
                 tuple(t),
                 peak,
                 int(held),
+                plan.pipeline.bubble_fraction if plan.pipeline is not None else None,
+                bubble,
             )
         )
     return tuple(out)
+
+
+def _measured_bubbles(runs, times, busy: list[float], steps_per_round: int) -> list[float | None]:
+    """Per plan: the share of the timed steps a rank of its pipeline spent outside its stages' forward and
+    backward, averaged over the ranks (the bubble as ``cost.pipeline`` defines it); None without a pipeline."""
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, busy)
+    out = []
+    for i, (plan, _, _) in enumerate(runs):
+        if plan.pipeline is None:
+            out.append(None)
+            continue
+        total = sum(times[i]) * steps_per_round
+        out.append(1.0 - sum(b[i] for b in every) / len(every) / total if total > 0 else None)
+    return out
 
 
 def summarize(run: FidelityRun) -> dict[str, Any]:
@@ -389,4 +423,6 @@ def _plan_json(p: PlanResult) -> dict[str, Any]:
         "memory_spread": p.memory_spread,
         "held_bytes": p.held_bytes,
         "memory_error": p.memory_error,
+        "predicted_bubble": p.predicted_bubble,
+        "measured_bubble": p.measured_bubble,
     }

@@ -39,7 +39,7 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
     table = Table(title="predicted vs measured step time and peak memory per plan (memory: the largest rank)")
     for col in ("model x mesh", "variants", "family", "predicted", "measured", "spread", "time err"):
         table.add_column(col, justify="right" if col in ("predicted", "measured", "spread", "time err") else "left")
-    for col in ("pred. memory", "peak memory", "mem err"):
+    for col in ("pred. memory", "peak memory", "mem err", "bubble pred/meas"):
         table.add_column(col, justify="right")
     for case in run.cases:
         fastest = min(p.measured_s for p in case.plans)
@@ -56,9 +56,10 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
                 format_bytes(p.predicted_bytes),
                 format_bytes(p.peak_bytes),
                 _pct(p.memory_error),
+                "-" if p.predicted_bubble is None else f"{_num(p.predicted_bubble)}/{_num(p.measured_bubble)}",
             )
         for variant, why in case.infeasible.items():
-            table.add_row(case.key, variant, f"no plan: {why[:60]}", "", "", "", "", "", "", "", style="dim")
+            table.add_row(case.key, variant, f"no plan: {why[:60]}", "", "", "", "", "", "", "", "", style="dim")
     con.print(table)
     cases = Table(title="per model x mesh")
     for col in ("model x mesh", "spearman", "median |time err|", "auto / fastest measured", "auto within 5%"):
