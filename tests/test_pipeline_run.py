@@ -51,6 +51,9 @@ def _pipeline_rank_fn(rank, world, name, layers, mesh_shape, axis_names, options
         model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, **options
     )
     trained = _train(sharded, sharded.train_step, args, kwargs)
+    sharded.train_step(*args, **kwargs)
+    norm = float(sharded.clip_grad_norm_(1e9))  # the whole model's gradient norm, every stage's weights once
+    sharded.zero_grad()
     plan = sharded.plan
     shape = (
         plan.family,
@@ -58,14 +61,14 @@ def _pipeline_rank_fn(rank, world, name, layers, mesh_shape, axis_names, options
         sum(1 for n in plan.nodes.values() if n.recompute),
     )
     if sharded.plan.pipeline is None:  # accumulated micro-batches: sharded(...) runs one micro-batch
-        return shape, trained, None, "sharded.train_step"
+        return shape, (*trained, norm), None, "sharded.train_step"
     out = sharded(*args, **kwargs)  # a forward-only pipeline: the outputs on every rank
     try:
         out.loss.backward()
         refused = "no error"
     except RuntimeError as e:
         refused = str(e)
-    return shape, trained, (out.loss.detach(), out.logits.detach()), refused
+    return shape, (*trained, norm), (out.loss.detach(), out.logits.detach()), refused
 
 
 def _reference(name, layers, batch):
@@ -79,7 +82,9 @@ def _reference(name, layers, batch):
     trained = _train(model, step, args, kwargs)
     with torch.no_grad():
         out = model(*args, **kwargs)
-    return trained, (out.loss, out.logits)
+    step(*args, **kwargs)
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    return (*trained, norm), (out.loss, out.logits)
 
 
 CASES = [
@@ -105,8 +110,9 @@ def test_pipelined_training_matches_one_device(name, layers, mesh_shape, axis_na
     for s in mesh_shape:
         world *= s
     results = run_ranks(_pipeline_rank_fn, world, name, layers, mesh_shape, axis_names, options, batch, timeout_s=300)
-    (want_losses, want_grads, want_params), (want_loss, want_logits) = _reference(name, layers, batch)
-    for rank, ((family, bounds, recomputed), (losses, grads, params), evaluated, refused) in enumerate(results):
+    (want_losses, want_grads, want_params, want_norm), (want_loss, want_logits) = _reference(name, layers, batch)
+    for rank, ((family, bounds, recomputed), (losses, grads, params, norm), evaluated, refused) in enumerate(results):
+        assert norm == pytest.approx(want_norm, rel=RTOL), (rank, "clip_grad_norm_", norm, want_norm)
         if "family" in options:
             assert family.startswith(options["family"]), family
         if options.get("recompute") == "full":

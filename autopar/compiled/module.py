@@ -345,12 +345,18 @@ class ShardedModule(MicroBatchSteps, nn.Module):
         Use this, not ``torch.nn.utils.clip_grad_norm_(sharded.parameters())``, which
         sees only this rank's pieces.
         """
-        from autopar.runtime import clip_grad_norm_
+        from autopar.runtime import clip_grad_norm_, replication
 
-        grads = [
-            (p.grad, self._replicated if self._build is not None else self._param_state[fqn][1])
-            for fqn, p in self.named_parameters()
-        ]
+        grads = []
+        for fqn, p in self.named_parameters():
+            placement = self._replicated if self._build is not None else self._param_state[fqn][1]
+            if fqn in self._holders:  # a pipelined plan: held by its stages' ranks only, not the whole axis
+                p_size = self.mesh.shape[self._pipeline_axis]
+                grads.append(
+                    (p.grad, placement, replication(placement, self.mesh.shape) // p_size * len(self._holders[fqn]))
+                )
+            else:
+                grads.append((p.grad, placement))
         return clip_grad_norm_(grads, self._groups, max_norm, norm_type, error_if_nonfinite)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -101,7 +101,8 @@ class PipelineRunner:
             self.schedule = pipelining.ScheduleInterleaved1F1B(self.stages, **common)
         else:
             self.schedule = kinds[schedule](self.stages[0], **common)
-        self.shared = self._shared_groups(programs, p, rank)
+        # the shared weights' groups (a forward-only pipeline has no gradients to sum)
+        self.shared = self._shared_groups(programs, p, rank) if outputs is None else []
         self.busy_s = 0.0  # time this rank's stages spent in forward and backward (the rest of a step: the bubble)
         for stage in self.stages:
             _time_into(self, stage, "forward_one_chunk")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from . import at_exit  # noqa: F401 - registers the release at interpreter exit
 from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
-from .clip import clip_grad_norm_
+from .clip import clip_grad_norm_, replication
 from .counter import CollectiveCounter, CollectiveRecord
 from .deferred import PendingLoss, defer_loss_tail, wait_pending
 from .groups import MeshGroups, init_distributed, ranks_per_node
@@ -56,6 +56,7 @@ __all__ = [
     "reshard_cost",
     "bucketable",
     "clip_grad_norm_",
+    "replication",
     "defer_loss_tail",
     "nesting_steps",
     "spawn_ranks",

@@ -50,7 +50,7 @@ def replication(placement: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -
 
 
 def clip_grad_norm_(
-    grads: Iterable[tuple[torch.Tensor, tuple[Placement, ...]]],
+    grads: Iterable[tuple],
     groups: MeshGroups,
     max_norm: float,
     norm_type: float = 2.0,
@@ -58,11 +58,13 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the local ``grads`` (each with its placement) in place by the full gradient's norm; return that norm.
 
+    An entry may carry a third value, the number of ranks holding that piece, where the placement does not say
+    it (a pipelined plan's weight: replicated along the pipeline axis, held only by its stages' ranks).
     Must be called on every rank of the mesh (one all-reduce over all of it).
     """
-    grads = [(g, placement) for g, placement in grads if g is not None]
-    p = float(norm_type)
     mesh_shape = tuple(groups.mesh.shape)
+    grads = [(g, rest[1] if len(rest) > 1 else replication(rest[0], mesh_shape)) for g, *rest in grads if g is not None]
+    p = float(norm_type)
     device = grads[0][0].device if grads else groups.device
     if math.isinf(p):  # an uneven shard may leave a rank an empty piece: it adds nothing, and must not raise
         maxima = [g.detach().abs().amax().double() for g, _ in grads if g.numel()]
@@ -71,9 +73,9 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for g, placement in grads:
+        for g, copies in grads:
             norm = torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64)
-            total += norm**p / replication(placement, mesh_shape)
+            total += norm**p / copies
         with groups.collectives("clip_grad_norm_"):
             dist.all_reduce(total)
         total = total ** (1.0 / p)
