@@ -131,3 +131,20 @@ def test_pipelined_training_matches_one_device(name, layers, mesh_shape, axis_na
             torch.testing.assert_close(grads[k], g, rtol=RTOL, atol=ATOL, msg=f"rank {rank} grad {k}")
         for k, v in want_params.items():
             torch.testing.assert_close(params[k], v, rtol=RTOL, atol=ATOL, msg=f"rank {rank} param {k}")
+
+
+def _no_loss_rank_fn(rank, world):
+    import autopar
+
+    model, args, _ = _model("gpt2-tiny", 8, 2)  # no labels: the model returns logits, no loss
+    mesh = autopar.Mesh((world,), axis_names=("pp",))
+    try:
+        autopar.compile(model, mesh, example_inputs=args, profile="cpu", pipeline="pp", microbatches=2)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_pipeline_needs_a_loss_and_says_so():
+    for message in run_ranks(_no_loss_rank_fn, 2, timeout_s=120):
+        assert "a pipelined training step needs a loss" in message and "pass the labels" in message, message

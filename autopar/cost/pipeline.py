@@ -1,5 +1,5 @@
 """Pipeline schedules: the order each rank runs its micro-batches in, the step time it takes, the activations it
-holds (issue 31's planning terms; the search does not call this module yet).
+holds (``planner.stage_prices`` prices pipelined plans with them).
 
 A pipeline of ``p`` ranks runs ``s = p v`` stages (``v`` virtual stages per rank: interleaved schedules; 1
 otherwise), stage ``j`` on rank ``j mod p``, over ``m`` micro-batches.  ``F(j, i)`` is stage j's forward of

@@ -56,14 +56,14 @@ class CarriedValue:
 @dataclass(frozen=True)
 class StageProgram:
     """One stage's program: ``module(*carried_in values, *source values)`` returns the ``carried_out`` values in
-    order (the last stage: the loss).  ``sources`` are positions in the whole program's arguments."""
+    order (the last stage: the loss).  ``sources`` are positions in the whole program's arguments; stage 0's
+    ``carried_in`` are the batch inputs, in the program's order."""
 
     index: int
     module: fx.GraphModule
     carried_in: tuple[CarriedValue, ...]
     carried_out: tuple[CarriedValue, ...]
     sources: tuple[int, ...]
-    inputs: tuple[int, ...]  # stage 0: the positions of the batch inputs it takes, in ``carried_in`` order
 
 
 def split_program(
@@ -96,8 +96,7 @@ def split_program(
             raise AssertionError(f"stage split: the loss {loss.name} is made on stage {stage.get(loss)}, not the last")
         outputs = finals if last else crossing
         module, sources = _stage_module(program, stage, s, carried, outputs, placeholders, bare=last and train)
-        inputs = tuple(placeholders.index(p) for p in batch_inputs) if s == 0 else ()
-        out.append(StageProgram(s, module, carried, () if last else carried_out, sources, inputs))
+        out.append(StageProgram(s, module, carried, () if last else carried_out, sources))
         carried = carried_out
     return out
 
