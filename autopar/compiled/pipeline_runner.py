@@ -136,9 +136,7 @@ class PipelineRunner:
         ``i``'s batch inputs, in stage 0's order); the gradients are left in the parameters' ``.grad`` and the
         whole batch's loss is returned on every rank."""
         losses: list[torch.Tensor] = []
-        args = ()
-        if self.first:
-            args = tuple(torch.stack([mb[k] for mb in micro_inputs]) for k in range(len(self.inputs)))
+        args = self._first_stage_args(micro_inputs)
         kwargs = {"target": weights, "losses": losses} if self.last else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
         device = weights.device
@@ -146,11 +144,16 @@ class PipelineRunner:
         dist.all_reduce(total, group=self.group)
         return total
 
+    def _first_stage_args(self, micro_inputs: list[list[torch.Tensor]]) -> tuple:
+        """What the schedule's ``step`` takes on the rank of stage 0: each batch input's micro-batch pieces stacked
+        (the schedule splits dim 0 back into them); nothing elsewhere."""
+        if not self.first:
+            return ()
+        return tuple(torch.stack([mb[k] for mb in micro_inputs]) for k in range(len(self.inputs)))
+
     def forward_only(self, micro_inputs: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
         """Each micro-batch's outputs of the last stage (on the rank that runs it; ``[]`` elsewhere)."""
-        args = ()
-        if self.first:
-            args = tuple(torch.stack([mb[k] for mb in micro_inputs]) for k in range(len(self.inputs)))
+        args = self._first_stage_args(micro_inputs)
         self.collected.clear()
         with torch.no_grad():
             self.schedule.eval(*args, return_outputs=False)

@@ -331,26 +331,10 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     CPU, not the meta device: torch.export traces the kernels the tensors run, and
     some graphs differ between the two (``compiled.checks.check_plan_graph``).
     """
-    from autopar.planner import plan, plan_from_context, prepare
+    from autopar.planner import plan
 
     model, args, kwargs = build_model(config, "cpu")
-    if config.microbatches not in (1, "auto") or config.pipeline != "none":  # at the micro-batch: plan's path
-        return plan(
-            model,
-            config.mesh(),
-            example_inputs=args,
-            example_kwargs=kwargs,
-            profile=profile,
-            dtype="fp32",
-            devices_per_node=ranks_per_node(),
-            family=config.family,
-            recompute=config.recompute,
-            pipeline=config.pipeline,
-            microbatches=config.microbatches,
-            schedule=config.schedule,
-            compare_families=False,
-        )
-    ctx = prepare(
+    return plan(
         model,
         config.mesh(),
         example_inputs=args,
@@ -358,8 +342,13 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
         profile=profile,
         dtype="fp32",
         devices_per_node=ranks_per_node(),  # under torchrun across nodes: the axes that cross them use that link
+        family=config.family,
+        recompute=config.recompute,
+        pipeline=config.pipeline,  # micro-batched plans are captured at the micro-batch (plan's own path)
+        microbatches=config.microbatches,
+        schedule=config.schedule,
+        compare_families=False,
     )
-    return plan_from_context(ctx, compare_families=False, family=config.family, recompute=config.recompute)
 
 
 def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:

@@ -37,7 +37,7 @@ import torch
 from autopar.capture import OpGraph, batch_of, split_microbatches
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
-from autopar.search import Deadline
+from autopar.search import Deadline, NoSplitFits
 
 from .context import hinted_context, prepare_context
 from .errors import MemoryCapError
@@ -120,8 +120,8 @@ def plan_pipelined(
     link = ctx.coster.settings.profile.link_for_axis(mesh.shape, axis)
     try:
         priced = priced_stages(chain_prices(ctx.graph, micro_plan, layers, link), options.schedule, m, p, v, cap)
-    except ValueError as e:  # no split fits the cap
-        raise MemoryCapError(f"no pipelined plan fits: {e}", _least_bytes(e)) from None
+    except NoSplitFits as e:
+        raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
     names = [name for name, _ in layers]
     stages = tuple(
         dataclasses.replace(st, layers=_stage_name(names, st, j, len(priced.stages)))
@@ -130,14 +130,6 @@ def plan_pipelined(
     bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
     pipe = PipelinePlan(options.pipeline, options.schedule, stages, v, bubble)
     return lift(micro_plan, mesh, axis, pipe, m, priced, cap), ctx.graph
-
-
-def _least_bytes(error: ValueError) -> int:
-    """The least memory ``search.stages.split_stages``' error names (its ``... is N bytes``)."""
-    import re
-
-    found = re.search(r"is (\d+) bytes", str(error))
-    return int(found.group(1)) if found else 0
 
 
 def _stage_name(names: list[str], stage: StagePart, j: int, count: int) -> str:

@@ -22,6 +22,7 @@ stages priced by ``cost.pipeline.step_time``'s list schedule; and adds the slowe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.capture import OpGraph
@@ -131,17 +132,10 @@ def _cut_bytes(graph: OpGraph, plan: Plan, position: dict[int, int], n: int) -> 
         else:
             placement = next(v.placements for k, v in plan.inputs.items() if k == node.fqn)
         meta = node.outputs[o]
-        nbytes = _numel(local_shape(meta.shape, placement, mesh_shape, coord)) * meta.itemsize
+        nbytes = math.prod(local_shape(meta.shape, placement, mesh_shape, coord)) * meta.itemsize
         for k in range(first, min(last, n - 1)):
             crossing[k] += nbytes
     return crossing
-
-
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 def priced_stages(prices: ChainPrices, schedule: str, m: int, p: int, v: int, cap: int | None) -> PricedPipeline:

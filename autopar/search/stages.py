@@ -44,7 +44,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["StageCosts", "StageSplit", "split_stages", "step_of_split"]
+__all__ = ["NoSplitFits", "StageCosts", "StageSplit", "split_stages", "step_of_split"]
+
+
+class NoSplitFits(ValueError):
+    """No split of the layers fits the cap; ``least_bytes``: the least memory of the fullest stage any split
+    reaches."""
+
+    def __init__(self, message: str, least_bytes: int) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +140,8 @@ def split_stages(
     (prelude, postlude) costs on the first and last stage (None: nothing); ``cuts[k]``: the seconds to send what
     crosses a cut after layer k (forward; its gradient back takes as long), paid by the stages on either side.
 
-    ValueError for more stages than layers (each stage needs one), or a cap no split fits (the message names
-    the least memory of the fullest stage any split reaches)."""
+    ValueError for more stages than layers (each stage needs one); ``NoSplitFits`` for a cap no split fits (its
+    ``least_bytes``: the least memory of the fullest stage any split reaches)."""
     p = len(in_flight)
     if not 1 <= p <= layers.count:
         raise ValueError(
@@ -146,11 +155,12 @@ def split_stages(
     final = fronts[p].get(layers.count, {})
     if not final:
         least = _least_memory(pipe, layers.count)
-        raise ValueError(
+        raise NoSplitFits(
             f"no split of {layers.count} layers into {p} stages fits {cap_bytes} bytes per stage (micro-batches "
             f"in flight per stage {tuple(in_flight)}): the least any split needs on its fullest stage is {least} "
             "bytes; raise the cap, use more stages, or a schedule with fewer micro-batches in flight (1f1b holds "
-            "fewer than gpipe)"
+            "fewer than gpipe)",
+            least,
         )
     pace = min(final, key=lambda fb: fb[0] + fb[1])
     bounds = _walk_back(fronts, final[pace], p, layers.count)
