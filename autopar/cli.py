@@ -221,15 +221,15 @@ def _pipeline_flags(flag) -> None:
     """``--pipeline``, ``--microbatches``, ``--schedule`` (``autopar plan`` and ``autopar run``)."""
     from autopar.cost import SCHEDULES
 
-    flag("pipeline", metavar="AXIS", help="run a pipeline of stages along this mesh axis, or none (the default)")
+    flag("pipeline", metavar="AXIS", help="pipeline along this mesh axis, auto (the search's pick) or none (default)")
     flag(
         "microbatches",
         type=_microbatches_arg,
         metavar="N",
         help="micro-batches per step, the batch split evenly: a number, or auto (the default: 1 without a "
-        "pipeline; with one, the most up to 4 per stage that the batch splits into evenly)",
+        "pipeline, more only when one does not fit; with one, the search's pick of about 1, 2 and 4 per stage)",
     )
-    flag("schedule", choices=SCHEDULES, help="the pipeline schedule (default 1f1b)")
+    flag("schedule", choices=(*SCHEDULES, "auto"), help="the pipeline schedule (default auto: the search's pick)")
 
 
 def _hint_arg(text: str) -> tuple[str, object]:
@@ -476,16 +476,14 @@ def _run_plan(args, mesh: Mesh, options, hint_options, seq: int):
     """The plan, its errors in the CLI's words (the API's fixes name keywords; here they are flags)."""
     from autopar.launch import TerminalProgress
     from autopar.models import load_model
-    from autopar.planner import MemoryCapError, UnmatchedHintError, plan_pipelined, prepare_context, search_context
+    from autopar.planner import MemoryCapError, UnmatchedHintError, plan_model
 
     bar = TerminalProgress()  # stages and a bar on a terminal when planning takes over a second
     try:
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=seq)
         bar("capture + strategies", 0, 1)
-        if options.micro_batched:
-            return plan_pipelined(model, mesh, margs, mkwargs, options, hint_options, progress=bar)[0]
-        ctx = prepare_context(model, mesh, margs, mkwargs, options, hint_options)
-        return search_context(ctx, compare_families=not args.no_compare, progress=bar)
+        compare = not args.no_compare
+        return plan_model(model, mesh, margs, mkwargs, options, hint_options, compare_families=compare, progress=bar)[0]
     except UnmatchedHintError as e:
         raise ValueError(f"{e.problem}. Fix: correct the pattern, or drop --strict-hints to only warn.") from None
     except MemoryCapError as e:

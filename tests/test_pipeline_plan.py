@@ -90,7 +90,7 @@ class _MLP(torch.nn.Module):
         ("no-layers", r"_MLP has no layers \(entries of an nn\.ModuleList.*not inside ops"),
         ("1f1b-m", r"schedule='1f1b' on 2 pipeline stages needs at least 2 micro-batches"),
         ("interleaved-m", r"microbatches=3 is not a multiple of 2"),
-        ("schedule", r"schedule 'zb': expected one of \('gpipe', '1f1b', 'interleaved'\)"),
+        ("schedule", r"schedule 'zb': expected one of \('gpipe', '1f1b', 'interleaved', 'auto'\)"),
         ("microbatches", r"microbatches 0: expected an int >= 1"),
     ],
 )
@@ -130,7 +130,7 @@ def test_stage_prices_add_up_to_the_searched_plan_and_the_split_follows_them():
 
     model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 4, "vocab_size": 50000})
     mesh = autopar.Mesh((2,), axis_names=("pp",))
-    plan = _plan(model, args, kwargs, mesh, pipeline="pp", microbatches=4)
+    plan = _plan(model, args, kwargs, mesh, pipeline="pp", microbatches=4, schedule="1f1b")
     assert [(s.first_layer, s.stop_layer) for s in plan.pipeline.stages] == [(0, 3), (3, 4)]
     times = [s.time_s for s in plan.pipeline.stages]
     assert times[1] > 2 * times[0]  # the head outweighs three layers: the pace is the last stage's
@@ -157,11 +157,16 @@ def test_autopar_plan_prints_the_stage_table_and_the_json_round_trips(capsys, tm
     argv = ["plan", "gpt2", "--mesh", "2x4", "--axis-names", "pp,tp", "--pipeline", "pp", "--no-compare", "-o"]
     assert main([*argv, str(out)]) == 0
     text = capsys.readouterr().out
-    assert "pipeline: 2 stages along axis 'pp' (2 ranks)" in text and "schedule 1f1b" in text
-    rows = [line for line in text.splitlines() if "pp=0" in line or "pp=1" in line]
-    assert len(rows) == 2 and "(before) transformer.h.0-" in rows[0] and "-11 (after)" in rows[1]
-    assert "bubble" in text and "stages" in text.split("step time")[1].splitlines()[0]
     plan = autopar.Plan.from_json(out)
-    # auto: the most up to 4 per stage whose micro-batch still splits over the 4 other ranks: 8 rows -> 2 of 4
-    assert plan.pipeline.axis == "pp" and plan.microbatches == 2
+    pipe = plan.pipeline
+    # schedule="auto" (the default): the search's pick among the three, priced on the same stage plan
+    assert pipe.axis == "pp" and pipe.schedule in ("gpipe", "1f1b", "interleaved")
+    count = len(pipe.stages)
+    assert f"pipeline: {count} stages along axis 'pp' (2 ranks" in text and f"schedule {pipe.schedule}" in text
+    rows = [line for line in text.splitlines() if "pp=0" in line or "pp=1" in line]
+    assert len(rows) == count and "(before) transformer.h.0-" in rows[0] and "-11 (after)" in rows[-1]
+    assert "bubble" in text and "stages" in text.split("step time")[1].splitlines()[0]
+    # microbatches="auto": the candidates are the fewest of at least 2, 4 and 8 (p, 2p, 4p) whose micro-batch
+    # still splits over the 4 other ranks: 8 rows -> 2 (4 rows each); 4 and 8 leave micro-batches of 2 and 1
+    assert plan.microbatches == 2
     assert autopar.Plan.from_json(plan.to_json()).to_json() == plan.to_json()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from dist_utils import PARTITIONING_PROFILE, run_ranks
@@ -44,6 +46,7 @@ def _train(model, step, args, kwargs):
 
 def _pipeline_rank_fn(rank, world, name, layers, mesh_shape, axis_names, options, batch):
     import autopar
+    from autopar.runtime import CollectiveCounter
 
     model, args, kwargs = _model(name, batch, layers)
     mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)
@@ -51,7 +54,10 @@ def _pipeline_rank_fn(rank, world, name, layers, mesh_shape, axis_names, options
         model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, **options
     )
     trained = _train(sharded, sharded.train_step, args, kwargs)
+    sharded.collective_counter = CollectiveCounter()
     sharded.train_step(*args, **kwargs)
+    reductions = _gradient_reductions(sharded, "dp") if "dp" in axis_names else None
+    sharded.collective_counter = None
     norm = float(sharded.clip_grad_norm_(1e9))  # the whole model's gradient norm, every stage's weights once
     sharded.zero_grad()
     plan = sharded.plan
@@ -61,14 +67,33 @@ def _pipeline_rank_fn(rank, world, name, layers, mesh_shape, axis_names, options
         sum(1 for n in plan.nodes.values() if n.recompute),
     )
     if sharded.plan.pipeline is None:  # accumulated micro-batches: sharded(...) runs one micro-batch
-        return shape, (*trained, norm), None, "sharded.train_step"
+        return shape, (*trained, norm), None, "sharded.train_step", reductions
     out = sharded(*args, **kwargs)  # a forward-only pipeline: the outputs on every rank
     try:
         out.loss.backward()
         refused = "no error"
     except RuntimeError as e:
         refused = str(e)
-    return shape, (*trained, norm), (out.loss.detach(), out.logits.detach()), refused
+    return shape, (*trained, norm), (out.loss.detach(), out.logits.detach()), refused, reductions
+
+
+def _gradient_reductions(sharded, axis: str) -> tuple[list[int], list[int]]:
+    """(bytes of each backward all-reduce counted on ``axis`` in one train_step, those the plan lists for this
+    rank's nodes, each as many times as the step runs it): a data-parallel gradient (a parameter's, in a bucket)
+    is all-reduced once per step, after the last micro-batch; an activation's gradient once per micro-batch."""
+    plan, graph = sharded.plan, sharded._graph
+    index = sharded.mesh.axis_names.index(axis)
+    records = sharded.collective_counter.records
+    counted = [r.bytes for r in records if r.axis == index and r.phase == "backward" and r.kind == "all_reduce"]
+    params = {n.name for n in graph.params()}
+    ours = _nodes_of_this_rank(sharded)
+    planned = [
+        c.bytes
+        for c in plan.collectives
+        if c.axis == axis and c.phase == "backward" and c.kind == "all_reduce" and c.node in ours
+        for _ in range(1 if c.tensor in params else plan.microbatches)
+    ]
+    return sorted(counted), sorted(planned)
 
 
 def _reference(name, layers, batch):
@@ -111,8 +136,14 @@ def test_pipelined_training_matches_one_device(name, layers, mesh_shape, axis_na
         world *= s
     results = run_ranks(_pipeline_rank_fn, world, name, layers, mesh_shape, axis_names, options, batch, timeout_s=300)
     (want_losses, want_grads, want_params, want_norm), (want_loss, want_logits) = _reference(name, layers, batch)
-    for rank, ((family, bounds, recomputed), (losses, grads, params, norm), evaluated, refused) in enumerate(results):
+    for rank, (shape, (losses, grads, params, norm), evaluated, refused, reductions) in enumerate(results):
+        family, bounds, recomputed = shape
         assert norm == pytest.approx(want_norm, rel=RTOL), (rank, "clip_grad_norm_", norm, want_norm)
+        if reductions is not None:  # data-parallel gradients reduced once per step, not once per micro-batch
+            counted, planned = reductions
+            missing, extra = Counter(planned) - Counter(counted), Counter(counted) - Counter(planned)
+            assert not missing and not extra, (rank, "planned, not counted:", missing, "counted:", extra)
+            assert planned or options.get("family") == "sharded parameters", "no data-parallel all-reduce to count"
         if "family" in options:
             assert family.startswith(options["family"]), family
         if options.get("recompute") == "full":
@@ -148,3 +179,20 @@ def _no_loss_rank_fn(rank, world):
 def test_a_pipeline_needs_a_loss_and_says_so():
     for message in run_ranks(_no_loss_rank_fn, 2, timeout_s=120):
         assert "a pipelined training step needs a loss" in message and "pass the labels" in message, message
+
+
+def _nodes_of_this_rank(sharded) -> set[str]:
+    """The nodes whose collectives this rank runs: every node without a pipeline; with one, the ops of this
+    rank's stages and the parameters they read."""
+    from autopar.planner import stage_of_nodes
+
+    graph, pipe = sharded._graph, sharded.plan.pipeline
+    if pipe is None:
+        return {n.name for n in graph.nodes}
+    axis = sharded.mesh.axis_names.index(pipe.axis)
+    p, mine = sharded.mesh.shape[axis], sharded.coordinate[axis]
+    stage_of = stage_of_nodes(graph, pipe)
+    ops = {name for name, j in stage_of.items() if j % p == mine}
+    by_index = {n.index: n.name for n in graph.nodes}
+    params = {by_index[u] for n in graph.nodes if n.name in ops for u, _ in n.inputs if graph.nodes[u].kind == "param"}
+    return ops | params

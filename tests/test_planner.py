@@ -249,7 +249,7 @@ def _edge_matrices_reference(coster, u, out_idx, v, pos):
             fwd = coster.transition_time_s(meta, src, dst) if src != dst else 0.0
             t = fwd + (fwd if fwd and regather else 0.0)
             if grad and g != grad_target:
-                t += sum(w for _, w in coster.grad_move_steps(u, meta, g, grad_target)) * coster.grad_exposed(u)
+                t += sum(w * e for _, w, e in coster.grad_move_steps(u, meta, g, grad_target))
             time[a, b] = t
             mem[a, b] = coster.edge_saved_bytes(u, out_idx, v, pos, src, dst, g != grad_target)
     return time, mem

@@ -39,9 +39,7 @@ from autopar.planner import (
     Plan,
     PlanOptions,
     device_profile,
-    plan_pipelined,
-    prepare_context,
-    search_context,
+    plan_model,
     training_precision,
 )
 
@@ -83,7 +81,7 @@ def compile(
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
     microbatches: int | str = "auto",
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
@@ -225,10 +223,7 @@ def _plan_here(
 ) -> tuple[Plan, OpGraph]:
     """The plan ``compile`` runs and the graph it was made on, planned in this process (no family rows: the
     report is not printed)."""
-    if options.micro_batched:
-        return plan_pipelined(model, mesh, args, kwargs, options, hint_options)
-    ctx = prepare_context(model, mesh, args, kwargs, options, hint_options)
-    return search_context(ctx, compare_families=False), ctx.graph
+    return plan_model(model, mesh, args, kwargs, options, hint_options)
 
 
 def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> dict[str, Any]:

@@ -9,6 +9,8 @@ pipeline, one after another with the gradients accumulating.  Either way each mi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from autopar.capture import split_microbatches
@@ -38,11 +40,31 @@ class MicroBatchSteps:
         self._groups.check_alive("sharded.train_step(...)")
         pieces, weights = self._micro_batches(args, kwargs, training=True)
         with self._groups.collectives("train_step"):
-            self._zero.sync(self.collective_counter)
-            loss = self._runner.step(pieces, weights)
+            with self._reducing_once():
+                self._zero.sync(self.collective_counter)
+                loss = self._runner.step(pieces, weights)
             self._runner.sum_shared_grads(self._arg_params)
         self._values = None
         return loss
+
+    @contextlib.contextmanager
+    def _reducing_once(self):
+        """The step's bucketed gradients reduced once, after its micro-batches (``GradBuckets.hold``)."""
+        if self._buckets is None:
+            yield
+            return
+        params = self._bucket_params
+        kept = self._buckets.hold(params)
+        self._holding = True
+        try:
+            yield
+        except BaseException:
+            for name, p in params.items():  # the step failed: its partial gradients are dropped
+                p.grad = kept[name]
+            raise
+        finally:
+            self._holding = False
+        self._buckets.reduce_held(params, kept, self.collective_counter)
 
     @property
     def pipeline_busy_s(self) -> float:
@@ -56,6 +78,10 @@ class MicroBatchSteps:
         m = self._plan.microbatches
         micro = split_microbatches(args, kwargs, m) if m > 1 else [(args, kwargs)]
         weights = loss_weights(self._graph, [self._graph.call.match(a, k) for a, k in micro]) if m > 1 else None
+        with self._reducing_once() if m > 1 else contextlib.nullcontext():
+            return self._accumulate(micro, weights)
+
+    def _accumulate(self, micro: list, weights: torch.Tensor | None) -> torch.Tensor:
         total = None
         for i, (a, k) in enumerate(micro):
             out = self(*a, **k)

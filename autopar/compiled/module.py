@@ -111,6 +111,7 @@ class ShardedModule(MicroBatchSteps, nn.Module):
         self._zero = StateShards(groups)  # ZeRO-1/2 parameters (runtime/zero.py)
         self._bucket_bytes = grad_bucket_bytes
         self._buckets: GradBuckets | None = None  # data-parallel gradient buckets (runtime/buckets.py)
+        self._holding = False  # in a train_step of micro-batches: the buckets reduce once after it (micro_steps)
         self.collective_counter = None  # set a runtime.CollectiveCounter to record every collective issued
         self.trace = None  # set a dict to record each op's local outputs (op node name -> tensors)
         self.measure_saved = False  # True: every forward measures what it saves for backward (saved_bytes)
@@ -162,10 +163,8 @@ class ShardedModule(MicroBatchSteps, nn.Module):
             n.fqn: local_shape(n.outputs[0].shape, xplan.sources[n.name][0], self.mesh.shape, self._coord)
             for n in self._input_nodes.values()
         }
-        pipelined = (
-            plan.pipeline is not None
-        )  # micro-batches reduce per backward: no buckets (compiled/pipeline_runner.py)
-        bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes and not pipelined else {}
+        pipelined = plan.pipeline is not None
+        bucketed = bucketable(xplan, exclude=set(self._zero.shards())) if self._bucket_bytes else {}
         sizes = {n.name: params[n.fqn].numel() * params[n.fqn].element_size() for n in graph.params()}
         self._buckets = GradBuckets(self._groups, bucketed, sizes, self._bucket_bytes) if bucketed else None
         self._sources = self._static_sources(params)
@@ -271,7 +270,7 @@ class ShardedModule(MicroBatchSteps, nn.Module):
                     "Compile again to continue."
                 ) from e
             raise
-        if self._buckets is not None:
+        if self._buckets is not None and not self._holding:  # a step of micro-batches reduces once (train_step)
             self._buckets.begin(self._bucket_params, counter)
             for i, name in self._bucket_slots:
                 values[i] = self._buckets.wrap(name, values[i])

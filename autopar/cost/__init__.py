@@ -10,11 +10,13 @@ search's additive bound only approximates.
 
 from __future__ import annotations
 
-from .coster import Coster, TrainingSettings
+from .coster import BACKWARD_SHARE, BACKWARD_TO_FORWARD, Coster, TrainingSettings
 from .peak import BackwardMemory, peak_memory
 from .pipeline import SCHEDULES, bubble_fraction, in_flight, step_time
 
 __all__ = [
+    "BACKWARD_SHARE",
+    "BACKWARD_TO_FORWARD",
     "BackwardMemory",
     "Coster",
     "SCHEDULES",

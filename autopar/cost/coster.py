@@ -13,6 +13,10 @@ strategy (all on local shapes):
   is sharded but the parameter is not (ZeRO-1/2), the all-gather of the updated
   parameter + for a parameter that sums its uses' partial gradients first
   (``SourceStrategy.accumulated_grad``), that one reduction at its exposed time;
+* a step of ``m`` micro-batches (``TrainingSettings.microbatches``: a pipeline's stages, or gradient
+  accumulation) is priced per micro-batch: what runs once per step (the optimizer step and its all-gathers,
+  the bucketed gradient reductions, which then run after the step's last backward, not overlapped) at
+  ``1 / m`` of its time, the rest in full; ``m`` times that is the step;
 * memory = activations saved for backward and, for parameters, parameters +
   gradients + optimizer state (``costmodel.memory``).  What each op keeps is
   derived from the op itself (``autopar.cost.saved``: its inputs, outputs and own
@@ -59,6 +63,7 @@ from autopar.strategies import (
 from autopar.transitions import transitions
 from costmodel import (
     DeviceProfile,
+    LinkProfile,
     OptimizerSpec,
     TrainingPrecision,
     backward_flops,
@@ -90,6 +95,19 @@ class TrainingSettings:
     precision: TrainingPrecision
     optimizer: OptimizerSpec
     grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    #: the links of the mesh's axes when the mesh is a part of the job's (a pipeline stage's mesh: each axis keeps
+    #: the link it has in the job's mesh, ``planner.pipeline_planning.stage_links``); None: the profile's
+    #: ``link_for_axis`` of the mesh itself
+    axis_links: tuple[LinkProfile, ...] | None = None
+    #: the micro-batches of one step: the search prices one micro-batch, and what runs once per step (the
+    #: optimizer, its all-gathers, the bucketed gradient reductions) at ``1 / microbatches`` of its time
+    microbatches: int = 1
+
+
+#: an op's backward time to its forward time: a matmul's backward runs two matmuls of its size
+BACKWARD_TO_FORWARD = 2.0
+#: backward's share of an op's forward + backward time
+BACKWARD_SHARE = BACKWARD_TO_FORWARD / (1.0 + BACKWARD_TO_FORWARD)
 
 
 class Coster:
@@ -100,7 +118,10 @@ class Coster:
         self.graph = cand.graph
         self.mesh_shape = cand.mesh_shape
         self.settings = settings
-        self.links = [settings.profile.link_for_axis(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
+        if settings.axis_links is not None:
+            self.links = list(settings.axis_links)
+        else:
+            self.links = [settings.profile.link_for_axis(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._trans_cache: dict = {}
         self._ids: dict = {}  # meta or placements -> small int (edge_matrices' cache keys)
         self._move_s: dict = {}  # (meta id, src id, dst id) -> transition_time_s
@@ -173,36 +194,46 @@ class Coster:
         return hit
 
     # ---- collectives ----------------------------------------------------------------
-    def grad_exposed(self, producer: OpNode) -> float:
+    def grad_exposed(self, producer: OpNode, *, per_step: bool = False) -> float:
         """Fraction of a backward gradient collective's time on the critical path.
 
         Reductions of parameter gradients overlap with the rest of backward
-        (``DeviceProfile.grad_reduce_overlap``); activation gradients do not.
+        (``DeviceProfile.grad_reduce_overlap``); activation gradients do not, nor does
+        the one reduction per step of a micro-batched step's bucketed gradients
+        (``per_step``: it runs after the step's last backward, ``runtime/buckets.py``).
         """
-        return 1.0 - self.settings.profile.grad_reduce_overlap if producer.kind == "param" else 1.0
+        if producer.kind != "param" or per_step:
+            return 1.0
+        return 1.0 - self.settings.profile.grad_reduce_overlap
 
     def comm_time_s(self, kind: str, nbytes: int, axis: int) -> float:
         """The collective's time on the axis's link plus one op's overhead (the runtime issues it as a step)."""
         t = collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
         return t + self.settings.profile.op_overhead_s() if t > 0 else 0.0
 
-    def grad_move_steps(self, producer: OpNode, meta: TensorMeta, src, dst) -> list[tuple[Any, float]]:
-        """(step, whole seconds) of each collective moving ``producer``'s gradient from ``src`` to ``dst``.
+    def grad_move_steps(self, producer: OpNode, meta: TensorMeta, src, dst) -> list[tuple[Any, float, float]]:
+        """(step, whole seconds, the fraction of them exposed) of each collective moving ``producer``'s gradient
+        from ``src`` to ``dst``, per micro-batch.
 
         A parameter's gradient whose move is one all-reduce on one axis is what the
         runtime's gradient buckets reduce (``runtime/buckets.py``): it then costs its
         bytes' share of a full bucket's all-reduce (the latency paid once per bucket,
-        not once per parameter).  Any other move costs its collectives one by one.
-        The exposed part is ``grad_exposed`` of this.
+        not once per parameter), overlapped with backward (``grad_exposed``); in a step of
+        ``m`` micro-batches (``TrainingSettings.microbatches``) the buckets reduce once,
+        after the last backward: ``1 / m`` of it per micro-batch, all exposed.  Any other
+        move costs its collectives one by one, each micro-batch.
         """
         steps = self._collective_steps(meta, src, dst)
         if steps is None:
-            return [(None, math.inf)]  # the runtime cannot run this move on the nested layout: forbidden
+            return [(None, math.inf, 1.0)]  # the runtime cannot run this move on the nested layout: forbidden
         bucket = self.settings.grad_bucket_bytes
         if self._bucketed(producer, steps):
             (t,) = steps
-            return [(t, self.comm_time_s(t.kind, bucket, t.axis) * t.bytes / bucket)]
-        return [(t, self.comm_time_s(t.kind, t.bytes, t.axis)) for t in steps]
+            m = self.settings.microbatches
+            whole = self.comm_time_s(t.kind, bucket, t.axis) * t.bytes / bucket / m
+            return [(t, whole, self.grad_exposed(producer, per_step=m > 1))]
+        exposed = self.grad_exposed(producer)
+        return [(t, self.comm_time_s(t.kind, t.bytes, t.axis), exposed) for t in steps]
 
     def _collective_steps(self, meta: TensorMeta, src, dst) -> list | None:
         """The collectives of the runtime's step list from ``src`` to ``dst`` (local steps dropped); None where
@@ -275,19 +306,30 @@ class Coster:
     def optimizer_step_s(self, node: OpNode, s: SourceStrategy) -> float:
         """The optimizer's update of this parameter's state shard, as torch.optim runs it: ``passes`` tensors
         of the shard's size read and written (memory-bound), plus one per-op overhead for each of its
-        ``ops_per_param`` kernels unless the profile's optimizer steps many parameters per kernel (foreach)."""
+        ``ops_per_param`` kernels unless the profile's optimizer steps many parameters per kernel (foreach);
+        per micro-batch (``TrainingSettings.microbatches``: once per step)."""
         opt, prof = self.settings.optimizer, self.settings.profile
         shard_bytes = self.param_state_bytes(node, s).grads  # one tensor the size of the state shard
         t = opt.passes * shard_bytes / (prof.mem_bandwidth_bytes_per_s * prof.memory_efficiency)
-        return t + (0.0 if prof.optimizer_foreach else opt.ops_per_param * prof.op_overhead_s())
+        return (t + (0.0 if prof.optimizer_foreach else opt.ops_per_param * prof.op_overhead_s())) / self.per_step
+
+    @property
+    def per_step(self) -> int:
+        """The micro-batches one step's once-per-step work is shared by (``TrainingSettings.microbatches``)."""
+        return self.settings.microbatches
+
+    def step_collective_s(self, kind: str, nbytes: int, axis: int) -> float:
+        """One of the optimizer step's collectives (``step_collectives``), per micro-batch."""
+        return self.comm_time_s(kind, nbytes, axis) / self.per_step
 
     def _param_time_s(self, node: OpNode, s: SourceStrategy) -> float:
         t = self.optimizer_step_s(node, s)
-        t += sum(self.comm_time_s(kind, nbytes, axis) for axis, kind, nbytes in self.step_collectives(node, s))
-        return t + sum(whole for _, whole in self.accumulated_steps(node, s)) * self.grad_exposed(node)
+        t += sum(self.step_collective_s(kind, nbytes, axis) for axis, kind, nbytes in self.step_collectives(node, s))
+        return t + sum(whole * exposed for _, whole, exposed in self.accumulated_steps(node, s))
 
-    def accumulated_steps(self, node: OpNode, s: SourceStrategy) -> list[tuple[Any, float]]:
-        """(step, whole seconds) of the one reduction of a parameter's summed partial gradients."""
+    def accumulated_steps(self, node: OpNode, s: SourceStrategy) -> list[tuple[Any, float, float]]:
+        """(step, whole seconds, exposed fraction) of the one reduction of a parameter's summed partial
+        gradients (``grad_move_steps``)."""
         moves = s.accumulated_grad if isinstance(s, SourceStrategy) else None
         if moves is None:
             return []
@@ -435,7 +477,6 @@ class Coster:
         meta = u.outputs[out_idx]
         grad = u.requires_grad and v.requires_grad and meta.is_float
         regather = u.kind == "param" and pos in self.saved_inputs(v)  # a kept gathered parameter: gathered again
-        exposed = self.grad_exposed(u)
         param = u.kind == "param"  # its gradient may go into a bucket (grad_move_steps)
         # a cell depends on u's strategy only through (output placement, its gradient's) and on v's
         # only through (input placement, the gradient it returns): price each distinct pair once
@@ -463,9 +504,9 @@ class Coster:
                 if grad and gid != tid:
                     back = moves.get((mid, gid, tid, param))
                     if back is None:
-                        whole = sum(w for _, w in self.grad_move_steps(u, meta, g, grad_target))
-                        back = moves[mid, gid, tid, param] = whole
-                    t += back * exposed
+                        steps = self.grad_move_steps(u, meta, g, grad_target)
+                        back = moves[mid, gid, tid, param] = sum(w * e for _, w, e in steps)
+                    t += back
                 t_row.append(t)
                 m_row.append(self.edge_saved_bytes(u, out_idx, v, pos, src, dst, gid != tid) if keeps else 0)
             time.append(t_row)

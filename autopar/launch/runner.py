@@ -95,7 +95,7 @@ class RunConfig:
     resume_dir: str | None = None  # continue from this checkpoint (or the latest step-<n> in it)
     pipeline: str = "none"  # the mesh axis that carries a pipeline (planner.pipeline_planning)
     microbatches: int | str = "auto"  # micro-batches per step (through the pipeline, or accumulated)
-    schedule: str = "1f1b"  # the pipeline schedule
+    schedule: str = "auto"  # the pipeline schedule
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("steps", "batch", "seq") if getattr(self, k) < 1]

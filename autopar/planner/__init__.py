@@ -30,7 +30,7 @@ from .options import (
     device_profile,
     training_precision,
 )
-from .pipeline_planning import plan_pipelined
+from .pipeline_choice import plan_model
 from .plan_parts import (
     Collective,
     FallbackOp,
@@ -95,7 +95,7 @@ __all__ = [
     "hints_from_file",
     "plan",
     "plan_from_context",
-    "plan_pipelined",
+    "plan_model",
     "prepare",
     "prepare_context",
     "rebatch",

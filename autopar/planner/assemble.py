@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from autopar.cost import BackwardMemory, peak_memory
+from autopar.cost import BACKWARD_SHARE, BackwardMemory, peak_memory
 from autopar.placement import Replicate, Shard
 from autopar.spec import local_shape
 from autopar.transitions import AxisTransition, transitions
@@ -149,15 +149,16 @@ class _StepWalk:
         self.held["grads"] += state.grads
         self.held["optimizer"] += state.optimizer
         step = coster.step_collectives(n, s)
-        self.compute_s += self.node_time_s(n) - sum(coster.comm_time_s(k, b, a) for a, k, b in step)
+        self.compute_s += self.node_time_s(n) - sum(coster.step_collective_s(k, b, a) for a, k, b in step)
         for axis, kind, nbytes in step:
-            self.add(AxisTransition(axis, kind, nbytes), "optimizer", n, n.fqn)
+            move = AxisTransition(axis, kind, nbytes)
+            self.add(move, "optimizer", n, n.fqn, whole=coster.step_collective_s(kind, nbytes, axis))
         summed = coster.accumulated_steps(n, s)
         if s.accumulated_grad is not None:  # the summed partial gradients, reduced once (maybe in a bucket)
             self.bucketed[n.index] = coster.bucketed_grad_bytes(n, n.outputs[0], *s.accumulated_grad)
-        self.compute_s -= sum(whole for _, whole in summed) * coster.grad_exposed(n)
-        for t, whole in summed:  # the summed partial gradients of all uses, reduced once
-            self.add(t, "backward", n, n.name, coster.grad_exposed(n), whole)
+        self.compute_s -= sum(whole * exposed for _, whole, exposed in summed)
+        for t, whole, exposed in summed:  # the summed partial gradients of all uses, reduced once
+            self.add(t, "backward", n, n.name, exposed, whole)
 
     def saved_activations(self, n) -> str | None:
         """What a node keeps for backward and when backward frees it; its recompute region (None: saved)."""
@@ -255,8 +256,8 @@ class _StepWalk:
             grad_bytes = self.coster.bucketed_grad_bytes(producer, producer.outputs[o], g, target)
             self.bucketed[u] = max(self.bucketed.get(u, 0), grad_bytes)
         if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
-            for t, whole in self.coster.grad_move_steps(producer, producer.outputs[o], g, target):
-                self.add(t, "backward", n, producer.name, self.coster.grad_exposed(producer), whole)
+            for t, whole, exposed in self.coster.grad_move_steps(producer, producer.outputs[o], g, target):
+                self.add(t, "backward", n, producer.name, exposed, whole)
 
     def output_gathers(self) -> None:
         """The model's outputs gathered whole onto every rank (what the module returns)."""
@@ -313,6 +314,26 @@ def _terms(coster, graph, strat, compute_s: float, collectives: list[Collective]
     return terms
 
 
+#: the term of a plan's step that its overlapped gradient reductions add past backward (``overlap_bounded``)
+PAST_BACKWARD = "gradient reductions past backward"
+
+
+def overlap_bounded(cost: PlanCost, collectives: tuple[Collective, ...]) -> PlanCost:
+    """``cost`` with the gradient reductions' overlap bounded by the backward compute it hides behind.
+
+    The search prices each overlapped reduction at ``1 - grad_reduce_overlap`` of its time (additive, per
+    node); but all of them together can hide behind no more than backward's compute, ``BACKWARD_SHARE`` of the
+    ops' time.  What they would hide past that is exposed: a term of its own, ``max(0, sum hidden_s -
+    BACKWARD_SHARE t_ops)``, added after the search (the search's objective does not see it: a plan whose
+    reductions outrun backward, a data-parallel plan on a slow link, is priced true here and in the choice
+    between pipelines, ``pipeline_choice``, not yet inside the search)."""
+    hidden = sum(c.hidden_s for c in collectives)
+    past = hidden - BACKWARD_SHARE * cost.terms.get("ops (forward + backward)", 0.0)
+    if past <= 0:
+        return cost
+    return PlanCost(cost.compute_s, cost.comm_s + past, cost.total_s + past, {**cost.terms, PAST_BACKWARD: past})
+
+
 def assemble_plan(
     ctx,
     choice: list[int],
@@ -333,7 +354,7 @@ def assemble_plan(
         inputs=inputs,
         nodes=nodes,
         collectives=b.collectives,
-        cost=b.cost,
+        cost=overlap_bounded(b.cost, b.collectives),
         memory=replace(b.memory, cap_bytes=settings.mem_cap_bytes),
         fallback_ops=fallback,
         family=classify(ctx, choice),

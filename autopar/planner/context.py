@@ -38,7 +38,7 @@ from .hints import ResolvedHints, resolve_hints
 from .options import HintOptions, PlanOptions
 from .problem_tables import ProblemTables, build_tables
 
-__all__ = ["PlanningContext", "hinted_context", "prepare_context", "rebatch", "repriced"]
+__all__ = ["PlanningContext", "graph_context", "hinted_context", "prepare_context", "rebatch", "repriced"]
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +150,53 @@ def rebatch(ctx: PlanningContext, batch: int) -> PlanningContext:
     return out
 
 
-def _price(
-    graph: OpGraph, mesh: Mesh, options: PlanOptions, hint_options: HintOptions, timings: dict, template
+def graph_context(
+    graph: OpGraph,
+    mesh: Mesh,
+    job_mesh: Mesh,
+    axis: int | None,
+    options: PlanOptions,
+    hint_options: HintOptions,
+    microbatches: int = 1,
 ) -> PlanningContext:
-    """Candidates, hints, cost tables and blocks of a captured graph, priced with ``options`` (resolved)."""
+    """The context of a captured ``graph`` on ``mesh``: ``job_mesh`` itself (``axis`` None), or the mesh of the
+    stages of a pipeline along axis ``axis`` of ``job_mesh``, each of its axes priced on the link it has in
+    ``job_mesh`` (a stage's data-parallel axis crossing nodes stays on the inter-node link though the stage mesh
+    alone would fit in a node).  ``options``: resolved (``PlanOptions.resolved``).  ``microbatches``: of the
+    step ``graph`` (captured at one micro-batch) is a part of, priced per micro-batch
+    (``TrainingSettings.microbatches``)."""
+    links = None
+    if axis is not None and job_mesh.ndim > 1:
+        profile = _profile(options)
+        links = tuple(profile.link_for_axis(job_mesh.shape, k) for k in range(job_mesh.ndim) if k != axis)
+    with _no_full_collections():
+        return _price(graph, mesh, options, hint_options, {"capture_s": 0.0}, None, links, microbatches)
+
+
+def _profile(options: PlanOptions):
+    return load_profile(options.profile).with_devices_per_node(options.devices_per_node)
+
+
+def _price(
+    graph: OpGraph,
+    mesh: Mesh,
+    options: PlanOptions,
+    hint_options: HintOptions,
+    timings: dict,
+    template,
+    axis_links: tuple | None = None,
+    microbatches: int = 1,
+) -> PlanningContext:
+    """Candidates, hints, cost tables and blocks of a captured graph, priced with ``options`` (resolved) and
+    ``axis_links``, ``microbatches`` (``TrainingSettings``)."""
     t1 = time.perf_counter()
     training = TrainingSettings(
-        load_profile(options.profile).with_devices_per_node(options.devices_per_node),
+        _profile(options),
         precision(options.dtype),
         optimizer_spec(options.optimizer),
         options.grad_bucket_bytes,
+        axis_links,
+        microbatches,
     )
     cand = build_candidates(graph, mesh.shape)
     resolved = _resolve(graph, mesh, hint_options)

@@ -15,24 +15,20 @@ the same two steps on ``PlanOptions`` and ``HintOptions``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from autopar.mesh import Mesh
-from autopar.search import Deadline
 
-from .context import PlanningContext, check_no_pipeline, hinted_context, prepare_context, rebatch, repriced
+from .context import PlanningContext, prepare_context, rebatch
+from .context_search import search_context
 from .errors import MemoryCapError
 from .options import HintOptions, PlanOptions
-from .pipeline_planning import plan_pipelined
-from .recompute_modes import search_modes, with_families
+from .pipeline_choice import plan_model
 from .schema import FAMILIES, Plan
-from .solving import SearchRun
 
 __all__ = [
     "FAMILIES",
@@ -68,7 +64,7 @@ def prepare(
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
     microbatches: int | str = "auto",
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
@@ -114,7 +110,7 @@ def plan(
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
     microbatches: int | str = "auto",
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
@@ -166,10 +162,17 @@ def plan(
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     if progress is not None:
         progress("capture + strategies", 0, 1)
-    if options.micro_batched:
-        return plan_pipelined(model, mesh, example_inputs, example_kwargs, options, hint_options, progress=progress)[0]
-    ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
-    return search_context(ctx, compare_families=compare_families, progress=progress)
+    found = plan_model(
+        model,
+        mesh,
+        example_inputs,
+        example_kwargs,
+        options,
+        hint_options,
+        compare_families=compare_families,
+        progress=progress,
+    )
+    return found[0]
 
 
 def plan_from_context(
@@ -188,7 +191,7 @@ def plan_from_context(
     search_budget_s: float | None = 30.0,
     pipeline: str = "none",
     microbatches: int | str = "auto",
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,
@@ -215,31 +218,3 @@ def plan_from_context(
     given, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     hinted = hint_options if hint_options.given else None
     return search_context(ctx, given, hinted, compare_families=compare_families, progress=progress)
-
-
-def search_context(
-    ctx: PlanningContext,
-    options: PlanOptions | None = None,
-    hint_options: HintOptions | None = None,
-    *,
-    compare_families: bool = True,
-    progress: Callable[[str, int, int], None] | None = None,
-) -> Plan:
-    """``plan_from_context`` on the options objects: ``ctx.options`` updated by ``options``' fields that are
-    not at their defaults (None: ``ctx.options``), and ``hint_options`` in place of the context's hints (None:
-    those)."""
-    options = ctx.options if options is None else ctx.options.updated_by(options)
-    check_no_pipeline(options, "plan_from_context")
-    if options.priced() != ctx.options.priced():
-        ctx = repriced(ctx, options)
-    run = SearchRun(Deadline.after(options.search_budget_s), progress)
-    start = time.perf_counter()
-    hinted_ctx, resolved = hinted_context(ctx, hint_options)
-    found = search_modes(ctx, hinted_ctx, resolved, options, run)
-    if compare_families:
-        free = options.allow_state_sharding and options.family is None and not resolved.allowed(hinted_ctx.cand)
-        plan = with_families(found, hinted_ctx, options, run, free)
-    else:
-        plan = found.plan
-    # every search of the call (each recompute mode, the peak loop's, the family rows'), not only the kept plan's
-    return dataclasses.replace(plan, timings=dict(plan.timings, search_s=time.perf_counter() - start))

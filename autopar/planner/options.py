@@ -154,7 +154,7 @@ _KEYWORDS = (
     Keyword(
         "pipeline",
         "none",
-        "the mesh axis that carries a pipeline of stages: an axis name, or 'none'",
+        "the mesh axis that carries a pipeline of stages: an axis name, 'auto' (the search chooses) or 'none'",
         "search",
         "--pipeline",
     ),
@@ -165,7 +165,9 @@ _KEYWORDS = (
         "search",
         "--microbatches",
     ),
-    Keyword("schedule", "1f1b", "the pipeline schedule: " + ", ".join(SCHEDULES), "search", "--schedule"),
+    Keyword(
+        "schedule", "auto", "the pipeline schedule: " + ", ".join(SCHEDULES) + ", or 'auto'", "search", "--schedule"
+    ),
     Keyword(
         "hints",
         None,
@@ -261,10 +263,10 @@ class PlanOptions:
 
     def _check_pipeline(self) -> None:
         if not isinstance(self.pipeline, str) or not self.pipeline:
-            raise TypeError(f"pipeline {self.pipeline!r}: expected a mesh axis name (str) or 'none'")
+            raise TypeError(f"pipeline {self.pipeline!r}: expected a mesh axis name (str), 'auto' or 'none'")
         if self.microbatches != "auto":
             _whole("microbatches", self.microbatches, 1, "pass how many micro-batches the batch splits into, or 'auto'")
-        _one_of("schedule", self.schedule, SCHEDULES, "pass one of those pipeline schedules")
+        _one_of("schedule", self.schedule, (*SCHEDULES, "auto"), "pass one of those pipeline schedules")
 
     @property
     def micro_batched(self) -> bool:

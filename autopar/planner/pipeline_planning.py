@@ -1,11 +1,12 @@
-"""Micro-batched plans: one mesh axis carries a pipeline of stages, each stage sharded over the other axes; or
-micro-batches accumulated without one.
+"""Micro-batched plans, one candidate at a time: one mesh axis carries a pipeline of stages, each stage sharded
+over the other axes; or micro-batches accumulated without one.  Which candidate a plan takes is
+``pipeline_choice``'s.
 
 ``plan(..., microbatches=m)`` without a pipeline plans one micro-batch on the whole mesh (its memory is the step's:
 one micro-batch's activations at a time) and prices the step as ``m`` of them plus one optimizer step
 (``step_cost``); ``ShardedModule.train_step`` runs them one after another, the gradients accumulating.
 
-``plan(..., pipeline="pp", microbatches=m, schedule=...)`` (``plan_pipelined``) makes a plan whose ranks along
+``plan(..., pipeline="pp", microbatches=m, schedule=...)`` (``pipelined``) makes a plan whose ranks along
 axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` stages per rank (``v = 2`` for
 ``interleaved``, else 1), over ``m`` micro-batches of the batch:
 
@@ -22,36 +23,37 @@ Pricing (``stage_prices``): the plan's own charge of every node summed per layer
 crossing each cut; for GPipe and 1F1B the split is ``search.stages.split_stages``' (uneven where that pays, each
 stage's state plus its micro-batches in flight under the cap), for interleaved schedules an even split priced by
 the list schedule; the step adds the slowest rank's optimizer step.  The stage-mesh search itself runs without
-the cap, for one micro-batch's whole step: weighting its terms as the pipeline pays them, and choosing whether to
-pipeline, which axis, ``m`` and the schedule, is the next step.
+the cap, for one micro-batch's whole step (its terms are not yet weighted as the pipeline pays them: the
+gradient sync and the optimizer once per step, the ops once per micro-batch).  The stage mesh's axes keep the
+links they have on the whole mesh (``context.stage_context``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Callable
 
-import torch
-
-from autopar.capture import OpGraph, batch_of, split_microbatches
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
-from autopar.search import Deadline, NoSplitFits
+from autopar.search import NoSplitFits
 
-from .context import hinted_context, prepare_context
+from .context import PlanningContext
 from .errors import MemoryCapError
-from .options import HintOptions, PlanOptions
 from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
-from .recompute_modes import search_modes
 from .schema import Plan
-from .solving import SearchRun
 from .stage_assignment import chain_layers, layer_span
 from .stage_prices import PricedPipeline, chain_prices, priced_stages
 
-__all__ = ["auto_microbatches", "plan_pipelined", "stage_mesh", "step_cost"]
-
-log = logging.getLogger(__name__)
+__all__ = [
+    "check_layers",
+    "check_schedule",
+    "microbatch_choices",
+    "pipeline_axis",
+    "pipelined",
+    "schedule_runs",
+    "stage_mesh",
+    "step_cost",
+    "virtual_stages",
+]
 
 
 def pipeline_axis(mesh: Mesh, axis: str) -> int:
@@ -78,48 +80,20 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
     return Mesh(tuple(mesh.shape[k] for k in keep), axis_names=tuple(mesh.axis_names[k] for k in keep))
 
 
-def plan_pipelined(
-    model: torch.nn.Module,
-    mesh: Mesh,
-    example_inputs,
-    example_kwargs: dict | None,
-    options: PlanOptions,
-    hint_options: HintOptions,
-    *,
-    progress: Callable[[str, int, int], None] | None = None,
-) -> tuple[Plan, OpGraph]:
-    """The plan that runs the batch as ``options.microbatches`` micro-batches, through a pipeline along
-    ``options.pipeline`` or (``pipeline="none"``) accumulated on the whole mesh, and the graph it was made on
-    (captured at the micro-batch; module docstring)."""
-    piped = options.pipeline != "none"
-    axis = pipeline_axis(mesh, options.pipeline) if piped else -1
-    p = mesh.shape[axis] if piped else 1
-    v = 2 if piped and options.schedule == "interleaved" else 1
-    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    m = options.microbatches
-    if m == "auto":
-        m = auto_microbatches(batch_of(tuple(args), dict(example_kwargs or {})), p, mesh.size // p, options.schedule)
-    if piped:
-        _check_schedule(options.schedule, p, m)
-    (micro_args, micro_kwargs), *_ = split_microbatches(tuple(args), dict(example_kwargs or {}), m)
-    # accumulated micro-batches hold one micro-batch's activations at a time: the cap holds as it is; a stage's
-    # memory is the split's to keep under it (stage_prices)
-    cap = options.mem_cap
-    inner = dataclasses.replace(options, pipeline="none", microbatches=1, mem_cap=None if piped else cap)
-    ctx = prepare_context(
-        model, stage_mesh(mesh, axis) if piped else mesh, micro_args, micro_kwargs, inner, hint_options
-    )
-    if piped:
-        layers = chain_layers(ctx.graph)
-        _check_layers(options.pipeline, type(model).__name__, layers, p, v)
-    hinted_ctx, resolved = hinted_context(ctx, None)
-    run = SearchRun(Deadline.after(inner.search_budget_s), progress)
-    micro_plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
-    if not piped:
-        return dataclasses.replace(micro_plan, microbatches=m, cost=step_cost(micro_plan.cost, m)), ctx.graph
-    link = ctx.coster.settings.profile.link_for_axis(mesh.shape, axis)
+def pipelined(
+    ctx: PlanningContext, micro_plan: Plan, mesh: Mesh, axis: int, schedule: str, m: int, cap: int | None
+) -> Plan:
+    """The pipelined plan on ``mesh`` whose stages run ``micro_plan`` (searched on ``ctx``: one micro-batch on
+    ``stage_mesh(mesh, axis)``), split and priced for ``schedule`` over ``m`` micro-batches under ``cap`` per
+    device (module docstring).  Raises ``MemoryCapError`` when no split fits."""
+    p, v = mesh.shape[axis], virtual_stages(schedule)
+    layers = chain_layers(ctx.graph)
+    settings = ctx.coster.settings
+    if settings.microbatches != m:
+        raise ValueError(f"the stage plan was priced for {settings.microbatches} micro-batches per step, not {m}")
+    link = settings.profile.link_for_axis(mesh.shape, axis)
     try:
-        priced = priced_stages(chain_prices(ctx.graph, micro_plan, layers, link), options.schedule, m, p, v, cap)
+        priced = priced_stages(chain_prices(ctx.graph, micro_plan, layers, link, m), schedule, m, p, v, cap)
     except NoSplitFits as e:
         raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
     names = [name for name, _ in layers]
@@ -128,8 +102,13 @@ def plan_pipelined(
         for j, st in enumerate(priced.stages)
     )
     bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
-    pipe = PipelinePlan(options.pipeline, options.schedule, stages, v, bubble)
-    return lift(micro_plan, mesh, axis, pipe, m, priced, cap), ctx.graph
+    pipe = PipelinePlan(mesh.axis_names[axis], schedule, stages, v, bubble)
+    return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
+
+
+def virtual_stages(schedule: str) -> int:
+    """Stages per rank: 2 for ``interleaved``, else 1."""
+    return 2 if schedule == "interleaved" else 1
 
 
 def _stage_name(names: list[str], stage: StagePart, j: int, count: int) -> str:
@@ -138,45 +117,51 @@ def _stage_name(names: list[str], stage: StagePart, j: int, count: int) -> str:
     return ("(before) " if j == 0 else "") + named + (" (after)" if j == count - 1 else "")
 
 
-def auto_microbatches(batch: int | None, p: int, others: int, schedule: str) -> int:
-    """``microbatches="auto"``: 1 without a pipeline (``p = 1``); with one, the most micro-batches up to ``4 p``
-    (the bubble ``(p - 1) / (m + p - 1)`` under a fifth) that split the batch evenly, each micro-batch still
-    splitting evenly over the ``others`` ranks of the other axes, and that the schedule runs; failing that, the
-    fewest the schedule runs.  Searching ``m`` with the stages is the next step (module docstring)."""
+def microbatch_choices(batch: int | None, p: int, others: int, schedules: tuple[str, ...]) -> list[int]:
+    """``microbatches="auto"``'s candidates: 1 without a pipeline (``p = 1``); with one, the fewest micro-batches
+    of at least ``p``, ``2 p`` and ``4 p`` (the bubble ``(p - 1) / (m + p - 1)`` under a half, a third, a fifth)
+    that split the batch evenly, that one of ``schedules`` runs and, where some do, whose micro-batch splits
+    evenly over the ``others`` ranks of the other axes.  Raises ValueError when the batch splits into none."""
     if p == 1 or batch is None:
-        return 1
-    runs = [m for m in range(1, batch + 1) if batch % m == 0 and _schedule_runs(schedule, p, m)]
+        return [1]
+    runs = [m for m in range(p, batch + 1) if batch % m == 0 and any(schedule_runs(s, p, m) for s in schedules)]
     if not runs:
+        names = " or ".join(schedules)
         raise ValueError(
-            f"a batch of {batch} does not split into micro-batches a {p}-stage {schedule} pipeline runs (at least "
-            f"{p}{', a multiple of it' if schedule == 'interleaved' else ''}). Fix: a batch of {p} or more, or "
-            "schedule='gpipe'"
+            f"a batch of {batch} does not split into micro-batches a {p}-stage {names} pipeline runs (at least "
+            f"{p}{', a multiple of it' if schedules == ('interleaved',) else ''}). Fix: a batch of {p} or more, "
+            "or a smaller pipeline axis"
         )
-    even = [m for m in runs if m <= 4 * p and (batch // m) % others == 0]
-    return max(even) if even else min(runs)
+    even = [m for m in runs if (batch // m) % others == 0] or runs
+    return sorted({min((m for m in even if m >= k * p), default=max(even)) for k in (1, 2, 4)})
 
 
-def _schedule_runs(schedule: str, p: int, m: int) -> bool:
+def schedule_runs(schedule: str, p: int, m: int) -> bool:
+    """Whether ``torch.distributed.pipelining`` runs ``schedule`` on ``p`` ranks with ``m`` micro-batches: 1F1B
+    needs at least ``p`` (each stage runs one in flight before its first backward), interleaved a multiple of
+    ``p`` (micro-batches go in groups of the ranks)."""
     return not (schedule == "1f1b" and m < p) and not (schedule == "interleaved" and m % p)
 
 
-def _check_schedule(schedule: str, p: int, m: int) -> None:
-    """What ``torch.distributed.pipelining`` runs: 1F1B at least ``p`` micro-batches, interleaved a multiple of
-    ``p``."""
-    if schedule == "1f1b" and m < p:
+def check_schedule(schedule: str, p: int, m: int) -> None:
+    """ValueError with the fix when ``schedule`` does not run ``m`` micro-batches on ``p`` ranks
+    (``schedule_runs``)."""
+    if schedule_runs(schedule, p, m):
+        return
+    if schedule == "1f1b":
         raise ValueError(
             f"schedule='1f1b' on {p} pipeline stages needs at least {p} micro-batches (each stage runs one in "
             f"flight before its first backward), got microbatches={m}. Fix: pass microbatches={p} or more, or "
             "schedule='gpipe'"
         )
-    if schedule == "interleaved" and m % p:
-        raise ValueError(
-            f"schedule='interleaved' sends micro-batches in groups of the {p} pipeline ranks: microbatches={m} is "
-            f"not a multiple of {p}. Fix: pass microbatches={p * max(1, m // p)} or schedule='1f1b'"
-        )
+    raise ValueError(
+        f"schedule='interleaved' sends micro-batches in groups of the {p} pipeline ranks: microbatches={m} is "
+        f"not a multiple of {p}. Fix: pass microbatches={p * max(1, m // p)} or schedule='1f1b'"
+    )
 
 
-def _check_layers(axis: str, model: str, layers: list, p: int, v: int) -> None:
+def check_layers(axis: str, model: str, layers: list, p: int, v: int) -> None:
+    """ValueError with the fix when ``layers`` (``chain_layers``) cannot fill ``p v`` stages."""
     if not layers:
         raise ValueError(
             f"pipeline={axis!r}: {model} has no layers (entries of an nn.ModuleList or nn.Sequential of two or "
@@ -239,20 +224,12 @@ def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, m: int, priced:
     )
 
 
-def per_step(term: str) -> bool:
-    """Whether a cost term (``PlanCost.terms``) is paid once per step, not per micro-batch: the optimizer step and
-    what runs with it (the all-gather of ZeRO-sharded weights)."""
-    return term == "optimizer step" or term.endswith("(optimizer)")
-
-
 def step_cost(micro: PlanCost, m: int) -> PlanCost:
-    """A step of ``m`` accumulated micro-batches from the plan of one (``micro``): ``T = m t_micro + t_step``,
-    ``t_micro`` the terms each micro-batch pays (ops, their collectives), ``t_step`` those paid once per step
-    (``per_step``)."""
-    terms = {k: t if per_step(k) else t * m for k, t in micro.terms.items()}
-    compute = sum(t for k, t in terms.items() if k in ("ops (forward + backward)", "optimizer step"))
-    total = sum(terms.values())
-    return PlanCost(compute, total - compute, total, terms)
+    """A step of ``m`` accumulated micro-batches from the plan of one (``micro``, priced per micro-batch:
+    what runs once per step at ``1 / m`` of its time, ``cost.coster``): ``T = m t_micro``, each term ``m``
+    times."""
+    terms = {k: t * m for k, t in micro.terms.items()}
+    return PlanCost(micro.compute_s * m, micro.comm_s * m, micro.total_s * m, terms)
 
 
 def _rank_memory(micro: PlanMemory, priced: PricedPipeline, cap: int | None) -> PlanMemory:

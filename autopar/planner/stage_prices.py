@@ -13,7 +13,8 @@ of layers (``pipeline_planning.chain_layers``), as ``pipeline_planning.stage_of_
 * a parameter's bytes (its state) and time (its optimizer step, once per step) go to the first layer reading it,
   and to each end (prelude, postlude) reading it: a weight two stages read is held by both (a tied embedding);
 * a cut after layer ``k`` costs the time to send the values made up to it that a later op reads (this rank's
-  pieces under the plan's placements) over the pipeline axis's link, and their gradients back.
+  pieces under the plan's placements) over the pipeline axis's link, and their gradients back; the sends run
+  while the stages compute (``search.stages``: each link one more machine of the flow shop).
 
 ``priced_stages`` then splits the layers: for GPipe and 1F1B by ``search.stages.split_stages`` (uneven where that
 pays, every stage under the cap with its micro-batches in flight), for interleaved schedules evenly into ``p v``
@@ -26,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.capture import OpGraph
-from autopar.cost import in_flight, step_time
+from autopar.cost import BACKWARD_TO_FORWARD, in_flight, step_time
 from autopar.search import StageCosts, split_stages, step_of_split
 from autopar.spec import local_shape
 from costmodel import LinkProfile, p2p_time_s
@@ -37,9 +38,6 @@ from .schema import Plan
 from .stage_assignment import stage_of_nodes
 
 __all__ = ["ChainPrices", "PricedPipeline", "chain_prices", "priced_stages"]
-
-#: An op's backward to forward time (a matmul's backward runs two matmuls of its size).
-BACKWARD_TO_FORWARD = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +71,10 @@ class PricedPipeline:
         return self.state_bytes + self.activation_bytes
 
 
-def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile) -> ChainPrices:
-    """The chain's prices from ``plan`` (searched on the stage mesh for one micro-batch of ``graph``; module
-    docstring); ``layers``: ``chain_layers(graph)``; ``link``: the pipeline axis's."""
+def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m: int = 1) -> ChainPrices:
+    """The chain's prices from ``plan`` (searched on the stage mesh for one micro-batch of ``graph``, of a step
+    of ``m``: a parameter's charge, its optimizer step and once-per-step reductions, is ``1 / m`` of them,
+    ``cost.coster``; module docstring); ``layers``: ``chain_layers(graph)``; ``link``: the pipeline axis's."""
     n = len(layers)
     one_each = PipelinePlan("", "gpipe", tuple(StagePart(k, k + 1) for k in range(n)))
     index = {node.name: node.index for node in graph.nodes}
@@ -103,7 +102,7 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile) ->
             holders = {s for s in readers if s >= n} | ({min(layers_reading)} if layers_reading else set())
             for s in holders:
                 state[s] += nbytes
-                step[s] += t_ps / PS_PER_S
+                step[s] += t_ps * m / PS_PER_S
 
     def costs(slots: range | list[int]) -> StageCosts:
         f = [time[s] / (1 + BACKWARD_TO_FORWARD) for s in slots]
@@ -151,7 +150,8 @@ def priced_stages(prices: ChainPrices, schedule: str, m: int, p: int, v: int, ca
         for j in range(p * v):
             bounds.append(bounds[-1] + n // (p * v) + (1 if j < n % (p * v) else 0))
         split = step_of_split(prices.layers, bounds, [1] * (p * v), m, ends, prices.cuts)
-        schedule_s = step_time(schedule, list(split.forward_s), list(split.backward_s), m, v=v)
+        sends = max(split.sends, default=0.0)  # the list schedule's one transfer time: the slowest link's
+        schedule_s = step_time(schedule, list(split.forward_s), list(split.backward_s), m, v=v, transfer_s=sends)
     per_stage = [f + b for f, b in zip(split.forward_s, split.backward_s, strict=True)]
     optimizer, state, acts = [0.0] * p, [0] * p, [0] * p
     for j in range(p * v):

@@ -24,6 +24,12 @@ work the way DDP does:
   range of the bucket's flat buffer, a fresh buffer every round, so no copy), so
   gradient accumulation over several backwards stays exact.
 
+A step of several micro-batches (``ShardedModule.train_step`` of a pipelined or
+accumulating plan) reduces once: ``hold`` takes the gradients so far out of
+``.grad``, the micro-batches run unwrapped (their partial gradients accumulate in
+``.grad``), and ``reduce_held`` all-reduces each bucket's sum after the last backward
+and adds what ``hold`` took (the cost model prices it so: ``Coster.grad_move_steps``).
+
 Bucketed: parameters whose every consumer edge returns the same gradient
 placement (or whose plan sums its uses' gradients first, ``partial_grad_axes``: then
 that sum's placement), which differs from the parameter's own gradient placement on exactly
@@ -229,6 +235,31 @@ class GradBuckets:
         """
         steps = transitions(meta, grad_src, grad_dst, self.groups.mesh.shape)
         self.logical.setdefault(name, {})[edge] = [(t.kind, t.axis, t.bytes, t.reduce_op) for t in steps]
+
+    def hold(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """Before a step of several micro-batches: each bucketed parameter's ``.grad`` so far, taken out of it.
+
+        During the step nothing is wrapped (``wrap``): the lowered program's bucketed edges hand their
+        gradients back unreduced, so the micro-batches' partial gradients accumulate in ``.grad`` locally and
+        ``reduce_held`` reduces their sum once, after the step's last backward (DDP's ``no_sync``)."""
+        kept = {}
+        for name, p in params.items():
+            kept[name], p.grad = p.grad, None
+        return kept
+
+    def reduce_held(
+        self, params: dict[str, torch.Tensor], kept: dict[str, torch.Tensor | None], counter: CollectiveCounter | None
+    ) -> None:
+        """After the step's micro-batches: one all-reduce per bucket of the partial gradients accumulated in
+        ``.grad`` (the parameters with one: on a pipeline, those of this rank's stages, alike on every rank of
+        the bucket's axis group), added to what ``hold`` took out."""
+        rnd = _Round(self, params, counter)
+        for name, p in params.items():
+            if p.grad is not None:
+                rnd.of[name].grads[name] = p.grad.contiguous()
+            p.grad = kept[name]
+        with self.groups.collectives("the gradient all-reduce"):
+            rnd._finish()
 
     def wrap(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The source value forward reads for a bucketed parameter."""

@@ -18,6 +18,17 @@ exactly (``tests/test_stage_split.py`` checks it against the list schedule of ``
 from above, equal when the stages are equal).  The first sum does not depend on the split (every layer is in
 some stage), so the split minimizes ``max_j F_j + max_j B_j``: the slowest stage sets the pace.
 
+Transfers.  A stage sends what crosses its cut asynchronously (``torch.distributed.pipelining``'s ``isend``) and
+goes on with its next micro-batch, so each link between stages is one more machine of the flow shop, taking
+``c_j`` per micro-batch each way (``cuts``):
+
+    T = sum_j (F_j + B_j) + 2 sum_j c_j + (m - 1) (max(F_j, c_j) + max(B_j, c_j))   (max over stages and links)
+
+A link slower than every stage sets the pace; one faster only adds its latency to the first and last
+micro-batch.  The search keeps the pairs with the links in the maxima; ``2 sum_j c_j``, which depends on where
+the cuts fall, is left to ``step_of_split`` (a bound of ``2 (p - 1) max c`` on what the split's choice can
+miss).
+
 Memory.  Stage j holds its model state (``S_j``: its layers' parameters, gradients and optimizer state, and its
 end's) and the activations of the ``h_j`` micro-batches in flight on it (``cost.pipeline.in_flight``, given by
 the caller: ``m`` under GPipe, ``min(m, p - j)`` under 1F1B), each its layers' and end's saved activations
@@ -75,13 +86,15 @@ class StageCosts:
 @dataclass(frozen=True, slots=True)
 class StageSplit:
     """A split: stage j takes layers ``[bounds[j], bounds[j + 1])``; its step time (module docstring's ``T``),
-    the forward and backward time and the memory ``M_j`` of each stage."""
+    the forward and backward time (compute) and the memory ``M_j`` of each stage, and the seconds of each send
+    between stages (``sends[j]``: after stage j, each way)."""
 
     bounds: tuple[int, ...]
     step_s: float
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     memory_bytes: tuple[int, ...]
+    sends: tuple[float, ...] = ()
 
 
 class _Prefix:
@@ -113,17 +126,18 @@ class _Pipeline:
         return len(self.held)
 
     def stage(self, j: int, i: int, k: int) -> tuple[float, float, int]:
-        """(forward s, backward s, memory bytes) of stage j on layers ``[i, k)``: a stage sends its last layer's
-        values on in forward and its first layer's input gradients back in backward."""
+        """(forward s, backward s, memory bytes) of stage j on layers ``[i, k)``, its compute (the sends are the
+        links', ``cut``)."""
         f, b, s, a = self.prefix.run(i, k)
         for end, here in ((self.prelude, j == 0), (self.postlude, j == self.p - 1)):
             if here:
                 f, b = f + end.forward_s[0], b + end.backward_s[0]
                 s, a = s + end.state_bytes[0], a + end.act_bytes[0]
-        if self.cuts:
-            f += self.cuts[k - 1] if k - 1 < len(self.cuts) else 0.0
-            b += self.cuts[i - 1] if i > 0 else 0.0
         return f, b, s + self.held[j] * a
+
+    def cut(self, k: int, n: int) -> float:
+        """Seconds to send what crosses the cut before layer ``k`` of ``n`` (0 at the chain's ends)."""
+        return self.cuts[k - 1] if 0 < k < n and k - 1 < len(self.cuts) else 0.0
 
 
 def split_stages(
@@ -178,6 +192,8 @@ def _fronts(pipe: _Pipeline, n: int, cap: int | None) -> list[dict[int, dict[tup
                 f, b, mem = pipe.stage(j, k, k2)
                 if cap is not None and mem > cap:
                     continue
+                c = pipe.cut(k2, n)  # the link after the stage: a machine of the flow shop too
+                f, b = max(f, c), max(b, c)
                 cell = nxt.setdefault(k2, {})
                 for fb in pairs:
                     cell.setdefault((max(fb[0], f), max(fb[1], b)), (k, fb))
@@ -240,5 +256,7 @@ def step_of_split(
     pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts))
     stages = [pipe.stage(j, bounds[j], bounds[j + 1]) for j in range(p)]
     fs, bs, mems = (tuple(x[i] for x in stages) for i in range(3))
-    step = sum(fs) + sum(bs) + (m - 1) * (max(fs) + max(bs))
-    return StageSplit(tuple(bounds), step, fs, bs, mems)
+    sends = [pipe.cut(k, bounds[-1]) for k in bounds[1:-1]]
+    pace_f, pace_b = max([*fs, *sends]), max([*bs, *sends])
+    step = sum(fs) + sum(bs) + 2 * sum(sends) + (m - 1) * (pace_f + pace_b)
+    return StageSplit(tuple(bounds), step, fs, bs, mems, tuple(sends))

@@ -1,0 +1,272 @@
+"""Whether, where and how a plan pipelines: the planner's choice among micro-batched plans (``plan_model``, what
+``autopar.plan``, ``autopar.compile`` and ``autopar plan`` call).
+
+The candidates are every combination the options leave open:
+
+* the pipeline axis: ``pipeline="none"``: none; an axis name: that axis; ``"auto"``: none, and every axis of
+  size ``p >= 2`` that can carry one: the model returns a loss (a pipeline trains through ``train_step``), no
+  hints are given (they name placements on the whole mesh) and it has at least ``p v`` layers;
+* the micro-batches ``m``: an int as given; ``"auto"``: without a pipeline 1, or, only when one micro-batch of
+  the whole batch does not fit the cap, the fewest accumulated micro-batches that fit; with a pipeline,
+  ``pipeline_planning.microbatch_choices`` (the fewest of at least ``p``, ``2 p``, ``4 p``);
+* the schedule: as given, or ``"auto"``: each of 1F1B, GPipe and interleaved 1F1B that runs ``p`` ranks and
+  ``m`` micro-batches (``pipeline_planning.schedule_runs``) with enough layers.
+
+Each pipelined candidate is priced exactly as a forced one (``pipeline_planning.pipelined``).  Work is shared:
+one capture per micro-batch size (a symbolic capture specialized per size, ``capture.batch``, when several are
+needed), one stage-mesh search per (axis, ``m``) whose prices every schedule splits (``stage_prices``: no
+search per schedule).  Chosen: the fastest step (``Plan.cost.total_s``) among the candidates that fit the cap;
+a tie keeps the earlier (no pipeline, then the axes in mesh order, fewer micro-batches, 1F1B, GPipe,
+interleaved).  When none fits, ``MemoryCapError`` names the least memory any candidate needed.
+
+``Plan.timings`` of the chosen plan adds up the whole choice: ``capture_s``, ``strategies_s`` and ``search_s``
+over every candidate, and ``candidates``, how many were priced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from autopar.capture import OpGraph, batch_of, capture, capture_template, specialize, split_microbatches
+from autopar.mesh import Mesh
+from autopar.search import Deadline
+from autopar.units import format_bytes
+from costmodel import check_devices_per_node
+
+from .context import PlanningContext, graph_context, hinted_context, prepare_context
+from .context_search import search_context
+from .errors import MemoryCapError
+from .options import HintOptions, PlanOptions
+from .pipeline_planning import (
+    check_layers,
+    check_schedule,
+    microbatch_choices,
+    pipeline_axis,
+    pipelined,
+    schedule_runs,
+    stage_mesh,
+    step_cost,
+    virtual_stages,
+)
+from .recompute_modes import search_modes
+from .schema import Plan
+from .solving import SearchRun
+from .stage_assignment import chain_layers
+
+__all__ = ["plan_model"]
+
+log = logging.getLogger(__name__)
+
+#: ``schedule="auto"``'s candidates, in the order a tie keeps (1F1B holds fewer micro-batches than GPipe)
+SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")
+
+#: the most accumulated micro-batch counts tried when one micro-batch of the whole batch does not fit
+ACCUMULATION_TRIES = 6
+
+
+def plan_model(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs,
+    example_kwargs: dict | None,
+    options: PlanOptions,
+    hint_options: HintOptions,
+    *,
+    compare_families: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[Plan, OpGraph]:
+    """The plan of ``model`` on ``mesh`` under ``options`` and the graph it was made on (at the micro-batch when
+    it runs several).  Without micro-batches (``options.micro_batched`` false) one search of the whole batch on
+    the whole mesh; else the fastest candidate (module docstring)."""
+    if not options.micro_batched:
+        ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
+        return search_context(ctx, compare_families=compare_families, progress=progress), ctx.graph
+    choice = PipelineChoice(model, mesh, example_inputs, example_kwargs, options, hint_options, progress)
+    return choice.best(compare_families)
+
+
+class PipelineChoice:
+    """The candidates of one ``plan_model`` call, priced one after another, and the fastest that fits so far.
+
+    ``graphs``: the captures per micro-batch size; ``least``: per candidate that did not fit, the least memory
+    it needed."""
+
+    def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, options, hint_options, progress) -> None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))"
+            )
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        self.model, self.mesh, self.args, self.kwargs = model, mesh, tuple(args), dict(example_kwargs or {})
+        self.options, self.hint_options, self.progress = options.resolved(model), hint_options, progress
+        self.inner = dataclasses.replace(self.options, pipeline="none", microbatches=1)
+        if self.options.devices_per_node is not None:
+            check_devices_per_node(mesh.shape, self.options.devices_per_node)  # before any capture
+        self.batch = batch_of(self.args, self.kwargs)
+        self.run = SearchRun(Deadline.after(options.search_budget_s), progress)
+        self.graphs: dict[int, OpGraph] = {}
+        self.template = None
+        self.found: tuple[Plan, OpGraph] | None = None
+        self.least: list[tuple[int, str]] = []
+        self.errors: list[MemoryCapError] = []
+        self.timings = {"capture_s": 0.0, "strategies_s": 0.0, "search_s": 0.0, "candidates": 0.0}
+
+    def best(self, compare_families: bool) -> tuple[Plan, OpGraph]:
+        """The fastest candidate that fits (module docstring); MemoryCapError when none does."""
+        asked = self.options.pipeline
+        axes = [] if asked == "none" else [pipeline_axis(self.mesh, asked)] if asked != "auto" else self._auto_axes()
+        if asked in ("none", "auto"):
+            self._no_pipeline(compare_families)
+        for axis in axes:
+            self._pipelines(axis, forced=asked != "auto")
+        if self.found is None:
+            if len(self.least) == 1:  # one candidate: its own words
+                raise self.errors[0]
+            least, what = min(self.least)
+            cap = format_bytes(self.options.mem_cap) if self.options.mem_cap else "none"
+            raise MemoryCapError(
+                f"no plan fits the memory cap of {cap} per device: of the {len(self.least)} candidates tried "
+                f"(pipelines, micro-batches, schedules), {what} needs the least, {format_bytes(least)}",
+                least,
+            )
+        plan, graph = self.found
+        return dataclasses.replace(plan, timings=dict(plan.timings, **self.timings)), graph
+
+    # ---- candidates ----------------------------------------------------------------------------------------
+    def _no_pipeline(self, compare_families: bool) -> None:
+        """The plan without a pipeline: ``m`` micro-batches as given; ``"auto"``: the whole batch at once, else
+        the fewest accumulated micro-batches that fit."""
+        asked = self.options.microbatches
+        counts = [asked] if asked != "auto" else [1] + self._accumulations()
+        for m in counts:
+            if m == 1:
+                ctx = self._context(1, self.mesh, None, self.inner)
+                try:
+                    start = time.perf_counter()
+                    plan = search_context(ctx, compare_families=compare_families, progress=self.progress)
+                    self.timings["search_s"] += time.perf_counter() - start
+                except MemoryCapError as e:
+                    self._missed(e, "no pipeline")
+                    continue
+                self._offer(plan, ctx.graph)
+                return
+            ctx = self._context(m, self.mesh, None, self.inner)
+            try:
+                micro = self._search(ctx)
+            except MemoryCapError as e:
+                self._missed(e, f"{m} accumulated micro-batches")
+                continue
+            self._offer(dataclasses.replace(micro, microbatches=m, cost=step_cost(micro.cost, m)), ctx.graph)
+            return
+
+    def _accumulations(self) -> list[int]:
+        if self.batch is None:
+            return []
+        return [m for m in range(2, self.batch + 1) if self.batch % m == 0][:ACCUMULATION_TRIES]
+
+    def _auto_axes(self) -> list[int]:
+        """The axes ``pipeline="auto"`` tries: size >= 2, and only for a model that returns a loss and no hints."""
+        if self.hint_options.given:
+            log.info("pipeline='auto': hints are given (placements on the whole mesh); no pipeline is tried")
+            return []
+        if self.batch is None or self._graph(1).loss_output is None:
+            log.info("pipeline='auto': the model returns no loss (a pipeline trains through train_step); none tried")
+            return []
+        return [k for k, size in enumerate(self.mesh.shape) if size >= 2]
+
+    def _pipelines(self, axis: int, *, forced: bool) -> None:
+        """Every (``m``, schedule) of a pipeline along ``axis``: one stage-mesh search per ``m``, split and priced
+        per schedule.  ``forced`` (the user named the axis): what cannot run raises with its fix instead of
+        being skipped."""
+        p, others = self.mesh.shape[axis], self.mesh.size // self.mesh.shape[axis]
+        schedules = SCHEDULE_ORDER if self.options.schedule == "auto" else (self.options.schedule,)
+        asked = self.options.microbatches
+        counts = [asked] if asked != "auto" else microbatch_choices(self.batch, p, others, schedules)
+        name, model = self.mesh.axis_names[axis], type(self.model).__name__
+        for m in counts:
+            if forced and len(schedules) == 1:
+                check_schedule(schedules[0], p, m)
+            ctx = self._context(m, stage_mesh(self.mesh, axis), axis, self.inner)
+            layers = chain_layers(ctx.graph)
+            runs = [s for s in schedules if schedule_runs(s, p, m) and len(layers) >= p * virtual_stages(s)]
+            if forced and not runs:
+                check_layers(name, model, layers, p, min(virtual_stages(s) for s in schedules))
+            if not runs:
+                continue
+            stage_plan = self._search(ctx)
+            for s in runs:
+                try:
+                    plan = pipelined(ctx, stage_plan, self.mesh, axis, s, m, self.options.mem_cap)
+                except MemoryCapError as e:
+                    self._missed(e, f"a pipeline along {name!r}, {s}, {m} micro-batches")
+                    continue
+                self._offer(plan, ctx.graph)
+
+    # ---- shared work ---------------------------------------------------------------------------------------
+    def _missed(self, error: MemoryCapError, what: str) -> None:
+        self.least.append((error.min_mem_bytes, what))
+        self.errors.append(error)
+
+    def _offer(self, plan: Plan, graph: OpGraph) -> None:
+        self.timings["candidates"] += 1
+        log.info("candidate %s: step %.4g s", _described(plan), plan.cost.total_s)
+        if self.found is None or plan.cost.total_s < self.found[0].cost.total_s:
+            self.found = (plan, graph)
+
+    def _search(self, ctx: PlanningContext) -> Plan:
+        start = time.perf_counter()
+        hinted_ctx, resolved = hinted_context(ctx, None)
+        plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, self.run).plan
+        self.timings["search_s"] += time.perf_counter() - start
+        return plan
+
+    def _micro(self, m: int) -> int:
+        """The rows of one of ``m`` micro-batches (ValueError with the fix when the batch does not split)."""
+        if m == 1:
+            return self.batch or 0
+        if self.batch is None or self.batch % m:
+            split_microbatches(self.args, self.kwargs, m)  # raises with the fix
+        return self.batch // m
+
+    def _context(self, m: int, mesh: Mesh, axis: int | None, options: PlanOptions) -> PlanningContext:
+        """The context of one of ``m`` micro-batches on ``mesh`` (the stage mesh of a pipeline along ``axis``,
+        or with ``axis`` None the whole mesh), priced per micro-batch, without the cap for a pipeline's stages
+        (their split keeps it)."""
+        if axis is not None:
+            options = dataclasses.replace(options, mem_cap=None)
+        self._micro(m)
+        graph = self._graph(m)
+        ctx = graph_context(graph, mesh, self.mesh, axis, options, self.hint_options, m)
+        self.timings["strategies_s"] += ctx.timings.get("strategies_s", 0.0)
+        return ctx
+
+    def _graph(self, m: int) -> OpGraph:
+        """The model captured at one of ``m`` micro-batches: statically when the options need one size (or the
+        inputs share no batch dim), else specialized from one symbolic capture."""
+        if m not in self.graphs:
+            start = time.perf_counter()
+            if self.batch is None or self._one_size():
+                (args, kwargs), *_ = (
+                    split_microbatches(self.args, self.kwargs, m) if m > 1 else [(self.args, self.kwargs)]
+                )
+                self.graphs[m] = capture(self.model, args, kwargs)
+            else:
+                if self.template is None:
+                    self.template = capture_template(self.model, self.args, self.kwargs)
+                self.graphs[m] = specialize(self.template, self._micro(m))[0]
+            self.timings["capture_s"] += time.perf_counter() - start
+        return self.graphs[m]
+
+    def _one_size(self) -> bool:
+        return self.options.pipeline != "auto" and self.options.microbatches != "auto"
+
+
+def _described(plan: Plan) -> str:
+    if plan.pipeline is None:
+        return "no pipeline" + (f", {plan.microbatches} micro-batches" if plan.microbatches > 1 else "")
+    return f"pipeline {plan.pipeline.axis} {plan.pipeline.schedule} m={plan.microbatches}"

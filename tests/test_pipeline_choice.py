@@ -1,0 +1,109 @@
+"""``pipeline="auto"``, ``schedule="auto"``, ``microbatches="auto"``: the planner's choice among micro-batched plans
+(``autopar.planner.pipeline_choice``), checked against the forced plans it chooses from."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+import transformers
+
+import autopar
+from autopar.models import load_model
+from autopar.planner import MemoryCapError
+
+H100 = pathlib.Path(__file__).resolve().parent.parent / "configs" / "devices" / "h100.toml"
+
+
+def _plan(model, args, kwargs, mesh, **options):
+    options = {"profile": "cpu", "compare_families": False, **options}
+    return autopar.plan(model, mesh, example_inputs=args, example_kwargs=kwargs, **options)
+
+
+def test_auto_is_the_fastest_of_the_forced_candidates():
+    """Every (axis, micro-batches, schedule) ``auto`` prices is a plan a forced call makes; ``auto`` returns the
+    fastest of them and of the plan without a pipeline."""
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 4})
+    mesh = autopar.Mesh((2,), axis_names=("a",))
+    chosen = _plan(model, args, kwargs, mesh, pipeline="auto")
+    steps = {("none", 1, ""): _plan(model, args, kwargs, mesh).cost.total_s}
+    for axis in ("a",):
+        for m in (2, 4, 8):  # microbatch_choices: the fewest of at least p, 2p and 4p
+            for schedule in ("1f1b", "gpipe", "interleaved"):
+                forced = _plan(model, args, kwargs, mesh, pipeline=axis, microbatches=m, schedule=schedule)
+                steps[(axis, m, schedule)] = forced.cost.total_s
+    assert chosen.timings["candidates"] == len(steps)
+    assert chosen.cost.total_s == pytest.approx(min(steps.values()), rel=1e-12)
+    key = (
+        ("none", 1, "")
+        if chosen.pipeline is None
+        else (chosen.pipeline.axis, chosen.microbatches, chosen.pipeline.schedule)
+    )
+    assert steps[key] == pytest.approx(chosen.cost.total_s, rel=1e-12)
+
+
+def test_auto_tries_no_pipeline_for_a_model_without_a_loss_or_with_hints():
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 4})
+    mesh = autopar.Mesh((2,), axis_names=("a",))
+    no_loss = _plan(model, args, {}, mesh, pipeline="auto")  # no labels: a pipeline has nothing to train through
+    assert no_loss.pipeline is None and no_loss.timings["candidates"] == 1
+    hinted = _plan(model, args, kwargs, mesh, pipeline="auto", hints={"*.mlp.c_fc.weight": ["R"]})
+    assert hinted.pipeline is None and hinted.timings["candidates"] == 1
+
+
+def test_microbatches_auto_accumulates_only_when_the_whole_batch_does_not_fit():
+    model, args, kwargs = load_model("gpt2-tiny", batch=16, seq=64)
+    mesh = autopar.Mesh((2,), axis_names=("dp",))
+    whole = _plan(model, args, kwargs, mesh, pipeline="auto", recompute="none")
+    assert whole.microbatches == 1
+    one = whole.memory.per_device_bytes
+    # a cap under the whole batch's peak but over a quarter of its activations: accumulated micro-batches fit
+    cap = whole.memory.params_bytes + whole.memory.grads_bytes + whole.memory.optimizer_bytes
+    cap += (one - cap) // 2
+    with pytest.raises(MemoryCapError):
+        _plan(model, args, kwargs, mesh, mem_cap=cap, recompute="none")
+    fits = _plan(model, args, kwargs, mesh, mem_cap=cap, recompute="none", pipeline="auto", family="data parallel")
+    assert fits.pipeline is None and fits.microbatches > 1 and fits.memory.per_device_bytes <= cap
+
+
+def _gpt_shaped(layers: int, batch: int):
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=4096, n_head=32, vocab_size=50257, n_positions=2048, use_cache=False
+    )
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(batch, 2048, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids}
+
+
+def _slow_fabric(tmp_path, slower: float) -> str:
+    """The h100 profile with its inter-node link ``slower`` times under NVLink's 450 GB/s."""
+    head, inter = H100.read_text().split("[inter_node]")
+    inter = "\n".join(
+        f"bandwidth_bytes_per_s = {450e9 / slower:.6g}" if line.startswith("bandwidth_bytes_per_s") else line
+        for line in inter.splitlines()
+    )
+    path = tmp_path / f"h100-x{slower:g}.toml"
+    path.write_text(head.replace('name = "h100"', f'name = "h100-x{slower:g}"') + "[inter_node]" + inter)
+    return str(path)
+
+
+def test_a_slow_fabric_pipelines_over_the_nodes_and_a_fast_node_does_not(tmp_path):
+    """A 32-layer GPT-shaped model (width 4096, bf16) on 4 nodes x 8 GPUs: where the fabric is slow enough that the
+    data-parallel gradient all-reduce over the nodes outruns backward, the search pipelines over the node axis
+    (one activation per boundary crosses the slow link) and shards inside the node; on the h100's own fabric
+    it does not (the reduction hides behind backward), nor does GPT-2 small on one node."""
+    model, args, kwargs = _gpt_shaped(32, batch=32)
+    mesh = autopar.Mesh((4, 8), axis_names=("node", "gpu"))
+    common = {"dtype": "bf16", "mem_cap": "80GiB", "pipeline": "auto"}
+    slow = _plan(model, args, kwargs, mesh, profile=_slow_fabric(tmp_path, 50), **common)
+    assert slow.pipeline is not None and slow.pipeline.axis == "node", slow
+    assert all(c.axis == "gpu" for c in slow.collectives)  # every collective inside the node
+    flat = _plan(model, args, kwargs, mesh, profile=_slow_fabric(tmp_path, 50), dtype="bf16", mem_cap="80GiB")
+    assert slow.cost.total_s < flat.cost.total_s
+    fast = _plan(model, args, kwargs, mesh, profile="h100", **common)
+    assert fast.pipeline is None, fast
+    small, sargs, skwargs = load_model("gpt2", batch=32, seq=1024)
+    node = _plan(small, sargs, skwargs, autopar.Mesh((8,), axis_names=("dp",)), profile="h100", **common)
+    assert node.pipeline is None and node.family.startswith("data parallel"), node
