@@ -60,7 +60,7 @@ def _header_lines(report: RunReport, r0: RankResult) -> list[str]:
         f"dropout {'off' if cfg.check else 'as configured'}",
         describe_plan(r0.family, cfg.family),
     ]
-    return lines + [line for line in (r0.nodes_line, r0.recompute_line) if line]
+    return lines + [line for line in (r0.pipeline_line, r0.nodes_line, r0.recompute_line) if line]
 
 
 def _training_table(report: RunReport, r0: RankResult):

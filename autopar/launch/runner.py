@@ -148,6 +148,7 @@ class RankResult:
     plan_memory: PlanMemory
     recompute_line: str = ""  # the plan's "recompute:" line (planner.plan_table.describe_recompute)
     nodes_line: str = ""  # which mesh axes span nodes (planner.plan_table.describe_nodes), '' on one node
+    pipeline_line: str = ""  # the plan's "pipeline:" line (planner.plan_table.describe_pipeline), '' without one
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,11 +375,11 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
     del model
     where = f"autopar run {config.model}, rank {rank}"
     record, held = _train(sharded, args, kwargs, config, keep=rank == 0, where=where)
-    from autopar.planner import describe_nodes, describe_recompute
+    from autopar.planner import describe_nodes, describe_pipeline, describe_recompute
 
     plan = sharded.plan
     coord = tuple(mesh.coordinate(rank))
-    lines = describe_recompute(plan), describe_nodes(plan)
+    lines = describe_recompute(plan), describe_nodes(plan), describe_pipeline(plan, table_below=False)
     return RankResult(rank, coord, plan.family, record, held, plan.memory, *lines)
 
 

@@ -49,7 +49,7 @@ from .plan_parts import (
     SearchStats,
     StagePart,
 )
-from .plan_table import describe_nodes, describe_plan, describe_recompute, render_table
+from .plan_table import describe_nodes, describe_pipeline, describe_plan, describe_recompute, render_table
 from .recompute_tables import RECOMPUTE_OPTIONS
 from .schema import FAMILIES, Plan, check_writable
 from .stage_assignment import chain_layers, stage_of_nodes
@@ -89,6 +89,7 @@ __all__ = [
     "check_writable",
     "describe_nodes",
     "describe_plan",
+    "describe_pipeline",
     "describe_recompute",
     "device_profile",
     "hint_from_text",

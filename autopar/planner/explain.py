@@ -5,7 +5,9 @@ the step time split by what it is spent on (``Plan.cost.terms``: the ops'
 forward and backward, the optimizer step, each collective kind per phase at its
 exposed time), for the chosen plan and the best feasible plan of each family under
 the same cap, then one line per family naming the terms that differ most, in
-milliseconds, and the peak memory of each.  Plans read from JSON written before
+milliseconds, and the peak memory of each; a ``pipeline="auto"`` plan adds every
+candidate it was chosen among (``Plan.candidates``: no pipeline, each axis, micro-batch
+count and schedule) with its step and memory.  Plans read from JSON written before
 the terms existed explain nothing (they say so).
 """
 
@@ -34,6 +36,21 @@ def deciding_terms(chosen: dict[str, float], other: dict[str, float], top: int =
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
+
+
+def _candidates_table(plan: Plan) -> Table:
+    """The micro-batched candidates ``pipeline="auto"`` priced (``Plan.candidates``), fastest first."""
+    table = Table(title="candidates priced (pipeline='auto'), fastest first", title_justify="left")
+    for name, justify in (("candidate", "left"), ("step", "right"), ("vs chosen", "right"), ("memory", "right")):
+        table.add_column(name, justify=justify)
+    for c in plan.candidates:
+        if c.step_s is None:
+            table.add_row(c.what, "does not fit", "", f"needs {format_bytes(c.memory_bytes)}")
+            continue
+        ratio = c.step_s / plan.cost.total_s
+        versus = "chosen" if ratio == 1.0 else f"{ratio:.2f}x"
+        table.add_row(c.what, _ms(c.step_s), versus, format_bytes(c.memory_bytes))
+    return table
 
 
 def render_explanation(plan: Plan, *, width: int = 130) -> str:
@@ -65,6 +82,8 @@ def render_explanation(plan: Plan, *, width: int = 130) -> str:
     con.print(table)
     if note := describe_output_gather(plan):
         con.print(note)
+    if len(plan.candidates) > 1:
+        con.print(_candidates_table(plan))
     if not plan.alternatives:
         con.print("no family comparison was made (--no-compare): plan without it to see what decided")
     for a in plan.alternatives:

@@ -53,6 +53,7 @@ from .pipeline_planning import (
     step_cost,
     virtual_stages,
 )
+from .plan_parts import Candidate
 from .recompute_modes import search_modes
 from .schema import Plan
 from .solving import SearchRun
@@ -114,6 +115,7 @@ class PipelineChoice:
         self.found: tuple[Plan, OpGraph] | None = None
         self.least: list[tuple[int, str]] = []
         self.errors: list[MemoryCapError] = []
+        self.priced: list[Candidate] = []
         self.timings = {"capture_s": 0.0, "strategies_s": 0.0, "search_s": 0.0, "candidates": 0.0}
 
     def best(self, compare_families: bool) -> tuple[Plan, OpGraph]:
@@ -135,7 +137,8 @@ class PipelineChoice:
                 least,
             )
         plan, graph = self.found
-        return dataclasses.replace(plan, timings=dict(plan.timings, **self.timings)), graph
+        ranked = tuple(sorted(self.priced, key=lambda c: (c.step_s is None, c.step_s or 0.0, c.memory_bytes)))
+        return dataclasses.replace(plan, timings=dict(plan.timings, **self.timings), candidates=ranked), graph
 
     # ---- candidates ----------------------------------------------------------------------------------------
     def _no_pipeline(self, compare_families: bool) -> None:
@@ -211,9 +214,11 @@ class PipelineChoice:
     def _missed(self, error: MemoryCapError, what: str) -> None:
         self.least.append((error.min_mem_bytes, what))
         self.errors.append(error)
+        self.priced.append(Candidate(what, None, error.min_mem_bytes))
 
     def _offer(self, plan: Plan, graph: OpGraph) -> None:
         self.timings["candidates"] += 1
+        self.priced.append(Candidate(_described(plan), plan.cost.total_s, plan.memory.per_device_bytes))
         log.info("candidate %s: step %.4g s", _described(plan), plan.cost.total_s)
         if self.found is None or plan.cost.total_s < self.found[0].cost.total_s:
             self.found = (plan, graph)
@@ -268,5 +273,6 @@ class PipelineChoice:
 
 def _described(plan: Plan) -> str:
     if plan.pipeline is None:
-        return "no pipeline" + (f", {plan.microbatches} micro-batches" if plan.microbatches > 1 else "")
-    return f"pipeline {plan.pipeline.axis} {plan.pipeline.schedule} m={plan.microbatches}"
+        return "no pipeline" + (f", {plan.microbatches} accumulated micro-batches" if plan.microbatches > 1 else "")
+    pipe = plan.pipeline
+    return f"a pipeline along {pipe.axis!r}, {pipe.schedule}, {plan.microbatches} micro-batches"

@@ -27,6 +27,7 @@ from typing import Any
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placement
 
 __all__ = [
+    "Candidate",
     "Collective",
     "FallbackOp",
     "FamilyAlternative",
@@ -179,6 +180,17 @@ class StagePart:
     layers: str = ""
     time_s: float = 0.0
     memory_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One micro-batched candidate a ``pipeline="auto"`` plan was chosen among (``planner.pipeline_choice``):
+    what it is (``no pipeline``, ``pipeline pp, 1f1b, 8 micro-batches``), its step (None: it did not fit the
+    cap) and its memory per device (where it did not fit: the least it needs)."""
+
+    what: str
+    step_s: float | None
+    memory_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

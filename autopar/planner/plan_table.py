@@ -302,15 +302,18 @@ def _collectives_table(plan: Plan) -> Table:
     return t
 
 
-def describe_pipeline(plan: Plan) -> str:
-    """One line: the pipeline's axis and stages, the micro-batches, the schedule and the bubble."""
+def describe_pipeline(plan: Plan, *, table_below: bool = True) -> str:
+    """One line: the pipeline's axis and stages, the micro-batches, the schedule and the bubble ('' without a
+    pipeline); ``table_below``: it says the stage table follows."""
     pipe = plan.pipeline
+    if pipe is None:
+        return ""
     p = plan.mesh.shape[plan.mesh.axis_names.index(pipe.axis)]
     per_rank = f", {pipe.virtual} per rank" if pipe.virtual > 1 else ""
     return (
         f"pipeline: {len(pipe.stages)} stages along axis {pipe.axis!r} ({p} ranks{per_rank}), "
-        f"{plan.microbatches} micro-batches, schedule {pipe.schedule}, bubble {pipe.bubble_fraction:.1%} of the step; "
-        "each stage sharded over the other axes as below"
+        f"{plan.microbatches} micro-batches, schedule {pipe.schedule}, bubble {pipe.bubble_fraction:.1%} of the step"
+        + ("; each stage sharded over the other axes as below" if table_below else "")
     )
 
 

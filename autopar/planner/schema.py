@@ -49,6 +49,7 @@ from typing import Any
 from autopar.mesh import Mesh
 
 from .plan_parts import (
+    Candidate,
     Collective,
     FallbackOp,
     FamilyAlternative,
@@ -74,6 +75,8 @@ FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 #: The fields written only when they differ from their default (a plan without hints, pipeline or micro-batches
 #: reads as before).
 _WHEN_SET = {"hints": None, "pipeline": None, "microbatches": 1}
+#: What a plan knows of how it was made, kept in memory only.
+_NOT_WRITTEN = ("timings", "node_costs", "candidates")
 #: Version 1's memory keys, by the name version 2 gives them.
 _V1_MEMORY = {"params_bytes": "params", "grads_bytes": "grads", "optimizer_bytes": "optimizer"} | {
     "activations_bytes": "activations"
@@ -103,12 +106,14 @@ class Plan:
     microbatches: int = 1
     # node name -> (ps, bytes) the search charged it (planner.assemble.node_costs); never written, not compared
     node_costs: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    # pipeline="auto": every candidate priced, fastest first (planner.pipeline_choice); never written, not compared
+    candidates: tuple[Candidate, ...] = field(default=(), compare=False, repr=False)
 
     # ---- serialization ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "mesh": self.mesh.to_dict()}
         for f in fields(self):
-            if f.name not in ("mesh", "timings", "node_costs", *_WHEN_SET):
+            if f.name not in ("mesh", *_NOT_WRITTEN, *_WHEN_SET):
                 out[f.name] = to_json_value(getattr(self, f.name))
         for name, default in _WHEN_SET.items():  # only when set
             if getattr(self, name) != default:
@@ -139,7 +144,7 @@ class Plan:
                 f"{SCHEMA_VERSION}; re-create the plan with `autopar plan ... -o plan.json`"
             )
         types = typing.get_type_hints(cls)
-        required = [f.name for f in fields(cls) if f.name not in ("timings", "node_costs", *_WHEN_SET)]
+        required = [f.name for f in fields(cls) if f.name not in (*_NOT_WRITTEN, *_WHEN_SET)]
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(
