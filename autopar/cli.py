@@ -227,7 +227,8 @@ def _pipeline_flags(flag) -> None:
         type=_microbatches_arg,
         metavar="N",
         help="micro-batches per step, the batch split evenly: a number, or auto (the default: 1 without a "
-        "pipeline, more only when one does not fit; with one, the search's pick of about 1, 2 and 4 per stage)",
+        "pipeline (with --pipeline auto, more when one does not fit); with one, the search's pick of about 1, 2 "
+        "and 4 per stage)",
     )
     flag("schedule", choices=(*SCHEDULES, "auto"), help="the pipeline schedule (default auto: the search's pick)")
 

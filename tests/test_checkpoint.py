@@ -314,7 +314,7 @@ def test_a_plain_module_in_one_process_loads_the_mesh_checkpoint_and_resumes(sav
 
 # ---- pipelines (issue 31): a rank holds its stages' weights, and the checkpoint reshards across stages --------
 
-PIPELINE = {"pipeline": "pp", "microbatches": 2}
+PIPELINE = {"pipeline": "pp", "microbatches": 2, "family": "tensor parallel"}  # 2 stages x tensor parallel 2
 
 
 def _pipelined_save_rank(rank, world, path):

@@ -32,6 +32,7 @@ from torch import fx, nn
 
 from autopar.capture import OpGraph
 from autopar.lower import StageProgram
+from autopar.runtime import hold_until_exit
 
 __all__ = ["PipelineRunner", "from_owner", "loss_weights", "stage_owners", "train_step_only"]
 
@@ -104,6 +105,7 @@ class PipelineRunner:
         # the shared weights' groups (a forward-only pipeline has no gradients to sum)
         self.shared = self._shared_groups(programs, p, rank) if outputs is None else []
         self.busy_s = 0.0  # time this rank's stages spent in forward and backward (the rest of a step: the bubble)
+        hold_until_exit(self)  # its stages, schedule and groups dropped while the interpreter is whole
         for stage in self.stages:
             _time_into(self, stage, "forward_one_chunk")
             _time_into(self, stage, "backward_one_chunk")
@@ -200,6 +202,11 @@ class PipelineRunner:
                 if rank in holders and dist.get_rank() in line:
                     out.append((position, group))
         return out
+
+    def release(self) -> None:
+        """Drop the stages, the schedule and the groups (``runtime.at_exit``: at interpreter exit, so that gloo's
+        objects are destroyed while the interpreter is whole; the runner runs nothing after)."""
+        self.stages, self.schedule, self.shared, self.group = [], None, [], None
 
     def sum_shared_grads(self, params: list[torch.Tensor | None]) -> None:
         """Sum between the ranks holding it the gradient of each parameter stages on two or more pipeline ranks

@@ -96,7 +96,7 @@ class TrainingSettings:
     optimizer: OptimizerSpec
     grad_bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
     #: the links of the mesh's axes when the mesh is a part of the job's (a pipeline stage's mesh: each axis keeps
-    #: the link it has in the job's mesh, ``planner.pipeline_planning.stage_links``); None: the profile's
+    #: the link it has in the job's mesh, ``planner.context.graph_context``); None: the profile's
     #: ``link_for_axis`` of the mesh itself
     axis_links: tuple[LinkProfile, ...] | None = None
     #: the micro-batches of one step: the search prices one micro-batch, and what runs once per step (the

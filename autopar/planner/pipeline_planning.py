@@ -23,9 +23,10 @@ Pricing (``stage_prices``): the plan's own charge of every node summed per layer
 crossing each cut; for GPipe and 1F1B the split is ``search.stages.split_stages``' (uneven where that pays, each
 stage's state plus its micro-batches in flight under the cap), for interleaved schedules an even split priced by
 the list schedule; the step adds the slowest rank's optimizer step.  The stage-mesh search itself runs without
-the cap, for one micro-batch's whole step (its terms are not yet weighted as the pipeline pays them: the
-gradient sync and the optimizer once per step, the ops once per micro-batch).  The stage mesh's axes keep the
-links they have on the whole mesh (``context.stage_context``).
+the cap, for one micro-batch of the step: what runs once per step (the optimizer, its all-gathers, the bucketed
+gradient reductions, ``runtime/buckets.py``'s ``hold``) at ``1 / m`` of its time (``TrainingSettings.microbatches``),
+so the search weighs each term as the pipeline pays it.  The stage mesh's axes keep the links they have on the whole
+mesh (``context.graph_context``).
 """
 
 from __future__ import annotations

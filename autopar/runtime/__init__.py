@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 from . import at_exit  # noqa: F401 - registers the release at interpreter exit
+from .at_exit import hold_until_exit
 from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
 from .clip import clip_grad_norm_, replication
 from .counter import CollectiveCounter, CollectiveRecord
@@ -33,6 +34,7 @@ from .spawn import RankError, RankSettings, spawn_ranks
 from .zero import StateShards, from_state_shard
 
 __all__ = [
+    "hold_until_exit",
     "CollectiveCounter",
     "CollectiveRecord",
     "PendingLoss",
