@@ -117,7 +117,6 @@ CASES = [
     ("gpt2-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="gpipe")),
     ("llama-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="1f1b")),
     ("bert-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="1f1b")),
-    ("gpt2-tiny", 2, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="1f1b")),
     ("gpt2-tiny", 3, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="gpipe")),
     ("gpt2-tiny", 4, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="interleaved")),
     ("llama-tiny", 2, (2, 2), ("pp", "tp"), dict(pipeline="pp", microbatches=4, family="tensor parallel")),
