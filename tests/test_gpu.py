@@ -59,3 +59,11 @@ def test_checkpoint_from_gpu_resumes_to_the_uninterrupted_run(tmp_path):
     _torchrun("run", "gpt2-tiny", "--mesh", "1", "--check", "--steps", "2", "--save", str(tmp_path))
     out = _torchrun("run", "gpt2-tiny", "--mesh", "1", "--check", "--steps", "4", "--resume", str(tmp_path))
     assert "check: PASS" in out, out
+
+
+def test_accumulated_micro_batches_on_nccl_match_one_gpu():
+    """Four micro-batches accumulated per step (gradients held and reduced once, on CUDA) train like one GPU."""
+    args = ("gpt2-tiny", "--mesh", "1", "--check", "--steps", "3", "--microbatches", "4")
+    out = _torchrun("run", *args, ok_codes=(0, 1))
+    _assert_like_one_gpu(out)
+    assert "micro-batch" in out, out

@@ -144,12 +144,16 @@ def test_benchmark_variants_force_recomputation():
     model = BenchModel("gpt2-tiny", 2, 8, {})
     assert Variant("recompute:selective").plan_options(model, 100.0) == {"recompute": "selective"}
     Variant("recompute:full").validate("here")
-    for bad in ("recompute:sometimes", "full", "pipeline:tp/zb/m2", "pipeline:tp/1f1b"):
+    bad_labels = ("recompute:sometimes", "full", "pipeline:tp/zb/m2", "pipeline:tp/1f1b", "microbatches:0", "micro")
+    for bad in bad_labels:
         with pytest.raises(ValueError, match="recompute:<none | selective | full>"):
             Variant(bad).validate("here")
     piped = Variant("pipeline:dp/interleaved/m4")
     piped.validate("here")
     assert piped.plan_options(model, 100.0) == {"pipeline": "dp", "schedule": "interleaved", "microbatches": 4}
+    accumulated = Variant("microbatches:4")
+    accumulated.validate("here")
+    assert accumulated.plan_options(model, 100.0) == {"pipeline": "none", "microbatches": 4}
 
 
 def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):

@@ -33,8 +33,9 @@ class BenchModel:
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One way to plan: ``auto``, ``family:<name>``, ``no state sharding``, ``cap:<fraction>``, ``poor hint``,
-    ``recompute:<none|selective|full>`` (activation recomputation forced in every layer), or
-    ``pipeline:<axis>/<schedule>/m<N>`` (a pipeline forced on that mesh axis, N micro-batches)."""
+    ``recompute:<none|selective|full>`` (activation recomputation forced in every layer),
+    ``pipeline:<axis>/<schedule>/m<N>`` (a pipeline forced on that mesh axis, N micro-batches), or
+    ``microbatches:<N>`` (no pipeline, N micro-batches accumulated per step)."""
 
     label: str
 
@@ -45,6 +46,11 @@ class Variant:
             return None
         axis, schedule, m = self.label.removeprefix("pipeline:").split("/")
         return {"pipeline": axis, "schedule": schedule, "microbatches": int(m.removeprefix("m"))}
+
+    @property
+    def microbatches(self) -> int | None:
+        """N of an accumulation variant (``microbatches:<N>``), else None."""
+        return int(self.label.removeprefix("microbatches:")) if _accumulation_label(self.label) else None
 
     @property
     def cap_fraction(self) -> float | None:
@@ -71,6 +77,8 @@ class Variant:
             return {"recompute": self.label.removeprefix("recompute:")}
         if self.pipeline is not None:
             return dict(self.pipeline)
+        if self.microbatches is not None:
+            return {"pipeline": "none", "microbatches": self.microbatches}
         raise AssertionError(f"variant {self.label!r} passed validation but has no options")
 
     def validate(self, where: str) -> None:
@@ -80,12 +88,14 @@ class Variant:
             or (self.label.startswith("cap:") and _fraction(self.label.removeprefix("cap:")))
             or (self.label.startswith("recompute:") and self.label.removeprefix("recompute:") in _FORCED_RECOMPUTE)
             or _pipeline_label(self.label)
+            or _accumulation_label(self.label)
         )
         if not ok:
             raise ValueError(
                 f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(FAMILIES)}>', "
                 "'no state sharding', 'cap:<fraction in [0, 1]>', 'poor hint', "
-                f"'recompute:<{' | '.join(_FORCED_RECOMPUTE)}>', 'pipeline:<axis>/<{' | '.join(SCHEDULES)}>/m<N>'; "
+                f"'recompute:<{' | '.join(_FORCED_RECOMPUTE)}>', 'pipeline:<axis>/<{' | '.join(SCHEDULES)}>/m<N>', "
+                "'microbatches:<N>'; "
                 "fix the variants list"
             )
 
@@ -96,6 +106,11 @@ _FORCED_RECOMPUTE = ("none", "selective", "full")
 def _pipeline_label(label: str) -> bool:
     parts = label.removeprefix("pipeline:").split("/") if label.startswith("pipeline:") else []
     return len(parts) == 3 and parts[1] in SCHEDULES and parts[2].startswith("m") and parts[2][1:].isdigit()
+
+
+def _accumulation_label(label: str) -> bool:
+    count = label.removeprefix("microbatches:")
+    return label.startswith("microbatches:") and count.isdigit() and int(count) >= 1
 
 
 def _fraction(text: str) -> bool:

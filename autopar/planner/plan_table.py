@@ -209,7 +209,7 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
         con.print(describe_pipeline(plan))
         con.print(_stages_table(plan))
     elif plan.microbatches > 1:
-        con.print(f"micro-batches: {plan.microbatches} per step, accumulated (one micro-batch's activations at a time)")
+        con.print(describe_pipeline(plan))
     con.print(_params_table(plan))
     con.print(_collectives_table(plan))
     con.print(_totals_table(plan))
@@ -303,11 +303,13 @@ def _collectives_table(plan: Plan) -> Table:
 
 
 def describe_pipeline(plan: Plan, *, table_below: bool = True) -> str:
-    """One line: the pipeline's axis and stages, the micro-batches, the schedule and the bubble ('' without a
-    pipeline); ``table_below``: it says the stage table follows."""
+    """One line: the pipeline's axis and stages, the micro-batches, the schedule and the bubble; without a pipeline
+    the accumulated micro-batches ('' for one); ``table_below``: it says the stage table follows."""
     pipe = plan.pipeline
     if pipe is None:
-        return ""
+        if plan.microbatches == 1:
+            return ""
+        return f"micro-batches: {plan.microbatches} per step, accumulated (one micro-batch's activations at a time)"
     p = plan.mesh.shape[plan.mesh.axis_names.index(pipe.axis)]
     per_rank = f", {pipe.virtual} per rank" if pipe.virtual > 1 else ""
     return (
