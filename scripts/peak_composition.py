@@ -93,7 +93,7 @@ def main() -> None:
     print(f"  held before step   {format_bytes(held_bytes(held)):>12}")
     print(
         f"  peak               {format_bytes(peak.peak_bytes):>12}  (plan / measured - 1: "
-        f"{m['per_device_bytes'] / peak.peak_bytes - 1:+.1%})"
+        f"{m.per_device_bytes / peak.peak_bytes - 1:+.1%})"
     )
     print(f"  the step's rise    {format_bytes(parts.rise_bytes):>12}  (profiler timeline), live at its peak:")
     if not parts.by_category:
