@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 from search_problems import random_problem, transformer_like_problem
 
-from autopar.search import INF, InfeasibleError, SearchProblem, min_memory, solve_brute_force, solve_cpsat, solve_dp
+from autopar.search import (
+    INF,
+    Deadline,
+    InfeasibleError,
+    SearchProblem,
+    min_memory,
+    solve_brute_force,
+    solve_cpsat,
+    solve_dp,
+)
 from autopar.search.prune import prune_dominated
 
 
@@ -361,3 +370,30 @@ def test_dominance_keeps_the_first_of_equals_and_never_prunes_kept_nodes() -> No
         None,
     )
     assert [a.tolist() for a in prune_dominated(inf, inf.allowed_choices())] == [[0], [0, 1]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dominance_filter_equals_the_all_pairs_definition(seed: int) -> None:
+    """``prune._dominated`` filters pairs column by column, then in blocks on the pairs left: on matrices wide
+    enough for both phases, with equal rows and near-equal ones, it marks exactly what comparing every pair
+    on every column marks."""
+    from autopar.search.prune import _dominated
+
+    rng = np.random.default_rng(seed)
+    k, cols = int(rng.integers(20, 90)), int(rng.integers(40, 200))
+    dom = rng.integers(0, 3, (k, cols)).astype(np.int64)
+    dom[rng.integers(0, k, k // 3)] = dom[0]  # equal strategies: the first of them stays
+    sub = dom + (rng.random((k, cols)) < 0.2)  # the dominated side's pairs may weigh more (forbidden pairs)
+    ge = (dom[:, None, :] <= sub[None, :, :]).all(axis=2)
+    np.fill_diagonal(ge, False)
+    strict = ge & (~ge.T | np.tri(k, k, -1, dtype=bool).T)
+    assert (_dominated(dom, sub) == strict.any(axis=0)).all()
+
+
+def test_dominance_pruning_past_its_deadline_keeps_what_is_left() -> None:
+    """Pruning stopped by a spent deadline removes nothing more: the search over what is left is still exact."""
+    problem = _with_copies(random_problem(2100, 6, 3, edge_prob=0.3, cap_quantile=None, inf_prob=0.1), 7)
+    allowed = problem.allowed_choices()
+    stopped = prune_dominated(problem, allowed, deadline=Deadline.after(1e-9))
+    assert [a.tolist() for a in stopped] == [a.tolist() for a in allowed]
+    assert sum(a.size for a in prune_dominated(problem, allowed)) < sum(a.size for a in allowed)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from search_problems import chain_problem, random_problem
 
-from autopar.search import InfeasibleError, min_memory, solve_cpsat, solve_dp
+from autopar.search import Deadline, InfeasibleError, min_memory, solve_cpsat, solve_dp
 from autopar.search import dp as dp_module
 from autopar.search.chain import ChainError, solve_chain
 
@@ -104,6 +104,10 @@ def test_shared_weight_model_past_the_budget_plans_approximately() -> None:
     free = solve_dp(problem)  # every layer reads the shared weights: far past the budget
     assert free.stats["approximate"] and free.stats["exact_width"] > 10**6 * dp_module.WIDTH_BUDGET
     assert free.stats["lower_bound"] <= free.time and free.optimal == free.stats["optimal_time_proven"]
+    # past its deadline the approximate search stops its windows and returns the plan decoded, saying so
+    rushed = solve_dp(problem, deadline=Deadline.after(1e-9))
+    assert rushed.stats["approximate"] and rushed.stats["budget_hit"] and rushed.stats["windows"] == 0
+    assert problem.evaluate(rushed.choice) == (rushed.time, rushed.mem_bytes) and rushed.time >= free.time
     cap = int(free.mem_bytes * 0.8)
     capped = plan_from_context(ctx, mem_cap=cap, compare_families=False)
     assert capped.memory.per_device_bytes <= cap

@@ -175,10 +175,11 @@ def solve_dp(
     the cap (or every plan is forbidden).
     """
     start = time.perf_counter()
-    model = EliminationModel(problem)
+    model = EliminationModel(problem, deadline=deadline)
     budget = WIDTH_BUDGET if width_budget is None else width_budget
     if model.width > budget:
-        return solve_approx(problem, model.width, budget, frontier=frontier, start=start, solve_window=solve_dp)
+        approx = {"frontier": frontier, "start": start, "solve_window": solve_dp, "deadline": deadline}
+        return solve_approx(problem, model.width, budget, **approx)
     cap = problem.mem_cap_bytes
     w = np.array([[1.0, 0.0], [0.0, 1.0]] if cap is not None or frontier else [[1.0, 0.0]])
     seen, vals = argmin_plans(model, w)

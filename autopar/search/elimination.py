@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .deadline import Deadline
 from .problem import INF, SearchProblem
 from .prune import prune_dominated
 from .split import ChainError
@@ -110,7 +111,8 @@ class EliminationModel:
     ``keep``: nodes left uneliminated; the final table is then over them (a marginal
     Pareto table, as :mod:`.chain` uses), not a scalar.  ``budget``: mini-buckets (see
     :meth:`_plan`).  ``width_budget``: a plan whose largest joint table holds more cells
-    per weight row raises :class:`.ChainError` (:class:`.tables.PortTable` passes ``dp.WIDTH_BUDGET``)."""
+    per weight row raises :class:`.ChainError` (:class:`.tables.PortTable` passes ``dp.WIDTH_BUDGET``).
+    ``deadline``: the dominance pruning stops there (:func:`.prune.prune_dominated`)."""
 
     def __init__(
         self,
@@ -119,11 +121,13 @@ class EliminationModel:
         keep: frozenset[int] = frozenset(),
         budget: int | None = None,
         width_budget: int | None = None,
+        deadline: Deadline | None = None,
     ) -> None:
         self.problem = problem
-        # INF and arc consistency, then dominance (:mod:`.prune`): cap-free, kept with the arrays
+        # INF and arc consistency, then dominance (:mod:`.prune`, stopped past ``deadline``): cap-free, kept with
+        # the arrays
         self.allowed = problem.memo(
-            ("allowed", keep), lambda: prune_dominated(problem, problem.allowed_choices(), keep)
+            ("allowed", keep), lambda: prune_dominated(problem, problem.allowed_choices(), keep, deadline)
         )
         k = self.k = [len(a) for a in self.allowed]
         base = [np.zeros((), np.int64), np.full((), problem.base_mem_bytes, np.int64), np.ones((), bool)]

@@ -60,6 +60,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .deadline import Deadline
 from .elimination import EliminationModel, elimination_order, mini_buckets
 from .lagrange import GRID_GAP, LAMBDA_GRID, Point, argmin_plans, lagrange_slope
 from .pareto import pareto_keep, tol
@@ -200,21 +201,24 @@ def _width(problem: SearchProblem, k: list[int], gone: set[int]) -> int:
     return width
 
 
-def _cutset(problem: SearchProblem, k: list[int], budget: int) -> set[int]:
+def _cutset(problem: SearchProblem, k: list[int], budget: int, deadline: Deadline | None = None) -> set[int]:
     """Nodes whose fixing brings the elimination's width to ``budget``: the most connected
-    first (shared weights, outputs read by many layers), greedily (cutset conditioning)."""
+    first (shared weights, outputs read by many layers), greedily (cutset conditioning).  Past
+    ``deadline``, the nodes taken so far (the rest may then be too wide for a window)."""
     degree = [0] * len(k)
     for u, v in problem.edges:
         degree[u], degree[v] = degree[u] + 1, degree[v] + 1
     gone: set[int] = set()
     for v in sorted(range(len(k)), key=lambda v: (-degree[v], v)):
-        if _width(problem, k, gone) <= budget:
+        if _width(problem, k, gone) <= budget or (deadline is not None and deadline.passed()):
             break
         gone.add(v)
     return gone
 
 
-def _window_sets(problem: SearchProblem, k: list[int], budget: int) -> list[list[int]]:
+def _window_sets(
+    problem: SearchProblem, k: list[int], budget: int, deadline: Deadline | None = None
+) -> list[list[int]]:
     """Every node but a cutset (:func:`_cutset`: with the cutset fixed the rest is narrow),
     then around each cutset node the ``_WINDOW`` nodes nearest it (breadth first), so it
     moves with its readers."""
@@ -223,7 +227,7 @@ def _window_sets(problem: SearchProblem, k: list[int], budget: int) -> list[list
     for u, v in problem.edges:
         adj[u].append(v)
         adj[v].append(u)
-    gone = _cutset(problem, k, budget)
+    gone = _cutset(problem, k, budget, deadline)
     sets = [[v for v in range(n) if v not in gone]]
     for hub in sorted(gone):
         ball, frontier = {hub}, [hub]
@@ -235,21 +239,31 @@ def _window_sets(problem: SearchProblem, k: list[int], budget: int) -> list[list
 
 
 def _windows(
-    problem: SearchProblem, k: list[int], point: Point, budget: int, solve_window: WindowSolver
-) -> tuple[Point, int]:
+    problem: SearchProblem,
+    k: list[int],
+    point: Point,
+    budget: int,
+    solve_window: WindowSolver,
+    deadline: Deadline | None = None,
+) -> tuple[Point, int, bool]:
     """Large-neighbourhood search: re-solve windows (:func:`_window_sets`) with the rest
     fixed (``solve_window``, i.e. :func:`.dp.solve_dp`, on :func:`_window_problem`, under the
     cap less the fixed nodes' memory; the first, wide, window once and thinned), keeping
     each better plan, to a fixpoint or ``_WINDOW_SWEEPS`` sweeps.  A window too wide for ``budget`` is skipped.
-    Returns the plan and the number of windows that improved it."""
-    cap, wins, sets = problem.mem_cap_bytes, 0, [w for w in _window_sets(problem, k, budget) if w]
+    Past ``deadline`` no further window starts.  Returns the plan, the number of windows that improved it, and
+    whether the deadline stopped the windows."""
+    if deadline is not None and deadline.passed():
+        return point, 0, True
+    cap, wins, sets = problem.mem_cap_bytes, 0, [w for w in _window_sets(problem, k, budget, deadline) if w]
     for sweep in range(_WINDOW_SWEEPS):
         better = False
         for nodes in sets[1:] if sweep else sets:  # the wide first window (cutset's complement) once
+            if deadline is not None and deadline.passed():
+                return point, wins, True
             sub = _window_problem(problem, nodes, point.choice)
             t_in, m_in = sub.evaluate([point.choice[v] for v in nodes])
             fixed_t, fixed_m = point.time - t_in, point.mem - m_in
-            if EliminationModel(sub).width > budget:
+            if EliminationModel(sub, deadline=deadline).width > budget:
                 continue
             sub = sub.with_cap(None if cap is None else cap - fixed_m)
             got = solve_window(sub, thinned_only=nodes is sets[0])  # the wide one: bounded Pareto sets
@@ -263,7 +277,7 @@ def _windows(
                     raise AssertionError(f"window search: plan re-evaluates to {point[:2]}, the window said otherwise")
         if not better:
             break
-    return point, wins
+    return point, wins, False
 
 
 def _batched_plans(model: EliminationModel, w: np.ndarray) -> tuple[list[Point], np.ndarray]:
@@ -349,13 +363,14 @@ def solve_approx(
     frontier: bool,
     start: float,
     solve_window: WindowSolver,
+    deadline: Deadline | None = None,
 ) -> Solution:
     """:func:`.dp.solve_dp` past the width budget (module docstring): the fastest plan found
     under the cap (``optimal`` only when the time bound proves it), with the lower bound and
     the gap in ``stats``.  ``solve_window(problem, thinned_only=...)`` re-solves a window
     (:func:`_windows`): :func:`.dp.solve_dp` passes itself, so a window is searched as any
     problem is, and this module need not import the search that calls it."""
-    model = EliminationModel(problem, budget=budget)
+    model = EliminationModel(problem, budget=budget, deadline=deadline)
     local = _Local(model)
     cap = problem.mem_cap_bytes
     stats = _approx_stats(model, exact_width, budget)
@@ -383,7 +398,9 @@ def solve_approx(
     tick = time.perf_counter()
     # uncapped, a window's search is one min-sum pass (no Pareto sets): as wide as the budget
     window_budget = budget if cap is None else min(budget, _CUTSET_WIDTH)
-    best, stats["windows"] = _windows(problem, model.k, best, window_budget, solve_window)
+    best, stats["windows"], late = _windows(problem, model.k, best, window_budget, solve_window, deadline)
+    if late:
+        stats["budget_hit"] = True
     stats["windows_s"] = time.perf_counter() - tick
     if fits:  # ps the local search took off the best decoded plan
         stats["local_gain"] = min(p.time for p in fits) - best.time
