@@ -94,8 +94,8 @@ def plan_model(
 class PipelineChoice:
     """The candidates of one ``plan_model`` call, priced one after another, and the fastest that fits so far.
 
-    ``graphs``: the captures per micro-batch size; ``least``: per candidate that did not fit, the least memory
-    it needed."""
+    ``graphs``: the captures per micro-batch size; ``priced``: every candidate with its step and memory (a
+    candidate that did not fit: no step, the least memory it needed); ``missed``: those candidates' errors."""
 
     def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, options, hint_options, progress) -> None:
         if not isinstance(mesh, Mesh):
@@ -113,9 +113,8 @@ class PipelineChoice:
         self.graphs: dict[int, OpGraph] = {}
         self.template = None
         self.found: tuple[Plan, OpGraph] | None = None
-        self.least: list[tuple[int, str]] = []
-        self.errors: list[MemoryCapError] = []
         self.priced: list[Candidate] = []
+        self.missed: list[MemoryCapError] = []
         self.timings = {"capture_s": 0.0, "strategies_s": 0.0, "search_s": 0.0, "candidates": 0.0}
 
     def best(self, compare_families: bool) -> tuple[Plan, OpGraph]:
@@ -127,14 +126,15 @@ class PipelineChoice:
         for axis in axes:
             self._pipelines(axis, forced=asked != "auto")
         if self.found is None:
-            if len(self.least) == 1:  # one candidate: its own words
-                raise self.errors[0]
-            least, what = min(self.least)
+            if len(self.missed) == 1:  # one candidate: its own words
+                raise self.missed[0]
+            least = min(self.priced, key=lambda c: c.memory_bytes)  # none fitted: every one missed
             cap = format_bytes(self.options.mem_cap) if self.options.mem_cap else "none"
             raise MemoryCapError(
-                f"no plan fits the memory cap of {cap} per device: of the {len(self.least)} candidates tried "
-                f"(pipelines, micro-batches, schedules), {what} needs the least, {format_bytes(least)}",
-                least,
+                f"no plan fits the memory cap of {cap} per device: of the {len(self.missed)} candidates tried "
+                f"(pipelines, micro-batches, schedules), {least.what} needs the least, "
+                f"{format_bytes(least.memory_bytes)}",
+                least.memory_bytes,
             )
         plan, graph = self.found
         ranked = tuple(sorted(self.priced, key=lambda c: (c.step_s is None, c.step_s or 0.0, c.memory_bytes)))
@@ -204,7 +204,7 @@ class PipelineChoice:
             stage_plan = self._search(ctx)
             for s in runs:
                 try:
-                    plan = pipelined(ctx, stage_plan, self.mesh, axis, s, m, self.options.mem_cap)
+                    plan = pipelined(ctx, stage_plan, self.mesh, axis, s, m, self.options.mem_cap, layers=layers)
                 except MemoryCapError as e:
                     self._missed(e, f"a pipeline along {name!r}, {s}, {m} micro-batches")
                     continue
@@ -212,8 +212,7 @@ class PipelineChoice:
 
     # ---- shared work ---------------------------------------------------------------------------------------
     def _missed(self, error: MemoryCapError, what: str) -> None:
-        self.least.append((error.min_mem_bytes, what))
-        self.errors.append(error)
+        self.missed.append(error)
         self.priced.append(Candidate(what, None, error.min_mem_bytes))
 
     def _offer(self, plan: Plan, graph: OpGraph) -> None:

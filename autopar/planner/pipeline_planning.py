@@ -82,13 +82,22 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
 
 
 def pipelined(
-    ctx: PlanningContext, micro_plan: Plan, mesh: Mesh, axis: int, schedule: str, m: int, cap: int | None
+    ctx: PlanningContext,
+    micro_plan: Plan,
+    mesh: Mesh,
+    axis: int,
+    schedule: str,
+    m: int,
+    cap: int | None,
+    *,
+    layers: list[tuple[str, tuple[int, ...]]] | None = None,
 ) -> Plan:
     """The pipelined plan on ``mesh`` whose stages run ``micro_plan`` (searched on ``ctx``: one micro-batch on
     ``stage_mesh(mesh, axis)``), split and priced for ``schedule`` over ``m`` micro-batches under ``cap`` per
-    device (module docstring).  Raises ``MemoryCapError`` when no split fits."""
+    device (module docstring).  ``layers``: ``chain_layers(ctx.graph)`` where the caller has it (None: found
+    here).  Raises ``MemoryCapError`` when no split fits."""
     p, v = mesh.shape[axis], virtual_stages(schedule)
-    layers = chain_layers(ctx.graph)
+    layers = chain_layers(ctx.graph) if layers is None else layers
     settings = ctx.coster.settings
     if settings.microbatches != m:
         raise ValueError(f"the stage plan was priced for {settings.microbatches} micro-batches per step, not {m}")

@@ -258,8 +258,7 @@ class GradBuckets:
             if p.grad is not None:
                 rnd.of[name].grads[name] = p.grad.contiguous()
             p.grad = kept[name]
-        with self.groups.collectives("the gradient all-reduce"):
-            rnd._finish()
+        rnd.finish()
 
     def wrap(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The source value forward reads for a bucketed parameter."""

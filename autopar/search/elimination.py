@@ -42,7 +42,7 @@ import numpy as np
 
 from .deadline import Deadline
 from .problem import INF, SearchProblem
-from .prune import prune_dominated
+from .prune import prune_dominated, rows_cols
 from .split import ChainError
 
 
@@ -144,8 +144,9 @@ class EliminationModel:
         for i, al in enumerate(self.allowed):
             add((i,), problem.node_time[i][al], problem.node_mem[i][al])
         for (u, v), et, em in zip(problem.edges, problem.edge_time, problem.edge_mem):
-            ix = np.ix_(self.allowed[u], self.allowed[v])
-            add((u, v), et[ix], np.zeros((k[u], k[v]), np.int64) if em is None else em[ix])
+            au, av = self.allowed[u], self.allowed[v]
+            m = np.zeros((k[u], k[v]), np.int64) if em is None else rows_cols(em, au, av)
+            add((u, v), rows_cols(et, au, av), m)  # views where neither side was pruned
         scopes = list(acc)
         self.t, self.m, self.ok = ([acc[s][i] for s in scopes] for i in range(3))
         self.n_orig = len(scopes)

@@ -65,6 +65,7 @@ from .elimination import EliminationModel, elimination_order, mini_buckets
 from .lagrange import GRID_GAP, LAMBDA_GRID, Point, argmin_plans, lagrange_slope
 from .pareto import pareto_keep, tol
 from .problem import INF, InfeasibleError, SearchProblem, Solution
+from .prune import rows_cols
 
 __all__ = ["mini_buckets", "solve_approx", "approx_min_memory"]
 
@@ -89,8 +90,8 @@ class _Local:
         self.incident: list[list[tuple[np.ndarray, np.ndarray | None, int]]] = [[] for _ in range(problem.n_nodes)]
         for (u, v), et, em in zip(problem.edges, problem.edge_time, problem.edge_mem):
             au, av = model.allowed[u], model.allowed[v]
-            t = et[np.ix_(au, av)]
-            m = None if em is None else em[np.ix_(au, av)]
+            t = rows_cols(et, au, av)  # a view where neither side was pruned
+            m = None if em is None else rows_cols(em, au, av)
             self.incident[u].append((t, m, v))  # rows: u's allowed, columns: v's
             self.incident[v].append((t.T, None if m is None else m.T, u))
         self.movable = [v for v in range(problem.n_nodes) if len(model.allowed[v]) > 1]

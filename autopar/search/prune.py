@@ -34,7 +34,7 @@ import numpy as np
 from .deadline import Deadline
 from .problem import INF, SearchProblem
 
-__all__ = ["prune_dominated"]
+__all__ = ["prune_dominated", "rows_cols"]
 
 _BIG = np.iinfo(np.int64).max  # memory where the dominated side's pair is forbidden: anything fits below
 _CHUNK = 1 << 22  # elements of one (pair, column) comparison chunk in :func:`_dominated`
@@ -79,8 +79,9 @@ def _dominated(dom: np.ndarray, sub: np.ndarray) -> np.ndarray:
     return strict.any(axis=0)
 
 
-def _rows_cols(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """``a[np.ix_(rows, cols)]``, without the index grids where a side keeps every index (sorted, unique)."""
+def rows_cols(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``a[np.ix_(rows, cols)]``, without the index grids where a side keeps every index (sorted, unique): ``a``
+    itself (no copy) where both do."""
     if rows.size < a.shape[0]:
         a = a[rows]
     return a if cols.size == a.shape[1] else a[:, cols]
@@ -113,11 +114,11 @@ def prune_dominated(
         sub = list(dom)
         for e, w, flip in incident[v]:
             t, m = problem.edge_time[e], problem.edge_mem[e]
-            t = _rows_cols(t.T if flip else t, al, alive[w])
+            t = rows_cols(t.T if flip else t, al, alive[w])
             dom.append(t)
             sub.append(t)
             if m is not None:  # None: zeros, never decides
-                m = _rows_cols(m.T if flip else m, al, alive[w])
+                m = rows_cols(m.T if flip else m, al, alive[w])
                 dom.append(m)
                 sub.append(np.where(t >= INF, _BIG, m))
         gone = _dominated(np.concatenate(dom, axis=1), np.concatenate(sub, axis=1))
