@@ -163,8 +163,9 @@ def solve_dp(
 
     Past the width budget (the largest joint table over ``width_budget`` cells per weight
     row, ``WIDTH_BUDGET`` unless given) the search is approximate instead
-    (:func:`.minibucket.solve_approx`): a plan, ``optimal=False``, with a lower bound and the
-    gap in ``stats``; its :class:`InfeasibleError` is marked ``approximate``.
+    (:func:`.minibucket.solve_approx`, its windows stopped at ``deadline``): a plan, ``optimal=False``, with a
+    lower bound and the gap in ``stats``; its :class:`InfeasibleError` is marked ``approximate``.  The
+    dominance pruning stops at ``deadline`` too (:func:`.prune.prune_dominated`).
     ``thinned_only`` (a heuristic, for :mod:`.minibucket`'s windows): skip the exact pass,
     return the best plan the bounds and the coarsest thinned pass met.
 

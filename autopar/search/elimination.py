@@ -125,7 +125,7 @@ class EliminationModel:
     ) -> None:
         self.problem = problem
         # INF and arc consistency, then dominance (:mod:`.prune`, stopped past ``deadline``): cap-free, kept with
-        # the arrays
+        # the arrays (a pruning the deadline stopped is kept as it stopped: still exact, only wider)
         self.allowed = problem.memo(
             ("allowed", keep), lambda: prune_dominated(problem, problem.allowed_choices(), keep, deadline)
         )
