@@ -115,7 +115,10 @@ def _reference(name, layers, batch):
 CASES = [
     # four stages on 4 ranks, 8 micro-batches: GPipe and 1F1B
     ("gpt2-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="gpipe")),
+    ("gpt2-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="1f1b")),
+    ("llama-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="gpipe")),
     ("llama-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="1f1b")),
+    ("bert-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="gpipe")),
     ("bert-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="1f1b")),
     ("gpt2-tiny", 3, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="gpipe")),
     ("gpt2-tiny", 4, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="interleaved")),
