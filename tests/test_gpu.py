@@ -66,4 +66,4 @@ def test_accumulated_micro_batches_on_nccl_match_one_gpu():
     args = ("gpt2-tiny", "--mesh", "1", "--check", "--steps", "3", "--microbatches", "4")
     out = _torchrun("run", *args, ok_codes=(0, 1))
     _assert_like_one_gpu(out)
-    assert "micro-batch" in out, out
+    assert "micro-batches: 4 per step, accumulated" in out, out  # the run report says what the plan does
