@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from search_problems import chain_problem, random_problem
 
-from autopar.search import Deadline, InfeasibleError, min_memory, solve_cpsat, solve_dp
+from autopar.search import Deadline, InfeasibleError, chain_tables, min_memory, solve_cpsat, solve_dp
 from autopar.search import dp as dp_module
 from autopar.search.chain import ChainError, solve_chain
 
@@ -69,6 +69,7 @@ def test_approximate_infeasibility_is_not_claimed_as_proven() -> None:
 def test_a_chain_block_over_the_budget_sends_the_chain_flat(monkeypatch: pytest.MonkeyPatch) -> None:
     problem, blocks = chain_problem(0, 4, 5, 4, cap_quantile=0.3)
     monkeypatch.setattr(dp_module, "WIDTH_BUDGET", 8)
+    monkeypatch.setattr(chain_tables, "BLOCK_WIDTH_BUDGET", 8)
     with pytest.raises(ChainError, match="width budget"):
         solve_chain(problem, blocks)
     flat = solve_dp(problem)  # what the planner does on ChainError: the flat search, approximate here

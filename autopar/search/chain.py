@@ -231,11 +231,14 @@ def solve_chain(
 def _bound_rows(
     chain: Chain, problem: SearchProblem, blocks: list[list[int]], variants: tuple, rest_variants: tuple
 ) -> tuple[np.ndarray, MinSumChain, list]:
-    """The bound rows ``w`` (time, memory, and where the cap binds the Lagrange slope lam*), their min-sum, and
-    the plans met on the way (``(T, M, choice, variant of each block)``; one under the cap among them).
+    """The bound rows ``w`` (time; with a cap memory, and where the cap binds the Lagrange slope lam*), their
+    min-sum, and the plans met on the way (``(T, M, choice, variant of each block)``; one under the cap among them).
 
     Raises :class:`InfeasibleError` when the memory row's min-sum (the exact least memory) is over the cap."""
     cap = problem.mem_cap_bytes
+    if cap is None:  # no limit on memory: its row would bound nothing, the time row alone (half the min-sum)
+        sc, seen = chain.time_row()
+        return np.array([[1.0, 0.0]]), sc, list(seen)
     w = np.array([[1.0, 0.0], [0.0, 1.0]])
     sc, seen = chain.base()
     seen = list(seen)

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dp
 from .minsum import MinSumChain
 from .problem import InfeasibleError, SearchProblem, exact_sums
 from .split import ChainError, split_blocks
 from .tables import PortTable
 
-__all__ = ["Chain"]
+__all__ = ["BLOCK_WIDTH_BUDGET", "Chain"]
+
+#: Cells per weight row of the widest joint table a chain part's elimination may form; past it the blocks do not
+#: chain (:class:`.split.ChainError`: the planner solves flat).  Wider than the flat search's ``dp.WIDTH_BUDGET``:
+#: the block table is built once for every layer (not once per layer), and its min-sum passes run in slices
+#: (:data:`.elimination.SLICE_CELLS`), so the width costs time, not memory.  Three-axis meshes need it: on 4 x 8 x 8
+#: the hidden state between GPT-shaped layers has 511 placements and the block's widest joint 511 x 511 x 372 =
+#: 9.7e7 cells (2026-11-27: the exact chain in 13 s where the flat approximate search took 88 s for a plan 7x
+#: slower).  Read at each call: tests lower it.
+BLOCK_WIDTH_BUDGET = 2**27
 
 
 class Chain:
@@ -42,15 +50,16 @@ class Chain:
                 raise ChainError(f"rest variant {j} changes the terms of blocks 1.. (only the rest and B_0 may)")
         self.n = len(blocks) - 1
         self.ftabs = [
-            p.memo(("block table", key), lambda s=s: PortTable(s[0], self.k, dp.WIDTH_BUDGET))
+            p.memo(("block table", key), lambda s=s: PortTable(s[0], self.k, BLOCK_WIDTH_BUDGET))
             for p, s in zip(self.problems, splits)
         ]
         self.rtabs = [
-            p.memo(("rest table", key), lambda s=s: PortTable(s[1], self.k, dp.WIDTH_BUDGET))
+            p.memo(("rest table", key), lambda s=s: PortTable(s[1], self.k, BLOCK_WIDTH_BUDGET))
             for p, s in zip(self.rproblems, splits)
         ]
         self.ftab, self.rtab = self.ftabs[0], self.rtabs[0]  # the parts' node maps (alike in every variant)
         self._where: tuple[np.ndarray, np.ndarray] | None = None  # assemble's scatter, built on first use
+        self._time: tuple | None = None
         self._base: tuple | None = None
         self.hull: list = []  # plans of the Lagrange rows, every cap's (their (T, M) lie on the hull)
         self.rest_rows: dict = {}  # slope step j (None: 0) -> f^n of the row (1, 2^(j/2)): the rest bound's rows
@@ -58,11 +67,20 @@ class Chain:
     def minsum(self, w: np.ndarray) -> MinSumChain:
         return MinSumChain(self.ftabs, self.rtabs, self.n, w)
 
+    def time_row(self) -> tuple[MinSumChain, list]:
+        """The min-sum of the time row and its plan (built once): without a cap, all the bounds need."""
+        if self._time is None:
+            sc = self.minsum(np.array([[1.0, 0.0]]))
+            self._time = (sc, self.scalar_plans(sc))
+        return self._time
+
     def base(self) -> tuple[MinSumChain, list]:
-        """The min-sum of the time and the memory rows, and their plans (built once)."""
+        """The min-sum of the time and the memory rows, and their plans (built once; the time row's is
+        :meth:`time_row`'s)."""
         if self._base is None:
-            sc = self.minsum(np.array([[1.0, 0.0], [0.0, 1.0]]))
-            self._base = (sc, self.scalar_plans(sc))
+            time_sc, time_plans = self.time_row()
+            memory = self.minsum(np.array([[0.0, 1.0]]))
+            self._base = (time_sc.stacked(memory), [*time_plans, *self.scalar_plans(memory)])
         return self._base
 
     def evaluate(self, choice: tuple[int, ...], variants: tuple[int, ...]) -> tuple[int, int]:

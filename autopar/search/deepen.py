@@ -130,7 +130,7 @@ class RestBound:
             fn = chain.minsum(w).power().reshape(len(w), -1)
             chain.rest_rows.update(zip(missing, fn))
         if None not in chain.rest_rows:  # slope 0: the time row
-            chain.rest_rows[None] = chain.base()[0].power()[0].reshape(-1)
+            chain.rest_rows[None] = chain.time_row()[0].power()[0].reshape(-1)
         self.slopes = np.array([0.0] + [2.0 ** (j / 2) for j in steps])
         self.fn = np.stack([chain.rest_rows[None]] + [chain.rest_rows[j] for j in steps])
         self.cap = cap

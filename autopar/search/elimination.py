@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .deadline import Deadline
 from .problem import INF, SearchProblem
@@ -211,27 +212,84 @@ class EliminationModel:
         return tuple(int(self.allowed[i][reduced[i]]) for i in range(len(self.k)))
 
 
-def _bc(step: Step, j: int, arr: np.ndarray) -> np.ndarray:
-    """Input j's (rows, *scope) table laid onto the step's joint axes (size 1 where it has none)."""
+#: Cells (all rows) of the joint a min-sum pass forms at once: a wider step runs in slices of its first axis
+#: (:func:`_slices`), so the chain's wide block tables (:data:`.chain_tables.BLOCK_WIDTH_BUDGET`) cost time, not a
+#: joint-sized array per row.  2^23 float64 cells are 64 MiB.
+SLICE_CELLS = 2**23
+
+
+def _slices(step: Step, rows: int) -> list[slice]:
+    """Slices of the step's first joint axis whose joints hold at most :data:`SLICE_CELLS` cells (one slice:
+    the whole step, also when its scope is empty)."""
+    cells = rows * math.prod(step.shape)
+    if cells <= SLICE_CELLS or not step.scope:
+        return [slice(None)]
+    per = max(1, SLICE_CELLS * step.shape[0] // cells)
+    return [slice(lo, lo + per) for lo in range(0, step.shape[0], per)]
+
+
+def _bc(step: Step, j: int, arr: np.ndarray, part: slice = slice(None)) -> np.ndarray:
+    """Input j's (rows, *scope) table laid onto the step's joint axes (size 1 where it has none), at ``part`` of
+    the first joint axis."""
     perm, bshape = step.bcast[j]
-    return arr.transpose(perm).reshape((arr.shape[0],) + bshape)
+    laid = arr.transpose(perm).reshape((arr.shape[0],) + bshape)
+    return laid if part == slice(None) or bshape[0] == 1 else laid[:, part]
 
 
-def _joint(step: Step, vals: list, skip: int = -1) -> np.ndarray:
-    acc: np.ndarray | float = 0.0
+def _joint(step: Step, vals: list, skip: int = -1, part: slice = slice(None), lay=None):
+    """The sum of the step's inputs but ``skip`` on its joint axes, at ``part`` of the first; ``lay``
+    (``torch.from_numpy``): summed as torch tensors (a sliced step's)."""
+    acc = 0.0
     for j, tid in enumerate(step.inputs):
         if j != skip:
-            acc = _add(acc, _bc(step, j, vals[tid]))
+            x = _bc(step, j, vals[tid], part)
+            acc = _add(acc, x if lay is None else lay(x))
     return acc
 
 
-def _add(acc: np.ndarray | float, x: np.ndarray) -> np.ndarray:
+def _add(acc, x):
     """``acc + x`` for a running sum begun at the float 0.0, so an array ``acc`` is a
     temporary of an earlier ``_add``: in place once it has the full shape (the same
-    floats, without a joint-sized allocation per term)."""
-    if isinstance(acc, np.ndarray) and np.broadcast_shapes(acc.shape, x.shape) == acc.shape:
-        return np.add(acc, x, out=acc)
+    floats, without a joint-sized allocation per term).  numpy arrays or torch tensors."""
+    if isinstance(acc, (np.ndarray, torch.Tensor)) and np.broadcast_shapes(acc.shape, x.shape) == tuple(acc.shape):
+        return acc.add_(x) if isinstance(acc, torch.Tensor) else np.add(acc, x, out=acc)
     return acc + x
+
+
+def _inside_sliced(st: Step, vals: list, rows: int, args: dict | None) -> None:
+    """:func:`inside`'s step over the slices of its first axis (:func:`_slices`), summed and reduced by torch's
+    kernels (every core; the same floats: sums formed alike, min exact, argmin the first on ties)."""
+    shape = (rows,) + (st.shape[:-1] if st.var >= 0 else st.shape)
+    out = vals[st.out] = np.empty(shape)
+    if args is not None and st.var >= 0:
+        args[st.out] = np.empty(shape, np.int64)
+    for part in _slices(st, rows):
+        joint = _joint(st, vals, part=part, lay=torch.from_numpy)
+        if st.var >= 0:
+            if args is not None:
+                args[st.out][:, part] = joint.argmin(dim=-1).numpy()
+            joint = joint.amin(dim=-1)
+        out[:, part] = joint.numpy()
+
+
+def _outside_sliced(st: Step, vals: list, oh: np.ndarray, j: int, rows: int) -> np.ndarray:
+    """Input j's outside value over the step's joint axes (before :func:`outside` transposes it), over the slices
+    of the first axis as :func:`_inside_sliced`: the least of ``oh`` plus the other inputs over the axes input j
+    does not have, kept per slice where it has the first axis, else the least across slices."""
+    bshape = st.bcast[j][1]
+    axes = tuple(1 + a for a, size in enumerate(bshape) if size == 1)
+    acc = np.empty((rows, *(size for size in bshape if size > 1))) if bshape[0] > 1 else None
+    for part in _slices(st, rows):
+        size = len(range(st.shape[0])[part])
+        cut = oh[:, part] if oh.flags.writeable else oh[:, part].copy()  # torch holds writable arrays only
+        rest = torch.from_numpy(cut) + _joint(st, vals, skip=j, part=part, lay=torch.from_numpy)
+        rest = rest.expand((rows, size) + st.shape[1:])
+        low = (rest.amin(dim=axes) if axes else rest).numpy()
+        if bshape[0] > 1:
+            acc[:, part] = low
+        else:
+            acc = low if acc is None else np.minimum(acc, low)
+    return acc
 
 
 def inside(model: EliminationModel, w: np.ndarray, argmins: bool = True) -> tuple[list, dict[int, np.ndarray]]:
@@ -245,7 +303,11 @@ def inside(model: EliminationModel, w: np.ndarray, argmins: bool = True) -> tupl
         vals.append(np.where(ok, w[:, 0].reshape(shape) * t + w[:, 1].reshape(shape) * m, np.inf))
     vals += [None] * len(model.steps)
     args: dict[int, np.ndarray] = {}
+    rows = len(w)
     for st in model.steps:
+        if len(_slices(st, rows)) > 1:  # a joint too wide to form at once
+            _inside_sliced(st, vals, rows, args if argmins else None)
+            continue
         joint = _joint(st, vals)
         if st.var >= 0:
             if argmins:
@@ -287,10 +349,15 @@ def outside(model: EliminationModel, vals: list, final_out: np.ndarray | None = 
     outs[model.final] = np.zeros(shape) if final_out is None else np.broadcast_to(final_out, shape).astype(float)
     for st in reversed(model.steps):
         oh = outs[st.out] if st.var < 0 else outs[st.out][..., None]
+        sliced = len(_slices(st, rows)) > 1  # a joint too wide to form at once
         for j, tid in enumerate(st.inputs):
             if tid >= model.n_orig:
-                rest = np.broadcast_to(oh + _joint(st, vals, skip=j), (rows,) + st.shape)
                 perm, bshape = st.bcast[j]
-                axes = tuple(1 + a for a, size in enumerate(bshape) if size == 1)
-                outs[tid] = (rest.min(axis=axes) if axes else rest).transpose(np.argsort(perm))
+                if sliced:
+                    low = _outside_sliced(st, vals, oh, j, rows)
+                else:
+                    rest = np.broadcast_to(oh + _joint(st, vals, skip=j), (rows,) + st.shape)
+                    axes = tuple(1 + a for a, size in enumerate(bshape) if size == 1)
+                    low = rest.min(axis=axes) if axes else rest
+                outs[tid] = low.transpose(np.argsort(perm))
     return outs
