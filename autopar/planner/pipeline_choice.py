@@ -41,6 +41,7 @@ from costmodel import check_devices_per_node
 from .context import PlanningContext, graph_context, hinted_context, prepare_context
 from .context_search import search_context
 from .errors import MemoryCapError
+from .heap import FrozenHeap
 from .options import HintOptions, PlanOptions
 from .pipeline_planning import (
     check_layers,
@@ -84,11 +85,13 @@ def plan_model(
     """The plan of ``model`` on ``mesh`` under ``options`` and the graph it was made on (at the micro-batch when
     it runs several).  Without micro-batches (``options.micro_batched`` false) one search of the whole batch on
     the whole mesh; else the fastest candidate (module docstring)."""
-    if not options.micro_batched:
-        ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
-        return search_context(ctx, compare_families=compare_families, progress=progress), ctx.graph
-    choice = PipelineChoice(model, mesh, example_inputs, example_kwargs, options, hint_options, progress)
-    return choice.best(compare_families)
+    with FrozenHeap() as heap:  # the collector kept off each capture and its strategies once built
+        if not options.micro_batched:
+            ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
+            heap.keep()
+            return search_context(ctx, compare_families=compare_families, progress=progress), ctx.graph
+        choice = PipelineChoice(model, mesh, example_inputs, example_kwargs, options, hint_options, progress, heap)
+        return choice.best(compare_families)
 
 
 class PipelineChoice:
@@ -97,7 +100,9 @@ class PipelineChoice:
     ``graphs``: the captures per micro-batch size; ``priced``: every candidate with its step and memory (a
     candidate that did not fit: no step, the least memory it needed); ``missed``: those candidates' errors."""
 
-    def __init__(self, model, mesh: Mesh, example_inputs, example_kwargs, options, hint_options, progress) -> None:
+    def __init__(
+        self, model, mesh: Mesh, example_inputs, example_kwargs, options, hint_options, progress, heap=None
+    ) -> None:
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 f"mesh {mesh!r}: expected an autopar.Mesh, e.g. autopar.Mesh((2, 4), axis_names=('dp', 'tp'))"
@@ -105,6 +110,7 @@ class PipelineChoice:
         args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         self.model, self.mesh, self.args, self.kwargs = model, mesh, tuple(args), dict(example_kwargs or {})
         self.options, self.hint_options, self.progress = options.resolved(model), hint_options, progress
+        self.heap = heap or FrozenHeap()  # kept (FrozenHeap.keep) after each context is built
         self.inner = dataclasses.replace(self.options, pipeline="none", microbatches=1)
         if self.options.devices_per_node is not None:
             check_devices_per_node(mesh.shape, self.options.devices_per_node)  # before any capture
@@ -247,6 +253,7 @@ class PipelineChoice:
         graph = self._graph(m)
         ctx = graph_context(graph, mesh, self.mesh, axis, options, self.hint_options, m)
         self.timings["strategies_s"] += ctx.timings.get("strategies_s", 0.0)
+        self.heap.keep()
         return ctx
 
     def _graph(self, m: int) -> OpGraph:
@@ -264,6 +271,7 @@ class PipelineChoice:
                     self.template = capture_template(self.model, self.args, self.kwargs)
                 self.graphs[m] = specialize(self.template, self._micro(m))[0]
             self.timings["capture_s"] += time.perf_counter() - start
+            self.heap.keep()
         return self.graphs[m]
 
     def _one_size(self) -> bool:

@@ -1,0 +1,38 @@
+"""The cyclic garbage collector kept off what planning has already built.
+
+Planning builds millions of long-lived objects (captured graphs, strategies, cost tables) and Python's collector
+traverses every one of them at each full collection: measured on a 96-layer GPT-shaped model on 4 x 8 x 8 with
+``pipeline="auto"`` (28 candidates), 24 s of a 150 s plan were collections, 15 s of it 17 full ones.
+:class:`FrozenHeap` moves what is alive at each :meth:`FrozenHeap.keep` (after a capture and its strategies) into
+the collector's permanent generation (``gc.freeze``), so later collections traverse only what planning makes after
+it, and hands it all back at exit (``gc.unfreeze``): cyclic garbage made while frozen is collected after the plan,
+not during it.  A process that froze objects itself (``gc.get_freeze_count() > 0`` at entry, a pre-fork server
+say) or turned the collector off is left as it is.
+"""
+
+from __future__ import annotations
+
+import gc
+
+__all__ = ["FrozenHeap"]
+
+
+class FrozenHeap:
+    """``with FrozenHeap() as heap: ... heap.keep() ...``: see the module docstring.  Nested uses leave the
+    outermost in charge (the inner one finds objects frozen already and does nothing)."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def __enter__(self) -> FrozenHeap:
+        self.active = gc.isenabled() and gc.get_freeze_count() == 0
+        return self
+
+    def keep(self) -> None:
+        """Everything alive now is kept out of the collections until exit."""
+        if self.active:
+            gc.freeze()
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            gc.unfreeze()
