@@ -13,9 +13,11 @@ in the graph; bf16 with fp32 AdamW state, 80 GiB per device):
   inside the node;
 * ``one-node``: GPT-2 small (12 layers, width 768) on 8 devices of one node, h100: no pipeline;
 * ``deep``: 96 layers on a 4 x 8 x 8 mesh (``pp`` x ``dp`` x ``tp``), h100 profile: every candidate (no pipeline,
-  each axis x micro-batch counts x schedules) searched.  Not run by default: its candidate without a pipeline,
-  a search on three axes that does not chain, is the approximate flat search, which overruns the 30 s budget
-  (71 s of search, 2 minutes in all, 2026-11-27; the open part of issue 31).
+  each axis x micro-batch counts x schedules) searched.  Not run by default (2.5 minutes, most of it the
+  strategies of three axes).  Measured 2026-11-27 on 2 cores: 18-19 s of search (the chained search without a
+  pipeline, exact since the block budget of ``search/chain_tables.py``, about 11 s of it; before, 71-88 s of an
+  approximate flat search whose plan was 3.8x slower: 2.70 s against 0.711 s), 82-88 s of strategies, 137-142 s
+  in all; the issue asks for 10 s of search (the open part of issue 31).
 
 Columns: the choice (axis, schedule, micro-batches, the stage split), its step, the no-pipeline plan's step,
 candidates priced, and the seconds of capture, strategies (candidates and cost tables) and search summed over
