@@ -49,7 +49,7 @@ import torch
 
 from autopar.capture import OpNode
 from autopar.placement import Placement
-from autopar.runtime import DEFAULT_BUCKET_BYTES, nesting_steps
+from autopar.runtime import DEFAULT_BUCKET_BYTES
 from autopar.spec import TensorMeta, local_meta
 from autopar.strategies import (
     KERNELS,
@@ -75,6 +75,7 @@ from costmodel import (
     op_time_s,
 )
 
+from .moves import MoveSteps
 from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
 
 __all__ = ["TrainingSettings", "Coster"]
@@ -123,6 +124,8 @@ class Coster:
         else:
             self.links = [settings.profile.link_for_axis(self.mesh_shape, a) for a in range(len(self.mesh_shape))]
         self._trans_cache: dict = {}
+        self._moves = MoveSteps(self.mesh_shape)  # the runtime's step lists, scaled from one reference per form
+        self._comm_s: dict = {}  # (kind, bytes, axis) -> comm_time_s
         self._ids: dict = {}  # meta or placements -> small int (edge_matrices' cache keys)
         self._move_s: dict = {}  # (meta id, src id, dst id) -> transition_time_s
         self._layouts = memory_layouts(self.graph)
@@ -208,12 +211,32 @@ class Coster:
 
     def comm_time_s(self, kind: str, nbytes: int, axis: int) -> float:
         """The collective's time on the axis's link plus one op's overhead (the runtime issues it as a step)."""
-        t = collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
-        return t + self.settings.profile.op_overhead_s() if t > 0 else 0.0
+        key = (kind, nbytes, axis)
+        hit = self._comm_s.get(key)
+        if hit is None:
+            t = collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
+            hit = self._comm_s[key] = t + self.settings.profile.op_overhead_s() if t > 0 else 0.0
+        return hit
 
     def grad_move_steps(self, producer: OpNode, meta: TensorMeta, src, dst) -> list[tuple[Any, float, float]]:
         """(step, whole seconds, the fraction of them exposed) of each collective moving ``producer``'s gradient
-        from ``src`` to ``dst``, per micro-batch.
+        from ``src`` to ``dst``, per micro-batch (``_grad_terms``); (None, inf, 1.0) where the runtime cannot."""
+        steps = self._moves.steps(self.compute_meta(meta), src, dst)
+        if steps is None:
+            return [(None, math.inf, 1.0)]  # the runtime cannot run this move on the nested layout: forbidden
+        steps = [t for t in steps if t.kind is not None]
+        terms = self._grad_terms(producer, [(t.kind, t.bytes, t.axis) for t in steps])
+        return [(t, whole, exposed) for t, (whole, exposed) in zip(steps, terms)]
+
+    def grad_move_time_s(self, producer: OpNode, meta: TensorMeta, src, dst, pair=None) -> float:
+        """The exposed seconds of ``grad_move_steps`` (the edge tables' hot path; ``pair``: ``MoveSteps``'s key)."""
+        steps = self._moves.collectives(self.compute_meta(meta), src, dst, pair)
+        if steps is None:
+            return math.inf
+        return sum(whole * exposed for whole, exposed in self._grad_terms(producer, steps))
+
+    def _grad_terms(self, producer: OpNode, steps: list[tuple[str, int, int]]) -> list[tuple[float, float]]:
+        """(whole seconds, exposed fraction) per collective (kind, bytes, axis) of a move of a gradient.
 
         A parameter's gradient whose move is one all-reduce on one axis is what the
         runtime's gradient buckets reduce (``runtime/buckets.py``): it then costs its
@@ -223,31 +246,23 @@ class Coster:
         after the last backward: ``1 / m`` of it per micro-batch, all exposed.  Any other
         move costs its collectives one by one, each micro-batch.
         """
-        steps = self._collective_steps(meta, src, dst)
-        if steps is None:
-            return [(None, math.inf, 1.0)]  # the runtime cannot run this move on the nested layout: forbidden
-        bucket = self.settings.grad_bucket_bytes
         if self._bucketed(producer, steps):
-            (t,) = steps
+            ((kind, nbytes, axis),) = steps
+            bucket = self.settings.grad_bucket_bytes
             m = self.settings.microbatches
-            whole = self.comm_time_s(t.kind, bucket, t.axis) * t.bytes / bucket / m
-            return [(t, whole, self.grad_exposed(producer, per_step=m > 1))]
+            whole = self.comm_time_s(kind, bucket, axis) * nbytes / bucket / m
+            return [(whole, self.grad_exposed(producer, per_step=m > 1))]
         exposed = self.grad_exposed(producer)
-        return [(t, self.comm_time_s(t.kind, t.bytes, t.axis), exposed) for t in steps]
+        return [(self.comm_time_s(kind, nbytes, axis), exposed) for kind, nbytes, axis in steps]
 
-    def _collective_steps(self, meta: TensorMeta, src, dst) -> list | None:
-        """The collectives of the runtime's step list from ``src`` to ``dst`` (local steps dropped); None where
-        the runtime cannot run the move on the nested layout."""
-        all_steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
-        return None if conflict is not None else [t for t in all_steps if t.kind is not None]
-
-    def _bucketed(self, producer: OpNode, steps: list) -> bool:
-        """Whether the runtime's gradient buckets reduce this move of ``producer``'s gradient (its collectives)."""
+    def _bucketed(self, producer: OpNode, steps: list[tuple[str, int, int]]) -> bool:
+        """Whether the runtime's gradient buckets reduce this move of ``producer``'s gradient (its collectives
+        as (kind, bytes, axis))."""
         return bool(
             producer.kind == "param"
             and self.settings.grad_bucket_bytes
             and len(steps) == 1
-            and steps[0].kind == "all_reduce"
+            and steps[0][0] == "all_reduce"
         )
 
     def bucketed_grad_bytes(self, producer: OpNode, meta: TensorMeta, src, dst) -> int:
@@ -255,21 +270,23 @@ class Coster:
         (0: the move is not bucketed, ``grad_move_steps``): the bucket's flat copy holds them until reduced."""
         if producer.kind != "param" or not self.settings.grad_bucket_bytes or src == dst:
             return 0
-        steps = self._collective_steps(meta, src, dst)
-        return steps[0].bytes if steps is not None and self._bucketed(producer, steps) else 0
+        steps = self._moves.collectives(self.compute_meta(meta), src, dst)
+        return steps[0][1] if steps is not None and self._bucketed(producer, steps) else 0
 
     def transition_time_s(self, meta: TensorMeta, src, dst) -> float:
+        """Seconds of the collectives moving ``meta`` from ``src`` to ``dst`` (inf: the runtime cannot)."""
         key = (meta, src, dst)
         hit = self._trans_cache.get(key)
         if hit is None:
-            # the runtime's step list (local steps included) and whether it runs on the nested layout
-            steps, conflict = nesting_steps(self.compute_meta(meta), src, dst, self.mesh_shape)
-            if conflict is not None:
-                hit = math.inf  # the runtime cannot run this move on the nested layout: forbidden
-            else:
-                hit = sum(self.comm_time_s(t.kind, t.bytes, t.axis) for t in steps if t.kind is not None)
-            self._trans_cache[key] = hit
+            hit = self._trans_cache[key] = self._move_time_s(meta, src, dst, None)
         return hit
+
+    def _move_time_s(self, meta: TensorMeta, src, dst, pair) -> float:
+        # the collectives of the runtime's step list, None where it cannot run on the nested layout
+        steps = self._moves.collectives(self.compute_meta(meta), src, dst, pair)
+        if steps is None:
+            return math.inf  # the runtime cannot run this move on the nested layout: forbidden
+        return sum(self.comm_time_s(kind, nbytes, axis) for kind, nbytes, axis in steps)
 
     # ---- nodes ----------------------------------------------------------------------
     def node_time_s(self, node: OpNode, strategy) -> float:
@@ -498,14 +515,13 @@ class Coster:
                 if sid != did:
                     t = moves.get((mid, sid, did))
                     if t is None:
-                        t = moves[mid, sid, did] = self.transition_time_s(meta, src, dst)
+                        t = moves[mid, sid, did] = self._move_time_s(meta, src, dst, (sid, did))
                     if t and regather:
                         t += t  # FSDP: the op keeps a handle, backward gathers it again
                 if grad and gid != tid:
                     back = moves.get((mid, gid, tid, param))
                     if back is None:
-                        steps = self.grad_move_steps(u, meta, g, grad_target)
-                        back = moves[mid, gid, tid, param] = sum(w * e for _, w, e in steps)
+                        back = moves[mid, gid, tid, param] = self.grad_move_time_s(u, meta, g, grad_target, (gid, tid))
                     t += back
                 t_row.append(t)
                 m_row.append(self.edge_saved_bytes(u, out_idx, v, pos, src, dst, gid != tid) if keeps else 0)
