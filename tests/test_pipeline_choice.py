@@ -44,8 +44,12 @@ def test_auto_is_the_fastest_of_the_forced_candidates():
     # every candidate, fastest first, in the plan (not in its JSON) and in --explain
     from autopar.planner.explain import render_explanation
 
-    priced = [c.step_s for c in chosen.candidates]
+    priced = [c.step_s if c.step_s is not None else c.at_least_s for c in chosen.candidates]
     assert len(priced) == len(steps) and priced == sorted(priced) and priced[0] == chosen.cost.total_s
+    for c in chosen.candidates:  # searched last and bounded by the fastest pipeline: its bound holds and loses
+        if c.at_least_s is not None:
+            assert c.what == "no pipeline" and c.step_s is None
+            assert chosen.cost.total_s < c.at_least_s <= steps[("none", 1, "")]
     text = render_explanation(chosen)
     assert (
         "candidates priced (pipeline='auto')" in text and "a pipeline along 'a', interleaved, 8 micro-batches" in text
@@ -111,8 +115,41 @@ def test_a_slow_fabric_pipelines_over_the_nodes_and_a_fast_node_does_not(tmp_pat
     slow = _plan(model, args, kwargs, mesh, profile=_slow_fabric(tmp_path, 50), **common)
     assert slow.pipeline is not None and slow.pipeline.axis == "node", slow
     assert all(c.axis == "gpu" for c in slow.collectives)  # every collective inside the node
-    flat = next(c for c in slow.candidates if c.what == "no pipeline")  # priced, and slower
-    assert flat.step_s > slow.cost.total_s
+    flat = next(c for c in slow.candidates if c.what == "no pipeline")  # priced, or bounded, and slower
+    assert (flat.step_s if flat.step_s is not None else flat.at_least_s) > slow.cost.total_s
     small, sargs, skwargs = load_model("gpt2", batch=32, seq=1024)
     node = _plan(small, sargs, skwargs, autopar.Mesh((8,), axis_names=("dp",)), profile="h100", **common)
     assert node.pipeline is None and node.family.startswith("data parallel"), node
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["no cap", "a binding cap"])
+def test_a_search_bounded_by_a_faster_plan_stops_at_a_true_bound(capped):
+    """``search_context(..., above=)`` (``SearchRun.above``: how ``pipeline="auto"`` bounds the plan without a
+    pipeline by the fastest pipeline): bounded below the plan's objective, the search stops with a bound between
+    the two (``BeatenError``); bounded at or above it, it returns the same plan."""
+    from autopar.planner import PlanOptions
+    from autopar.planner.context_search import search_context
+    from autopar.search import BeatenError
+
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=32, overrides={"n_layer": 4})
+    mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
+    ctx = autopar.prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile="cpu")
+    free = search_context(ctx, compare_families=False)
+    options = PlanOptions(mem_cap=int(free.memory.per_device_bytes * 0.8)) if capped else None
+    plan = search_context(ctx, options, compare_families=False) if capped else free
+    objective = plan.search.objective_ps
+    assert not capped or objective > free.search.objective_ps  # the cap binds: its plan is slower
+    assert plan.cost.total_s * 1e12 >= objective * (1 - 1e-12)  # the objective bounds the step (pipeline_choice)
+    for above in (free.search.objective_ps // 2, (free.search.objective_ps + objective) // 2):
+        if above >= objective:
+            continue
+        try:
+            bounded = search_context(ctx, options, compare_families=False, above=above)
+        except BeatenError as e:
+            assert above < e.lower_bound_ps <= objective
+        else:  # no bound proved it slower: searched to the same plan
+            assert bounded.search.objective_ps == objective and above < objective
+    with pytest.raises(BeatenError):  # below even the plan without a cap: the first bound stops it
+        search_context(ctx, options, compare_families=False, above=free.search.objective_ps // 2)
+    again = search_context(ctx, options, compare_families=False, above=objective)
+    assert again.search.objective_ps == objective and again.cost.total_s == plan.cost.total_s

@@ -25,15 +25,16 @@ def search_context(
     *,
     compare_families: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
+    above: int | None = None,
 ) -> Plan:
     """``plan_from_context`` on the options objects: ``ctx.options`` updated by ``options``' fields that are
     not at their defaults (None: ``ctx.options``), and ``hint_options`` in place of the context's hints (None:
-    those)."""
+    those).  ``above``: ``SearchRun.above`` (``BeatenError`` where every plan is proven slower)."""
     options = ctx.options if options is None else ctx.options.updated_by(options)
     check_no_pipeline(options, "plan_from_context")
     if options.priced() != ctx.options.priced():
         ctx = repriced(ctx, options)
-    run = SearchRun(Deadline.after(options.search_budget_s), progress)
+    run = SearchRun(Deadline.after(options.search_budget_s), progress, above)
     start = time.perf_counter()
     hinted_ctx, resolved = hinted_context(ctx, hint_options)
     found = search_modes(ctx, hinted_ctx, resolved, options, run)

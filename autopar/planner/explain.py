@@ -44,6 +44,10 @@ def _candidates_table(plan: Plan) -> Table:
     for name, justify in (("candidate", "left"), ("step", "right"), ("vs chosen", "right"), ("memory", "right")):
         table.add_column(name, justify=justify)
     for c in plan.candidates:
+        if c.at_least_s is not None:  # a bound proved it slower: not searched to its plan
+            ratio = c.at_least_s / plan.cost.total_s
+            table.add_row(c.what, f">= {_ms(c.at_least_s)}", f">= {ratio:.2f}x (bound)", "")
+            continue
         if c.step_s is None:
             table.add_row(c.what, "does not fit", "", f"needs {format_bytes(c.memory_bytes)}")
             continue

@@ -16,8 +16,15 @@ Each pipelined candidate is priced exactly as a forced one (``pipeline_planning.
 one capture per micro-batch size (a symbolic capture specialized per size, ``capture.batch``, when several are
 needed), one stage-mesh search per (axis, ``m``) whose prices every schedule splits (``stage_prices``: no
 search per schedule).  Chosen: the fastest step (``Plan.cost.total_s``) among the candidates that fit the cap;
-a tie keeps the earlier (no pipeline, then the axes in mesh order, fewer micro-batches, 1F1B, GPipe,
+a tie keeps no pipeline, else the earlier (the axes in mesh order, fewer micro-batches, 1F1B, GPipe,
 interleaved).  When none fits, ``MemoryCapError`` names the least memory any candidate needed.
+
+The plan without a pipeline is searched last, bounded by the fastest pipelined step ``s`` (``SearchRun.above``):
+its searches stop where a lower bound on their objective (first the optimum without the cap) is above ``s``,
+and it is listed as at least that bound (``Candidate.at_least_s``).  That is exact: the searched objective is the
+step less what is priced after the search (the gradient reductions past backward, ``assemble.overlap_bounded``,
+never negative), so a plan whose objective is above ``s`` is slower.  On 96 layers on 4 x 8 x 8 the capped
+search it skips was about 3 of the 11 s of search.
 
 ``Plan.timings`` of the chosen plan adds up the whole choice: ``capture_s``, ``strategies_s`` and ``search_s``
 over every candidate, and ``candidates``, how many were priced.
@@ -34,7 +41,7 @@ import torch
 
 from autopar.capture import OpGraph, batch_of, capture, capture_template, specialize, split_microbatches
 from autopar.mesh import Mesh
-from autopar.search import Deadline
+from autopar.search import BeatenError, Deadline
 from autopar.units import format_bytes
 from costmodel import check_devices_per_node
 
@@ -55,6 +62,7 @@ from .pipeline_planning import (
     virtual_stages,
 )
 from .plan_parts import Candidate
+from .problem_tables import PS_PER_S
 from .recompute_modes import search_modes
 from .schema import Plan
 from .solving import SearchRun
@@ -127,10 +135,10 @@ class PipelineChoice:
         """The fastest candidate that fits (module docstring); MemoryCapError when none does."""
         asked = self.options.pipeline
         axes = [] if asked == "none" else [pipeline_axis(self.mesh, asked)] if asked != "auto" else self._auto_axes()
-        if asked in ("none", "auto"):
-            self._no_pipeline(compare_families)
         for axis in axes:
             self._pipelines(axis, forced=asked != "auto")
+        if asked in ("none", "auto"):  # last: the pipelines' fastest bounds its search (a tie still goes to it)
+            self._no_pipeline(compare_families)
         if self.found is None:
             if len(self.missed) == 1:  # one candidate: its own words
                 raise self.missed[0]
@@ -143,35 +151,50 @@ class PipelineChoice:
                 least.memory_bytes,
             )
         plan, graph = self.found
-        ranked = tuple(sorted(self.priced, key=lambda c: (c.step_s is None, c.step_s or 0.0, c.memory_bytes)))
+        ranked = tuple(sorted(self.priced, key=_rank))
         return dataclasses.replace(plan, timings=dict(plan.timings, **self.timings), candidates=ranked), graph
 
     # ---- candidates ----------------------------------------------------------------------------------------
     def _no_pipeline(self, compare_families: bool) -> None:
         """The plan without a pipeline: ``m`` micro-batches as given; ``"auto"``: the whole batch at once, else
-        the fewest accumulated micro-batches that fit."""
+        the fewest accumulated micro-batches that fit.  Bounded by the fastest candidate priced (module
+        docstring): where the whole batch at once is proven slower, more micro-batches are not tried, as where it
+        fits, since accumulating runs the same ops on ``1 / m`` of the rows ``m`` times and the once-per-step work
+        once (no faster, the cost model's roofline and fixed costs per op and collective)."""
         asked = self.options.microbatches
         counts = [asked] if asked != "auto" else [1] + self._accumulations()
         for m in counts:
-            if m == 1:
-                ctx = self._context(1, self.mesh, None, self.inner)
-                try:
-                    start = time.perf_counter()
-                    plan = search_context(ctx, compare_families=compare_families, progress=self.progress)
-                    self.timings["search_s"] += time.perf_counter() - start
-                except MemoryCapError as e:
-                    self._missed(e, "no pipeline")
-                    continue
-                self._offer(plan, ctx.graph)
-                return
+            what = "no pipeline" if m == 1 else f"{m} accumulated micro-batches"
             ctx = self._context(m, self.mesh, None, self.inner)
+            start = time.perf_counter()
             try:
-                micro = self._search(ctx)
+                if m == 1:
+                    run = dict(compare_families=compare_families, progress=self.progress, above=self._above(1))
+                    plan = search_context(ctx, **run)
+                else:
+                    plan = self._search(ctx, self._above(m))
+                    plan = dataclasses.replace(plan, microbatches=m, cost=step_cost(plan.cost, m))
             except MemoryCapError as e:
-                self._missed(e, f"{m} accumulated micro-batches")
+                self._missed(e, what)
                 continue
-            self._offer(dataclasses.replace(micro, microbatches=m, cost=step_cost(micro.cost, m)), ctx.graph)
+            except BeatenError as e:  # proven slower than a pipeline: as accumulating more would be (docstring)
+                self._beaten(what, e.lower_bound_ps * m / PS_PER_S)
+                return
+            finally:
+                if m == 1:
+                    self.timings["search_s"] += time.perf_counter() - start
+            self._offer(plan, ctx.graph, ties_win=True)
             return
+
+    def _beaten(self, what: str, at_least_s: float) -> None:
+        self.timings["candidates"] += 1
+        self.priced.append(Candidate(what, None, None, at_least_s=at_least_s))
+        log.info("candidate %s: at least %.4g s, slower than the fastest priced", what, at_least_s)
+
+    def _above(self, m: int) -> int | None:
+        """``SearchRun.above`` for a search of one of ``m`` micro-batches: the fastest candidate's step over
+        ``m`` (a step of ``m`` micro-batches is ``m`` of them, ``step_cost``), in the search's picoseconds."""
+        return None if self.found is None else int(self.found[0].cost.total_s * PS_PER_S / m)
 
     def _accumulations(self) -> list[int]:
         if self.batch is None:
@@ -221,19 +244,24 @@ class PipelineChoice:
         self.missed.append(error)
         self.priced.append(Candidate(what, None, error.min_mem_bytes))
 
-    def _offer(self, plan: Plan, graph: OpGraph) -> None:
+    def _offer(self, plan: Plan, graph: OpGraph, ties_win: bool = False) -> None:
+        """A candidate priced: kept where it is the fastest so far (``ties_win``: or as fast)."""
         self.timings["candidates"] += 1
         self.priced.append(Candidate(_described(plan), plan.cost.total_s, plan.memory.per_device_bytes))
         log.info("candidate %s: step %.4g s", _described(plan), plan.cost.total_s)
-        if self.found is None or plan.cost.total_s < self.found[0].cost.total_s:
+        step = plan.cost.total_s
+        if self.found is None or step < self.found[0].cost.total_s or ties_win and step == self.found[0].cost.total_s:
             self.found = (plan, graph)
 
-    def _search(self, ctx: PlanningContext) -> Plan:
+    def _search(self, ctx: PlanningContext, above: int | None = None) -> Plan:
+        """The plan of one micro-batch on ``ctx`` (``above``: ``SearchRun.above``)."""
         start = time.perf_counter()
-        hinted_ctx, resolved = hinted_context(ctx, None)
-        plan = search_modes(ctx, hinted_ctx, resolved, ctx.options, self.run).plan
-        self.timings["search_s"] += time.perf_counter() - start
-        return plan
+        try:
+            hinted_ctx, resolved = hinted_context(ctx, None)
+            run = dataclasses.replace(self.run, above=above)
+            return search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
+        finally:
+            self.timings["search_s"] += time.perf_counter() - start
 
     def _micro(self, m: int) -> int:
         """The rows of one of ``m`` micro-batches (ValueError with the fix when the batch does not split)."""
@@ -276,6 +304,12 @@ class PipelineChoice:
 
     def _one_size(self) -> bool:
         return self.options.pipeline != "auto" and self.options.microbatches != "auto"
+
+
+def _rank(c: Candidate) -> tuple:
+    """Fastest first (a candidate bounded slower by its bound), then those that did not fit by least memory."""
+    step = c.step_s if c.step_s is not None else c.at_least_s
+    return (step is None, step or 0.0, c.memory_bytes or 0)
 
 
 def _described(plan: Plan) -> str:

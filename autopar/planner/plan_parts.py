@@ -186,11 +186,14 @@ class StagePart:
 class Candidate:
     """One micro-batched candidate a ``pipeline="auto"`` plan was chosen among (``planner.pipeline_choice``):
     what it is (``no pipeline``, ``pipeline pp, 1f1b, 8 micro-batches``), its step (None: it did not fit the
-    cap) and its memory per device (where it did not fit: the least it needs)."""
+    cap, or was not searched to its plan) and its memory per device (where it did not fit: the least it needs;
+    None: not searched to a plan).  ``at_least_s``: a candidate not searched to its plan because a bound proved
+    its step at least this, slower than a candidate already priced."""
 
     what: str
     step_s: float | None
-    memory_bytes: int
+    memory_bytes: int | None
+    at_least_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

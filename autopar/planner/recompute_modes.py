@@ -47,7 +47,7 @@ def search_modes(
     ctx: PlanningContext, hinted_ctx: PlanningContext, resolved: ResolvedHints, options: PlanOptions, run: SearchRun
 ) -> Searched:
     """The plan of ``options.recompute`` on ``hinted_ctx`` (``ctx`` with the hints applied), the family rows
-    not made (the module docstring)."""
+    not made (the module docstring).  ``BeatenError`` where bounds prove every plan slower than ``run.above``."""
     modes = ModeSearch(ctx, hinted_ctx, resolved, options, run)
     if modes.per_layer_applies():
         found = modes.per_layer()
@@ -135,15 +135,18 @@ class ModeSearch:
         # the rest of the graph at block granularity (its parts recomputed together: one more choice, made with
         # the first layer's, each crossing costs the chain a rest table)
         rests = tuple({**layer, **self.rest} for layer in layers) if self.rest else ()
-        uncapped = replace(self.options, mem_cap=None)
-        free = plan_under(hinted_ctx, self.resolved, Recomputed(forced), uncapped, self.run, unless_over=cap)
+        uncapped, above = replace(self.options, mem_cap=None), self.run.above  # BeatenError: the caller's is faster
+        free = plan_under(
+            hinted_ctx, self.resolved, Recomputed(forced), uncapped, self.run, above=above, unless_over=cap
+        )
         if free is not None and free.memory.per_device_bytes <= cap:  # the fastest plan fits: the optimum
             settings = replace(free.settings, mem_cap_bytes=cap, recompute=self.options.recompute)
             search = replace(free.search, **_layer_modes(free, self.layers, hinted_ctx.graph))
             memory = replace(free.memory, cap_bytes=cap)
             return Searched(replace(free, settings=settings, search=search, memory=memory), forced)
         try:
-            found = plan_under(hinted_ctx, self.resolved, Recomputed(forced, layers, rests), self.options, self.run)
+            recomputed = Recomputed(forced, layers, rests)
+            found = plan_under(hinted_ctx, self.resolved, recomputed, self.options, self.run, above=above)
         except ChainError as e:  # the layers do not chain (hinted layers differ, say): one mode for all
             log.info("recompute per layer needs the chained search (%s): one mode for every layer", e)
             return None
@@ -171,7 +174,8 @@ class ModeSearch:
         if best is not None and deadline is not None and deadline.passed():
             self.tried.append(RecomputeTrial(mode, None, skipped="search budget"))
             return
-        above = best.search.objective_ps if best is not None else None
+        met = [t for t in (best.search.objective_ps if best is not None else None, self.run.above) if t is not None]
+        above = min(met, default=None)
         recomputed = Recomputed(self.mode_regions[mode])
         try:
             found = plan_under(self.hinted_ctx, self.resolved, recomputed, self.options, self.run, above=above)
@@ -191,6 +195,9 @@ class ModeSearch:
     def kept(self) -> Searched:
         """The fastest plan met, with what each mode's search found; the cap error when none fits."""
         best, best_mode, regions, failed = self.best, self.best_mode, self.layers, self.failed
+        beaten = [t.at_least_s for t in self.tried if t.at_least_s is not None]
+        if best is None and failed is None and beaten and self.run.above is not None:
+            raise BeatenError(min(beaten) * PS_PER_S, self.run.above)  # every mode slower than the caller's plan
         if best is None:
             if self.options.recompute == "none" and len(regions) > len(self.forced):  # layers recomputed untried
                 raise MemoryCapError(

@@ -64,10 +64,14 @@ PROBE_GAP = 2.0**-9
 @dataclass(frozen=True, slots=True)
 class SearchRun:
     """How one plan's searches run: the ``deadline`` they stop at (``PlanOptions.search_budget_s``, from when the
-    search began) and the ``progress(stage, done, total)`` callback (None: none)."""
+    search began), the ``progress(stage, done, total)`` callback (None: none), and ``above``: the step, in
+    picoseconds of the searched objective, of a plan the caller has already (another candidate's,
+    ``pipeline_choice``): the recompute modes' searches stop with ``BeatenError`` where a bound proves every plan
+    slower (None: search to the plan)."""
 
     deadline: Deadline | None = None
     progress: Callable[[str, int, int], None] | None = None
+    above: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
