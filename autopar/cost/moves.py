@@ -19,11 +19,10 @@ Nor do the answers depend on which dims are which: renaming the tensor's dims in
 each (src, dst) in a *form*, its sharded dims renamed 0, 1, ... in order of first
 appearance, asks ``nesting_steps`` once per form on a reference tensor of dims
 ``need``, records each step's divisor ``D = reference bytes / step bytes`` (an exact
-integer), and answers a tensor that splits evenly with ``bytes // D`` per step, and
-one that does not from its dims (``MoveSteps``) unless the move has block-wise
-shards, which go to ``nesting_steps`` itself.
-The answer is the same steps either way (``tests/test_moves.py`` holds the two to
-equality).
+integer), and answers a tensor that splits evenly with ``bytes // D`` per step.  A
+tensor that does not is answered from its dims (``MoveSteps``), unless the move has
+block-wise shards: those go to ``nesting_steps`` itself.  The answer is the same
+steps either way (``tests/test_moves.py`` holds the two to equality).
 """
 
 from __future__ import annotations

@@ -196,8 +196,8 @@ class ModeSearch:
         """The fastest plan met, with what each mode's search found; the cap error when none fits."""
         best, best_mode, regions, failed = self.best, self.best_mode, self.layers, self.failed
         beaten = [t.at_least_s for t in self.tried if t.at_least_s is not None]
-        if best is None and failed is None and beaten and self.run.above is not None:
-            raise BeatenError(min(beaten) * PS_PER_S, self.run.above)  # every mode slower than the caller's plan
+        if best is None and beaten and self.run.above is not None:  # every mode that may fit: slower than the
+            raise BeatenError(min(beaten) * PS_PER_S, self.run.above)  # caller's plan (the others do not fit)
         if best is None:
             if self.options.recompute == "none" and len(regions) > len(self.forced):  # layers recomputed untried
                 raise MemoryCapError(
