@@ -153,3 +153,13 @@ def test_a_search_bounded_by_a_faster_plan_stops_at_a_true_bound(capped):
         search_context(ctx, options, compare_families=False, above=free.search.objective_ps // 2)
     again = search_context(ctx, options, compare_families=False, above=objective)
     assert again.search.objective_ps == objective and again.cost.total_s == plan.cost.total_s
+    # listed so in --explain, beside the candidate that bounded it
+    from dataclasses import replace
+
+    from autopar.planner.explain import render_explanation
+    from autopar.planner.plan_parts import Candidate
+
+    bounded = Candidate("no pipeline", None, None, at_least_s=plan.cost.total_s * 1.5)
+    chosen = Candidate("a pipeline along 'dp', 1f1b, 2 micro-batches", plan.cost.total_s, 1 << 30)
+    text = render_explanation(replace(plan, candidates=(chosen, bounded)))
+    assert ">= 1.50x (bound)" in text and "chosen" in text
