@@ -96,6 +96,10 @@ def _run_task(task: _Task, rank: int, world_size: int) -> bool:
                 timeout=timedelta(seconds=task.collective_timeout_s),
             )
         result = task.fn(rank, world_size, *task.args)
+        if dist.is_available() and dist.is_initialized():
+            # rank 0 hosts the store: none leaves while another still sets up a group's connections through it
+            # (gloo connects a group on its first collective; a rank done early once closed it under two others)
+            dist.barrier()
         torch.save(result, out / f"rank{rank}.pt.tmp")
         os.replace(out / f"rank{rank}.pt.tmp", out / f"rank{rank}.pt")
         return True
