@@ -6,18 +6,23 @@
 Cases (GPT-2 code at width 4096, 32 heads, vocab 50257, built on the meta device with its labels so the loss is
 in the graph; bf16 with fp32 AdamW state, 80 GiB per device):
 
-* ``slow-fabric``: 32 layers, batch 32 x 2048, on a 4 x 8 mesh (``node`` x ``gpu``, 8 devices per node) with the
-  h100 profile whose inter-node link is made 20 x (22.5 GB/s) and 50 x (9 GB/s) slower than its NVLink (450
-  GB/s): where the data-parallel gradient all-reduce over the nodes outruns backward, a pipeline runs over
-  ``node`` (one activation per stage boundary on the slow link instead of every gradient), the stages sharded
-  inside the node;
+* ``slow-fabric-<F>x-b<B>``: 32 layers, batch ``B`` x 2048 (B = 16, 32, 64), on a 4 x 8 mesh (``node`` x
+  ``gpu``, 8 devices per node) with the h100 profile whose inter-node link (one NIC per GPU) is made ``F`` = 20
+  x (22.5 GB/s) and 50 x (9 GB/s) slower than its NVLink (450 GB/s; the h100's own NDR is 9 x).  Without a
+  pipeline, every plan syncs the model's gradients (13 GB in bf16) over the 4 nodes: reduced inside the node
+  first, each GPU's NIC carries an eighth, ``2 (4 - 1) / 4 x 13 GB / 8 / 22.5 GB/s`` = 0.11 s at 20 x, hidden
+  behind backward where backward is longer.  Backward grows with the batch and the sync does not, so the
+  choice turns on the batch: where the sync outruns backward, a pipeline runs over ``node`` (one activation
+  per stage boundary on the slow link instead of every gradient), the stages sharded inside the node;
+  measured 2026-11-28 (this machine): at 20 x, batch 16 pipelines (interleaved, m = 16, the stages sequence-
+  and tensor-parallel inside the node: 0.188 s against 0.206 s without), batch 32 and 64 do not (data parallel,
+  0.267 s and 0.425 s); at 50 x, batch 16 and 32 pipeline (0.196 s against 0.373 s; 0.384 s against 0.434 s),
+  batch 64 does not (0.492 s);
 * ``one-node``: GPT-2 small (12 layers, width 768) on 8 devices of one node, h100: no pipeline;
 * ``deep``: 96 layers on a 4 x 8 x 8 mesh (``pp`` x ``dp`` x ``tp``), h100 profile: every candidate (no pipeline,
-  each axis x micro-batch counts x schedules) searched.  Not run by default (2.5 minutes, most of it the
-  strategies of three axes).  Measured 2026-11-27 on 2 cores: 18-19 s of search (the chained search without a
-  pipeline, exact since the block budget of ``search/chain_tables.py``, about 11 s of it; before, 71-88 s of an
-  approximate flat search whose plan was 3.8x slower: 2.70 s against 0.711 s), 82-88 s of strategies, 137-142 s
-  in all; the issue asks for 10 s of search (the open part of issue 31).
+  each axis x micro-batch counts x schedules) searched.  Not run by default (about a minute, most of it the
+  strategies of three axes).  Measured 2026-11-28 on 2 cores: 8.7 s of search, 23.8 s of strategies, 48 s in
+  all, the issue asks for 10 s of search.
 
 Columns: the choice (axis, schedule, micro-batches, the stage split), its step, the no-pipeline plan's step,
 candidates priced, and the seconds of capture, strategies (candidates and cost tables) and search summed over
@@ -66,12 +71,13 @@ def slow_fabric_profile(folder: str, slower: float = 20.0) -> str:
 def cases(folder: str) -> dict[str, dict]:
     return {
         **{
-            f"slow-fabric-{slower}x": dict(
-                model=gpt_shaped(32, 4096, 32, batch=32, seq=2048),
+            f"slow-fabric-{slower}x-b{batch}": dict(
+                model=gpt_shaped(32, 4096, 32, batch=batch, seq=2048),
                 mesh=autopar.Mesh((4, 8), axis_names=("node", "gpu")),
                 profile=slow_fabric_profile(folder, slower),
             )
             for slower in (20, 50)
+            for batch in (16, 32, 64)
         },
         "one-node": dict(
             model=gpt_shaped(12, 768, 12, batch=32, seq=1024),
@@ -113,7 +119,9 @@ def one(name: str, case: dict) -> None:
         chose = f"pipeline over {pipe.axis}: {pipe.schedule}, m={plan.microbatches}, layers per stage {split}"
     print(f"{name}: {case['mesh']}")
     print(f"  chose       {chose}")
-    print(f"  family      {plan.family}; step {plan.cost.total_s:.4g} s; without a pipeline {flat_text}")
+    axes = sorted({c.axis for c in plan.collectives}) or ["none"]
+    print(f"  family      {plan.family}; collectives on {', '.join(axes)}")
+    print(f"  step        {plan.cost.total_s:.4g} s; without a pipeline {flat_text}")
     print(
         f"  work        {int(t.get('candidates', 1))} candidates; capture {t.get('capture_s', 0):.2f} s, strategies "
         f"{t.get('strategies_s', 0):.2f} s, search {t.get('search_s', 0):.2f} s; wall {wall:.2f} s"
@@ -122,10 +130,10 @@ def one(name: str, case: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=("slow-fabric-20x", "slow-fabric-50x", "one-node", "deep"), action="append")
-    opts = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         table = cases(folder)
+        ap.add_argument("--case", choices=tuple(table), action="append")
+        opts = ap.parse_args()
         for name in opts.case or [k for k in table if k != "deep"]:
             one(name, table[name])
 

@@ -19,8 +19,11 @@ from .decompose import DECOMPOSED, LOGIT_ROLES, CrossEntropyPart
 from .export import CaptureError, canonical_param_names, capture
 from .graph import OpCall, OpGraph, OpNode
 from .repeat import Blocks, find_blocks, find_layers
+from .with_loss import TARGET, attach_loss
 
 __all__ = [
+    "TARGET",
+    "attach_loss",
     "canonical_param_names",
     "BatchTemplate",
     "batch_of",

@@ -25,6 +25,7 @@ compiled ones raise in ``ShardedModule.forward``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.capture import OpGraph, capture, split_microbatches
+from autopar.capture import OpGraph, attach_loss, capture, split_microbatches
 from autopar.mesh import Mesh
 from autopar.planner import (
     HintOptions,
@@ -63,6 +64,8 @@ def compile(
     *,
     example_inputs=None,
     example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    example_target=None,
     plan: Plan | str | Path | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     weights_from_rank0: bool = False,
@@ -116,12 +119,18 @@ def compile(
 
     A ``plan=`` is checked against the model (mesh, parameter names and shapes,
     input shapes) before anything runs, on every rank alike.
+
+    A model that does not return its loss: ``loss_fn=fn`` (``fn(output, target)``, a scalar)
+    with ``example_target=t`` compiles ``fn(model(...), t)`` with the loss in the graph
+    (``capture.with_loss``); the module is then called, and trained, with the target as a
+    keyword: ``sharded.train_step(*inputs, target=t)``.  Its names are the model's.
     """
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     from autopar.runtime import MeshGroups  # torch.distributed's groups: imported when a job compiles
 
     mesh = _as_mesh(mesh)
-    lazy = example_inputs is None and example_kwargs is None
+    lazy = example_inputs is None and example_kwargs is None and example_target is None
+    model, example_kwargs = attach_loss(model, loss_fn, example_kwargs, example_target, lazy=lazy)
     if lazy and input_mode == "local":
         raise ValueError(
             "autopar.compile(example_inputs=None, input_mode='local'): a lazy compile plans from the first call's "

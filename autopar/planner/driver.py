@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from autopar.capture import attach_loss
 from autopar.mesh import Mesh
 
 from .context import PlanningContext, prepare_context, rebatch
@@ -97,6 +98,8 @@ def plan(
     *,
     example_inputs=(),
     example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    example_target=None,
     mem_cap: int | str | None = None,
     profile: str | None = None,
     dtype: str | None = None,
@@ -121,7 +124,10 @@ def plan(
     """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
 
     ``example_inputs``/``example_kwargs`` are passed to ``model`` (meta tensors are
-    fine).  Raises ``MemoryCapError`` when no plan fits, naming the smallest reachable memory.
+    fine).  A model that does not return its loss is given one with ``loss_fn=fn`` and
+    ``example_target=t``: the plan is of ``fn(model(...), t)``, traced into the graph
+    (``capture.with_loss``; the target is the call's ``target=`` keyword).  Raises
+    ``MemoryCapError`` when no plan fits, naming the smallest reachable memory.
     The planning keywords (``autopar.planner.PLAN_KEYWORDS``: the same in ``prepare``,
     ``plan_from_context`` and ``autopar.compile``, checked by ``PlanOptions``):
 
@@ -160,6 +166,7 @@ def plan(
     (``autopar.launch.progress`` draws it).
     """
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
+    model, example_kwargs = attach_loss(model, loss_fn, example_kwargs, example_target)
     if progress is not None:
         progress("capture + strategies", 0, 1)
     found = plan_model(
