@@ -195,7 +195,8 @@ class DeviceProfile:
     runs on CPU tensors, derived by running the op: the fused CPU kernel without
     dropout, the math path, which keeps the attention matrix, with it; see
     ``autopar.cost.saved``).  ``memory_bytes`` is the device memory the datasheet
-    states; the planner decides the headroom.
+    states; the planner decides the headroom.  ``cores_per_node``: the CPU cores a node's
+    CPU ranks share (0: each rank has its own device); see ``compute_speed``.
     """
 
     name: str
@@ -217,6 +218,19 @@ class DeviceProfile:
     view_op_overhead_s: float = 0.0
     optimizer_foreach: bool = False
     host_runs_ahead: bool = False
+    cores_per_node: int = 0
+
+    def compute_speed(self, busy: int, ranks: int) -> float:
+        """How much faster a rank computes while ``busy`` of its node's ``ranks`` ranks compute than while all of
+        them do (the rate this profile's figures are for).  CPU ranks share the node's ``cores_per_node`` cores:
+        ``k`` computing ranks get ``min(1, cores / k)`` of a core each, so the speed is
+        ``min(1, cores / busy) / min(1, cores / ranks)`` (4 ranks on 2 cores: 2 x with one or two computing,
+        4/3 x with three).  A rank idle in a pipeline's bubble lends its core so.  1.0 where each rank has its
+        own device (``cores_per_node`` 0: GPUs)."""
+        if not self.cores_per_node or busy >= ranks:
+            return 1.0
+        cores = self.cores_per_node
+        return min(1.0, cores / max(busy, 1)) / min(1.0, cores / ranks)
 
     def op_overhead_s(self, *, backward: bool = False) -> float:
         """Fixed seconds per op call: the measured forward/backward overhead, else ``kernel_overhead_s``."""
@@ -236,6 +250,11 @@ class DeviceProfile:
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
         _check_positive(self.name, "mem_bandwidth_bytes_per_s", self.mem_bandwidth_bytes_per_s)
         _check_positive(self.name, "memory_bytes", self.memory_bytes)
+        if isinstance(self.cores_per_node, bool) or not isinstance(self.cores_per_node, int) or self.cores_per_node < 0:
+            raise ValueError(
+                f"device profile {self.name!r}: cores_per_node must be an int >= 0 (0: each rank has its own device), "
+                f"got {self.cores_per_node!r}"
+            )
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ValueError(
                 f"device profile {self.name!r}: devices_per_node must be an int >= 1, got {self.devices_per_node!r}"
@@ -450,6 +469,7 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         k: data.pop(k) for k in ("forward_op_overhead_s", "backward_op_overhead_s", "view_op_overhead_s") if k in data
     }
     switches = {k: data.pop(k, False) for k in ("optimizer_foreach", "host_runs_ahead")}
+    cores = data.pop("cores_per_node", 0)  # optional: CPU ranks sharing cores (0: a device per rank)
     for key, value in switches.items():
         if not isinstance(value, bool):
             raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
@@ -480,6 +500,7 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         attention_saves=attention,
         **{k: float(v) for k, v in overheads.items()},
         **switches,
+        cores_per_node=cores,
     )
 
 

@@ -134,6 +134,7 @@ def test_unknown_profile_lists_available():
         (lambda t: t.replace("latency_s = 10e-6", "latency_s = -1.0"), "latency_s must be >= 0"),
         (lambda t: t + "\n[[[", "not valid TOML"),
         (lambda t: t.replace('attention_saves = "flash"', 'attention_saves = "fused"'), "attention_saves must be one"),
+        (lambda t: t.replace("memory_bytes", "cores_per_node = -2\nmemory_bytes", 1), "cores_per_node must be an int"),
     ],
 )
 def test_bad_profile_file_names_the_problem(tmp_path, edit, message):

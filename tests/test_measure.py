@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -109,6 +110,7 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     prof = load_profile(str(path))
     assert prof.name == "mine" and prof.peak_flops["float32"] == pytest.approx(cal.matmul["float32"].rate)
     assert prof.op_overhead_s(backward=True) == pytest.approx(cal.backward_op_s)
+    assert prof.cores_per_node == len(os.sched_getaffinity(0))  # CPU ranks share this machine's cores
     # the profile follows the measured points (CollectiveFit.time_s): at each measured size the running maximum
     # of the measured times, half-way between two sizes the mean of theirs, past the last its segment extended
     points = cal.collective_points["all_reduce"][2]

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from autopar.cost.pipeline import SCHEDULES, bubble_fraction, in_flight, rank_orders, step_time
+from autopar.cost.pipeline import SCHEDULES, bubble_fraction, in_flight, rank_orders, schedule_run, step_time
+from costmodel import load_profile
 
 PLAIN = [(s, p, m) for s in ("gpipe", "1f1b") for p in range(1, 6) for m in range(1, 10)]
 INTERLEAVED = [(p, v, m) for p in (2, 3, 4) for v in (2, 3) for m in (p, 2 * p, 3 * p)]
@@ -98,3 +99,44 @@ def test_one_f_one_b_is_never_slower_than_gpipe_and_transfers_add_per_hop():
 def test_bad_schedules_say_what_was_expected(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_simulation_at_full_speed_is_the_list_schedule(schedule):
+    """``schedule_run`` with a speed of 1 everywhere (ranks that do not share cores) steps as the list schedule,
+    and each rank computes its stages' forwards and backwards, no more."""
+    rng = random.Random(5)
+    for _ in range(20):
+        p, v = rng.randint(2, 4), (2 if schedule == "interleaved" else 1)
+        m = p * rng.randint(1, 3)
+        f = [rng.uniform(0.5, 2.0) for _ in range(p * v)]
+        b = [rng.uniform(1.0, 4.0) for _ in range(p * v)]
+        run = schedule_run(schedule, f, b, m, v=v, transfer_s=0.1, speed=lambda k: 1.0)
+        assert run.step_s == pytest.approx(step_time(schedule, f, b, m, v=v, transfer_s=0.1))
+        want_busy = [m * sum(f[j] + b[j] for j in range(r, p * v, p)) for r in range(p)]
+        assert run.busy_s == pytest.approx(want_busy)
+
+
+def test_a_rank_alone_on_shared_cores_goes_faster_and_moves_do_not():
+    """Two ranks, one micro-batch: only one computes at any time.  On cores shared so that one rank alone goes
+    2 x, the step halves; a stage that is all moves (``compute_share`` 0) does not speed up; half and half,
+    its time is ``c / s + (1 - c)`` of its work."""
+    f, b = [1.0, 1.0], [2.0, 2.0]
+    full = schedule_run("gpipe", f, b, 1)
+    assert full.step_s == pytest.approx(6.0) and full.busy_s == pytest.approx((3.0, 3.0))
+    alone = schedule_run("gpipe", f, b, 1, speed=lambda k: 2.0 if k == 1 else 1.0)
+    assert alone.step_s == pytest.approx(3.0) and alone.busy_s == pytest.approx((1.5, 1.5))
+    moves = schedule_run("gpipe", f, b, 1, speed=lambda k: 2.0, compute_share=[0.0, 0.0])
+    assert moves.step_s == pytest.approx(6.0)
+    half = schedule_run("gpipe", f, b, 1, speed=lambda k: 2.0, compute_share=[0.5, 0.5])
+    assert half.step_s == pytest.approx(6.0 * (0.5 / 2 + 0.5))
+
+
+def test_ranks_sharing_cores_lend_them_when_idle():
+    """``DeviceProfile.compute_speed``: 4 ranks on 2 cores run at half a core each; one or two computing run at a
+    whole core (2 x), three at two thirds (4/3 x); ranks with a device each (a GPU profile) never speed up, nor
+    ranks that do not outnumber the cores."""
+    cpu, gpu = load_profile("cpu"), load_profile("h100")
+    assert cpu.cores_per_node == 2 and gpu.cores_per_node == 0
+    assert [cpu.compute_speed(k, 4) for k in (1, 2, 3, 4)] == pytest.approx([2.0, 2.0, 4 / 3, 1.0])
+    assert cpu.compute_speed(1, 2) == 1.0 and gpu.compute_speed(1, 8) == 1.0

@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.capture import capture, split_microbatches
-from autopar.models import load_model
+from autopar.models import config_dir, load_model
 from autopar.planner import chain_layers, stage_of_nodes
 
 
@@ -28,7 +28,7 @@ def _plan(model, args, kwargs, mesh, **options):
 def pp_plan():
     model, args, kwargs = _gpt2(layers=3)
     mesh = autopar.Mesh((2, 2), axis_names=("pp", "tp"))
-    return model, args, kwargs, _plan(model, args, kwargs, mesh, pipeline="pp", microbatches=4)
+    return model, args, kwargs, _plan(model, args, kwargs, mesh, pipeline="pp", microbatches=4, schedule="1f1b")
 
 
 def test_a_forced_pipeline_splits_the_layers_and_replicates_along_its_axis(pp_plan):
@@ -141,9 +141,9 @@ def test_stage_prices_add_up_to_the_searched_plan_and_the_split_follows_them():
     ops = [micro.node_costs[n.name] for n in graph.nodes if n.kind == "op"]
     parts = (prices.layers, prices.prelude, prices.postlude)
     charged = sum(sum(c.forward_s) + sum(c.backward_s) for c in parts)
-    assert charged == pytest.approx(sum(t for t, _ in ops) / 1e12, rel=1e-9)
-    assert sum(sum(c.act_bytes) for c in parts) == sum(b for _, b in ops)
-    weights = {n.name: micro.node_costs[n.name][1] for n in graph.nodes if n.kind == "param"}
+    assert charged == pytest.approx(sum(c.ps for c in ops) / 1e12, rel=1e-9)
+    assert sum(sum(c.act_bytes) for c in parts) == sum(c.nbytes for c in ops)
+    weights = {n.name: micro.node_costs[n.name].nbytes for n in graph.nodes if n.kind == "param"}
     tied = weights[next(n.name for n in graph.nodes if n.kind == "param" and n.fqn == "transformer.wte.weight")]
     # the tied embedding is held by the first stage and the head's: counted on both ends
     assert sum(sum(c.state_bytes) for c in parts) == sum(weights.values()) + tied
@@ -170,3 +170,30 @@ def test_autopar_plan_prints_the_stage_table_and_the_json_round_trips(capsys, tm
     # still splits over the 4 other ranks: 8 rows -> 2 (4 rows each); 4 and 8 leave micro-batches of 2 and 1
     assert plan.microbatches == 2
     assert autopar.Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+def test_ranks_idle_in_the_bubble_lend_their_cores(tmp_path):
+    """The cpu profile's 4 ranks share 2 cores (``cores_per_node``): a 4-stage pipeline, whose ranks are idle in
+    its bubble, is priced faster than on ranks with a device each (the same profile without shared cores), by
+    less than the most a lone rank gains (2 x); on 2 ranks, which do not outnumber the cores, nothing changes."""
+    own = tmp_path / "cpu-own-devices.toml"
+    own.write_text((config_dir() / "devices" / "cpu.toml").read_text().replace("cores_per_node = 2", ""))
+    model, args, kwargs = _gpt2(layers=4)
+    steps = {}
+    for profile in ("cpu", str(own)):
+        for ranks in (4, 2):
+            mesh = autopar.Mesh((ranks,), axis_names=("pp",))
+            plan = autopar.plan(
+                model,
+                mesh,
+                example_inputs=args,
+                example_kwargs=kwargs,
+                profile=profile,
+                compare_families=False,
+                pipeline="pp",
+                microbatches=4,
+                schedule="1f1b",
+            )
+            steps[profile == "cpu", ranks] = plan.cost.total_s
+    assert steps[False, 4] / 2 < steps[True, 4] < steps[False, 4]
+    assert steps[True, 2] == pytest.approx(steps[False, 2])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .coster import BACKWARD_SHARE, BACKWARD_TO_FORWARD, Coster, TrainingSettings
 from .peak import BackwardMemory, peak_memory
-from .pipeline import SCHEDULES, bubble_fraction, in_flight, step_time
+from .pipeline import SCHEDULES, ScheduleRun, bubble_fraction, in_flight, schedule_run, step_time
 
 __all__ = [
     "BACKWARD_SHARE",
@@ -24,5 +24,7 @@ __all__ = [
     "bubble_fraction",
     "in_flight",
     "peak_memory",
+    "ScheduleRun",
+    "schedule_run",
     "step_time",
 ]

@@ -28,6 +28,11 @@ of which ``(p - 1) (f + b)`` is the bubble: the fraction ``(p - 1) / (m v + p - 
 layers (``f``, ``b`` are per virtual stage).  ``tests/test_pipeline_cost.py`` checks the closed form against
 the list schedule, and the schedule's dependencies.
 
+Ranks that share cores (:func:`schedule_run`): CPU ranks on one host run at the rate their profile measured with
+every rank busy; a rank idle in the bubble lends its share of the cores to the others, so a stage computes faster
+while fewer ranks compute.  The step is then simulated event by event (between two events every rate is constant),
+the stage's compute sped up and its collectives not.
+
 Activations held (:func:`in_flight`): the most micro-batches whose forward a rank has run and whose backward it
 has not, each holding one stage's saved activations: ``m`` (``gpipe``), ``w_r = min(m, p - r)`` on rank ``r``
 (``1f1b``), ``min(w_r + 1, m v)`` stage-micro-batches (``interleaved``, ``w_r`` above).  A stage's memory is its
@@ -36,9 +41,20 @@ model state plus that many micro-batches' activations; the cap holds on every st
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Action", "bubble_fraction", "in_flight", "rank_orders", "step_time", "warmup"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ScheduleRun",
+    "bubble_fraction",
+    "in_flight",
+    "rank_orders",
+    "schedule_run",
+    "step_time",
+    "warmup",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -110,6 +126,15 @@ def _backward_sequence(schedule: str, p: int, m: int, v: int, r: int) -> list[tu
     return [(c * p + r, g + i) for g in range(0, m, p) for c in reversed(range(v)) for i in range(p)]
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduleRun:
+    """A simulated step: its time (first forward to last backward) and, per rank, the seconds it computed (its
+    stages' forwards and backwards; ``1 - busy_s[r] / step_s`` is rank r's bubble)."""
+
+    step_s: float
+    busy_s: tuple[float, ...]
+
+
 def step_time(
     schedule: str,
     forward_s: list[float],
@@ -121,7 +146,28 @@ def step_time(
 ) -> float:
     """The time from the first forward to the last backward: the list schedule of :func:`rank_orders` with
     stage ``j`` taking ``forward_s[j]`` / ``backward_s[j]`` per micro-batch (``p v`` stages) and each value
-    crossing between ranks ``transfer_s``."""
+    crossing between ranks ``transfer_s`` (:func:`schedule_run` at full speed)."""
+    return schedule_run(schedule, forward_s, backward_s, m, v=v, transfer_s=transfer_s).step_s
+
+
+def schedule_run(
+    schedule: str,
+    forward_s: list[float],
+    backward_s: list[float],
+    m: int,
+    *,
+    v: int = 1,
+    transfer_s: float = 0.0,
+    speed: Callable[[int], float] | None = None,
+    compute_share: Sequence[float] | None = None,
+) -> ScheduleRun:
+    """The step of :func:`rank_orders` simulated in time: a rank starts its next action once the action's inputs
+    are there (:func:`_ready_at`) and it is free; ``forward_s`` / ``backward_s`` are the actions' work at full
+    load.  While ``k`` ranks run actions at once, the compute of each goes ``s = speed(k)`` times faster (ranks
+    sharing a host's cores: ``costmodel.DeviceProfile.compute_speed``; None: 1, each rank its own device, which
+    is the list schedule) and the rest (collectives inside a stage) does not: stage ``j``'s work, ``c_j``
+    compute (``compute_share[j]``, default 1), goes at the rate ``1 / (c_j / s + 1 - c_j)``.  Between events (an
+    action finishing, one becoming ready) the rates are constant, so each event is exact."""
     stages = len(forward_s)
     if len(backward_s) != stages or stages % v:
         raise ValueError(
@@ -129,27 +175,41 @@ def step_time(
         )
     p = stages // v
     orders = rank_orders(schedule, p, m, v)
+    work = {"F": forward_s, "B": backward_s}
+    share = list(compute_share) if compute_share is not None else [1.0] * stages
     done: dict[Action, float] = {}
-    at = [0] * p  # next action per rank
-    free = [0.0] * p  # when each rank is free
-    left = sum(len(o) for o in orders)
-    while left:
-        progressed = False
+    at, busy = [0] * p, [0.0] * p
+    running: dict[int, list] = {}  # rank -> [action, work left]
+    now = 0.0
+    while True:
+        ready_later = []
         for r in range(p):
-            while at[r] < len(orders[r]):
-                act = orders[r][at[r]]
-                start = _ready_at(act, done, stages, p, transfer_s)
-                if start is None:
-                    break
-                begin = max(free[r], start)
-                free[r] = begin + (forward_s if act.kind == "F" else backward_s)[act.stage]
-                done[act] = free[r]
+            if r in running or at[r] == len(orders[r]):
+                continue
+            act = orders[r][at[r]]
+            start = _ready_at(act, done, stages, p, transfer_s)
+            if start is not None and start <= now * (1 + 1e-12):  # ready now (up to the sum's rounding)
+                running[r] = [act, work[act.kind][act.stage]]
+            elif start is not None:
+                ready_later.append(start)
+        if not running and not ready_later:
+            break
+        s = 1.0 if speed is None else speed(len(running))
+        rate = {r: 1.0 / (c / s + 1.0 - c) for r, c in ((r, share[running[r][0].stage]) for r in running)}
+        step = min([left / rate[r] for r, (_, left) in running.items()] + [t - now for t in ready_later])
+        for r in list(running):
+            act, left = running[r]
+            busy[r] += step
+            if left <= step * rate[r] * (1 + 1e-12):
+                done[act] = now + step
                 at[r] += 1
-                left -= 1
-                progressed = True
-        if not progressed:
-            raise AssertionError(f"{schedule} order deadlocks (p={p}, m={m}, v={v})")
-    return max(free)
+                del running[r]
+            else:
+                running[r][1] = left - step * rate[r]
+        now += step
+    if any(at[r] < len(orders[r]) for r in range(p)):
+        raise AssertionError(f"{schedule} order deadlocks (p={p}, m={m}, v={v})")
+    return ScheduleRun(now, tuple(busy))
 
 
 def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float) -> float | None:

@@ -116,6 +116,8 @@ class Calibration:
         prof["view_op_overhead_s"] = self.view_op_s
         prof["optimizer_foreach"] = self.backend == "nccl"  # torch.optim's default: foreach for CUDA tensors
         prof["host_runs_ahead"] = self.backend == "nccl"  # a CUDA stream: the host's overhead overlaps kernels
+        if self.backend != "nccl":  # CPU ranks share this machine's cores (DeviceProfile.compute_speed)
+            prof["cores_per_node"] = len(os.sched_getaffinity(0))
         if self.overlap is not None:  # the measured hidden fraction, kept in the profile's range [0, 1)
             prof["grad_reduce_overlap"] = min(max(self.overlap["hidden"], 0.0), 0.95)
         if self.collectives:

@@ -31,6 +31,7 @@ from .plan_parts import (
     FallbackOp,
     FamilyAlternative,
     InputPlacement,
+    NodeCharge,
     NodePlacement,
     ParamPlacement,
     PlanCost,
@@ -75,20 +76,22 @@ def breakdown(ctx, choice: list[int]) -> Breakdown:
     return walk.result()
 
 
-def node_costs(ctx, choice: list[int]) -> dict[str, tuple[int, int]]:
-    """Graph node name -> (picoseconds, bytes) the search's objective and additive memory charge it under
-    ``choice``: its own (a parameter: its state and optimizer step, once per step; an op: its forward and
-    backward and what it saves) plus every edge into it (its inputs' moves and their gradients; an edge into an
-    output sink: its producer's).  Summed over the nodes they are the choice's objective and memory."""
+def node_costs(ctx, choice: list[int]) -> dict[str, NodeCharge]:
+    """Graph node name -> the time (picoseconds) and bytes the search's objective and additive memory charge it
+    under ``choice``: its own (``own_ps``; a parameter: its state and optimizer step, once per step; an op: its
+    forward and backward and what it saves) plus every edge into it (its inputs' moves and their gradients; an
+    edge into an output sink: its producer's).  Summed over the nodes they are the choice's objective and
+    memory."""
     tables, graph = ctx.tables, ctx.graph
     n = len(graph.nodes)
-    time = [int(tables.node_time_ps[i][choice[i]]) for i in range(n)]
+    own = [int(tables.node_time_ps[i][choice[i]]) for i in range(n)]
+    time = list(own)
     mem = [int(tables.node_mem[i][choice[i]]) for i in range(n)]
     for (u, v), t, m in zip(tables.edge_keys, tables.edge_time_ps, tables.edge_mem, strict=True):
         owner, b = (v, choice[v]) if v < n else (u, 0)
         time[owner] += int(t[choice[u], b])
         mem[owner] += int(m[choice[u], b])
-    return {graph.nodes[i].name: (time[i], mem[i]) for i in range(n)}
+    return {graph.nodes[i].name: NodeCharge(time[i], mem[i], own[i]) for i in range(n)}
 
 
 def _bump(where: dict, key, nbytes: int) -> None:

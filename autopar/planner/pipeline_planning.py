@@ -36,13 +36,14 @@ import dataclasses
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
 from autopar.search import NoSplitFits
+from costmodel import DeviceProfile
 
 from .context import PlanningContext
 from .errors import MemoryCapError
 from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
 from .schema import Plan
 from .stage_assignment import chain_layers, layer_span
-from .stage_prices import PricedPipeline, chain_prices, priced_stages
+from .stage_prices import PricedPipeline, Speed, chain_prices, priced_stages
 
 __all__ = [
     "check_layers",
@@ -102,8 +103,10 @@ def pipelined(
     if settings.microbatches != m:
         raise ValueError(f"the stage plan was priced for {settings.microbatches} micro-batches per step, not {m}")
     link = settings.profile.link_for_axis(mesh.shape, axis)
+    speed = shared_cores_speed(settings.profile, mesh, p)
     try:
-        priced = priced_stages(chain_prices(ctx.graph, micro_plan, layers, link, m), schedule, m, p, v, cap)
+        prices = chain_prices(ctx.graph, micro_plan, layers, link, m)
+        priced = priced_stages(prices, schedule, m, p, v, cap, speed)
     except NoSplitFits as e:
         raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
     names = [name for name, _ in layers]
@@ -114,6 +117,17 @@ def pipelined(
     bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
     pipe = PipelinePlan(mesh.axis_names[axis], schedule, stages, v, bubble)
     return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
+
+
+def shared_cores_speed(profile: DeviceProfile, mesh: Mesh, p: int) -> Speed | None:
+    """``speed(k)`` of a pipeline of ``p`` ranks on ``mesh`` whose ranks share their node's cores
+    (``DeviceProfile.compute_speed``): while ``k`` pipeline ranks compute, so do ``k / p`` of the node's ranks
+    (each pipeline rank is a group of the other axes' ranks, spread alike over the nodes).  None where nothing is
+    lent: each rank has its own device, or the node's ranks do not outnumber its cores."""
+    ranks = min(mesh.size, profile.devices_per_node)
+    if not profile.cores_per_node or ranks <= profile.cores_per_node:
+        return None
+    return lambda k: profile.compute_speed(max(1, round(ranks * k / p)), ranks)
 
 
 def virtual_stages(schedule: str) -> int:

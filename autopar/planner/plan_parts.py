@@ -22,7 +22,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from autopar.placement import Partial, Placement, Replicate, Shard, parse_placement
 
@@ -32,6 +32,7 @@ __all__ = [
     "FallbackOp",
     "FamilyAlternative",
     "InputPlacement",
+    "NodeCharge",
     "NodePlacement",
     "OpHints",
     "ParamPlacement",
@@ -166,6 +167,16 @@ class PlanMemory:
     search_bytes: int | None = None
     transient_bytes: int | None = None
     peak_phase: str | None = None
+
+
+class NodeCharge(NamedTuple):
+    """What the search charged one graph node (``Plan.node_costs``, ``planner.assemble.node_costs``): ``ps`` its
+    time with the moves into it, ``nbytes`` its memory with theirs, and ``own_ps`` the node's own part of ``ps``
+    (an op's forward and backward, a parameter's optimizer step: compute, no moves)."""
+
+    ps: int
+    nbytes: int
+    own_ps: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ from .plan_parts import (
     FallbackOp,
     FamilyAlternative,
     InputPlacement,
+    NodeCharge,
     NodePlacement,
     ParamPlacement,
     PipelinePlan,
@@ -104,8 +105,8 @@ class Plan:
     hints: PlanHints | None = None
     pipeline: PipelinePlan | None = None
     microbatches: int = 1
-    # node name -> (ps, bytes) the search charged it (planner.assemble.node_costs); never written, not compared
-    node_costs: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    # node name -> what the search charged it (planner.assemble.node_costs); never written, not compared
+    node_costs: dict[str, NodeCharge] = field(default_factory=dict, compare=False, repr=False)
     # pipeline="auto": every candidate priced, fastest first (planner.pipeline_choice); never written, not compared
     candidates: tuple[Candidate, ...] = field(default=(), compare=False, repr=False)
 

@@ -18,16 +18,21 @@ of layers (``pipeline_planning.chain_layers``), as ``pipeline_planning.stage_of_
 
 ``priced_stages`` then splits the layers: for GPipe and 1F1B by ``search.stages.split_stages`` (uneven where that
 pays, every stage under the cap with its micro-batches in flight), for interleaved schedules evenly into ``p v``
-stages priced by ``cost.pipeline.step_time``'s list schedule; and adds the slowest rank's optimizer steps.
+stages priced by ``cost.pipeline.step_time``'s list schedule; and adds the slowest rank's optimizer steps.  Where
+the ranks share a node's cores and outnumber them (a CPU profile's ``cores_per_node``), a rank idle in the bubble
+lends its share to the ranks computing: the split's step is then ``cost.schedule_run``'s simulation, each stage's
+compute (``compute_s``, its ops' own time) going ``DeviceProfile.compute_speed`` times faster while fewer ranks
+compute, its moves not.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.capture import OpGraph
-from autopar.cost import BACKWARD_TO_FORWARD, in_flight, step_time
+from autopar.cost import BACKWARD_TO_FORWARD, in_flight, schedule_run
 from autopar.search import StageCosts, split_stages, step_of_split
 from autopar.spec import local_shape
 from costmodel import LinkProfile, p2p_time_s
@@ -37,20 +42,25 @@ from .problem_tables import PS_PER_S
 from .schema import Plan
 from .stage_assignment import stage_of_nodes
 
-__all__ = ["ChainPrices", "PricedPipeline", "chain_prices", "priced_stages"]
+__all__ = ["ChainPrices", "PricedPipeline", "Speed", "chain_prices", "priced_stages"]
+
+#: ``speed(k)``: how much faster a stage computes while ``k`` pipeline ranks compute (``priced_stages``).
+Speed = Callable[[int], float]
 
 
 @dataclass(frozen=True, slots=True)
 class ChainPrices:
     """Per position of the chain: the layers' costs, the prelude's and the postlude's (``search.stages``' form),
-    each position's optimizer step (``step_s``: the layers', then the prelude's and the postlude's) and the
-    seconds to send what crosses each cut (``cuts[k]``: after layer k)."""
+    each position's optimizer step (``step_s``: the layers', then the prelude's and the postlude's), the
+    seconds to send what crosses each cut (``cuts[k]``: after layer k) and, per position as ``step_s``, the part
+    of its forward and backward that is its ops' compute (``compute_s``; the rest, moves between its ops)."""
 
     layers: StageCosts
     prelude: StageCosts
     postlude: StageCosts
     step_s: tuple[float, ...]
     cuts: tuple[float, ...]
+    compute_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +92,7 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
     consumers = graph.consumers()
     in_layer = {i for _, ops in layers for i in ops}
     prelude, postlude = n, n + 1  # the ends' slots after the layers'
-    time, step = [0.0] * (n + 2), [0.0] * (n + 2)
+    time, step, compute = [0.0] * (n + 2), [0.0] * (n + 2), [0.0] * (n + 2)
     saved, state = [0] * (n + 2), [0] * (n + 2)
 
     def slot(i: int) -> int:
@@ -92,9 +102,10 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
         return prelude if k == 0 else postlude
 
     for node in graph.nodes:
-        t_ps, nbytes = plan.node_costs.get(node.name, (0, 0))
+        t_ps, nbytes, own_ps = plan.node_costs.get(node.name, (0, 0, 0))
         if node.kind == "op":
             time[slot(node.index)] += t_ps / PS_PER_S
+            compute[slot(node.index)] += own_ps / PS_PER_S
             saved[slot(node.index)] += nbytes
         elif node.kind == "param":
             readers = {slot(v) for v, _, _ in consumers.get(node.index, ()) if v in position}
@@ -109,7 +120,7 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
         return StageCosts(f, [x * BACKWARD_TO_FORWARD for x in f], [state[s] for s in slots], [saved[s] for s in slots])
 
     cuts = tuple(p2p_time_s(b, link) for b in _cut_bytes(graph, plan, position, n))
-    return ChainPrices(costs(range(n)), costs([prelude]), costs([postlude]), tuple(step), cuts)
+    return ChainPrices(costs(range(n)), costs([prelude]), costs([postlude]), tuple(step), cuts, tuple(compute))
 
 
 def _cut_bytes(graph: OpGraph, plan: Plan, position: dict[int, int], n: int) -> list[int]:
@@ -137,22 +148,40 @@ def _cut_bytes(graph: OpGraph, plan: Plan, position: dict[int, int], n: int) -> 
     return crossing
 
 
-def priced_stages(prices: ChainPrices, schedule: str, m: int, p: int, v: int, cap: int | None) -> PricedPipeline:
-    """The split of the chain into ``p v`` stages and its price (module docstring)."""
+def priced_stages(
+    prices: ChainPrices, schedule: str, m: int, p: int, v: int, cap: int | None, speed: Speed | None = None
+) -> PricedPipeline:
+    """The split of the chain into ``p v`` stages and its price (module docstring).  ``speed(k)``: how much faster
+    a stage computes while ``k`` of the ``p`` pipeline ranks compute (ranks sharing cores,
+    ``DeviceProfile.compute_speed``); where given, the split's step is simulated so (``cost.schedule_run``),
+    each stage's compute sped up and its moves (collectives inside the stage) not."""
     n = prices.layers.count
     held = [in_flight(schedule, p, m, r, v) for r in range(p)]
     ends = (prices.prelude, prices.postlude)
     if v == 1:
         split = split_stages(prices.layers, held, m, cap, ends, prices.cuts)
-        schedule_s = split.step_s
     else:
         bounds = [0]
         for j in range(p * v):
             bounds.append(bounds[-1] + n // (p * v) + (1 if j < n % (p * v) else 0))
         split = step_of_split(prices.layers, bounds, [1] * (p * v), m, ends, prices.cuts)
-        sends = max(split.sends, default=0.0)  # the list schedule's one transfer time: the slowest link's
-        schedule_s = step_time(schedule, list(split.forward_s), list(split.backward_s), m, v=v, transfer_s=sends)
     per_stage = [f + b for f, b in zip(split.forward_s, split.backward_s, strict=True)]
+    if v == 1 and speed is None:  # the flow shop's exact step, each link a machine of its own
+        schedule_s, busy_s = split.step_s, m * sum(per_stage) / p
+    else:
+        sends = max(split.sends, default=0.0)  # the simulation's one transfer time: the slowest link's
+        shares = [_compute_share(prices, split.bounds[j], split.bounds[j + 1], j, p * v) for j in range(p * v)]
+        run = schedule_run(
+            schedule,
+            list(split.forward_s),
+            list(split.backward_s),
+            m,
+            v=v,
+            transfer_s=sends,
+            speed=speed,
+            compute_share=shares,
+        )
+        schedule_s, busy_s = run.step_s, sum(run.busy_s) / p
     optimizer, state, acts = [0.0] * p, [0] * p, [0] * p
     for j in range(p * v):
         run_step, run_state, run_acts = _stage_run(prices, split.bounds[j], split.bounds[j + 1], j, p * v)
@@ -164,8 +193,23 @@ def priced_stages(prices: ChainPrices, schedule: str, m: int, p: int, v: int, ca
     stages = tuple(
         StagePart(split.bounds[j], split.bounds[j + 1], "", per_stage[j], memory[j % p]) for j in range(p * v)
     )
-    bubble = max(schedule_s - m * sum(per_stage) / p, 0.0)
+    bubble = max(schedule_s - busy_s, 0.0)
     return PricedPipeline(stages, schedule_s + max(optimizer), bubble, max(optimizer), state[fullest], acts[fullest])
+
+
+def _compute_share(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> float:
+    """The part of stage ``j``'s forward and backward (layers ``[a, b)``, the ends on the first and last stage)
+    that is its ops' compute (``ChainPrices.compute_s``); 1.0 where the prices do not say."""
+    if not prices.compute_s:
+        return 1.0
+    n, layers = prices.layers.count, prices.layers
+    slots = [*range(a, b), *([n] if j == 0 else []), *([n + 1] if j == stages - 1 else [])]
+    ends = {n: prices.prelude, n + 1: prices.postlude}
+    total = sum(
+        layers.forward_s[k] + layers.backward_s[k] if k < n else ends[k].forward_s[0] + ends[k].backward_s[0]
+        for k in slots
+    )
+    return min(sum(prices.compute_s[k] for k in slots) / total, 1.0) if total > 0 else 1.0
 
 
 def _stage_run(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> tuple[float, int, int]:
