@@ -149,8 +149,7 @@ class MoveSteps:
         if steps is not None:
             back = dict(enumerate(dims))
             steps = tuple((a, k, d, dd, op, rename(s, back), rename(t, back)) for a, k, d, dd, op, s, t in steps)
-        blocked = any(isinstance(p, Shard) and p.blocks > 1 for p in src + dst)
-        return _Move(tuple(dims), need, blocked, steps)
+        return _Move(tuple(dims), need, _block_wise(src + dst), steps)
 
     def _reference(self, src: tuple[Placement, ...], dst: tuple[Placement, ...], rank: int) -> tuple:
         """(need, steps with their divisors) of a form, from ``nesting_steps`` on a tensor of dims ``need``."""
@@ -167,7 +166,7 @@ class MoveSteps:
         all_steps, conflict = nesting_steps(ref, src, dst, self.mesh_shape)
         if conflict is not None:
             return need, None
-        blocked = any(isinstance(p, Shard) and p.blocks > 1 for p in src + dst)
+        blocked = _block_wise(src + dst)
         total = ref.nbytes
         forms = []
         current = list(src)
@@ -188,3 +187,8 @@ class MoveSteps:
             forms.append((t.axis, t.kind, divisor, per_dim, t.reduce_op, t.src, t.dst))
             current[t.axis] = t.dst
         return need, tuple(forms)
+
+
+def _block_wise(placements: tuple[Placement, ...]) -> bool:
+    """Whether any of ``placements`` shards block-wise (``Shard(d, blocks > 1)``)."""
+    return any(isinstance(p, Shard) and p.blocks > 1 for p in placements)

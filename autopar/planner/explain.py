@@ -20,7 +20,7 @@ from rich.table import Table
 
 from autopar.units import format_bytes
 
-from .plan_table import describe_output_gather
+from .plan_table import describe_candidate, describe_output_gather
 from .schema import Plan
 
 __all__ = ["render_explanation", "deciding_terms"]
@@ -43,6 +43,7 @@ def _candidates_table(plan: Plan) -> Table:
     table = Table(title="candidates priced (pipeline='auto'), fastest first", title_justify="left")
     for name, justify in (("candidate", "left"), ("step", "right"), ("vs chosen", "right"), ("memory", "right")):
         table.add_column(name, justify=justify)
+    chosen = describe_candidate(plan)
     for c in plan.candidates:
         if c.at_least_s is not None:  # a bound proved it slower: not searched to its plan
             ratio = c.at_least_s / plan.cost.total_s
@@ -52,7 +53,7 @@ def _candidates_table(plan: Plan) -> Table:
             table.add_row(c.what, "does not fit", "", f"needs {format_bytes(c.memory_bytes)}")
             continue
         ratio = c.step_s / plan.cost.total_s
-        versus = "chosen" if ratio == 1.0 else f"{ratio:.2f}x"
+        versus = "chosen" if c.what == chosen else f"{ratio:.2f}x"
         table.add_row(c.what, _ms(c.step_s), versus, format_bytes(c.memory_bytes))
     return table
 

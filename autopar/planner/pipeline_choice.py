@@ -32,6 +32,7 @@ over every candidate, and ``candidates``, how many were priced.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -62,6 +63,7 @@ from .pipeline_planning import (
     virtual_stages,
 )
 from .plan_parts import Candidate
+from .plan_table import describe_candidate
 from .problem_tables import PS_PER_S
 from .recompute_modes import search_modes
 from .schema import Plan
@@ -166,23 +168,20 @@ class PipelineChoice:
         for m in counts:
             what = "no pipeline" if m == 1 else f"{m} accumulated micro-batches"
             ctx = self._context(m, self.mesh, None, self.inner)
-            start = time.perf_counter()
             try:
-                if m == 1:
-                    run = dict(compare_families=compare_families, progress=self.progress, above=self._above(1))
-                    plan = search_context(ctx, **run)
-                else:
-                    plan = self._search(ctx, self._above(m))
-                    plan = dataclasses.replace(plan, microbatches=m, cost=step_cost(plan.cost, m))
+                with self._timing("search_s"):
+                    if m == 1:
+                        run = dict(compare_families=compare_families, progress=self.progress, above=self._above(1))
+                        plan = search_context(ctx, **run)
+                    else:
+                        plan = self._search(ctx, self._above(m))
+                        plan = dataclasses.replace(plan, microbatches=m, cost=step_cost(plan.cost, m))
             except MemoryCapError as e:
                 self._missed(e, what)
                 continue
             except BeatenError as e:  # proven slower than a pipeline: as accumulating more would be (docstring)
                 self._beaten(what, e.lower_bound_ps * m / PS_PER_S)
                 return
-            finally:
-                if m == 1:
-                    self.timings["search_s"] += time.perf_counter() - start
             self._offer(plan, ctx.graph, ties_win=True)
             return
 
@@ -230,7 +229,8 @@ class PipelineChoice:
                 check_layers(name, model, layers, p, min(virtual_stages(s) for s in schedules))
             if not runs:
                 continue
-            stage_plan = self._search(ctx)
+            with self._timing("search_s"):
+                stage_plan = self._search(ctx)
             for s in runs:
                 try:
                     plan = pipelined(ctx, stage_plan, self.mesh, axis, s, m, self.options.mem_cap, layers=layers)
@@ -247,21 +247,26 @@ class PipelineChoice:
     def _offer(self, plan: Plan, graph: OpGraph, ties_win: bool = False) -> None:
         """A candidate priced: kept where it is the fastest so far (``ties_win``: or as fast)."""
         self.timings["candidates"] += 1
-        self.priced.append(Candidate(_described(plan), plan.cost.total_s, plan.memory.per_device_bytes))
-        log.info("candidate %s: step %.4g s", _described(plan), plan.cost.total_s)
+        self.priced.append(Candidate(describe_candidate(plan), plan.cost.total_s, plan.memory.per_device_bytes))
+        log.info("candidate %s: step %.4g s", describe_candidate(plan), plan.cost.total_s)
         step = plan.cost.total_s
         if self.found is None or step < self.found[0].cost.total_s or ties_win and step == self.found[0].cost.total_s:
             self.found = (plan, graph)
 
     def _search(self, ctx: PlanningContext, above: int | None = None) -> Plan:
         """The plan of one micro-batch on ``ctx`` (``above``: ``SearchRun.above``)."""
+        hinted_ctx, resolved = hinted_context(ctx, None)
+        run = dataclasses.replace(self.run, above=above)
+        return search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
+
+    @contextlib.contextmanager
+    def _timing(self, key: str):
+        """Adds the seconds of the ``with`` body to ``timings[key]``."""
         start = time.perf_counter()
         try:
-            hinted_ctx, resolved = hinted_context(ctx, None)
-            run = dataclasses.replace(self.run, above=above)
-            return search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
+            yield
         finally:
-            self.timings["search_s"] += time.perf_counter() - start
+            self.timings[key] += time.perf_counter() - start
 
     def _micro(self, m: int) -> int:
         """The rows of one of ``m`` micro-batches (ValueError with the fix when the batch does not split)."""
@@ -288,17 +293,16 @@ class PipelineChoice:
         """The model captured at one of ``m`` micro-batches: statically when the options need one size (or the
         inputs share no batch dim), else specialized from one symbolic capture."""
         if m not in self.graphs:
-            start = time.perf_counter()
-            if self.batch is None or self._one_size():
-                (args, kwargs), *_ = (
-                    split_microbatches(self.args, self.kwargs, m) if m > 1 else [(self.args, self.kwargs)]
-                )
-                self.graphs[m] = capture(self.model, args, kwargs)
-            else:
-                if self.template is None:
-                    self.template = capture_template(self.model, self.args, self.kwargs)
-                self.graphs[m] = specialize(self.template, self._micro(m))[0]
-            self.timings["capture_s"] += time.perf_counter() - start
+            with self._timing("capture_s"):
+                if self.batch is None or self._one_size():
+                    (args, kwargs), *_ = (
+                        split_microbatches(self.args, self.kwargs, m) if m > 1 else [(self.args, self.kwargs)]
+                    )
+                    self.graphs[m] = capture(self.model, args, kwargs)
+                else:
+                    if self.template is None:
+                        self.template = capture_template(self.model, self.args, self.kwargs)
+                    self.graphs[m] = specialize(self.template, self._micro(m))[0]
             self.heap.keep()
         return self.graphs[m]
 
@@ -310,10 +314,3 @@ def _rank(c: Candidate) -> tuple:
     """Fastest first (a candidate bounded slower by its bound), then those that did not fit by least memory."""
     step = c.step_s if c.step_s is not None else c.at_least_s
     return (step is None, step or 0.0, c.memory_bytes or 0)
-
-
-def _described(plan: Plan) -> str:
-    if plan.pipeline is None:
-        return "no pipeline" + (f", {plan.microbatches} accumulated micro-batches" if plan.microbatches > 1 else "")
-    pipe = plan.pipeline
-    return f"a pipeline along {pipe.axis!r}, {pipe.schedule}, {plan.microbatches} micro-batches"

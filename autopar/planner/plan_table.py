@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 #: imports this module for ``Plan.table()``, and modules do not import each other in a circle.
 Plan = Any
 
-__all__ = ["render_table", "group_name", "describe_plan"]
+__all__ = ["render_table", "group_name", "describe_plan", "describe_candidate"]
 
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -144,6 +144,15 @@ def _natural(name: str) -> list:
 
 #: the share of the step a gather of the model's outputs must take for the table to point it out
 OUTPUT_GATHER_SHARE = 0.1
+
+
+def describe_candidate(plan: Plan) -> str:
+    """What a micro-batched candidate of ``pipeline="auto"`` is (``Candidate.what``): ``no pipeline``, ``no
+    pipeline, 4 accumulated micro-batches`` or ``a pipeline along 'pp', 1f1b, 8 micro-batches``."""
+    if plan.pipeline is None:
+        return "no pipeline" + (f", {plan.microbatches} accumulated micro-batches" if plan.microbatches > 1 else "")
+    pipe = plan.pipeline
+    return f"a pipeline along {pipe.axis!r}, {pipe.schedule}, {plan.microbatches} micro-batches"
 
 
 def describe_output_gather(plan: Plan) -> str:
