@@ -76,6 +76,7 @@ from costmodel import (
 )
 
 from .moves import MoveSteps
+from .pair_tables import PairTable
 from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
 
 __all__ = ["TrainingSettings", "Coster"]
@@ -127,7 +128,7 @@ class Coster:
         self._moves = MoveSteps(self.mesh_shape)  # the runtime's step lists, scaled from one reference per form
         self._comm_s: dict = {}  # (kind, bytes, axis) -> comm_time_s
         self._ids: dict = {}  # meta or placements -> small int (edge_matrices' cache keys)
-        self._move_s: dict = {}  # (meta id, src id, dst id) -> transition_time_s
+        self._pair_tables: dict = {}  # (meta id, kind of move, ...) -> PairTable (edge_matrices)
         self._layouts = memory_layouts(self.graph)
         self._bytes_cache: dict = {}  # (meta, placements) -> local bytes at compute precision
         self._internal_cache: dict = {}  # (id(strategy), node_mem_key) -> internal bytes (strategies outlive it)
@@ -504,35 +505,35 @@ class Coster:
         mid = ids.setdefault(meta, len(ids))
         row_ids = [(ids.setdefault(p, len(ids)), ids.setdefault(q, len(ids))) for p, q in rows]
         col_ids = [(ids.setdefault(p, len(ids)), ids.setdefault(q, len(ids))) for p, q in cols]
-        moves = self._move_s
         keeps = self.edge_shares.get((v.index, pos)) is not None and u.kind != "param"  # else 0 (edge_saved_bytes)
-        time: list[list[float]] = []
-        mem: list[list[int]] = []
-        for (src, grad_target), (sid, tid) in zip(rows, row_ids):
-            t_row, m_row = [], []
-            for (dst, g), (did, gid) in zip(cols, col_ids):
-                t = 0.0
-                if sid != did:
-                    t = moves.get((mid, sid, did))
-                    if t is None:
-                        t = moves[mid, sid, did] = self._move_time_s(meta, src, dst, (sid, did))
-                    if t and regather:
-                        t += t  # FSDP: the op keeps a handle, backward gathers it again
-                if grad and gid != tid:
-                    back = moves.get((mid, gid, tid, param))
-                    if back is None:
-                        back = moves[mid, gid, tid, param] = self.grad_move_time_s(u, meta, g, grad_target, (gid, tid))
-                    t += back
-                t_row.append(t)
-                m_row.append(self.edge_saved_bytes(u, out_idx, v, pos, src, dst, gid != tid) if keeps else 0)
-            time.append(t_row)
-            mem.append(m_row)
-        pick = np.ix_(row_of, col_of)
-        shape = (len(rows), len(cols))
-        return (
-            np.array(time, dtype=np.float64).reshape(shape)[pick],
-            np.array(mem, dtype=np.int64).reshape(shape)[pick],
+        forward = self._pair_table(mid, "move").lookup(
+            [sid for sid, _ in row_ids],
+            [did for did, _ in col_ids],
+            lambda i, j: self._move_time_s(meta, rows[i][0], cols[j][0], (row_ids[i][0], col_ids[j][0])),
         )
+        time = forward * 2 if regather else forward  # FSDP: the op keeps a handle, backward gathers it again
+        if grad:  # the gradient comes back from v's input gradient (g) to u's output gradient (grad_target)
+            back = self._pair_table(mid, "grad", param).lookup(
+                [gid for _, gid in col_ids],
+                [tid for _, tid in row_ids],
+                lambda j, i: self.grad_move_time_s(u, meta, cols[j][1], rows[i][1], (col_ids[j][1], row_ids[i][1])),
+            )
+            time = time + back.T
+        shape = (len(rows), len(cols))
+        mem = np.zeros(shape, dtype=np.int64)
+        if keeps:
+            for i, ((src, _), (_, tid)) in enumerate(zip(rows, row_ids, strict=True)):
+                for j, ((dst, _), (_, gid)) in enumerate(zip(cols, col_ids, strict=True)):
+                    mem[i, j] = self.edge_saved_bytes(u, out_idx, v, pos, src, dst, gid != tid)
+        pick = np.ix_(row_of, col_of)
+        return np.ascontiguousarray(time[pick], dtype=np.float64), mem[pick]
+
+    def _pair_table(self, *key) -> PairTable:
+        """The ``PairTable`` of one tensor id and kind of move (``edge_matrices``)."""
+        table = self._pair_tables.get(key)
+        if table is None:
+            table = self._pair_tables[key] = PairTable()
+        return table
 
 
 def _distinct(items: list) -> tuple[np.ndarray, list]:
