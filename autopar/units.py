@@ -57,3 +57,12 @@ def format_bytes(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def format_flops(n: float, per: str = "") -> str:
+    """FLOPs with a decimal prefix (``7.04 TFLOP``; ``per="/s"``: ``312 TFLOP/s``)."""
+    for prefix in ("", "k", "M", "G", "T", "P", "E"):
+        if abs(n) < 1000 or prefix == "E":
+            return f"{n:.3g} {prefix}FLOP{per}"
+        n /= 1000
+    return f"{n:.3g} EFLOP{per}"

@@ -21,7 +21,15 @@ from .comm import (
     transfers_time_s,
 )
 from .compute import call_time_s, op_time_s
-from .flops import backward_bytes_moved, backward_flops, bytes_moved, compute_dtype, forward_flops, is_matmul_like
+from .flops import (
+    backward_bytes_moved,
+    backward_flops,
+    bytes_moved,
+    compute_dtype,
+    forward_flops,
+    is_matmul_like,
+    op_family,
+)
 from .memory import (
     OPTIMIZERS,
     ModelStateBytes,
@@ -60,6 +68,7 @@ __all__ = [
     "bytes_moved",
     "backward_bytes_moved",
     "is_matmul_like",
+    "op_family",
     "compute_dtype",
     "op_time_s",
     "call_time_s",

@@ -45,6 +45,7 @@ from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "forward_flops",
+    "op_family",
     "backward_flops",
     "bytes_moved",
     "backward_bytes_moved",
@@ -196,6 +197,12 @@ def _family(call: Any) -> str:
     if key in _MATMUL or getattr(call.target, "overloadpacket", None) in flop_registry:
         return "matmul"
     return "elementwise"
+
+
+def op_family(call: Any) -> str:
+    """What an op is to the cost model: ``matmul`` (matmuls, convolutions, einsum), ``sdpa`` (fused
+    attention), ``embedding``, ``elementwise``, ``view``, ``factory``, ``data`` (data movement) or ``nonfloat``."""
+    return _family(call)
 
 
 def is_matmul_like(call: Any) -> bool:

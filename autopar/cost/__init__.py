@@ -5,12 +5,14 @@ formulas of the top-level ``costmodel`` package: each op strategy's compute time
 collectives and saved activations (``saved``: what an op keeps for backward), each
 edge's redistribution, each parameter's model state.  ``peak_memory`` (``peak``)
 follows one training step's memory through backward for a chosen plan, which the
-search's additive bound only approximates.
+search's additive bound only approximates.  ``count_model_flops`` (``model_flops``) counts a step's model
+FLOPs, what MFU is measured by.
 """
 
 from __future__ import annotations
 
 from .coster import BACKWARD_SHARE, BACKWARD_TO_FORWARD, Coster, TrainingSettings
+from .model_flops import ModelFlops, count_model_flops
 from .peak import BackwardMemory, peak_memory
 from .pipeline import SCHEDULES, ScheduleRun, bubble_fraction, in_flight, schedule_run, step_time
 
@@ -19,9 +21,11 @@ __all__ = [
     "BACKWARD_TO_FORWARD",
     "BackwardMemory",
     "Coster",
+    "ModelFlops",
     "SCHEDULES",
     "TrainingSettings",
     "bubble_fraction",
+    "count_model_flops",
     "in_flight",
     "peak_memory",
     "ScheduleRun",

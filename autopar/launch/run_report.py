@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 from rich.markup import escape
@@ -27,6 +28,8 @@ def render_report(report: RunReport, *, width: int = 140) -> str:
     for line in _header_lines(report, r0):
         con.print(escape(line))
     con.print(_training_table(report, r0))
+    if line := _throughput_line(report, r0):
+        con.print(escape(line))
     if report.config.resume_dir:
         con.print(escape(f"resumed from {report.config.resume_dir} with {r0.record.first_step} steps done"))
     for path in r0.record.saved:
@@ -61,6 +64,23 @@ def _header_lines(report: RunReport, r0: RankResult) -> list[str]:
         describe_plan(r0.family, cfg.family),
     ]
     return lines + [line for line in (r0.pipeline_line, r0.nodes_line, r0.recompute_line) if line]
+
+
+def _throughput_line(report: RunReport, r0: RankResult) -> str:
+    """Model FLOP/s per device and MFU measured (the median step after the first: the first warms up) beside the
+    plan's predicted figures; '' where the plan carries none."""
+    from autopar.planner import describe_throughput
+
+    f, times = r0.throughput, sorted(r0.record.step_times_s[1:] or r0.record.step_times_s)
+    if f is None or not times:
+        return ""
+    step = times[len(times) // 2]
+    measured = dataclasses.replace(
+        f,
+        flops_per_device_s=f.model_flops / step / len(report.ranks),
+        mfu=f.model_flops / step / len(report.ranks) / f.peak_flops,
+    )
+    return f"throughput: {describe_throughput(measured, 'measured')}; {describe_throughput(f)}"
 
 
 def _training_table(report: RunReport, r0: RankResult):

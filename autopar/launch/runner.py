@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopar.mesh import Mesh
-from autopar.planner import FAMILIES, Plan, PlanMemory
+from autopar.planner import FAMILIES, Plan, PlanMemory, PlanThroughput
 from autopar.runtime import RankError, RankSettings, ranks_per_node, spawn_ranks
 
 from .one_device_check import ATOL, RTOL, Deviation, compare
@@ -149,6 +149,7 @@ class RankResult:
     recompute_line: str = ""  # the plan's "recompute:" line (planner.plan_table.describe_recompute)
     nodes_line: str = ""  # which mesh axes span nodes (planner.plan_table.describe_nodes), '' on one node
     pipeline_line: str = ""  # the plan's "pipeline:" line (planner.plan_table.describe_pipeline), '' without one
+    throughput: PlanThroughput | None = None  # the plan's model FLOPs and predicted MFU (Plan.throughput)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +381,7 @@ def train_rank(config: RunConfig, plan: Plan | None = None) -> RankResult:
     plan = sharded.plan
     coord = tuple(mesh.coordinate(rank))
     lines = describe_recompute(plan), describe_nodes(plan), describe_pipeline(plan, table_below=False)
-    return RankResult(rank, coord, plan.family, record, held, plan.memory, *lines)
+    return RankResult(rank, coord, plan.family, record, held, plan.memory, *lines, throughput=plan.throughput)
 
 
 def reference_run(config: RunConfig, device: torch.device | str = "cpu") -> TrainRecord:

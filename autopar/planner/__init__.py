@@ -44,12 +44,20 @@ from .plan_parts import (
     PlanHints,
     PlanMemory,
     PlanSettings,
+    PlanThroughput,
     RecomputeLayers,
     RecomputeTrial,
     SearchStats,
     StagePart,
 )
-from .plan_table import describe_nodes, describe_pipeline, describe_plan, describe_recompute, render_table
+from .plan_table import (
+    describe_nodes,
+    describe_pipeline,
+    describe_plan,
+    describe_recompute,
+    describe_throughput,
+    render_table,
+)
 from .recompute_tables import RECOMPUTE_OPTIONS
 from .schema import FAMILIES, Plan, check_writable
 from .stage_assignment import chain_layers, stage_of_nodes
@@ -73,6 +81,7 @@ __all__ = [
     "PlanCost",
     "PlanHints",
     "PlanMemory",
+    "PlanThroughput",
     "PlanOptions",
     "PipelinePlan",
     "PlanSettings",
@@ -90,6 +99,7 @@ __all__ = [
     "describe_nodes",
     "describe_plan",
     "describe_pipeline",
+    "describe_throughput",
     "describe_recompute",
     "device_profile",
     "hint_from_text",

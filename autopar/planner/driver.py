@@ -30,6 +30,7 @@ from .errors import MemoryCapError
 from .options import HintOptions, PlanOptions
 from .pipeline_choice import plan_model
 from .schema import FAMILIES, Plan
+from .throughput import with_throughput
 
 __all__ = [
     "FAMILIES",
@@ -224,4 +225,5 @@ def plan_from_context(
     """
     given, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     hinted = hint_options if hint_options.given else None
-    return search_context(ctx, given, hinted, compare_families=compare_families, progress=progress)
+    plan = search_context(ctx, given, hinted, compare_families=compare_families, progress=progress)
+    return with_throughput(plan, ctx.graph)

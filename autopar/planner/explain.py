@@ -20,7 +20,7 @@ from rich.table import Table
 
 from autopar.units import format_bytes
 
-from .plan_table import describe_candidate, describe_output_gather
+from .plan_table import describe_candidate, describe_model_flops, describe_output_gather, describe_throughput
 from .schema import Plan
 
 __all__ = ["render_explanation", "deciding_terms"]
@@ -84,7 +84,15 @@ def render_explanation(plan: Plan, *, width: int = 130) -> str:
         format_bytes(plan.memory.per_device_bytes),
         *(format_bytes(a.per_device_bytes) for a in others),
     )
+    if (f := plan.throughput) is not None:  # the same model FLOPs over each plan's step
+        mfu = [
+            f.model_flops / (t * plan.mesh.size * f.peak_flops)
+            for t in (plan.cost.total_s, *(a.total_s for a in others))
+        ]
+        table.add_row("MFU", *(f"{x:.1%}" for x in mfu))
     con.print(table)
+    if f is not None:
+        con.print(f"model FLOPs / step: {describe_model_flops(f)}; {describe_throughput(f)}")
     if note := describe_output_gather(plan):
         con.print(note)
     if len(plan.candidates) > 1:

@@ -69,6 +69,7 @@ from .recompute_modes import search_modes
 from .schema import Plan
 from .solving import SearchRun
 from .stage_assignment import chain_layers
+from .throughput import with_throughput
 
 __all__ = ["plan_model"]
 
@@ -99,7 +100,8 @@ def plan_model(
         if not options.micro_batched:
             ctx = prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options)
             heap.keep()
-            return search_context(ctx, compare_families=compare_families, progress=progress), ctx.graph
+            plan = search_context(ctx, compare_families=compare_families, progress=progress)
+            return with_throughput(plan, ctx.graph), ctx.graph
         choice = PipelineChoice(model, mesh, example_inputs, example_kwargs, options, hint_options, progress, heap)
         return choice.best(compare_families)
 
@@ -154,6 +156,7 @@ class PipelineChoice:
             )
         plan, graph = self.found
         ranked = tuple(sorted(self.priced, key=_rank))
+        plan = with_throughput(plan, graph)
         return dataclasses.replace(plan, timings=dict(plan.timings, **self.timings), candidates=ranked), graph
 
     # ---- candidates ----------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ __all__ = [
     "PlanMemory",
     "PipelinePlan",
     "PlanSettings",
+    "PlanThroughput",
     "Placements",
     "StagePart",
     "RecomputeLayers",
@@ -167,6 +168,23 @@ class PlanMemory:
     search_bytes: int | None = None
     transient_bytes: int | None = None
     peak_phase: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlanThroughput:
+    """The step's model FLOPs (``cost.model_flops``: ``6 x parameters x tokens + attention``) and what the
+    predicted step makes of them: model FLOP/s per device and MFU, their share of ``peak_flops`` (the device's
+    dense peak for the compute dtype).  ``with_recompute_flops``: plus the forwards recomputation runs again
+    (what the hardware does, HFU; not model FLOPs)."""
+
+    model_flops: float
+    with_recompute_flops: float
+    parameters: int
+    tokens: int
+    attention_flops: float
+    peak_flops: float
+    flops_per_device_s: float
+    mfu: float
 
 
 class NodeCharge(NamedTuple):

@@ -23,16 +23,23 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from autopar.units import format_bytes
+from autopar.units import format_bytes, format_flops
 
 if TYPE_CHECKING:
-    from .plan_parts import Collective, SearchStats
+    from .plan_parts import Collective, PlanThroughput, SearchStats
 
 #: An ``autopar.planner.Plan`` (``schema.py``).  Not imported, not even for annotations: ``schema``
 #: imports this module for ``Plan.table()``, and modules do not import each other in a circle.
 Plan = Any
 
-__all__ = ["render_table", "group_name", "describe_plan", "describe_candidate"]
+__all__ = [
+    "render_table",
+    "group_name",
+    "describe_plan",
+    "describe_candidate",
+    "describe_model_flops",
+    "describe_throughput",
+]
 
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -358,7 +365,28 @@ def _totals_table(plan: Plan) -> Table:
     t.add_row("  grads", format_bytes(m.grads_bytes))
     t.add_row("  optimizer", format_bytes(m.optimizer_bytes))
     t.add_row("  activations", format_bytes(m.activations_bytes))
+    if (f := plan.throughput) is not None:
+        t.add_row("model FLOPs / step", describe_model_flops(f))
+        t.add_row("throughput", describe_throughput(f))
     return t
+
+
+def describe_model_flops(f: PlanThroughput) -> str:
+    """``7.04 TFLOP = 6 x 124M parameters x 8,192 tokens + attention 928 GFLOP (recomputation adds ...)``."""
+    extra = f.with_recompute_flops - f.model_flops
+    again = f" (recomputation runs {format_flops(extra)} more)" if extra > 0 else ""
+    return (
+        f"{format_flops(f.model_flops)} = 6 x {f.parameters:,} parameters x {f.tokens:,} tokens + attention "
+        f"{format_flops(f.attention_flops)}{again}"
+    )
+
+
+def describe_throughput(f: PlanThroughput, step: str = "predicted") -> str:
+    """``312 TFLOP/s per device (predicted), MFU 31.6% of 989 TFLOP/s``."""
+    return (
+        f"{format_flops(f.flops_per_device_s, '/s')} per device ({step}), MFU {f.mfu:.1%} of "
+        f"{format_flops(f.peak_flops, '/s')}"
+    )
 
 
 def _families_table(plan: Plan) -> Table:
