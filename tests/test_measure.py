@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,15 +99,19 @@ def test_peak_composition_takes_apart_the_peak_the_fidelity_harness_measures():
 
 def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     """A quick calibration on 2 gloo ranks: every key measured, the TOML loads, comm.py uses the fits."""
-    from autopar.measure.calibrate import calibrate, render_calibration, write_profile
+    from autopar.measure.calibrate import calibrate
+    from autopar.measure.calibration_report import render_calibration, write_profile
     from costmodel import collective_time_s, load_profile
 
-    cal = calibrate(ranks=2, trials=1, quick=True)
+    cal = calibrate(ranks=2, trials=2, quick=True)
     assert set(cal.matmul) == {"float32", "bfloat16", "float16"} and all(f.rate > 0 for f in cal.matmul.values())
     assert cal.bandwidth.rate > 0 and cal.forward_op_s > 0 and cal.backward_op_s > 0
     assert set(cal.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    # every point timed twice: its spread measured, and the machine's load before
+    assert len(cal.spreads) > 20 and all(x >= 0 for x in cal.spreads) and cal.spread == statistics.median(cal.spreads)
+    assert cal.load_before is not None and cal.cores == len(os.sched_getaffinity(0))
     text = render_calibration(cal)
-    assert "residual" in text and "all_reduce" in text
+    assert "residual" in text and "all_reduce" in text and "noise: the repeats of" in text
     path = tmp_path / "mine.toml"
     write_profile(cal, str(path))
     prof = load_profile(str(path))
@@ -127,7 +134,8 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
 
 def test_calibrate_on_one_rank_keeps_the_base_profiles_links(tmp_path):
     """One rank (a 1-GPU job) has no group to time: no collective fits, the profile keeps the base's links."""
-    from autopar.measure.calibrate import calibrate, render_calibration, write_profile
+    from autopar.measure.calibrate import calibrate
+    from autopar.measure.calibration_report import render_calibration, write_profile
     from costmodel import load_profile
 
     cal = calibrate(ranks=1, trials=1, quick=True)
@@ -193,6 +201,34 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
         assert len(p["round_s"]) == 2 and p["measured_s"] > 0 and p["peak_bytes"] >= p["held_bytes"] > 0
         assert len(p["peak_steps"]) == 2 and min(p["peak_steps"]) <= p["peak_bytes"] <= max(p["peak_steps"])
         assert p["time_error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
+
+
+def test_calibrate_refuses_to_write_a_noisy_profile_unless_forced(tmp_path, capsys, monkeypatch):
+    """Repeats spread over --max-spread (a busy machine): the profile is not written, exit 1, the message says
+    why and how to fix it; ``--force`` writes it; a quiet one is written."""
+    import autopar.measure.calibrate as calibrate_module
+    import autopar.measure.calibration_report as report
+    from autopar.cli import main
+
+    noisy = SimpleNamespace(spreads=[0.3] * 9, spread=0.3, busy=True)
+    quiet = SimpleNamespace(spreads=[0.02] * 9, spread=0.02, busy=False)
+    monkeypatch.setattr(report, "render_calibration", lambda cal: "")
+    monkeypatch.setattr(report, "write_profile", lambda cal, path, name=None: Path(path).write_text("written"))
+    out = tmp_path / "p.toml"
+    for cal, flags, code in (
+        (noisy, [], 1),
+        (noisy, ["--force"], 0),
+        (quiet, [], 0),
+        (noisy, ["--max-spread", "0.5"], 0),
+    ):
+        monkeypatch.setattr(calibrate_module, "calibrate", lambda cal=cal, **_: cal)
+        out.unlink(missing_ok=True)
+        assert main(["calibrate", "-o", str(out), *flags]) == code, (cal.spread, flags)
+        assert out.exists() == (code == 0)
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda **_: noisy)
+    assert main(["calibrate", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "spread 30.0% in the median (more than 10%)" in err and "machine was busy" in err and "--force" in err
 
 
 def test_fidelity_refuses_bad_settings_before_any_rank_starts(tmp_path, capsys):

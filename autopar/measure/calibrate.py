@@ -42,7 +42,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +51,12 @@ from torch import nn
 
 from .fit import LineFit, RateFit, fit_latency_bandwidth, fit_rate
 
-__all__ = ["Calibration", "calibrate", "measure_rank", "COLLECTIVE_KINDS", "SIZES_BYTES"]
+__all__ = ["Calibration", "calibrate", "measure_rank", "COLLECTIVE_KINDS", "MAX_SPREAD", "SIZES_BYTES"]
+
+#: The most the repeats of a point may spread, in the median over the points ((max - min) / median of each point's
+#: ``trials`` timings), for ``autopar calibrate`` to write its profile without ``--force``: a calibration measured
+#: while another process ran gave plans 1.3x slower than the fastest (issue 32); a quiet machine spreads 2-5%.
+MAX_SPREAD = 0.10
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: message sizes (the cost model's nbytes of each kind, costmodel/comm.py)
@@ -92,6 +96,19 @@ class Calibration:
     overlap: dict[str, float] | None = None
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    spreads: list[float] = field(default_factory=list)  # per point timed: (max - min) / median of its repeats
+    load_before: float | None = None  # the machine's 1-minute load average when calibrate started
+    cores: int = 0  # the cores this process may run on
+
+    @property
+    def spread(self) -> float:
+        """The median spread of the points' repeats (0.0 with one repeat each)."""
+        return statistics.median(self.spreads) if self.spreads else 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Whether the machine was busy when calibrate started: a load average over half its cores."""
+        return self.load_before is not None and self.cores > 0 and self.load_before > self.cores / 2
 
     @property
     def source(self) -> str:
@@ -202,6 +219,9 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
         base=base_dict,
         overlap=raw.get("overlap"),
         wall_s=wall_s,
+        spreads=list(raw.get("spreads", ())),
+        load_before=raw.get("load_before"),
+        cores=raw.get("cores", 0),
     )
 
 
@@ -234,6 +254,8 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         done += 1
 
     out: dict[str, Any] = {"ranks": world, "backend": dist.get_backend(), "device": device.type}
+    out["load_before"], out["cores"] = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    _SPREADS.clear()
     out["machine"] = _machine(device)
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
@@ -262,6 +284,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         out["collectives"][kind] = {
             n: _collective_points(kind, *groups[n], n, device, trials, message_sizes) for n in sizes
         }
+    out["spreads"] = list(_SPREADS)
     if bar is not None:
         bar.close()
     return out if rank == 0 else None
@@ -316,7 +339,13 @@ def _slowest_median(fn, device: torch.device, trials: int, *, budget_s: float = 
         t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(float(t))
-    return statistics.median(times)
+    middle = statistics.median(times)
+    _SPREADS.append((max(times) - min(times)) / middle if middle > 0 else 0.0)
+    return middle
+
+
+#: Each timed point's spread on this rank (``_slowest_median``), gathered by ``measure_rank``.
+_SPREADS: list[float] = []
 
 
 def _gemm_rates(dtype: torch.dtype, device: torch.device, trials: int, shapes) -> list[tuple[str, float]]:
@@ -502,71 +531,3 @@ def _compute_chunk(device: torch.device):
 
 
 # ---- printing ---------------------------------------------------------------------------------
-
-
-def render_calibration(cal: Calibration) -> str:
-    """The measurements, the fits and their residuals, as text."""
-    lines = [
-        f"autopar calibrate: {cal.machine}; {cal.ranks} {cal.backend} ranks; torch {torch.__version__}; "
-        f"{cal.date}; {cal.wall_s:.0f} s",
-        "",
-        "matmul rate per dtype (median over transformer-shaped GEMMs; residual = shape / median - 1):",
-    ]
-    for dtype, fit in cal.matmul.items():
-        worst = max(fit.residuals, key=abs)
-        lines.append(
-            f"  {dtype:<9} {fit.rate / 1e9:9.1f} GFLOP/s   residuals {min(fit.residuals):+.0%} .. "
-            f"{max(fit.residuals):+.0%} (worst {worst:+.0%})"
-        )
-    lines.append(
-        f"memory bandwidth: {cal.bandwidth.rate / 1e9:.2f} GB/s (copy {cal.bandwidth.samples[0][1] / 1e9:.2f}, "
-        f"add {cal.bandwidth.samples[1][1] / 1e9:.2f})"
-    )
-    lines.append(
-        f"runtime overhead per op ({cal.ops} ops, no collective): forward {cal.forward_op_s * 1e6:.1f} us, "
-        f"backward {cal.backward_op_s * 1e6:.1f} us; a view (no kernel) {cal.view_op_s * 1e6:.1f} us"
-    )
-    if cal.overlap is not None:
-        o = cal.overlap
-        lines.append(
-            f"overlap: a 16 MiB all-reduce {o['reduce_s'] * 1e3:.1f} ms, matmuls {o['compute_s'] * 1e3:.1f} ms, "
-            f"both at once {o['both_s'] * 1e3:.1f} ms: {o['hidden']:+.0%} of the all-reduce hidden "
-            f"(grad_reduce_overlap {min(max(o['hidden'], 0.0), 0.95):.2f})"
-        )
-    if cal.collectives:
-        lines += ["", "collectives: t = latency + factor * nbytes / bandwidth per group size (slowest rank):"]
-        lines.append(
-            f"  {'kind':<15}{'group':>6}{'latency':>12}{'bandwidth':>14}   measured ms (residual of the line) per size"
-        )
-        for kind, per_size in cal.collectives.items():
-            for n, fit in sorted(per_size.items()):
-                cells = " ".join(
-                    f"{t * 1e3:.2f} ({r:+.0%})" for (_, t), r in zip(cal.collective_points[kind][n], fit.residuals)
-                )
-                lines.append(
-                    f"  {kind:<15}{n:>6}{fit.latency_s * 1e6:>10.0f}us{fit.bandwidth_bytes_per_s / 1e9:>10.3f}GB/s"
-                    f"   {cells}"
-                )
-        lines.append(
-            "  (the profile keeps the measured points: the cost model follows them between sizes, the line beyond)"
-        )
-    else:
-        lines.append("collectives: one rank, nothing to measure (links come from the base profile)")
-    return "\n".join(lines) + "\n"
-
-
-def write_profile(cal: Calibration, path: str, name: str | None = None) -> None:
-    """Write the calibrated profile as TOML (``costmodel.load_profile`` and ``--profile`` read it)."""
-    import tomli_w
-
-    name = name or os.path.splitext(os.path.basename(path))[0]
-    header = (
-        f"# Device profile {name!r}, {cal.source}: `autopar calibrate` prints how each number was measured.\n"
-        "# Rates are achieved ones (efficiencies 1.0); keys not measured come from the base profile.\n"
-    )
-    text = header + tomli_w.dumps(cal.profile_dict(name))
-    if path == "-":
-        sys.stdout.write(text)
-        return
-    with open(path, "w") as f:
-        f.write(text)

@@ -1,10 +1,12 @@
 """The ``autopar calibrate`` and ``autopar fidelity`` subcommands (``autopar.cli`` adds them).
 
-    autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3]
+    autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3] [--force] [--max-spread 0.10]
     autopar fidelity [--profile cpu|FILE.toml] [--ranks 4] [--json FILE] [--models a,b] [--mesh 2x2] [--rounds 5]
 
-``calibrate`` prints the measurements, the fits and their residuals and writes the
-profile (``-o``); ``fidelity`` prints predicted vs measured per plan and the summary
+``calibrate`` prints the measurements, the fits and their residuals and the noise of
+the repeats, and writes the profile (``-o``), unless the repeats spread more than
+``--max-spread`` (``calibrate.MAX_SPREAD``) and ``--force`` is not given (exit 1);
+``fidelity`` prints predicted vs measured per plan and the summary
 and writes the figures as JSON (``--json``).  Exit code 2 on bad input.
 """
 
@@ -33,6 +35,18 @@ def add_parsers(sub, *, positive_int, mesh_shape) -> None:
     )
     c.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
     c.add_argument("--trials", type=positive_int, default=3, help="repeats per measurement; the median is kept")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="write the profile even when its repeats spread more than --max-spread (a busy machine)",
+    )
+    c.add_argument(
+        "--max-spread",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="the most the repeats may spread in the median over points, (max - min) / median (default 0.10)",
+    )
     c.add_argument("--timeout", type=float, default=600.0, help="stop the ranks after this many seconds")
     f = sub.add_parser("fidelity", help="predicted vs measured step time and memory of a fixed benchmark of plans")
     f.add_argument("--profile", default="cpu", metavar="PROFILE", help="profile the plans are made with (default cpu)")
@@ -64,7 +78,8 @@ def _run(measure) -> tuple[Any, int | None]:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate, render_calibration, write_profile
+    from .calibrate import MAX_SPREAD, calibrate
+    from .calibration_report import render_calibration, write_profile
 
     def measure():
         _writable(args.output, "-o")
@@ -78,6 +93,16 @@ def cmd_calibrate(args) -> int:
     if cal is None:  # bad input, or a torchrun rank other than 0
         return code or 0
     sys.stdout.write(render_calibration(cal))
+    limit = MAX_SPREAD if args.max_spread is None else args.max_spread
+    if args.output and cal.spread > limit and not args.force:
+        print(
+            f"autopar: error: the repeats spread {cal.spread:.1%} in the median (more than {limit:.0%}): the "
+            f"machine was {'busy' if cal.busy else 'noisy'} and a profile measured so misprices plans; {args.output} "
+            "was not written. Fix: calibrate on a quiet machine (nothing else running), with more --trials, or "
+            "pass --force to write it anyway",
+            file=sys.stderr,
+        )
+        return 1
     if args.output:
         write_profile(cal, args.output, name=args.name)
         if args.output != "-":
