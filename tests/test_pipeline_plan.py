@@ -197,3 +197,17 @@ def test_ranks_idle_in_the_bubble_lend_their_cores(tmp_path):
             steps[profile == "cpu", ranks] = plan.cost.total_s
     assert steps[False, 4] / 2 < steps[True, 4] < steps[False, 4]
     assert steps[True, 2] == pytest.approx(steps[False, 2])
+
+
+def test_an_interleaved_pipeline_keeps_the_cap_on_every_rank():
+    """Interleaved stages are split evenly: where that split's fullest rank is over the cap there is no plan (the
+    error says by how much and what to change), never a plan over the cap."""
+    model, args, kwargs = _gpt2(layers=4)
+    mesh = autopar.Mesh((2,), axis_names=("pp",))
+    options = dict(pipeline="pp", microbatches=4, schedule="interleaved")
+    free = _plan(model, args, kwargs, mesh, **options)
+    need = free.memory.per_device_bytes
+    fits = _plan(model, args, kwargs, mesh, mem_cap=need, **options)
+    assert fits.memory.per_device_bytes <= need
+    with pytest.raises(autopar.MemoryCapError, match="interleaved stages .* over the cap"):
+        _plan(model, args, kwargs, mesh, mem_cap=need - 1, **options)

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 from autopar.capture import OpGraph
 from autopar.cost import BACKWARD_TO_FORWARD, in_flight, schedule_run
-from autopar.search import StageCosts, split_stages, step_of_split
+from autopar.search import NoSplitFits, StageCosts, split_stages, step_of_split
 from autopar.spec import local_shape
+from autopar.units import format_bytes
 from costmodel import LinkProfile, p2p_time_s
 
 from .plan_parts import PipelinePlan, StagePart
@@ -190,6 +191,14 @@ def priced_stages(
         acts[j % p] += -(-held[j % p] * run_acts // v)  # the rank's micro-batches in flight, over its v stages
     fullest = max(range(p), key=lambda r: state[r] + acts[r])
     memory = [state[r] + acts[r] for r in range(p)]
+    if v > 1 and cap is not None and memory[fullest] > cap:  # the even split has no other to try
+        raise NoSplitFits(
+            f"the even split of {n} layers into {p * v} interleaved stages ({v} per rank) needs "
+            f"{format_bytes(memory[fullest])} on its fullest rank (its state and {held[fullest]} stage-micro-batches "
+            f"of activations in flight), over the cap of {format_bytes(cap)}; raise the cap, use more stages, or "
+            "1f1b (fewer micro-batches in flight)",
+            memory[fullest],
+        )
     stages = tuple(
         StagePart(split.bounds[j], split.bounds[j + 1], "", per_stage[j], memory[j % p]) for j in range(p * v)
     )
