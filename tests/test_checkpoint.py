@@ -483,7 +483,7 @@ def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
 
 
 # ---- autopar run --save / --resume ---------------------------------------------------------------------
-# A run saving every step on (2, 2) and one resuming it on (4,), each checked against one device trained without a
+# A run saving every step on (2, 2) and one resuming it on (2,), each checked against one device trained without a
 # stop (--check: a FAIL exits 1), are docs/guide/checkpoints.md's commands, which tests/test_docs.py runs.
 
 
