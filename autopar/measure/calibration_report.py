@@ -73,7 +73,7 @@ def noise_line(cal: Calibration) -> str:
         return "noise: not measured"
     worst = max(cal.spreads)
     load = "" if cal.load_before is None else f"; load average {cal.load_before:.1f} on {cal.cores} cores before"
-    busy = " (busy: another process was running)" if cal.busy else ""
+    busy = " (busy: another process ran in the minute before)" if cal.busy else ""
     return (
         f"noise: the repeats of {len(cal.spreads)} points spread (max - min) / median by {cal.spread:.1%} in the "
         f"median, {worst:.1%} at worst{load}{busy}"

@@ -98,8 +98,8 @@ def cmd_calibrate(args) -> int:
         print(
             f"autopar: error: the repeats spread {cal.spread:.1%} in the median (more than {limit:.0%}): the "
             f"machine was {'busy' if cal.busy else 'noisy'} and a profile measured so misprices plans; {args.output} "
-            "was not written. Fix: calibrate on a quiet machine (nothing else running), with more --trials, or "
-            "pass --force to write it anyway",
+            "was not written. Fix: calibrate on a quiet machine (nothing else running), or pass --force to write "
+            "it anyway (and check it with autopar fidelity)",
             file=sys.stderr,
         )
         return 1
