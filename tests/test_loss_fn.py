@@ -123,6 +123,9 @@ def test_a_loss_fn_is_in_the_plan_and_keeps_the_models_names():
     assert set(with_loss.params) == {n for n, _ in model.named_parameters()}
     without = autopar.plan(model, mesh, **common)  # logits out, no loss: the loss's ops are not in this plan
     assert len(with_loss.nodes) > len(without.nodes)
+    common.pop("compare_families")
+    ctx = autopar.prepare(model, mesh, loss_fn=shifted_cross_entropy, example_target=target, **common)
+    assert autopar.plan_from_context(ctx, compare_families=False).nodes == with_loss.nodes  # prepare takes it too
 
 
 @pytest.mark.parametrize(

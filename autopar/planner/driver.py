@@ -53,6 +53,8 @@ def prepare(
     *,
     example_inputs=(),
     example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    example_target=None,
     mem_cap: int | str | None = None,
     profile: str | None = None,
     dtype: str | None = None,
@@ -88,8 +90,10 @@ def prepare(
     about 2.5x at 96 on a loaded machine) so that
     ``ctx.at_batch(b)`` re-plans at another batch without tracing the model again
     (``autopar.capture.batch``).  Without it, ``at_batch`` captures the model again.
+    ``loss_fn`` / ``example_target``: as in ``plan``.
     """
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
+    model, example_kwargs = attach_loss(model, loss_fn, example_kwargs, example_target)
     return prepare_context(model, mesh, example_inputs, example_kwargs, options, hint_options, reuse_batch=reuse_batch)
 
 
