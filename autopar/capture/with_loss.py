@@ -60,7 +60,10 @@ class WithLoss(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:  # the model's own attributes (a Hugging Face model's config, ...)
-            return getattr(self.__dict__["model"], name)
+            model = self.__dict__.get("model")
+            if model is None:  # not yet set (during __init__)
+                raise
+            return getattr(model, name)
 
 
 def _signature(model: nn.Module) -> inspect.Signature | None:
