@@ -44,14 +44,6 @@ class ModelFlops:
     tokens: int
     attention: float
 
-    def per_device_s(self, step_s: float, devices: int) -> float:
-        """Model FLOP/s per device of a step of ``step_s`` seconds on ``devices`` devices."""
-        return self.per_step / step_s / devices if step_s > 0 else 0.0
-
-    def utilization(self, step_s: float, devices: int, peak_flops: float) -> float:
-        """MFU: model FLOP/s per device over ``peak_flops`` (the device's dense peak for the compute dtype)."""
-        return self.per_device_s(step_s, devices) / peak_flops
-
 
 def count_model_flops(graph: OpGraph, microbatches: int = 1, recomputed: frozenset[str] = frozenset()) -> ModelFlops:
     """The model FLOPs of a step of ``microbatches`` runs of ``graph`` (one micro-batch); ``recomputed``: the names

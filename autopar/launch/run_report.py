@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 
 from rich.markup import escape
@@ -74,12 +73,7 @@ def _throughput_line(report: RunReport, r0: RankResult) -> str:
     f, times = r0.throughput, sorted(r0.record.step_times_s[1:] or r0.record.step_times_s)
     if f is None or not times:
         return ""
-    step = times[len(times) // 2]
-    measured = dataclasses.replace(
-        f,
-        flops_per_device_s=f.model_flops / step / len(report.ranks),
-        mfu=f.model_flops / step / len(report.ranks) / f.peak_flops,
-    )
+    measured = f.at_step(times[len(times) // 2], len(report.ranks))
     return f"throughput: {describe_throughput(measured, 'measured')}; {describe_throughput(f)}"
 
 

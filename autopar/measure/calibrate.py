@@ -136,7 +136,7 @@ class Calibration:
         prof["optimizer_foreach"] = self.backend == "nccl"  # torch.optim's default: foreach for CUDA tensors
         prof["host_runs_ahead"] = self.backend == "nccl"  # a CUDA stream: the host's overhead overlaps kernels
         if self.backend != "nccl":  # CPU ranks share this machine's cores (DeviceProfile.compute_speed)
-            prof["cores_per_node"] = len(os.sched_getaffinity(0))
+            prof["cores_per_node"] = self.cores
         if self.overlap is not None:  # the measured hidden fraction, kept in the profile's range [0, 1)
             prof["grad_reduce_overlap"] = min(max(self.overlap["hidden"], 0.0), 0.95)
         if self.collectives:

@@ -85,11 +85,8 @@ def render_explanation(plan: Plan, *, width: int = 130) -> str:
         *(format_bytes(a.per_device_bytes) for a in others),
     )
     if (f := plan.throughput) is not None:  # the same model FLOPs over each plan's step
-        mfu = [
-            f.model_flops / (t * plan.mesh.size * f.peak_flops)
-            for t in (plan.cost.total_s, *(a.total_s for a in others))
-        ]
-        table.add_row("MFU", *(f"{x:.1%}" for x in mfu))
+        steps = (plan.cost.total_s, *(a.total_s for a in others))
+        table.add_row("MFU", *(f"{f.at_step(t, plan.mesh.size).mfu:.1%}" for t in steps))
     con.print(table)
     if f is not None:
         con.print(f"model FLOPs / step: {describe_model_flops(f)}; {describe_throughput(f)}")

@@ -250,9 +250,9 @@ class PipelineChoice:
     def _offer(self, plan: Plan, graph: OpGraph, ties_win: bool = False) -> None:
         """A candidate priced: kept where it is the fastest so far (``ties_win``: or as fast)."""
         self.timings["candidates"] += 1
-        self.priced.append(Candidate(describe_candidate(plan), plan.cost.total_s, plan.memory.per_device_bytes))
-        log.info("candidate %s: step %.4g s", describe_candidate(plan), plan.cost.total_s)
-        step = plan.cost.total_s
+        what, step = describe_candidate(plan), plan.cost.total_s
+        self.priced.append(Candidate(what, step, plan.memory.per_device_bytes))
+        log.info("candidate %s: step %.4g s", what, step)
         if self.found is None or step < self.found[0].cost.total_s or ties_win and step == self.found[0].cost.total_s:
             self.found = (plan, graph)
 

@@ -17,6 +17,7 @@ versions the whole.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import typing
@@ -185,6 +186,12 @@ class PlanThroughput:
     peak_flops: float
     flops_per_device_s: float
     mfu: float
+
+    def at_step(self, step_s: float, devices: int) -> PlanThroughput:
+        """These model FLOPs over a step of ``step_s`` seconds on ``devices`` devices (a measured step, another
+        plan's): the FLOP/s per device and the MFU that step makes of them."""
+        per_device = self.model_flops / step_s / devices if step_s > 0 else 0.0
+        return dataclasses.replace(self, flops_per_device_s=per_device, mfu=per_device / self.peak_flops)
 
 
 class NodeCharge(NamedTuple):

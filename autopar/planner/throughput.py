@@ -25,17 +25,10 @@ def with_throughput(plan: Plan, graph: OpGraph) -> Plan:
 
 def throughput(flops: ModelFlops, step_s: float, devices: int, peak: float) -> PlanThroughput:
     """The figures of a step of ``step_s`` seconds on ``devices`` devices of dense peak ``peak`` FLOP/s."""
-    per_device = flops.per_device_s(step_s, devices)
-    return PlanThroughput(
-        flops.per_step,
-        flops.with_recompute,
-        flops.parameters,
-        flops.tokens,
-        flops.attention,
-        peak,
-        per_device,
-        per_device / peak,
+    counted = PlanThroughput(
+        flops.per_step, flops.with_recompute, flops.parameters, flops.tokens, flops.attention, peak, 0.0, 0.0
     )
+    return counted.at_step(step_s, devices)
 
 
 def peak_flops(plan: Plan) -> float:
