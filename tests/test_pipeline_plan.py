@@ -199,15 +199,55 @@ def test_ranks_idle_in_the_bubble_lend_their_cores(tmp_path):
     assert steps[True, 2] == pytest.approx(steps[False, 2])
 
 
-def test_an_interleaved_pipeline_keeps_the_cap_on_every_rank():
-    """Interleaved stages are split evenly: where that split's fullest rank is over the cap there is no plan (the
-    error says by how much and what to change), never a plan over the cap."""
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])  # GPipe splits as 1F1B does
+def test_stages_recompute_and_shard_their_state_to_fit_the_cap(schedule):
+    """Where the fastest stage plan's split is over the cap, the stage search runs bounded (``stage_fitting``):
+    the plan fits on every rank, recomputes layers, and is no faster than the free one; below what the least-memory
+    stage plan needs there is no plan, and the error names that least."""
     model, args, kwargs = _gpt2(layers=4)
-    mesh = autopar.Mesh((2,), axis_names=("pp",))
-    options = dict(pipeline="pp", microbatches=4, schedule="interleaved")
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
+    options = dict(pipeline="pp", microbatches=4, schedule=schedule)
     free = _plan(model, args, kwargs, mesh, **options)
     need = free.memory.per_device_bytes
-    fits = _plan(model, args, kwargs, mesh, mem_cap=need, **options)
-    assert fits.memory.per_device_bytes <= need
-    with pytest.raises(autopar.MemoryCapError, match="interleaved stages .* over the cap"):
-        _plan(model, args, kwargs, mesh, mem_cap=need - 1, **options)
+    assert free.search.recompute_mode == "none"
+    cap = int(need * 0.6)
+    fits = _plan(model, args, kwargs, mesh, mem_cap=cap, **options)
+    assert fits.memory.per_device_bytes <= cap
+    assert max(s.memory_bytes for s in fits.pipeline.stages) <= cap
+    assert fits.cost.total_s > free.cost.total_s
+    assert sum(1 for n in fits.nodes.values() if n.recompute) > 0
+    assert autopar.Plan.from_json(fits.to_json()).pipeline == fits.pipeline
+    with pytest.raises(autopar.MemoryCapError, match="no pipelined plan fits") as refused:
+        _plan(model, args, kwargs, mesh, mem_cap=need // 5, **options)
+    least = refused.value.min_mem_bytes
+    assert need // 5 < least < cap
+    assert _plan(model, args, kwargs, mesh, mem_cap=least, **options).memory.per_device_bytes <= least
+
+
+def test_weighted_tables_count_each_saved_byte_w_times_and_the_state_once():
+    """The stage search's weighted memory row (``problem_tables.weighted``): an op's and an edge's bytes (what is
+    saved for backward) ``w`` times, a parameter's state once; the evaluated memory of one choice is then
+    ``state + w x activations``."""
+    from autopar.planner import prepare
+    from autopar.planner.problem_tables import weighted
+
+    model, args, kwargs = _gpt2(layers=2)
+    ctx = prepare(model, autopar.Mesh((2,)), example_inputs=args, example_kwargs=kwargs, profile="cpu")
+    params = {n.index for n in ctx.graph.nodes if n.kind == "param"}
+    tables = ctx.tables
+    assert weighted(tables, 1, params) is tables
+    three = weighted(tables, 3, params)
+    assert weighted(tables, 3, params) is three  # built once
+    choice = [0] * len(tables.names)
+    state = sum(int(tables.node_mem[i][0]) for i in params)
+    _, mem1 = tables.problem(None)[0].evaluate(choice)
+    _, mem3 = three.problem(None)[0].evaluate(choice)
+    assert mem1 > state and mem3 - state == 3 * (mem1 - state)
+
+
+def test_the_weight_is_the_fullest_ranks_micro_batches_in_flight():
+    from autopar.planner.stage_fitting import held_at_most
+
+    assert held_at_most("gpipe", 4, 8) == 8  # every forward before any backward
+    assert held_at_most("1f1b", 4, 8) == 4  # the first stage: p in flight
+    assert held_at_most("interleaved", 2, 4) == 3  # Megatron's warmup + 1 = 5 stage-micro-batches over 2 stages

@@ -96,6 +96,21 @@ def _gradient_reductions(sharded, axis: str) -> tuple[list[int], list[int]]:
     return sorted(counted), sorted(planned)
 
 
+def _capped(name, layers, mesh_shape, axis_names, options, batch):
+    """``options`` with ``cap_share`` turned into ``mem_cap``: that share of the free plan's memory per device."""
+    if "cap_share" not in options:
+        return options
+    import autopar
+
+    model, args, kwargs = _model(name, batch, layers)
+    options = dict(options)
+    share = options.pop("cap_share")
+    mesh = autopar.Mesh(mesh_shape, axis_names=axis_names)
+    run = dict(example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, compare_families=False)
+    free = autopar.plan(model, mesh, **run, **options)
+    return dict(options, mem_cap=int(free.memory.per_device_bytes * share))
+
+
 def _reference(name, layers, batch):
     model, args, kwargs = _model(name, batch, layers)
 
@@ -125,6 +140,8 @@ CASES = [
     ("llama-tiny", 2, (2, 2), ("pp", "tp"), dict(pipeline="pp", microbatches=4, family="tensor parallel")),
     ("bert-tiny", 2, (2, 2), ("pp", "dp"), dict(pipeline="pp", microbatches=2, family="sharded parameters")),
     ("gpt2-tiny", 2, (2, 2), ("pp", "dp"), dict(pipeline="pp", microbatches=2, recompute="full")),
+    # the stages' plan bounded to fit a cap the fastest one is over: layers recomputed, state sharded
+    ("gpt2-tiny", 4, (2, 2), ("pp", "dp"), dict(pipeline="pp", microbatches=4, schedule="1f1b", cap_share=0.6)),
     ("t5-tiny", 2, (2,), ("pp",), dict(pipeline="pp", microbatches=2)),
     ("llama-tiny", 2, (2,), ("dp",), dict(microbatches=4)),
 ]
@@ -136,6 +153,7 @@ def test_pipelined_training_matches_one_device(name, layers, mesh_shape, axis_na
     world = 1
     for s in mesh_shape:
         world *= s
+    options = _capped(name, layers, mesh_shape, axis_names, options, batch)
     results = run_ranks(_pipeline_rank_fn, world, name, layers, mesh_shape, axis_names, options, batch, timeout_s=300)
     (want_losses, want_grads, want_params, want_norm), (want_loss, want_logits) = _reference(name, layers, batch)
     for rank, (shape, (losses, grads, params, norm), evaluated, refused, reductions) in enumerate(results):
@@ -148,7 +166,7 @@ def test_pipelined_training_matches_one_device(name, layers, mesh_shape, axis_na
             assert planned or options.get("family") == "sharded parameters", "no data-parallel all-reduce to count"
         if "family" in options:
             assert family.startswith(options["family"]), family
-        if options.get("recompute") == "full":
+        if options.get("recompute") == "full" or "mem_cap" in options:
             assert recomputed > 0, "the plan recomputes nothing"
         if "pipeline" in options:  # every layer on one stage, in order (T5: both stacks, one chain)
             chain = 2 * layers if name.startswith("t5") else layers

@@ -67,6 +67,9 @@ class PlanningContext:
     hint_options: HintOptions = field(default_factory=HintOptions)  # prepare's, resolved again at another batch
     recaptured: str | None = None  # why at_batch captured the model again instead of re-using the capture
     recompute: dict[int, str] = field(default_factory=dict)  # op node -> recomputed block (planner.recompute_tables)
+    #: the times the search's memory row counts each saved activation byte (``problem_tables.weighted``): a
+    #: pipeline's stage plan bounded by ``stage_fitting``, whose ranks hold several micro-batches in flight
+    activation_weight: int = 1
 
     @property
     def settings(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -69,6 +70,7 @@ from .recompute_modes import search_modes
 from .schema import Plan
 from .solving import SearchRun
 from .stage_assignment import chain_layers
+from .stage_fitting import StageFit, fit_stages, held_at_most
 from .throughput import with_throughput
 
 __all__ = ["plan_model"]
@@ -177,7 +179,7 @@ class PipelineChoice:
                         run = dict(compare_families=compare_families, progress=self.progress, above=self._above(1))
                         plan = search_context(ctx, **run)
                     else:
-                        plan = self._search(ctx, self._above(m))
+                        plan = self._search(ctx, above=self._above(m))
                         plan = dataclasses.replace(plan, microbatches=m, cost=step_cost(plan.cost, m))
             except MemoryCapError as e:
                 self._missed(e, what)
@@ -233,10 +235,19 @@ class PipelineChoice:
             if not runs:
                 continue
             with self._timing("search_s"):
-                stage_plan = self._search(ctx)
+                free = self._search(ctx)
+            cap, fits = self.options.mem_cap, {}
             for s in runs:
+                weight = held_at_most(s, p, m)
+                if weight not in fits:  # the weighted searches of this weight, shared by the schedules that hold it
+                    weighted = dataclasses.replace(ctx, activation_weight=weight)
+                    fits[weight] = StageFit(functools.partial(self._search, weighted), free, weight)
+                price = functools.partial(
+                    pipelined, ctx, mesh=self.mesh, axis=axis, schedule=s, m=m, cap=cap, layers=layers
+                )
                 try:
-                    plan = pipelined(ctx, stage_plan, self.mesh, axis, s, m, self.options.mem_cap, layers=layers)
+                    with self._timing("search_s"):
+                        plan = fit_stages(fits[weight], price, cap)
                 except MemoryCapError as e:
                     self._missed(e, f"a pipeline along {name!r}, {s}, {m} micro-batches")
                     continue
@@ -256,11 +267,13 @@ class PipelineChoice:
         if self.found is None or step < self.found[0].cost.total_s or ties_win and step == self.found[0].cost.total_s:
             self.found = (plan, graph)
 
-    def _search(self, ctx: PlanningContext, above: int | None = None) -> Plan:
-        """The plan of one micro-batch on ``ctx`` (``above``: ``SearchRun.above``)."""
+    def _search(self, ctx: PlanningContext, mem_cap: int | None = None, above: int | None = None) -> Plan:
+        """The plan of one micro-batch on ``ctx`` under ``mem_cap`` where given (a pipeline's stage plan,
+        ``stage_fitting``: the stage context has no cap of its own); ``above``: ``SearchRun.above``."""
         hinted_ctx, resolved = hinted_context(ctx, None)
         run = dataclasses.replace(self.run, above=above)
-        return search_modes(ctx, hinted_ctx, resolved, ctx.options, run).plan
+        options = ctx.options if mem_cap is None else dataclasses.replace(ctx.options, mem_cap=mem_cap)
+        return search_modes(ctx, hinted_ctx, resolved, options, run).plan
 
     @contextlib.contextmanager
     def _timing(self, key: str):
@@ -282,7 +295,7 @@ class PipelineChoice:
     def _context(self, m: int, mesh: Mesh, axis: int | None, options: PlanOptions) -> PlanningContext:
         """The context of one of ``m`` micro-batches on ``mesh`` (the stage mesh of a pipeline along ``axis``,
         or with ``axis`` None the whole mesh), priced per micro-batch, without the cap for a pipeline's stages
-        (their split keeps it)."""
+        (their split keeps it, and ``stage_fitting`` bounds the stage search where the fastest plan's does not)."""
         if axis is not None:
             options = dataclasses.replace(options, mem_cap=None)
         self._micro(m)

@@ -23,7 +23,7 @@ from autopar.placement import Replicate
 from autopar.search import INF, SearchProblem
 from autopar.strategies import CandidateGraph
 
-__all__ = ["PS_PER_S", "ProblemTables", "build_tables", "read_only", "seconds_to_ps", "to_problem"]
+__all__ = ["PS_PER_S", "ProblemTables", "build_tables", "read_only", "seconds_to_ps", "to_problem", "weighted"]
 
 PS_PER_S = 10**12
 
@@ -48,6 +48,8 @@ class ProblemTables:
     # region maps found over these tables' graph (planner.regions: the selective runs, the rest's parts), by
     # what they were asked for: cap-free, so every plan of a context finds them once
     regions: dict = field(default_factory=dict, repr=False)
+    # these tables with activations weighted (``weighted``), by weight
+    weighted: dict = field(default_factory=dict, repr=False)
 
     def problem(self, mem_cap_bytes: int | None) -> tuple[SearchProblem, list[np.ndarray]]:
         """:func:`to_problem` unrestricted.  Built and checked once; each cap is then a
@@ -153,6 +155,30 @@ def _constrained_outputs(graph) -> list[tuple[int, int]]:
     if graph.loss_output is not None:
         return [graph.outputs[graph.loss_output]]
     return [ref for ref in graph.outputs if graph.nodes[ref[0]].outputs[ref[1]].is_float]
+
+
+def weighted(tables: ProblemTables, weight: int, params: set[int]) -> ProblemTables:
+    """``tables`` with every saved activation byte counted ``weight`` times: an op node's memory and every
+    edge's (what the edge's reader keeps for backward) times ``weight``, a parameter's (its state) as it is.
+    A pipeline's stage plan is searched so (``stage_fitting``): a rank holds its stages' activations once per
+    micro-batch in flight and their state once.  Built once per weight; ``weight`` 1 is ``tables`` itself."""
+    if weight == 1:
+        return tables
+    if weight not in tables.weighted:
+        node_mem = [m if i in params else read_only(m * weight) for i, m in enumerate(tables.node_mem)]
+        shared: dict[int, np.ndarray] = {}  # equal edges share one array: so do their weighted copies
+        edge_mem = [shared.setdefault(id(m), read_only(m * weight)) for m in tables.edge_mem]
+        tables.weighted[weight] = ProblemTables(
+            tables.names,
+            tables.node_time_ps,
+            node_mem,
+            tables.edge_keys,
+            tables.edge_time_ps,
+            edge_mem,
+            tables.edge_refs,
+            tables.sinks,
+        )
+    return tables.weighted[weight]
 
 
 def to_problem(

@@ -27,7 +27,7 @@ from .families import family_restriction, param_nodes
 from .hints import ResolvedHints, resolve_hints
 from .options import PlanOptions
 from .plan_parts import FamilyAlternative, PlanSettings, hints_of
-from .problem_tables import to_problem
+from .problem_tables import ProblemTables, to_problem, weighted
 from .recompute_tables import recomputed_tables
 from .schema import FAMILIES, Plan
 
@@ -192,9 +192,14 @@ class SearchSpace:
         """The plan under ``bound``, within ``gap`` of its optimum (None: ``PLAN_GAP``), or ``NoFit``; ``seed``: a
         solution of the search under the same bound to start from (``solve_problem``)."""
         allow = {"allow_node": self.allow_node if self.restricted else None, "allow_edge": self.allow_edge}
-        problem, keep = to_problem(self.ctx.tables, bound, **allow)
-        variants = tuple(to_problem(t, bound, **allow)[0] for t in self.variant_tables)
-        rests = tuple(to_problem(t, bound, **allow)[0] for t in self.rest_tables)
+        weight, params = self.base.activation_weight, self.params
+
+        def problem_of(tables: ProblemTables):  # the stage plan of a pipeline weighs activations (weighted)
+            return to_problem(weighted(tables, weight, params), bound, **allow)
+
+        problem, keep = problem_of(self.ctx.tables)
+        variants = tuple(problem_of(t)[0] for t in self.variant_tables)
+        rests = tuple(problem_of(t)[0] for t in self.rest_tables)
         solver, blocks = self.options.solver, self.ctx.blocks
         try:
             start = Start(self.above, seed)
@@ -408,7 +413,8 @@ def _layers_chose(ctx, recomputed: Recomputed, sol: Solution, choice: list[int])
         chosen = first if b == 0 else per_layer[j]
         regions.update((i, chosen[i]) for i in nodes if i in chosen)
     mixed = replace(ctx, tables=recomputed_tables(ctx, regions), recompute=regions)
-    got = mixed.tables.problem(None)[0].evaluate(choice)
+    searched = weighted(mixed.tables, ctx.activation_weight, param_nodes(ctx))  # as SearchSpace.search weighs them
+    got = searched.problem(None)[0].evaluate(choice)
     if got != (sol.time, sol.mem_bytes):
         raise AssertionError(
             f"per-layer recomputation: the chosen layers price the plan at {got}, the search at "

@@ -1,0 +1,131 @@
+"""A pipeline's stage plan under the cap: the fastest stage plan whose split fits every rank.
+
+The stage mesh is searched for the whole model (every stage's ops) at one micro-batch
+(``pipeline_choice``), so the search's memory is ``S + A``: the model state and one
+micro-batch's saved activations, summed over the layers.  A rank holds something else:
+its stages' state and the activations of the micro-batches it has in flight,
+
+    need_r = S_r + h_r A_r        (h_r: the schedule's count, ``cost.in_flight``: GPipe m,
+                                   1F1B min(m, p - r), interleaved Megatron's warmup + 1
+                                   stage-micro-batches over its v stages)
+
+and ``search.stages.split_stages`` checks ``max_r need_r <= cap`` for each split.  Where the
+fastest stage plan's split fits, it is the plan.  Else the stage plan is searched again with
+its memory row weighted: ``S + w A`` with ``w = max_r h_r`` (``problem_tables.weighted``: an
+op's saved bytes ``w`` times, a parameter's state once), bounded by ``C``.  For layers alike
+``need_0 ~ (S + w A) / p``, so the walk is:
+
+1. ``C = W cap / N``: ``W = S + w A`` of the fastest plan, ``N`` its fullest rank's need.
+2. Search under ``C`` and split.  Where the split is over the cap (the ends, embeddings and
+   head, sit on the first and last stage, not spread), scale again from the plan found,
+   ``C' = min(W' cap / N', C - 1)``, up to ``LOWERING_TRIES`` searches.  Where the search finds
+   no plan under ``C``, its least-memory plan (the least it names) is the last one tried;
+   when its split does not fit either, no stage plan does, and the error names the least
+   its fullest rank needs.
+3. A fitting bound found below a failing one: bisect between them ``BISECT_TRIES`` times for
+   a faster plan that fits (a higher bound allows the same plans and more).
+
+The result is the fastest fitting plan met.  It is a walk along the weighted search's
+(time, memory) frontier, not the optimum of the split and the stage plan together: the
+weight is the fullest rank's, and the stages' state and activations are not spread evenly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autopar.cost import in_flight
+
+from .errors import MemoryCapError
+from .schema import Plan
+
+__all__ = ["BISECT_TRIES", "LOWERING_TRIES", "StageFit", "fit_stages", "held_at_most"]
+
+log = logging.getLogger(__name__)
+
+#: the most searches lowering the bound towards a split that fits (step 2)
+LOWERING_TRIES = 5
+#: the searches bisecting between a fitting bound and a failing one (step 3)
+BISECT_TRIES = 4
+
+
+@dataclass
+class StageFit:
+    """One walk's searches: ``search(C)`` the stage plan with activations weighted ``weight`` times under bound
+    ``C`` (``MemoryCapError`` when none), kept per bound (the schedules of one micro-batch count and weight share
+    them); ``free``: the fastest plan, searched without a bound."""
+
+    search: Callable[[int], Plan]
+    free: Plan
+    weight: int
+    found: dict[int, Plan | MemoryCapError] = field(default_factory=dict)
+
+    def under(self, bound: int) -> Plan:
+        if bound not in self.found:
+            try:
+                self.found[bound] = self.search(bound)
+            except MemoryCapError as e:
+                self.found[bound] = e
+        hit = self.found[bound]
+        if isinstance(hit, MemoryCapError):
+            raise hit
+        return hit
+
+    def weighted_bytes(self, plan: Plan) -> int:
+        """``S + w A`` of ``plan``: its state and ``weight`` times its activations."""
+        mem = plan.memory
+        return mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + self.weight * mem.activations_bytes
+
+
+def held_at_most(schedule: str, p: int, m: int) -> int:
+    """``w = max_r h_r``: the most micro-batches' activations of its stages a rank of a ``p``-rank ``schedule`` over
+    ``m`` micro-batches holds at once (interleaved: its stage-micro-batches over its ``v`` stages, rounded up)."""
+    v = 2 if schedule == "interleaved" else 1
+    return max(-(-in_flight(schedule, p, m, r, v) // v) for r in range(p))
+
+
+def fit_stages(fit: StageFit, price: Callable[[Plan], Plan], cap: int | None) -> Plan:
+    """The fastest pipelined plan ``price(stage_plan)`` whose split fits ``cap`` along the walk of the module
+    docstring.  ``price`` raises ``MemoryCapError`` (its ``min_mem_bytes``: the least need of the fullest rank
+    any split reached) when a stage plan's split does not fit; the last such error is raised when none fits."""
+    try:
+        return price(fit.free)
+    except MemoryCapError as e:
+        if cap is None:
+            raise
+        missed, plan = e, fit.free
+    best: Plan | None = None
+    fits_at = None
+    fails_at = bound = fit.weighted_bytes(plan) + 1  # the fastest plan's: any bound above finds it again
+    for _ in range(LOWERING_TRIES):
+        fails_at, bound = bound, min(fit.weighted_bytes(plan) * cap // max(missed.min_mem_bytes, 1), bound - 1)
+        try:
+            plan = fit.under(bound)
+        except MemoryCapError as e:  # no stage plan under the bound: its least-memory one is the last to try
+            if e.min_mem_bytes >= fails_at:
+                break
+            bound = e.min_mem_bytes
+            plan = fit.under(bound)
+        try:
+            best, fits_at = price(plan), bound
+            break
+        except MemoryCapError as e:
+            missed = e
+    if best is None:
+        raise missed
+    for _ in range(BISECT_TRIES):
+        middle = (fits_at + fails_at) // 2
+        if middle in (fits_at, fails_at):
+            break
+        try:
+            priced = price(fit.under(middle))
+        except MemoryCapError:
+            fails_at = middle
+            continue
+        fits_at = middle
+        if priced.cost.total_s < best.cost.total_s:
+            best = priced
+    log.info("stage plan under a weighted bound of %d bytes fits the cap of %d", fits_at, cap)
+    return best
