@@ -50,27 +50,19 @@ import warnings
 
 from autopar import __version__
 
+from .cli_types import (
+    FLAG_FAMILY,
+    bucket_arg,
+    bytes_arg,
+    family_arg,
+    mesh_shape,
+    microbatches_arg,
+    positive_float,
+    positive_int,
+)
 from .mesh import Mesh
-from .units import parse_bytes
 
 __all__ = ["main"]
-
-
-def _mesh_shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(s) for s in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected sizes joined by 'x', e.g. 8 or 2x4") from None
-    if not shape or any(s < 1 for s in shape):
-        raise argparse.ArgumentTypeError(f"--mesh {text!r}: every axis size must be >= 1")
-    return shape
-
-
-def _bytes_arg(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,10 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the built-in models")
     from autopar.checkpoint import add_export_parser
 
-    add_export_parser(sub, bytes_arg=_bytes_arg)
+    add_export_parser(sub, bytes_arg=bytes_arg)
     from autopar.measure import add_parsers
 
-    add_parsers(sub, positive_int=_positive_int, mesh_shape=_mesh_shape)
+    add_parsers(sub, positive_int=positive_int, mesh_shape=mesh_shape)
     for command in sub.choices.values():
         command.add_argument("--verbose", action="store_true", help="print the traceback of a failure")
     return p
@@ -105,14 +97,20 @@ def _add_plan_parser(sub) -> None:
     pl.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
     )
-    pl.add_argument("--mesh", type=_mesh_shape, default=(2,), help="mesh shape, e.g. 8 or 2x4 (default 2, as run)")
+    pl.add_argument("--mesh", type=mesh_shape, default=None, help="mesh shape, e.g. 8 or 2x4 (default 2, as run)")
+    pl.add_argument(
+        "--devices",
+        type=positive_int,
+        default=None,
+        help="plan for this many devices instead of a mesh: autopar chooses the mesh (--devices-per-node places it)",
+    )
     pl.add_argument(
         "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default axis0,axis1,... as Mesh)"
     )
-    pl.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
+    pl.add_argument("--batch", type=positive_int, default=8, help="global batch (default 8)")
     pl.add_argument(
         "--seq",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="sequence length (default 1024, or the model's position count when smaller)",
     )
@@ -151,7 +149,7 @@ def _add_planning_flags(pl) -> None:
     from costmodel import OPTIMIZERS
 
     flag = _keyword_flag(pl)
-    flag("mem_cap", type=_bytes_arg, help="per-device memory cap: bytes or 40GiB, 512MiB (default none)")
+    flag("mem_cap", type=bytes_arg, help="per-device memory cap: bytes or 40GiB, 512MiB (default none)")
     flag(
         "profile",
         metavar="PROFILE",
@@ -160,7 +158,7 @@ def _add_planning_flags(pl) -> None:
     )
     flag(
         "devices_per_node",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="ranks per node of the job (default: the profile's); mesh axes spanning nodes use the inter-node link",
     )
@@ -173,7 +171,7 @@ def _add_planning_flags(pl) -> None:
     flag("optimizer", choices=sorted(OPTIMIZERS), help="optimizer state to count (default adamw)")
     flag(
         "grad_bucket_bytes",
-        type=_bucket_arg,
+        type=bucket_arg,
         metavar="BYTES",
         help="the runtime's data-parallel gradient bucket: bytes or 25MiB, 0 for none (default 25MiB)",
     )
@@ -186,8 +184,8 @@ def _add_planning_flags(pl) -> None:
     )
     flag(
         "family",
-        type=_family_arg,
-        metavar="{auto," + ",".join(_FLAG_FAMILY) + "}",
+        type=family_arg,
+        metavar="{auto," + ",".join(FLAG_FAMILY) + "}",
         help="force a plan family (default auto: any)",
     )
     flag(
@@ -198,7 +196,7 @@ def _add_planning_flags(pl) -> None:
     budget = PLAN_KEYWORDS["search_budget_s"].default
     flag(
         "search_budget_s",
-        type=_positive_float,
+        type=positive_float,
         metavar="SECONDS",
         help=f"stop the search after this long with the best plan met and its proven gap (default {budget:g})",
     )
@@ -224,7 +222,7 @@ def _pipeline_flags(flag) -> None:
     flag("pipeline", metavar="AXIS", help="pipeline along this mesh axis, auto (the search's pick) or none (default)")
     flag(
         "microbatches",
-        type=_microbatches_arg,
+        type=microbatches_arg,
         metavar="N",
         help="micro-batches per step, the batch split evenly: a number, or auto (the default: 1 without a "
         "pipeline (with --pipeline auto, more when one does not fit); with one, the search's pick of about 1, 2 "
@@ -256,45 +254,7 @@ def _load_hints(path: str | None, given: list[tuple[str, object]]) -> dict | Non
     return hints or None
 
 
-def _bucket_arg(text: str) -> int | None:
-    """``--grad-bucket-bytes``: a size, or 0 for no buckets (None)."""
-    return None if text.strip() in ("0", "none") else _bytes_arg(text)
-
-
-#: ``--family``'s words for ``autopar.planner.FAMILIES`` (``autopar run --family`` takes the same).
-_FLAG_FAMILY = {f.replace(" ", "-"): f for f in ("data parallel", "sharded parameters", "tensor parallel")}
-
-
-def _family_arg(text: str) -> str | None:
-    if text == "auto":
-        return None
-    if text not in _FLAG_FAMILY:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected one of auto, {', '.join(_FLAG_FAMILY)}")
-    return _FLAG_FAMILY[text]
-
-
-def _positive_int(text: str) -> int:
-    n = int(text) if text.strip().lstrip("+").isdigit() else 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return n
-
-
-def _microbatches_arg(text: str) -> int | str:
-    return "auto" if text == "auto" else _positive_int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        x = 0.0
-    if not x > 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
-    return x
-
-
-_RUN_FAMILIES = {"auto": None, **_FLAG_FAMILY}
+_RUN_FAMILIES = {"auto": None, **FLAG_FAMILY}
 
 
 def _add_run_parser(sub) -> None:
@@ -304,16 +264,17 @@ def _add_run_parser(sub) -> None:
     r.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
     )
+    r.add_argument("--mesh", type=mesh_shape, default=None, help="mesh shape, e.g. 2 or 2x2 (default 2); one rank each")
     r.add_argument(
-        "--mesh", type=_mesh_shape, default=(2,), help="mesh shape, e.g. 2 or 2x2 (default 2); one rank each"
+        "--devices", type=positive_int, default=None, help="this many ranks, on the mesh autopar chooses for them"
     )
     r.add_argument(
         "--axis-names", default=None, help="comma-separated axis names, e.g. dp,tp (default axis0,axis1,... as Mesh)"
     )
-    r.add_argument("--steps", type=_positive_int, default=3, help="AdamW steps (default 3)")
+    r.add_argument("--steps", type=positive_int, default=3, help="AdamW steps (default 3)")
     r.add_argument("--check", action="store_true", help="dropout off; compare with the same model on one device")
-    r.add_argument("--batch", type=_positive_int, default=4, help="global batch (default 4)")
-    r.add_argument("--seq", type=_positive_int, default=32, help="sequence length (default 32)")
+    r.add_argument("--batch", type=positive_int, default=4, help="global batch (default 4)")
+    r.add_argument("--seq", type=positive_int, default=32, help="sequence length (default 32)")
     r.add_argument("--family", default="auto", choices=tuple(_RUN_FAMILIES), help="force a plan family (default auto)")
     r.add_argument(
         "--recompute",
@@ -323,14 +284,14 @@ def _add_run_parser(sub) -> None:
         "full (whole layers)",
     )
     _pipeline_flags(_keyword_flag(r))
-    r.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    r.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     r.add_argument(
-        "--timeout", type=_positive_float, default=600.0, help="stop the ranks after this many seconds (default 600)"
+        "--timeout", type=positive_float, default=600.0, help="stop the ranks after this many seconds (default 600)"
     )
     r.add_argument("--save", metavar="DIR", default=None, help="write checkpoints DIR/step-<n> (after the last step)")
     r.add_argument(
-        "--save-every", metavar="N", type=_positive_int, default=None, help="with --save: also after every N-th step"
+        "--save-every", metavar="N", type=positive_int, default=None, help="with --save: also after every N-th step"
     )
     r.add_argument(
         "--resume",
@@ -404,10 +365,12 @@ def _cmd_run(args) -> int:
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # config warnings, once per rank, bury the report
     try:
+        shape = _mesh_or_devices(args)
         config = RunConfig(
             model=args.model,
-            mesh_shape=args.mesh,
-            axis_names=_mesh(args.mesh, args.axis_names, None).axis_names if args.axis_names else None,
+            mesh_shape=shape,
+            devices=args.devices,
+            axis_names=_mesh(shape, args.axis_names, None).axis_names if args.axis_names else None,
             steps=args.steps,
             check=args.check,
             batch=args.batch,
@@ -457,7 +420,7 @@ def _plan_inputs(args):
     from autopar.planner import PLAN_KEYWORDS, HintOptions, OptionError, PlanOptions, check_writable
     from costmodel import check_devices_per_node
 
-    mesh = _mesh(args.mesh, args.axis_names, None)
+    mesh = _mesh(_mesh_or_devices(args), args.axis_names, None)
     try:
         options = PlanOptions.from_keywords(vars(args))
     except OptionError as e:
@@ -470,21 +433,35 @@ def _plan_inputs(args):
         except ValueError as e:
             raise ValueError(f"--{e}".replace("devices_per_node", "devices-per-node", 1)) from None
     hint_options = HintOptions(hints=_load_hints(args.hints, args.hint), strict=args.strict)
-    return mesh, options, hint_options, _check_seq(args.model, args.seq)
+    where = mesh if args.devices is None else args.devices  # a device count: the plan chooses the mesh
+    return where, options, hint_options, _check_seq(args.model, args.seq)
 
 
-def _run_plan(args, mesh: Mesh, options, hint_options, seq: int):
+def _mesh_or_devices(args) -> tuple[int, ...]:
+    """The mesh shape of ``--mesh`` (default 2), or ``(N,)`` for ``--devices N`` (the plan chooses the mesh
+    then; ``--axis-names`` would name axes not yet chosen)."""
+    if args.devices is None:
+        return args.mesh or (2,)
+    if args.mesh is not None:
+        raise ValueError("--mesh and --devices: pass one (--devices N lets autopar choose the mesh of N devices)")
+    if args.axis_names:
+        raise ValueError("--axis-names with --devices: the mesh and its axes are the plan's choice; drop --axis-names")
+    return (args.devices,)
+
+
+def _run_plan(args, mesh: Mesh | int, options, hint_options, seq: int):
     """The plan, its errors in the CLI's words (the API's fixes name keywords; here they are flags)."""
     from autopar.launch import TerminalProgress
     from autopar.models import load_model
-    from autopar.planner import MemoryCapError, UnmatchedHintError, plan_model
+    from autopar.planner import MemoryCapError, UnmatchedHintError, plan_devices, plan_model
 
     bar = TerminalProgress()  # stages and a bar on a terminal when planning takes over a second
     try:
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=seq)
         bar("capture + strategies", 0, 1)
         compare = not args.no_compare
-        return plan_model(model, mesh, margs, mkwargs, options, hint_options, compare_families=compare, progress=bar)[0]
+        chooser = plan_devices if isinstance(mesh, int) else plan_model
+        return chooser(model, mesh, margs, mkwargs, options, hint_options, compare_families=compare, progress=bar)[0]
     except UnmatchedHintError as e:
         raise ValueError(f"{e.problem}. Fix: correct the pattern, or drop --strict-hints to only warn.") from None
     except MemoryCapError as e:

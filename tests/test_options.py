@@ -31,11 +31,11 @@ from autopar.planner.options import job_profile
 
 #: What each entry point takes besides the planning keywords (its own inputs and report or runtime options).
 OWN = {
-    "plan": {"model", "mesh", "example_inputs", "example_kwargs", "loss_fn", "example_target"}
+    "plan": {"model", "mesh", "devices", "example_inputs", "example_kwargs", "loss_fn", "example_target"}
     | {"compare_families", "progress"},
     "prepare": {"model", "mesh", "example_inputs", "example_kwargs", "loss_fn", "example_target", "reuse_batch"},
     "plan_from_context": {"ctx", "compare_families", "progress"},
-    "compile": {"model", "mesh", "example_inputs", "example_kwargs", "loss_fn", "example_target", "plan"}
+    "compile": {"model", "mesh", "devices", "example_inputs", "example_kwargs", "loss_fn", "example_target", "plan"}
     | {"state_dict", "weights_from_rank0", "input_mode", "seed"},
 }
 ENTRY_POINTS = {name: getattr(autopar, name) for name in OWN}

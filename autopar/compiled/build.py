@@ -40,6 +40,7 @@ from autopar.planner import (
     Plan,
     PlanOptions,
     device_profile,
+    plan_devices,
     plan_model,
     training_precision,
 )
@@ -60,8 +61,9 @@ def default_profile(groups) -> str:
 
 def compile(
     model: nn.Module,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     *,
+    devices: int | None = None,
     example_inputs=None,
     example_kwargs: dict | None = None,
     loss_fn: Callable | None = None,
@@ -94,7 +96,9 @@ def compile(
 
     Must be called on every rank inside an initialized default process group whose
     world size equals ``mesh.size``; ``mesh`` is an ``autopar.Mesh`` or a torch
-    ``DeviceMesh`` (``Mesh.from_device_mesh``).
+    ``DeviceMesh`` (``Mesh.from_device_mesh``).  ``devices=N`` instead of a mesh (the
+    world size, e.g. ``dist.get_world_size()``) lets rank 0 choose the mesh as
+    ``autopar.plan(model, devices=N)`` does; every rank builds the mesh of that plan.
 
     ``example_inputs=None`` (and no ``example_kwargs``) compiles lazily: the module
     captures and plans on its first call, with that call's inputs (every rank must
@@ -128,7 +132,6 @@ def compile(
     options, hint_options = PlanOptions.from_keywords(locals()), HintOptions.from_keywords(locals())
     from autopar.runtime import MeshGroups  # torch.distributed's groups: imported when a job compiles
 
-    mesh = _as_mesh(mesh)
     lazy = example_inputs is None and example_kwargs is None and example_target is None
     model, example_kwargs = attach_loss(model, loss_fn, example_kwargs, example_target, lazy=lazy)
     if lazy and input_mode == "local":
@@ -137,6 +140,12 @@ def compile(
             "inputs, which in local mode are only this rank's pieces; pass example_inputs= with the global "
             "shapes, or use input_mode='global'"
         )
+    if devices is not None:  # rank 0 chooses the mesh; every rank runs that plan
+        check_devices_plan(mesh, devices, plan, lazy)
+        args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
+        plan = _plan_on_rank0(model, devices, args, kwargs, options, hint_options)[0]
+        mesh = plan.mesh
+    mesh = _as_mesh(mesh)
     plan_obj = None if plan is None else load_plan(plan, mesh, model)
     groups = MeshGroups(mesh)
     sharded = ShardedModule(
@@ -153,6 +162,26 @@ def compile(
     if not lazy:
         sharded._compile(_as_args(example_inputs), dict(example_kwargs or {}))
     return sharded
+
+
+def check_devices_plan(mesh, devices, plan, lazy: bool) -> None:
+    """ValueError with the fix where ``compile(devices=N)`` cannot choose the mesh: a mesh or a plan given too
+    (each names one already), a lazy compile (the mesh is chosen before any call), a world of another size."""
+    if mesh is not None or plan is not None:
+        given = "mesh=" if mesh is not None else "plan="
+        raise ValueError(f"autopar.compile: devices= chooses the mesh, and {given} names one too. Fix: pass one")
+    if lazy:
+        raise ValueError(
+            "autopar.compile(devices=...): the mesh is chosen before the model runs, from example inputs. Fix: "
+            "pass example_inputs= (and example_kwargs=) with the global batch"
+        )
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if world != devices:
+        raise ValueError(
+            f"autopar.compile(devices={devices}): the process group has "
+            f"{world if world is not None else 'not been initialized (no'} ranks{')' if world is None else ''}. "
+            "Fix: devices=dist.get_world_size(), inside torchrun or an initialized process group"
+        )
 
 
 def _as_args(example_inputs) -> tuple:
@@ -193,7 +222,7 @@ class _Build:
 
 
 def _plan_on_rank0(
-    model, mesh: Mesh, args: tuple, kwargs: dict, options: PlanOptions, hint_options: HintOptions
+    model, mesh: Mesh | int, args: tuple, kwargs: dict, options: PlanOptions, hint_options: HintOptions
 ) -> tuple[Plan, OpGraph]:
     """Rank 0 searches, every rank gets its plan (broadcast as JSON) and captures the graph itself.
 
@@ -228,10 +257,12 @@ def _capture_for(plan: Plan, model, args: tuple, kwargs: dict) -> OpGraph:
 
 
 def _plan_here(
-    model, mesh: Mesh, args: tuple, kwargs: dict, options: PlanOptions, hint_options: HintOptions
+    model, mesh: Mesh | int, args: tuple, kwargs: dict, options: PlanOptions, hint_options: HintOptions
 ) -> tuple[Plan, OpGraph]:
     """The plan ``compile`` runs and the graph it was made on, planned in this process (no family rows: the
     report is not printed)."""
+    if isinstance(mesh, int):  # a device count: the mesh is the plan's choice
+        return plan_devices(model, mesh, args, kwargs, options, hint_options)
     return plan_model(model, mesh, args, kwargs, options, hint_options)
 
 

@@ -56,7 +56,9 @@ def _header_lines(report: RunReport, r0: RankResult) -> list[str]:
     cfg = report.config
     mesh = cfg.mesh()
     lines = [
-        f"autopar run: {cfg.model} on mesh {dict(zip(mesh.axis_names, mesh.shape))}, {len(report.ranks)} ranks "
+        f"autopar run: {cfg.model} on mesh {dict(zip(mesh.axis_names, mesh.shape))}"
+        + (f" (chosen for {cfg.devices} devices)" if cfg.devices is not None else "")
+        + f", {len(report.ranks)} ranks "
         f"({report.launcher}); batch {cfg.batch}, seq {cfg.seq}, {cfg.steps} AdamW "
         f"step{'s' if cfg.steps != 1 else ''} (lr {cfg.lr:g}), "
         f"dropout {'off' if cfg.check else 'as configured'}",

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -96,6 +96,7 @@ class RunConfig:
     pipeline: str = "none"  # the mesh axis that carries a pipeline (planner.pipeline_planning)
     microbatches: int | str = "auto"  # micro-batches per step (through the pipeline, or accumulated)
     schedule: str = "auto"  # the pipeline schedule
+    devices: int | None = None  # plan for this many devices (the mesh the plan's choice; mesh_shape: (devices,))
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("steps", "batch", "seq") if getattr(self, k) < 1]
@@ -116,6 +117,12 @@ class RunConfig:
 
     def mesh(self) -> Mesh:
         return Mesh(self.mesh_shape, axis_names=self.axis_names)  # no names: Mesh's axis0, axis1, ... as everywhere
+
+    def on_mesh_of(self, plan: Plan) -> RunConfig:
+        """This run on the mesh ``plan`` chose (``devices``: the mesh is the plan's); itself otherwise."""
+        if self.devices is None:
+            return self
+        return replace(self, mesh_shape=plan.mesh.shape, axis_names=plan.mesh.axis_names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,9 +343,10 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
     from autopar.planner import plan
 
     model, args, kwargs = build_model(config, "cpu")
+    where = {"devices": config.devices} if config.devices is not None else {"mesh": config.mesh()}
     return plan(
         model,
-        config.mesh(),
+        **where,
         example_inputs=args,
         example_kwargs=kwargs,
         profile=profile,
@@ -454,7 +462,7 @@ def _deterministic_gpu_kernels() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)  # an op with no such kernel warns, not fails
 
 
-def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None, torch.device]:
+def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None, torch.device, RunConfig]:
     from autopar.runtime import init_distributed
 
     mesh = config.mesh()
@@ -481,12 +489,13 @@ def _as_torchrun_rank(config: RunConfig) -> tuple[tuple[RankResult, ...] | None,
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
             raise box[0]
+        config = config.on_mesh_of(box[0])
         result = train_rank(config, box[0])
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
     finally:
         dist.destroy_process_group()
-    return (tuple(gathered) if rank == 0 else None), device
+    return (tuple(gathered) if rank == 0 else None), device, config
 
 
 def run(config: RunConfig) -> RunReport | None:
@@ -496,13 +505,14 @@ def run(config: RunConfig) -> RunReport | None:
     rank 0; other torchrun ranks get None.
     """
     if _under_torchrun():
-        ranks, device = _as_torchrun_rank(config)
+        ranks, device, config = _as_torchrun_rank(config)
         if ranks is None:
             return None
         reference = reference_run(config, device) if config.check else None
         launcher = f"torchrun, nccl on {device}" if device.type == "cuda" else "torchrun, gloo"
     else:
         plan = plan_once(config)  # gloo ranks: compile's own choice of profile is "cpu"
+        config = config.on_mesh_of(plan)
         # the parent is idle while the ranks capture and train: it runs the reference meanwhile
         waiting = (lambda: reference_run(config)) if config.check else None
         ranks, reference = _spawn(config, plan, while_waiting=waiting)

@@ -27,6 +27,7 @@ from autopar.mesh import Mesh
 from .context import PlanningContext, prepare_context, rebatch
 from .context_search import search_context
 from .errors import MemoryCapError
+from .mesh_choice import plan_devices
 from .options import HintOptions, PlanOptions
 from .pipeline_choice import plan_model
 from .schema import FAMILIES, Plan
@@ -99,8 +100,9 @@ def prepare(
 
 def plan(
     model: torch.nn.Module,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     *,
+    devices: int | None = None,
     example_inputs=(),
     example_kwargs: dict | None = None,
     loss_fn: Callable | None = None,
@@ -126,7 +128,10 @@ def plan(
     compare_families: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Plan:
-    """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device.
+    """The fastest training plan of ``model`` on ``mesh`` that fits ``mem_cap`` per device; or, given
+    ``devices=N`` instead of a mesh, on the fastest logical mesh of ``N`` devices (``planner.mesh_choice``:
+    the factorizations of ``N``, placed on nodes of ``devices_per_node``; ``mem_cap`` None is then the
+    profile's device memory; ``Plan.meshes`` ranks every mesh tried).
 
     ``example_inputs``/``example_kwargs`` are passed to ``model`` (meta tensors are
     fine).  A model that does not return its loss is given one with ``loss_fn=fn`` and
@@ -174,9 +179,10 @@ def plan(
     model, example_kwargs = attach_loss(model, loss_fn, example_kwargs, example_target)
     if progress is not None:
         progress("capture + strategies", 0, 1)
-    found = plan_model(
+    where = _mesh_or_devices(mesh, devices)
+    found = (plan_devices if isinstance(where, int) else plan_model)(
         model,
-        mesh,
+        where,
         example_inputs,
         example_kwargs,
         options,
@@ -185,6 +191,16 @@ def plan(
         progress=progress,
     )
     return found[0]
+
+
+def _mesh_or_devices(mesh: Mesh | None, devices: int | None) -> Mesh | int:
+    """The mesh, or the device count, a plan is asked for: exactly one of them (ValueError with the fix)."""
+    if (mesh is None) == (devices is None):
+        raise ValueError(
+            "autopar.plan: pass either mesh= (an autopar.Mesh: the plan is made on it) or devices= (a device "
+            f"count: the plan chooses the mesh), not {'both' if mesh is not None else 'neither'}"
+        )
+    return mesh if mesh is not None else devices
 
 
 def plan_from_context(

@@ -73,7 +73,7 @@ from .stage_assignment import chain_layers
 from .stage_fitting import StageFit, fit_stages, held_at_most
 from .throughput import with_throughput
 
-__all__ = ["plan_model"]
+__all__ = ["Captures", "PipelineChoice", "plan_model"]
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,8 @@ class PipelineChoice:
             check_devices_per_node(mesh.shape, self.options.devices_per_node)  # before any capture
         self.batch = batch_of(self.args, self.kwargs)
         self.run = SearchRun(Deadline.after(options.search_budget_s), progress)
-        self.graphs: dict[int, OpGraph] = {}
-        self.template = None
+        self.captures = Captures()  # shared by the meshes of one device count (mesh_choice)
+        self.beat: float | None = None  # a step met on another mesh (mesh_choice): searches bounded by it
         self.found: tuple[Plan, OpGraph] | None = None
         self.priced: list[Candidate] = []
         self.missed: list[MemoryCapError] = []
@@ -146,6 +146,9 @@ class PipelineChoice:
         if asked in ("none", "auto"):  # last: the pipelines' fastest bounds its search (a tie still goes to it)
             self._no_pipeline(compare_families)
         if self.found is None:
+            beaten = [c.at_least_s for c in self.priced if c.at_least_s is not None]
+            if beaten and self.beat is not None:  # every candidate that may fit: slower than another mesh's
+                raise BeatenError(min(beaten) * PS_PER_S, int(self.beat * PS_PER_S))
             if len(self.missed) == 1:  # one candidate: its own words
                 raise self.missed[0]
             least = min(self.priced, key=lambda c: c.memory_bytes)  # none fitted: every one missed
@@ -198,7 +201,8 @@ class PipelineChoice:
     def _above(self, m: int) -> int | None:
         """``SearchRun.above`` for a search of one of ``m`` micro-batches: the fastest candidate's step over
         ``m`` (a step of ``m`` micro-batches is ``m`` of them, ``step_cost``), in the search's picoseconds."""
-        return None if self.found is None else int(self.found[0].cost.total_s * PS_PER_S / m)
+        met = [s for s in (self.beat, self.found and self.found[0].cost.total_s) if s]
+        return int(min(met) * PS_PER_S / m) if met else None
 
     def _accumulations(self) -> list[int]:
         if self.batch is None:
@@ -308,22 +312,32 @@ class PipelineChoice:
     def _graph(self, m: int) -> OpGraph:
         """The model captured at one of ``m`` micro-batches: statically when the options need one size (or the
         inputs share no batch dim), else specialized from one symbolic capture."""
-        if m not in self.graphs:
+        graphs = self.captures.graphs
+        if m not in graphs:
             with self._timing("capture_s"):
                 if self.batch is None or self._one_size():
                     (args, kwargs), *_ = (
                         split_microbatches(self.args, self.kwargs, m) if m > 1 else [(self.args, self.kwargs)]
                     )
-                    self.graphs[m] = capture(self.model, args, kwargs)
+                    graphs[m] = capture(self.model, args, kwargs)
                 else:
-                    if self.template is None:
-                        self.template = capture_template(self.model, self.args, self.kwargs)
-                    self.graphs[m] = specialize(self.template, self._micro(m))[0]
+                    if self.captures.template is None:
+                        self.captures.template = capture_template(self.model, self.args, self.kwargs)
+                    graphs[m] = specialize(self.captures.template, self._micro(m))[0]
             self.heap.keep()
-        return self.graphs[m]
+        return graphs[m]
 
     def _one_size(self) -> bool:
         return self.options.pipeline != "auto" and self.options.microbatches != "auto"
+
+
+@dataclasses.dataclass
+class Captures:
+    """The model captured per micro-batch count (``graphs``) and the symbolic capture they were specialized
+    from (``template``; None until one is needed): one model's, shared by every mesh it is planned on."""
+
+    graphs: dict[int, OpGraph] = dataclasses.field(default_factory=dict)
+    template: object | None = None
 
 
 def _rank(c: Candidate) -> tuple:

@@ -33,6 +33,7 @@ __all__ = [
     "FallbackOp",
     "FamilyAlternative",
     "InputPlacement",
+    "MeshCandidate",
     "NodeCharge",
     "NodePlacement",
     "OpHints",
@@ -230,6 +231,24 @@ class Candidate:
     step_s: float | None
     memory_bytes: int | None
     at_least_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MeshCandidate:
+    """One logical mesh a plan for a device count was chosen among (``planner.mesh_choice``): its shape and
+    axis names; its plan's step, memory per device, model FLOP/s per device and MFU, and the plan in a few words
+    (step None: it did not fit, memory then the least it needs; or its search stopped at ``at_least_s``, a bound
+    slower than a mesh already planned); ``note``: why it lost, or ``chosen``."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    step_s: float | None
+    memory_bytes: int | None
+    at_least_s: float | None = None
+    flops_per_device_s: float | None = None
+    mfu: float | None = None
+    plan: str = ""
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)

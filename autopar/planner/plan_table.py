@@ -233,6 +233,8 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
         con.print(note)
     if plan.alternatives:
         con.print(_families_table(plan))
+    if plan.meshes:
+        con.print(_meshes_table(plan))
     if plan.fallback_ops:
         ops = defaultdict(int)
         for f in plan.fallback_ops:
@@ -241,6 +243,28 @@ def render_table(plan: Plan, *, width: int = 130) -> str:
     else:
         con.print("fallback ops: none")
     return buf.getvalue()
+
+
+#: the meshes ``_meshes_table`` lists (``Plan.meshes`` keeps every one)
+TOP_MESHES = 5
+
+
+def _meshes_table(plan: Plan) -> Table:
+    """The top meshes of a plan made for a device count (``planner.mesh_choice``), fastest first."""
+    shown = plan.meshes[:TOP_MESHES]
+    more = len(plan.meshes) - len(shown)
+    title = f"meshes of {plan.mesh.size} devices, fastest first" + (f" ({more} more not shown)" if more else "")
+    t = Table(title=title, title_justify="left")
+    for col in ("mesh", "step", "memory", "TFLOP/s per device", "MFU", "plan", "why"):
+        t.add_column(col)
+    for c in shown:
+        mesh = ", ".join(f"{n}={k}" for n, k in zip(c.axis_names, c.shape))
+        step = _ms(c.step_s) if c.step_s is not None else f">= {_ms(c.at_least_s)}" if c.at_least_s else "-"
+        tflops = f"{c.flops_per_device_s / 1e12:.1f}" if c.flops_per_device_s is not None else "-"
+        mfu = f"{c.mfu:.1%}" if c.mfu is not None else "-"
+        memory = format_bytes(c.memory_bytes) if c.memory_bytes is not None else "-"
+        t.add_row(mesh, step, memory, tflops, mfu, c.plan.split(" (")[0], c.note)
+    return t
 
 
 def _params_table(plan: Plan) -> Table:

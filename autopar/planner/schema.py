@@ -54,6 +54,7 @@ from .plan_parts import (
     FallbackOp,
     FamilyAlternative,
     InputPlacement,
+    MeshCandidate,
     NodeCharge,
     NodePlacement,
     ParamPlacement,
@@ -76,7 +77,7 @@ SCHEMA_VERSION = 2
 FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 #: The fields written only when they differ from their default (a plan without hints, pipeline or micro-batches
 #: reads as before).
-_WHEN_SET = {"hints": None, "pipeline": None, "microbatches": 1, "throughput": None}
+_WHEN_SET = {"hints": None, "pipeline": None, "microbatches": 1, "throughput": None, "meshes": ()}
 #: What a plan knows of how it was made, kept in memory only.
 _NOT_WRITTEN = ("timings", "node_costs", "candidates")
 #: Version 1's memory keys, by the name version 2 gives them.
@@ -107,6 +108,8 @@ class Plan:
     pipeline: PipelinePlan | None = None
     microbatches: int = 1
     throughput: PlanThroughput | None = None  # model FLOPs and MFU of the predicted step (planner.throughput)
+    # planned for a device count: every logical mesh tried, fastest first (planner.mesh_choice)
+    meshes: tuple[MeshCandidate, ...] = ()
     # node name -> what the search charged it (planner.assemble.node_costs); never written, not compared
     node_costs: dict[str, NodeCharge] = field(default_factory=dict, compare=False, repr=False)
     # pipeline="auto": every candidate priced, fastest first (planner.pipeline_choice); never written, not compared

@@ -1,0 +1,190 @@
+"""Planning for a device count: the logical meshes of ``devices`` devices, each planned, the fastest kept
+(``autopar.plan(model, devices=N)``, ``autopar plan MODEL --devices N``, ``autopar.compile(model, devices=N)``).
+
+The meshes (``logical_meshes``) are the ordered factorizations of ``N``, row-major with the last axis
+innermost, so consecutive ranks share a node (``DeviceProfile.link_for_axis`` prices each axis on the link its
+groups use: inside a node, or across nodes when any group spans two):
+
+* ``(N,)``, named ``("dp",)``;
+* ``(a, b)`` with ``a b = N``, ``a, b >= 2``, named ``("dp", "tp")``;
+* with ``pipeline="auto"`` also ``(p, a, b)``, named ``("pp", "dp", "tp")``, pipelined on ``pp`` (and each
+  two-axis mesh may pipeline either axis, as ``pipeline="auto"`` does on a given mesh).
+
+The names are labels: the search chooses what each axis does (data, sharded-parameter, tensor or sequence
+parallel) and the plan's table says what it chose.  A third axis without a pipeline (a second data axis,
+hybrid sharding) is not enumerated yet: the two-axis meshes carry every placement the search has.
+
+Work is shared: the model is captured once per micro-batch size for every mesh (``PipelineChoice``'s
+captures), and each mesh's searches are bounded by the fastest step found so far (``SearchRun.above``), so a
+mesh proven slower stops at its bound and is listed as at least that.  The meshes go from fewest axes to
+most, so the cheap ones set the bound.  Chosen: the fastest plan that fits the cap (the earlier mesh on a
+tie).  ``Plan.meshes`` lists every mesh tried, fastest first, with its step, memory, model FLOP/s per device
+and MFU, or why it lost.  When no mesh fits, ``MemoryCapError`` names the least memory each mesh needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+
+from autopar.capture import OpGraph
+from autopar.mesh import Mesh
+from autopar.search import BeatenError
+from autopar.units import format_bytes
+from costmodel import load_profile
+
+from .errors import MemoryCapError
+from .heap import FrozenHeap
+from .options import HintOptions, PlanOptions
+from .pipeline_choice import Captures, PipelineChoice
+from .plan_parts import MeshCandidate
+from .problem_tables import PS_PER_S
+from .schema import Plan
+
+__all__ = ["check_devices", "logical_meshes", "plan_devices"]
+
+log = logging.getLogger(__name__)
+
+
+def check_devices(devices, devices_per_node: int) -> None:
+    """ValueError with the fix unless ``devices`` is an int >= 1 that whole nodes of ``devices_per_node`` hold
+    (one node's part, or a multiple of it)."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r}: expected the number of devices, an int >= 1 (e.g. devices=8)")
+    if devices > devices_per_node and devices % devices_per_node:
+        raise ValueError(
+            f"devices={devices} on nodes of {devices_per_node} devices: {devices} is not a multiple of "
+            f"{devices_per_node}, so some node would be partly used. Fix: pass a multiple of {devices_per_node} "
+            f"(e.g. devices={devices - devices % devices_per_node}), or devices_per_node= the devices each node "
+            "gives the job"
+        )
+
+
+def logical_meshes(devices: int, pipeline: str = "none") -> list[Mesh]:
+    """The meshes of ``devices`` devices, in the order they are planned (module docstring)."""
+    meshes = [Mesh((devices,), axis_names=("dp",))]
+    pairs = [(a, devices // a) for a in range(2, devices // 2 + 1) if devices % a == 0]
+    meshes += [Mesh(pair, axis_names=("dp", "tp")) for pair in pairs]
+    if pipeline == "auto":
+        for p in range(2, devices // 4 + 1):
+            if devices % p == 0:
+                rest = devices // p
+                meshes += [
+                    Mesh((p, a, rest // a), axis_names=("pp", "dp", "tp"))
+                    for a in range(2, rest // 2 + 1)
+                    if rest % a == 0
+                ]
+    return meshes
+
+
+def plan_devices(
+    model: torch.nn.Module,
+    devices: int,
+    example_inputs,
+    example_kwargs: dict | None,
+    options: PlanOptions,
+    hint_options: HintOptions,
+    *,
+    compare_families: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[Plan, OpGraph]:
+    """The fastest plan of ``model`` on any logical mesh of ``devices`` devices and the graph it was made on
+    (module docstring).  ``options.devices_per_node`` (None: the profile's) places the axes on nodes;
+    ``options.mem_cap`` None is the profile's device memory (``memory_bytes``)."""
+    options = options.resolved(model)
+    profile = load_profile(options.profile).with_devices_per_node(options.devices_per_node)
+    check_devices(devices, profile.devices_per_node)
+    if options.mem_cap is None:  # planned for real devices: at most what one holds
+        options = dataclasses.replace(options, mem_cap=profile.memory_bytes)
+    if hint_options.given:
+        raise ValueError(
+            "devices=: hints name placements on a mesh's axes, and this plan chooses the mesh. Fix: pass mesh= "
+            "with the hints, or drop the hints"
+        )
+    if options.pipeline not in ("none", "auto"):
+        raise ValueError(
+            f"devices= with pipeline={options.pipeline!r}: the axes are named by the plan, so none can be named "
+            "before it. Fix: pipeline='auto' (a pipeline on any axis where it pays) or 'none'"
+        )
+    captures, tried, timings = Captures(), [], {}
+    best: tuple[Plan, OpGraph] | None = None
+    with FrozenHeap() as heap:
+        for mesh in logical_meshes(devices, options.pipeline):
+            mesh_options = options
+            if mesh.ndim == 3:  # the third axis is there for a pipeline: on the outermost
+                mesh_options = dataclasses.replace(options, pipeline="pp")
+            beat = None if best is None else best[0].cost.total_s
+            choice = PipelineChoice(
+                model, mesh, example_inputs, example_kwargs, mesh_options, hint_options, progress, heap
+            )
+            choice.captures, choice.beat = captures, beat
+            spent = choice.timings
+            try:
+                plan, graph = choice.best(False)
+            except MemoryCapError as e:
+                tried.append(MeshCandidate(mesh.shape, mesh.axis_names, None, e.min_mem_bytes))
+                continue
+            except BeatenError as e:
+                at_least = e.lower_bound_ps / PS_PER_S
+                tried.append(MeshCandidate(mesh.shape, mesh.axis_names, None, None, at_least_s=at_least))
+                continue
+            finally:
+                for key, value in spent.items():
+                    timings[key] = timings.get(key, 0.0) + value
+            tried.append(_candidate(plan))
+            if best is None or plan.cost.total_s < best[0].cost.total_s:
+                best = (plan, graph)
+    if best is None:
+        raise _none_fit(devices, options, tried)
+    plan, graph = best
+    ranked = tuple(sorted(tried, key=_rank))
+    timings["meshes"] = float(len(tried))
+    return dataclasses.replace(plan, meshes=_with_notes(ranked, plan), timings=dict(plan.timings, **timings)), graph
+
+
+def _candidate(plan: Plan) -> MeshCandidate:
+    f = plan.throughput
+    return MeshCandidate(
+        plan.mesh.shape,
+        plan.mesh.axis_names,
+        plan.cost.total_s,
+        plan.memory.per_device_bytes,
+        flops_per_device_s=f.flops_per_device_s if f else None,
+        mfu=f.mfu if f else None,
+        plan=plan.family + (f", pipeline on {plan.pipeline.axis}" if plan.pipeline else ""),
+    )
+
+
+def _rank(c: MeshCandidate) -> tuple:
+    step = c.step_s if c.step_s is not None else c.at_least_s
+    return (step is None, step or 0.0, c.memory_bytes or 0)
+
+
+def _with_notes(ranked: tuple[MeshCandidate, ...], chosen: Plan) -> tuple[MeshCandidate, ...]:
+    """Each mesh with why it lost (or ``chosen``)."""
+    best = chosen.cost.total_s
+    out = []
+    for c in ranked:
+        if c.shape == chosen.mesh.shape and c.axis_names == chosen.mesh.axis_names and c.step_s == best:
+            note = "chosen"
+        elif c.step_s is not None:
+            note = f"{c.step_s / best:.2f}x slower"
+        elif c.at_least_s is not None:
+            note = f"at least {c.at_least_s / best:.2f}x slower (search bounded)"
+        else:
+            note = f"does not fit: needs {format_bytes(c.memory_bytes)}"
+        out.append(dataclasses.replace(c, note=note))
+    return tuple(out)
+
+
+def _none_fit(devices: int, options: PlanOptions, tried: list[MeshCandidate]) -> MemoryCapError:
+    least = min(tried, key=lambda c: c.memory_bytes or 0)
+    each = "; ".join(f"{'x'.join(map(str, c.shape))}: {format_bytes(c.memory_bytes)}" for c in tried)
+    cap = format_bytes(options.mem_cap) if options.mem_cap else "none"
+    return MemoryCapError(
+        f"no mesh of {devices} devices fits the memory cap of {cap} per device; the least each mesh needs: {each}",
+        least.memory_bytes or 0,
+    )
