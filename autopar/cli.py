@@ -97,8 +97,9 @@ def _add_plan_parser(sub) -> None:
     pl.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
     )
-    pl.add_argument("--mesh", type=mesh_shape, default=None, help="mesh shape, e.g. 8 or 2x4 (default 2, as run)")
-    pl.add_argument(
+    where = pl.add_mutually_exclusive_group()
+    where.add_argument("--mesh", type=mesh_shape, default=(2,), help="mesh shape, e.g. 8 or 2x4 (default 2, as run)")
+    where.add_argument(
         "--devices",
         type=positive_int,
         default=None,
@@ -264,8 +265,11 @@ def _add_run_parser(sub) -> None:
     r.add_argument(
         "model", help="built-in name (see `autopar models`), path/to/file.py:factory or package.module:factory"
     )
-    r.add_argument("--mesh", type=mesh_shape, default=None, help="mesh shape, e.g. 2 or 2x2 (default 2); one rank each")
-    r.add_argument(
+    where = r.add_mutually_exclusive_group()
+    where.add_argument(
+        "--mesh", type=mesh_shape, default=(2,), help="mesh shape, e.g. 2 or 2x2 (default 2); one rank each"
+    )
+    where.add_argument(
         "--devices", type=positive_int, default=None, help="this many ranks, on the mesh autopar chooses for them"
     )
     r.add_argument(
@@ -438,12 +442,10 @@ def _plan_inputs(args):
 
 
 def _mesh_or_devices(args) -> tuple[int, ...]:
-    """The mesh shape of ``--mesh`` (default 2), or ``(N,)`` for ``--devices N`` (the plan chooses the mesh
-    then; ``--axis-names`` would name axes not yet chosen)."""
+    """The mesh shape of ``--mesh``, or ``(N,)`` for ``--devices N`` (the plan chooses the mesh then;
+    ``--axis-names`` would name axes not yet chosen; argparse refuses ``--mesh`` with it)."""
     if args.devices is None:
-        return args.mesh or (2,)
-    if args.mesh is not None:
-        raise ValueError("--mesh and --devices: pass one (--devices N lets autopar choose the mesh of N devices)")
+        return args.mesh
     if args.axis_names:
         raise ValueError("--axis-names with --devices: the mesh and its axes are the plan's choice; drop --axis-names")
     return (args.devices,)
