@@ -199,12 +199,12 @@ def test_ranks_idle_in_the_bubble_lend_their_cores(tmp_path):
     assert steps[True, 2] == pytest.approx(steps[False, 2])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])  # GPipe splits as 1F1B does
-def test_stages_recompute_and_shard_their_state_to_fit_the_cap(schedule):
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)])  # GPipe splits as 1F1B does
+def test_stages_recompute_and_shard_their_state_to_fit_the_cap(schedule, virtual):
     """Where the fastest stage plan's split is over the cap, the stage search runs bounded (``stage_fitting``):
     the plan fits on every rank, recomputes layers, and is no faster than the free one; below what the least-memory
     stage plan needs there is no plan, and the error names that least."""
-    model, args, kwargs = _gpt2(layers=4)
+    model, args, kwargs = _gpt2(layers=2 * virtual)
     mesh = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
     options = dict(pipeline="pp", microbatches=4, schedule=schedule)
     free = _plan(model, args, kwargs, mesh, **options)
