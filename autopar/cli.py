@@ -455,15 +455,14 @@ def _run_plan(args, mesh: Mesh | int, options, hint_options, seq: int):
     """The plan, its errors in the CLI's words (the API's fixes name keywords; here they are flags)."""
     from autopar.launch import TerminalProgress
     from autopar.models import load_model
-    from autopar.planner import MemoryCapError, UnmatchedHintError, plan_devices, plan_model
+    from autopar.planner import MemoryCapError, UnmatchedHintError, plan_on
 
     bar = TerminalProgress()  # stages and a bar on a terminal when planning takes over a second
     try:
         model, margs, mkwargs = load_model(args.model, batch=args.batch, seq=seq)
         bar("capture + strategies", 0, 1)
         compare = not args.no_compare
-        chooser = plan_devices if isinstance(mesh, int) else plan_model
-        return chooser(model, mesh, margs, mkwargs, options, hint_options, compare_families=compare, progress=bar)[0]
+        return plan_on(model, mesh, margs, mkwargs, options, hint_options, compare_families=compare, progress=bar)[0]
     except UnmatchedHintError as e:
         raise ValueError(f"{e.problem}. Fix: correct the pattern, or drop --strict-hints to only warn.") from None
     except MemoryCapError as e:

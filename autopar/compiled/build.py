@@ -40,8 +40,7 @@ from autopar.planner import (
     Plan,
     PlanOptions,
     device_profile,
-    plan_devices,
-    plan_model,
+    plan_on,
     training_precision,
 )
 
@@ -141,7 +140,7 @@ def compile(
             "shapes, or use input_mode='global'"
         )
     if devices is not None:  # rank 0 chooses the mesh; every rank runs that plan
-        check_devices_plan(mesh, devices, plan, lazy)
+        _check_devices_plan(mesh, devices, plan, lazy)
         args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
         plan = _plan_on_rank0(model, devices, args, kwargs, options, hint_options)[0]
         mesh = plan.mesh
@@ -164,7 +163,7 @@ def compile(
     return sharded
 
 
-def check_devices_plan(mesh, devices, plan, lazy: bool) -> None:
+def _check_devices_plan(mesh, devices, plan, lazy: bool) -> None:
     """ValueError with the fix where ``compile(devices=N)`` cannot choose the mesh: a mesh or a plan given too
     (each names one already), a lazy compile (the mesh is chosen before any call), a world of another size."""
     if mesh is not None or plan is not None:
@@ -175,12 +174,12 @@ def check_devices_plan(mesh, devices, plan, lazy: bool) -> None:
             "autopar.compile(devices=...): the mesh is chosen before the model runs, from example inputs. Fix: "
             "pass example_inputs= (and example_kwargs=) with the global batch"
         )
-    world = dist.get_world_size() if dist.is_initialized() else None
-    if world != devices:
+    fix = "Fix: devices=dist.get_world_size(), inside torchrun or an initialized process group"
+    if not dist.is_initialized():
+        raise ValueError(f"autopar.compile(devices={devices}): no process group is initialized. {fix}")
+    if dist.get_world_size() != devices:
         raise ValueError(
-            f"autopar.compile(devices={devices}): the process group has "
-            f"{world if world is not None else 'not been initialized (no'} ranks{')' if world is None else ''}. "
-            "Fix: devices=dist.get_world_size(), inside torchrun or an initialized process group"
+            f"autopar.compile(devices={devices}): the process group has {dist.get_world_size()} ranks. {fix}"
         )
 
 
@@ -259,11 +258,9 @@ def _capture_for(plan: Plan, model, args: tuple, kwargs: dict) -> OpGraph:
 def _plan_here(
     model, mesh: Mesh | int, args: tuple, kwargs: dict, options: PlanOptions, hint_options: HintOptions
 ) -> tuple[Plan, OpGraph]:
-    """The plan ``compile`` runs and the graph it was made on, planned in this process (no family rows: the
-    report is not printed)."""
-    if isinstance(mesh, int):  # a device count: the mesh is the plan's choice
-        return plan_devices(model, mesh, args, kwargs, options, hint_options)
-    return plan_model(model, mesh, args, kwargs, options, hint_options)
+    """The plan ``compile`` runs and the graph it was made on, planned in this process on a mesh or a device
+    count (no family rows: the report is not printed)."""
+    return plan_on(model, mesh, args, kwargs, options, hint_options)
 
 
 def _full_parameters(model: nn.Module, state_dict, weights_from_rank0: bool) -> dict[str, Any]:

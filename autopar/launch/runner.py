@@ -96,7 +96,7 @@ class RunConfig:
     pipeline: str = "none"  # the mesh axis that carries a pipeline (planner.pipeline_planning)
     microbatches: int | str = "auto"  # micro-batches per step (through the pipeline, or accumulated)
     schedule: str = "auto"  # the pipeline schedule
-    devices: int | None = None  # plan for this many devices (the mesh the plan's choice; mesh_shape: (devices,))
+    devices: int | None = None  # plan for this many devices: the mesh is the plan's choice (mesh_shape: (devices,))
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("steps", "batch", "seq") if getattr(self, k) < 1]

@@ -27,9 +27,8 @@ from autopar.mesh import Mesh
 from .context import PlanningContext, prepare_context, rebatch
 from .context_search import search_context
 from .errors import MemoryCapError
-from .mesh_choice import plan_devices
+from .mesh_choice import plan_on
 from .options import HintOptions, PlanOptions
-from .pipeline_choice import plan_model
 from .schema import FAMILIES, Plan
 from .throughput import with_throughput
 
@@ -179,10 +178,9 @@ def plan(
     model, example_kwargs = attach_loss(model, loss_fn, example_kwargs, example_target)
     if progress is not None:
         progress("capture + strategies", 0, 1)
-    where = _mesh_or_devices(mesh, devices)
-    found = (plan_devices if isinstance(where, int) else plan_model)(
+    found = plan_on(
         model,
-        where,
+        _mesh_or_devices(mesh, devices),
         example_inputs,
         example_kwargs,
         options,

@@ -39,12 +39,12 @@ from costmodel import load_profile
 from .errors import MemoryCapError
 from .heap import FrozenHeap
 from .options import HintOptions, PlanOptions
-from .pipeline_choice import Captures, PipelineChoice
+from .pipeline_choice import Captures, PipelineChoice, plan_model
 from .plan_parts import MeshCandidate
 from .problem_tables import PS_PER_S
 from .schema import Plan
 
-__all__ = ["check_devices", "logical_meshes", "plan_devices"]
+__all__ = ["check_devices", "logical_meshes", "plan_devices", "plan_on"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,32 @@ def logical_meshes(devices: int, pipeline: str = "none") -> list[Mesh]:
                     if rest % a == 0
                 ]
     return meshes
+
+
+def plan_on(
+    model: torch.nn.Module,
+    where: Mesh | int,
+    example_inputs,
+    example_kwargs: dict | None,
+    options: PlanOptions,
+    hint_options: HintOptions,
+    *,
+    compare_families: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[Plan, OpGraph]:
+    """The plan and its graph on ``where``: a mesh (``plan_model``), or a device count whose mesh the plan chooses
+    (``plan_devices``); what ``autopar.plan``, ``autopar.compile`` and ``autopar plan`` call."""
+    chooser = plan_devices if isinstance(where, int) else plan_model
+    return chooser(
+        model,
+        where,
+        example_inputs,
+        example_kwargs,
+        options,
+        hint_options,
+        compare_families=compare_families,
+        progress=progress,
+    )
 
 
 def plan_devices(

@@ -1,5 +1,5 @@
-"""Whether, where and how a plan pipelines: the planner's choice among micro-batched plans (``plan_model``, what
-``autopar.plan``, ``autopar.compile`` and ``autopar plan`` call).
+"""Whether, where and how a plan pipelines: the planner's choice among micro-batched plans (``plan_model``: every
+plan on a mesh; ``mesh_choice.plan_on`` calls it for ``autopar.plan``, ``autopar.compile`` and ``autopar plan``).
 
 The candidates are every combination the options leave open:
 

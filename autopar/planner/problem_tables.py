@@ -49,7 +49,7 @@ class ProblemTables:
     # what they were asked for: cap-free, so every plan of a context finds them once
     regions: dict = field(default_factory=dict, repr=False)
     # these tables with activations weighted (``weighted``), by weight
-    weighted: dict = field(default_factory=dict, repr=False)
+    weighted_copies: dict = field(default_factory=dict, repr=False)
 
     def problem(self, mem_cap_bytes: int | None) -> tuple[SearchProblem, list[np.ndarray]]:
         """:func:`to_problem` unrestricted.  Built and checked once; each cap is then a
@@ -164,11 +164,11 @@ def weighted(tables: ProblemTables, weight: int, params: set[int]) -> ProblemTab
     micro-batch in flight and their state once.  Built once per weight; ``weight`` 1 is ``tables`` itself."""
     if weight == 1:
         return tables
-    if weight not in tables.weighted:
+    if weight not in tables.weighted_copies:
         node_mem = [m if i in params else read_only(m * weight) for i, m in enumerate(tables.node_mem)]
         shared: dict[int, np.ndarray] = {}  # equal edges share one array: so do their weighted copies
         edge_mem = [shared.setdefault(id(m), read_only(m * weight)) for m in tables.edge_mem]
-        tables.weighted[weight] = ProblemTables(
+        tables.weighted_copies[weight] = ProblemTables(
             tables.names,
             tables.node_time_ps,
             node_mem,
@@ -178,7 +178,7 @@ def weighted(tables: ProblemTables, weight: int, params: set[int]) -> ProblemTab
             tables.edge_refs,
             tables.sinks,
         )
-    return tables.weighted[weight]
+    return tables.weighted_copies[weight]
 
 
 def to_problem(

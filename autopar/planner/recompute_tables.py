@@ -104,7 +104,7 @@ def _recomputed(ctx, regions: dict[int, str]) -> ProblemTables:
         _whole=None,
         recomputed={},
         recomputed_terms={},
-        weighted={},
+        weighted_copies={},
     )
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from autopar.cost import in_flight
 
 from .errors import MemoryCapError
+from .pipeline_planning import virtual_stages
 from .schema import Plan
 
 __all__ = ["BISECT_TRIES", "LOWERING_TRIES", "StageFit", "fit_stages", "held_at_most"]
@@ -82,7 +83,7 @@ class StageFit:
 def held_at_most(schedule: str, p: int, m: int) -> int:
     """``w = max_r h_r``: the most micro-batches' activations of its stages a rank of a ``p``-rank ``schedule`` over
     ``m`` micro-batches holds at once (interleaved: its stage-micro-batches over its ``v`` stages, rounded up)."""
-    v = 2 if schedule == "interleaved" else 1
+    v = virtual_stages(schedule)
     return max(-(-in_flight(schedule, p, m, r, v) // v) for r in range(p))
 
 
@@ -98,7 +99,7 @@ def fit_stages(fit: StageFit, price: Callable[[Plan], Plan], cap: int | None) ->
         missed, plan = e, fit.free
     best: Plan | None = None
     fits_at = None
-    fails_at = bound = fit.weighted_bytes(plan) + 1  # the fastest plan's: any bound above finds it again
+    bound = fit.weighted_bytes(plan) + 1  # the fastest plan's: any bound above finds it again
     for _ in range(LOWERING_TRIES):
         fails_at, bound = bound, min(fit.weighted_bytes(plan) * cap // max(missed.min_mem_bytes, 1), bound - 1)
         try:
