@@ -134,3 +134,34 @@ def test_hf_models_with_the_default_kv_cache_capture_without_it(name):
     plain = capture(*load_model(name, batch=2, seq=8, device="cpu"))
     assert outputs(got) == outputs(plain), name
     assert len(got.nodes) == len(plain.nodes), name
+
+
+def _attention_masks(graph) -> list:
+    """The ``attn_mask`` argument of every SDPA of ``graph`` (None: the kernel's ``is_causal`` or no mask)."""
+    sdpa = [n for n in graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert sdpa, "the graph has no fused attention"
+    return [n.fx_node.args[3] if len(n.fx_node.args) > 3 else n.fx_node.kwargs.get("attn_mask") for n in sdpa]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "qwen2-tiny"])
+def test_causal_masks_are_traced_as_eager_runs_them(name):
+    """Called without a padding mask or position ids, eager Hugging Face runs SDPA with ``is_causal=True`` and no
+    mask tensor; plain torch.export materializes a [batch, 1, seq, seq] mask from packed-sequence detection.
+    Capture traces eager's form, and a model whose call passes a mask or position ids keeps its mask; the
+    patched ``masking_utils`` functions are restored.  (``test_decomposed_graph_computes_the_same_loss`` runs
+    the causal graph against the model; tests/test_execution.py trains it on ranks against one device.)"""
+    import transformers.masking_utils as masking
+
+    from autopar.models import load_model
+
+    before = (masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices)
+    model, args, kwargs = load_model(name, batch=2, seq=8, device="cpu")
+    graph = capture(model, args, kwargs)
+    assert (masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices) == before
+    assert _attention_masks(graph) == [None] * len(_attention_masks(graph))
+    sdpa = [n for n in graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert all(n.fx_node.args[5] is True for n in sdpa), name
+    padded = capture(model, args, {**kwargs, "attention_mask": torch.ones(2, 8, dtype=torch.long)})
+    assert all(m is not None for m in _attention_masks(padded)), f"{name}: a passed padding mask was dropped"
+    packed = capture(model, args, {**kwargs, "position_ids": torch.arange(8).repeat(2, 1)})
+    assert all(m is not None for m in _attention_masks(packed)), f"{name}: packed positions lost their mask"

@@ -405,3 +405,52 @@ def test_saved_activations_within_ten_percent_of_the_plan(memory_runs):
         else:
             assert saved <= 1.10 * plan, where
     assert checked == len(MEMORY_MODELS) * len(FAMILIES)
+
+
+class _CausalAttention(torch.nn.Module):
+    """One causal self-attention whose queries (and output) are hinted sharded on the sequence: the plan must
+    run the attention on query rows, which SDPA's ``is_causal`` alone would get wrong (``causal_query_rows``)."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        import autopar
+
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        q = autopar.shard(q, ["S(2)"])
+        y = autopar.shard(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), ["S(2)"])
+        return torch.nn.functional.mse_loss(self.out(y.transpose(1, 2).reshape(b, s, w)), target)
+
+
+def _causal_inputs():
+    torch.manual_seed(0)
+    model = _CausalAttention()
+    x, target = torch.randn(2, 7, 8), torch.randn(2, 7, 8)  # 7 queries on 2 ranks: rows 0-3 and 4-6
+    return model, x, target
+
+
+def _causal_rank_fn(rank, world):
+    import autopar
+
+    model, x, target = _causal_inputs()
+    sharded = autopar.compile(model, autopar.Mesh((world,)), example_inputs=(x, target))
+    kernels = {k for ex in sharded.plan.nodes.values() for k in ex.kernels if k}
+    loss = sharded(x, target)
+    loss.backward()
+    return kernels, loss.detach(), sharded.full_grads()
+
+
+def test_causal_attention_on_sharded_queries_trains_like_one_device():
+    model, x, target = _causal_inputs()
+    loss = model(x, target)
+    loss.backward()
+    for rank, (kernels, got_loss, grads) in enumerate(run_ranks(_causal_rank_fn, 2)):
+        assert "causal_query_rows" in kernels, f"rank {rank}: the plan runs no query-row attention: {kernels}"
+        _close(got_loss, loss.detach(), f"rank {rank}: loss")
+        for name, p in model.named_parameters():
+            _close(grads[name], p.grad, f"rank {rank}: grad {name}")

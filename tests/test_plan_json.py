@@ -82,7 +82,8 @@ def hinted_plan() -> Plan:
 
 def _with_every_field_set(plan: Plan) -> Plan:
     """``plan`` with a value other than the default in every field a planned gpt2-tiny leaves at it (what an
-    approximate or budget-bound search, a fallback op, a buffer, a kernel and op hints would write)."""
+    approximate or budget-bound search, a fallback op, a buffer, a kernel, op hints and a tied parameter's
+    partial gradient would write)."""
     mesh_axes = len(plan.mesh.shape)
     name, node = next(iter(plan.nodes.items()))
     odd_node = dataclasses.replace(node, kernels=("matmul_tp",) * mesh_axes, fallback=True)
@@ -122,8 +123,12 @@ def _with_every_field_set(plan: Plan) -> Plan:
         recompute=("transformer.h.1?",),
     )
     buffer = InputPlacement(shard, (4, 32), kind="buffer")
+    params = dict(plan.params)
+    first = next(iter(params))
+    params[first] = dataclasses.replace(params[first], partial_grad_axes=(plan.mesh.axis_names[0],))
     return dataclasses.replace(
         plan,
+        params=params,
         settings=dataclasses.replace(plan.settings, solver="ilp", devices_per_node=2),
         inputs=dict(plan.inputs, bias=buffer),
         nodes=dict(plan.nodes, **{name: odd_node}),
@@ -193,8 +198,11 @@ def test_fields_holding_nothing_are_left_out_of_the_json(hinted_plan):
     """A field whose default is "nothing" is written only when set, so the JSON keeps version 1's shape."""
     d = hinted_plan.to_dict()
     assert d["schema_version"] == 2
-    flagged = sorted(k for k, p in d["params"].items() if "partial_grad_axes" in p)
-    assert flagged == ["transformer.wte.weight"] == [k for k, p in hinted_plan.params.items() if p.partial_grad_axes]
+    data_parallel = _plan_for(V1_CALLS["plan_v1_gpt2_tiny.json"])  # the tied embedding's gradient: partial
+    flagged = sorted(k for k, p in data_parallel.to_dict()["params"].items() if "partial_grad_axes" in p)
+    assert flagged == ["transformer.wte.weight"] == [k for k, p in data_parallel.params.items() if p.partial_grad_axes]
+    assert not any("partial_grad_axes" in p for p in d["params"].values())
+    assert not any(p.partial_grad_axes for p in hinted_plan.params.values())
     recomputed = [n for n in d["nodes"].values() if "recompute" in n]
     assert 0 < len(recomputed) < len(d["nodes"]) and all(n["recompute"] for n in recomputed)
     again = [c for c in d["collectives"] if "recompute" in c]

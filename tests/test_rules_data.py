@@ -587,16 +587,28 @@ def test_sdpa_batch_heads_and_query_sequence(mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_sdpa_causal_never_shards_queries(mesh):
+def test_sdpa_causal_shards_queries_through_the_global_positions_kernel(mesh):
+    """``check`` runs every strategy's kernel on each rank's pieces and compares with the whole op: the query
+    shards of a causal attention (6 queries: uneven on 4) match it through ``causal_query_rows``."""
     q, k, v = _qkv(2, 4, 4, 6, 8)
     labels = check(SDPA, q, k, v, is_causal=True, mesh=mesh)
-    assert not any("(S(2)" in lab.split(" -> ")[1] for lab in labels), sorted(labels)
     if mesh == (2,):
-        has(labels, "(S(1)) (S(1)) (S(1)) -> (S(1))")
+        has(labels, "(S(1)) (S(1)) (S(1)) -> (S(1))", "(S(2)) (R) (R) -> (S(2)) @causal_query_rows")
+    if mesh == (4,):
+        has(labels, "(S(2)) (R) (R) -> (S(2)) @causal_query_rows")
+    if mesh == (2, 2):
+        has(
+            labels,
+            "(S(1),S(2)) (S(1),R) (S(1),R) -> (S(1),S(2)) @causal_query_rows",
+            "(S(2),S(2)) (R,R) (R,R) -> (S(2),S(2)) @causal_query_rows",
+        )
+    q, k, v = _qkv(2, 8, 2, 6, 4)  # GQA: the kernel keeps enable_gqa
+    gqa = check(SDPA, q, k, v, is_causal=True, enable_gqa=True, mesh=mesh)
+    assert any(lab.startswith("(S(2)") and lab.endswith("@causal_query_rows") for lab in gqa), sorted(gqa)
 
 
 def test_sdpa_query_shard_with_causal_mask_would_be_wrong():
-    """Why the rule drops S(2) when is_causal: the local op puts the diagonal at local row 0."""
+    """Why a causal query shard needs ``causal_query_rows``: the op itself puts the diagonal at local row 0."""
     q, k, v = _qkv(1, 1, 1, 4, 2)
     full = SDPA(q, k, v, is_causal=True)
     second_half = SDPA(q[:, :, 2:], k, v, is_causal=True)

@@ -52,6 +52,7 @@ from .call_spec import (
 )
 from .decompose import decompose_for_planning
 from .graph import OpCall, OpGraph, OpNode
+from .hf_masks import eager_attention_masks
 from .stamp import Traced, export_stamped
 
 __all__ = [
@@ -133,7 +134,7 @@ def export_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, dynamic
     # outputs are flattened after forward returns: register the dataclasses it returns before that
     hook = model.register_forward_hook(lambda _module, _args, out: register_dataclasses(out))
     try:
-        with lean_export(), _without_kv_cache(model):
+        with lean_export(), _without_kv_cache(model), eager_attention_masks(model, args, kwargs):
             return torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # export raises many types; all mean "could not trace"
         raise CaptureError(
