@@ -46,14 +46,14 @@ def llama3_405b(layers: int = 126) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(config)
 
 
-def forced(gpus: int, tp: int, pp: int, dp: int, layers: int) -> tuple[autopar.Plan, float]:
+def forced(gpus: int, tp: int, pp: int, dp: int, layers: int, budget: float = 30.0) -> tuple[autopar.Plan, float]:
     model = llama3_405b(layers)
     ids = torch.zeros(SEQUENCES, 8192, dtype=torch.long, device="meta")
     mesh = autopar.Mesh((dp, pp, tp), axis_names=("dp", "pp", "tp"))
     start = time.perf_counter()
     plan = autopar.plan(
         model, mesh, example_inputs=(ids,), example_kwargs={"labels": ids}, profile="h100", dtype="bf16",
-        mem_cap="80GB", devices_per_node=8, pipeline="pp", compare_families=False,
+        mem_cap="80GB", devices_per_node=8, pipeline="pp", compare_families=False, search_budget_s=budget,
     )  # fmt: skip
     return plan, time.perf_counter() - start
 
@@ -62,12 +62,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, choices=[r[0] for r in ROWS], help="one row (default: both)")
     parser.add_argument("--layers", type=int, default=126, help="layers (default 126, the model's)")
+    parser.add_argument(
+        "--search-budget", type=float, default=30.0, help="the plan's search budget in seconds (default 30, autopar's)"
+    )
     args = parser.parse_args()
     for gpus, tp, _cp, pp, dp, tflops, mfu in ROWS:
         if args.gpus not in (None, gpus):
             continue
         try:
-            plan, took = forced(gpus, tp, pp, dp, args.layers)
+            plan, took = forced(gpus, tp, pp, dp, args.layers, args.search_budget)
         except autopar.MemoryCapError as e:
             print(f"{gpus} GPUs (dp {dp} x pp {pp} x tp {tp}): no plan fits: {e.problem}")
             continue
