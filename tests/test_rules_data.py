@@ -607,6 +607,18 @@ def test_sdpa_causal_shards_queries_through_the_global_positions_kernel(mesh):
     assert any(lab.startswith("(S(2)") and lab.endswith("@causal_query_rows") for lab in gqa), sorted(gqa)
 
 
+def test_causal_query_rows_on_a_rank_holding_no_rows():
+    """3 queries on 4 ranks: the last holds none and computes an empty piece."""
+    from autopar.spec import TensorMeta
+    from autopar.strategies.attention import causal_query_rows
+
+    q, k, v = _qkv(1, 2, 2, 3, 4)
+    metas = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in (q, k, v))
+    ctx = KernelContext((4,), (3,), ((Shard(2),), (Replicate(),), (Replicate(),)), metas, (0,))
+    assert ctx.shard_ranges(0, 2) == []
+    assert causal_query_rows(ctx, q[:, :, 3:], k, v, is_causal=True).shape == (1, 2, 0, 4)
+
+
 def test_sdpa_query_shard_with_causal_mask_would_be_wrong():
     """Why a causal query shard needs ``causal_query_rows``: the op itself puts the diagonal at local row 0."""
     q, k, v = _qkv(1, 1, 1, 4, 2)

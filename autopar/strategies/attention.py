@@ -119,7 +119,9 @@ def causal_query_rows(
     """
     if attn_mask is not None or not is_causal:
         raise AssertionError("causal_query_rows runs a causal attention without an explicit mask")
-    rows = torch.cat([torch.arange(a, b, device=q.device) for a, b in ctx.shard_ranges(0, 2)])
+    held = [torch.arange(a, b, device=q.device) for a, b in ctx.shard_ranges(0, 2)]
+    # a rank of an uneven split may hold no rows
+    rows = torch.cat(held) if held else torch.zeros(0, dtype=torch.long, device=q.device)
     keys = torch.arange(k.shape[-2], device=q.device)
     mask = keys.unsqueeze(0) <= rows.unsqueeze(1)
     return aten.scaled_dot_product_attention.default(q, k, v, mask, dropout_p, False, **options)
