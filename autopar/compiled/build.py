@@ -139,17 +139,18 @@ def compile(
             "inputs, which in local mode are only this rank's pieces; pass example_inputs= with the global "
             "shapes, or use input_mode='global'"
         )
+    traced = None  # the graph compile(devices=) planned with, reused by the build
     if devices is not None:  # rank 0 chooses the mesh; every rank runs that plan
         _check_devices_plan(mesh, devices, plan, lazy)
         args, kwargs = _as_args(example_inputs), dict(example_kwargs or {})
-        plan = _plan_on_rank0(model, devices, args, kwargs, options, hint_options)[0]
+        plan, traced = _plan_on_rank0(model, devices, args, kwargs, options, hint_options)
         mesh = plan.mesh
     mesh = _as_mesh(mesh)
     plan_obj = None if plan is None else load_plan(plan, mesh, model)
     groups = MeshGroups(mesh)
     sharded = ShardedModule(
         groups,
-        build=_Build(model, mesh, plan_obj, options, hint_options),
+        build=_Build(model, mesh, plan_obj, options, hint_options, traced),
         input_mode=input_mode,
         full_params=_full_parameters(model, state_dict, weights_from_rank0),
         buffers={k: v.detach().clone() for k, v in model.named_buffers()},
@@ -204,13 +205,25 @@ def _as_mesh(mesh) -> Mesh:
 
 class _Build:
     """What ``ShardedModule`` calls with the first inputs: the graph and plan of this rank (planned on rank 0 with
-    the options, or the given plan checked against the graph this rank traces)."""
+    the options, or the given plan checked against the graph this rank traces).  ``traced``: the graph the plan
+    was made with from these inputs already (``compile(devices=)`` plans before building), used as it is."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, plan: Plan | None, options: PlanOptions, hints: HintOptions):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        plan: Plan | None,
+        options: PlanOptions,
+        hints: HintOptions,
+        traced: OpGraph | None = None,
+    ):
         self.model, self.mesh, self.plan, self.options, self.hint_options = model, mesh, plan, options, hints
+        self.traced = traced
 
     def __call__(self, args: tuple, kwargs: dict) -> tuple[OpGraph, Plan]:
         check_same_inputs_on_every_rank(args, kwargs)
+        if self.traced is not None and self.plan is not None:
+            return self.traced, self.plan
         if self.plan is None:
             found, graph = _plan_on_rank0(self.model, self.mesh, args, kwargs, self.options, self.hint_options)
             return graph, found
