@@ -59,6 +59,7 @@ from .cli_types import (
     microbatches_arg,
     positive_float,
     positive_int,
+    virtual_stages_arg,
 )
 from .mesh import Mesh
 
@@ -217,7 +218,8 @@ def _keyword_flag(parser):
 
 
 def _pipeline_flags(flag) -> None:
-    """``--pipeline``, ``--microbatches``, ``--schedule`` (``autopar plan`` and ``autopar run``)."""
+    """``--pipeline``, ``--microbatches``, ``--schedule``, ``--virtual-stages`` (``autopar plan`` and ``autopar
+    run``)."""
     from autopar.cost import SCHEDULES
 
     flag("pipeline", metavar="AXIS", help="pipeline along this mesh axis, auto (the search's pick) or none (default)")
@@ -230,6 +232,13 @@ def _pipeline_flags(flag) -> None:
         "and 4 per stage)",
     )
     flag("schedule", choices=(*SCHEDULES, "auto"), help="the pipeline schedule (default auto: the search's pick)")
+    flag(
+        "virtual_stages",
+        type=virtual_stages_arg,
+        metavar="V",
+        help="stages per rank of the interleaved schedule: a number >= 2, or auto (the default: each of 2, 4, 8, "
+        "... the layers fill)",
+    )
 
 
 def _hint_arg(text: str) -> tuple[str, object]:
@@ -389,6 +398,7 @@ def _cmd_run(args) -> int:
             pipeline=args.pipeline,
             microbatches=args.microbatches,
             schedule=args.schedule,
+            virtual_stages=args.virtual_stages,
         )
         config = dataclasses.replace(config, resume_dir=_resume(args.resume, config))
         report = run(config)

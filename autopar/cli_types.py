@@ -16,6 +16,7 @@ __all__ = [
     "microbatches_arg",
     "positive_float",
     "positive_int",
+    "virtual_stages_arg",
 ]
 
 
@@ -62,6 +63,15 @@ def positive_int(text: str) -> int:
 
 def microbatches_arg(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
+
+
+def virtual_stages_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    n = positive_int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto or a whole number >= 2 (stages per rank)")
+    return n
 
 
 def positive_float(text: str) -> float:

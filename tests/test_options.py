@@ -56,7 +56,7 @@ def test_every_entry_point_takes_the_table_keywords_with_its_defaults(name):
 def test_the_options_objects_are_the_table():
     plan_rows = [k for k in PLAN_KEYWORDS.values() if k.concern in ("price", "search")]
     hint_rows = [k for k in PLAN_KEYWORDS.values() if k.concern == "hints"]
-    assert len(plan_rows) + len(hint_rows) == len(PLAN_KEYWORDS) == 18
+    assert len(plan_rows) + len(hint_rows) == len(PLAN_KEYWORDS) == 19
     for cls, rows in ((PlanOptions, plan_rows), (HintOptions, hint_rows)):
         assert {f.name: f.default for f in dataclasses.fields(cls)} == {k.name: k.default for k in rows}
         assert cls.__dataclass_params__.frozen and hasattr(cls, "__slots__")

@@ -52,7 +52,8 @@ def test_auto_is_the_fastest_of_the_forced_candidates():
             assert chosen.cost.total_s < c.at_least_s <= steps[("none", 1, "")]
     text = render_explanation(chosen)
     assert (
-        "candidates priced (pipeline='auto')" in text and "a pipeline along 'a', interleaved, 8 micro-batches" in text
+        "candidates priced (pipeline='auto')" in text
+        and "a pipeline along 'a', interleaved (2 stages per rank), 8 micro-batches" in text
     )
     assert "candidates" not in chosen.to_json()
 

@@ -92,6 +92,9 @@ class _MLP(torch.nn.Module):
         ("interleaved-m", r"microbatches=3 is not a multiple of 2"),
         ("schedule", r"schedule 'zb': expected one of \('gpipe', '1f1b', 'interleaved', 'auto'\)"),
         ("microbatches", r"microbatches 0: expected an int >= 1"),
+        ("virtual-1f1b", r"virtual_stages 3: only the interleaved schedule runs several stages per rank.*Fix"),
+        ("virtual-1", r"virtual_stages 1: expected an int >= 2"),
+        ("virtual-stages", r"6 stages \(2 ranks x 3 per rank\) but GPT2LMHeadModel has 4 layers"),
     ],
 )
 def test_bad_pipelines_are_refused_with_the_fix(case, expected):
@@ -116,6 +119,10 @@ def test_bad_pipelines_are_refused_with_the_fix(case, expected):
         options["schedule"] = "zb"
     elif case == "microbatches":
         options["microbatches"] = 0
+    elif case.startswith("virtual"):
+        options.update(schedule="1f1b" if case == "virtual-1f1b" else "interleaved")
+        options["virtual_stages"] = 1 if case == "virtual-1" else 3
+        model, args, kwargs = _gpt2(batch=8, layers=4)
     with pytest.raises(ValueError, match=expected):
         _plan(model, args, kwargs, mesh, **options)
 
@@ -164,7 +171,8 @@ def test_autopar_plan_prints_the_stage_table_and_the_json_round_trips(capsys, tm
     count = len(pipe.stages)
     assert f"pipeline: {count} stages along axis 'pp' (2 ranks" in text and f"schedule {pipe.schedule}" in text
     rows = [line for line in text.splitlines() if "pp=0" in line or "pp=1" in line]
-    assert len(rows) == count and "(before) transformer.h.0-" in rows[0] and "-11 (after)" in rows[-1]
+    assert len(rows) == count and "(before) transformer.h.0" in rows[0] and "11 (after)" in rows[-1]
+    assert count == 2 * pipe.virtual  # interleaved: v stages per rank (the search's pick of 2, 4, ...)
     assert "bubble" in text and "stages" in text.split("step time")[1].splitlines()[0]
     # microbatches="auto": the candidates are the fewest of at least 2, 4 and 8 (p, 2p, 4p) whose micro-batch
     # still splits over the 4 other ranks: 8 rows -> 2 (4 rows each); 4 and 8 leave micro-batches of 2 and 1
@@ -251,3 +259,45 @@ def test_the_weight_is_the_fullest_ranks_micro_batches_in_flight():
     assert held_at_most("gpipe", 4, 8) == 8  # every forward before any backward
     assert held_at_most("1f1b", 4, 8) == 4  # the first stage: p in flight
     assert held_at_most("interleaved", 2, 4) == 3  # Megatron's warmup + 1 = 5 stage-micro-batches over 2 stages
+    assert held_at_most("interleaved", 2, 4, 3) == 3  # (2 - 1) 2 + 2 x 2 + 1 = 7 over 3 stages, rounded up
+
+
+def test_interleaved_stages_per_rank_are_tried_as_the_layers_allow():
+    from autopar.planner.pipeline_planning import fewest_virtual, virtual_choices
+
+    assert virtual_choices("1f1b", "auto", 4, 32) == [1] and virtual_choices("1f1b", "auto", 4, 3) == []
+    assert virtual_choices("interleaved", "auto", 4, 32) == [2, 4, 8]  # 4 x 8 = 32 stages of one layer
+    assert virtual_choices("interleaved", "auto", 16, 126) == [2, 4]  # 16 x 8 = 128 > 126
+    assert virtual_choices("interleaved", "auto", 4, 7) == []
+    assert virtual_choices("interleaved", 3, 4, 12) == [3] and virtual_choices("interleaved", 3, 4, 11) == []
+    assert (fewest_virtual("gpipe", 3), fewest_virtual("interleaved", "auto"), fewest_virtual("interleaved", 3)) == (
+        1,
+        2,
+        3,
+    )
+
+
+def test_the_search_weighs_more_stages_per_rank():
+    """``virtual_stages="auto"``: interleaved pipelines are priced with 2 and 4 stages per rank on 8 layers over 2
+    ranks, and the plan keeps the faster.  On an H100 profile, where a GPT-2-sized stage computes far longer than a
+    send takes, 4 per rank has the smaller bubble and wins; on the CPU profile (gloo's millisecond sends against a
+    tiny model's stages) 2 does.  Forcing ``v`` gives ``2 v`` stages."""
+    model, args, kwargs = load_model("gpt2", batch=8, seq=1024, overrides={"n_layer": 8})
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
+    options = dict(pipeline="pp", microbatches=4, schedule="interleaved", profile="h100", dtype="bf16")
+    plans = {
+        v: autopar.plan(
+            model, mesh, example_inputs=args, example_kwargs=kwargs, compare_families=False, virtual_stages=v, **options
+        )
+        for v in ("auto", 2, 4)
+    }
+    two, four = plans[2].pipeline, plans[4].pipeline
+    assert (len(two.stages), two.virtual, len(four.stages), four.virtual) == (4, 2, 8, 4)
+    assert four.bubble_fraction < two.bubble_fraction and plans[4].cost.total_s < plans[2].cost.total_s
+    assert plans["auto"].pipeline == four and plans["auto"].cost.total_s == plans[4].cost.total_s
+    assert autopar.Plan.from_json(plans[4].to_json()).pipeline == four
+    tiny, targs, tkwargs = _gpt2(batch=8, layers=8)
+    on_cpu = dict(pipeline="pp", microbatches=4, schedule="interleaved")
+    small = {v: _plan(tiny, targs, tkwargs, mesh, virtual_stages=v, **on_cpu) for v in (2, 4)}
+    cheaper = min(small, key=lambda v: small[v].cost.total_s)
+    assert _plan(tiny, targs, tkwargs, mesh, **on_cpu).pipeline.virtual == cheaper == 2

@@ -137,6 +137,7 @@ CASES = [
     ("bert-tiny", 4, (4,), ("pp",), dict(pipeline="pp", microbatches=8, schedule="1f1b")),
     ("gpt2-tiny", 3, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="gpipe")),
     ("gpt2-tiny", 4, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="interleaved")),
+    ("gpt2-tiny", 6, (2,), ("pp",), dict(pipeline="pp", microbatches=4, schedule="interleaved", virtual_stages=3)),
     ("llama-tiny", 2, (2, 2), ("pp", "tp"), dict(pipeline="pp", microbatches=4, family="tensor parallel")),
     ("bert-tiny", 2, (2, 2), ("pp", "dp"), dict(pipeline="pp", microbatches=2, family="sharded parameters")),
     ("gpt2-tiny", 2, (2, 2), ("pp", "dp"), dict(pipeline="pp", microbatches=2, recompute="full")),
@@ -172,6 +173,8 @@ def test_pipelined_training_matches_one_device(name, layers, mesh_shape, axis_na
             chain = 2 * layers if name.startswith("t5") else layers
             assert bounds[0][0] == 0 and bounds[-1][1] == chain, bounds
             assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:])), bounds
+        if "virtual_stages" in options:
+            assert len(bounds) == mesh_shape[0] * options["virtual_stages"], bounds
         if evaluated is not None:
             loss, logits = evaluated
             torch.testing.assert_close(loss, want_loss, rtol=RTOL, atol=ATOL, msg=f"rank {rank}: eval loss")

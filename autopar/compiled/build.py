@@ -86,6 +86,7 @@ def compile(
     pipeline: str = "none",
     microbatches: int | str = "auto",
     schedule: str = "auto",
+    virtual_stages: int | str = "auto",
     hints: dict[str, Any] | None = None,
     input_placements=None,
     output_placements=None,

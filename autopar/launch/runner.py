@@ -96,6 +96,7 @@ class RunConfig:
     pipeline: str = "none"  # the mesh axis that carries a pipeline (planner.pipeline_planning)
     microbatches: int | str = "auto"  # micro-batches per step (through the pipeline, or accumulated)
     schedule: str = "auto"  # the pipeline schedule
+    virtual_stages: int | str = "auto"  # stages per rank of the interleaved schedule
     devices: int | None = None  # plan for this many devices: the mesh is the plan's choice (mesh_shape: (devices,))
 
     def __post_init__(self) -> None:
@@ -357,6 +358,7 @@ def plan_once(config: RunConfig, *, profile: str = "cpu") -> Plan:
         pipeline=config.pipeline,  # micro-batched plans are captured at the micro-batch (plan's own path)
         microbatches=config.microbatches,
         schedule=config.schedule,
+        virtual_stages=config.virtual_stages,
         compare_families=False,
     )
 

@@ -169,6 +169,13 @@ _KEYWORDS = (
         "schedule", "auto", "the pipeline schedule: " + ", ".join(SCHEDULES) + ", or 'auto'", "search", "--schedule"
     ),
     Keyword(
+        "virtual_stages",
+        "auto",
+        "stages per rank of the interleaved schedule: an int >= 2, or 'auto' (2, 4, 8, ...)",
+        "search",
+        "--virtual-stages",
+    ),
+    Keyword(
         "hints",
         None,
         "pattern -> placements, 'replicate', 'recompute' or a matmul strategy (planner.hints)",
@@ -231,6 +238,7 @@ class PlanOptions:
     pipeline: str = _default("pipeline")
     microbatches: int | str = _default("microbatches")
     schedule: str = _default("schedule")
+    virtual_stages: int | str = _default("virtual_stages")
 
     def __post_init__(self) -> None:
         if self.mem_cap is not None:
@@ -267,6 +275,15 @@ class PlanOptions:
         if self.microbatches != "auto":
             _whole("microbatches", self.microbatches, 1, "pass how many micro-batches the batch splits into, or 'auto'")
         _one_of("schedule", self.schedule, (*SCHEDULES, "auto"), "pass one of those pipeline schedules")
+        if self.virtual_stages != "auto":
+            _whole("virtual_stages", self.virtual_stages, 2, "pass the stages per rank of an interleaved pipeline")
+            if self.schedule not in ("interleaved", "auto"):
+                raise OptionError(
+                    "virtual_stages",
+                    self.virtual_stages,
+                    f"only the interleaved schedule runs several stages per rank, and schedule is {self.schedule!r}",
+                    "pass schedule='interleaved' (or 'auto'), or virtual_stages='auto'",
+                )
 
     @property
     def micro_batched(self) -> bool:

@@ -10,13 +10,15 @@ The candidates are every combination the options leave open:
   the whole batch does not fit the cap, the fewest accumulated micro-batches that fit; with a pipeline,
   ``pipeline_planning.microbatch_choices`` (the fewest of at least ``p``, ``2 p``, ``4 p``);
 * the schedule: as given, or ``"auto"``: each of 1F1B, GPipe and interleaved 1F1B that runs ``p`` ranks and
-  ``m`` micro-batches (``pipeline_planning.schedule_runs``) with enough layers.
+  ``m`` micro-batches (``pipeline_planning.schedule_runs``) with enough layers; interleaved with each count of
+  stages per rank ``virtual_choices`` gives (``virtual_stages``: as given, or 2, 4, 8, ...).
 
 Each pipelined candidate is priced exactly as a forced one (``pipeline_planning.pipelined``).  Work is shared:
 one capture per micro-batch size (a symbolic capture specialized per size, ``capture.batch``, when several are
 needed), one stage-mesh search per (axis, ``m``) whose prices every schedule splits (``stage_prices``: no
-search per schedule).  Chosen: the fastest step (``Plan.cost.total_s``) among the candidates that fit the cap;
-a tie keeps no pipeline, else the earlier (the axes in mesh order, fewer micro-batches, 1F1B, GPipe,
+search per schedule), and where the cap needs weighted searches, one walk per weight (schedules holding as many
+micro-batches in flight share it).  Chosen: the fastest step (``Plan.cost.total_s``) among the candidates that fit
+the cap; a tie keeps no pipeline, else the earlier (the axes in mesh order, fewer micro-batches, 1F1B, GPipe,
 interleaved).  When none fits, ``MemoryCapError`` names the least memory any candidate needed.
 
 The plan without a pipeline is searched last, bounded by the fastest pipelined step ``s`` (``SearchRun.above``):
@@ -53,18 +55,20 @@ from .errors import MemoryCapError
 from .heap import FrozenHeap
 from .options import HintOptions, PlanOptions
 from .pipeline_planning import (
+    PipelineSchedule,
     check_layers,
     check_schedule,
+    fewest_virtual,
     microbatch_choices,
     pipeline_axis,
     pipelined,
     schedule_runs,
     stage_mesh,
     step_cost,
-    virtual_stages,
+    virtual_choices,
 )
 from .plan_parts import Candidate
-from .plan_table import describe_candidate
+from .plan_table import describe_candidate, describe_schedule
 from .problem_tables import PS_PER_S
 from .recompute_modes import search_modes
 from .schema import Plan
@@ -220,12 +224,12 @@ class PipelineChoice:
         return [k for k, size in enumerate(self.mesh.shape) if size >= 2]
 
     def _pipelines(self, axis: int, *, forced: bool) -> None:
-        """Every (``m``, schedule) of a pipeline along ``axis``: one stage-mesh search per ``m``, split and priced
-        per schedule.  ``forced`` (the user named the axis): what cannot run raises with its fix instead of
-        being skipped."""
+        """Every (``m``, schedule, stages per rank) of a pipeline along ``axis``: one stage-mesh search per ``m``,
+        split and priced per schedule.  ``forced`` (the user named the axis): what cannot run raises with its fix
+        instead of being skipped."""
         p, others = self.mesh.shape[axis], self.mesh.size // self.mesh.shape[axis]
         schedules = SCHEDULE_ORDER if self.options.schedule == "auto" else (self.options.schedule,)
-        asked = self.options.microbatches
+        asked, virtual = self.options.microbatches, self.options.virtual_stages
         counts = [asked] if asked != "auto" else microbatch_choices(self.batch, p, others, schedules)
         name, model = self.mesh.axis_names[axis], type(self.model).__name__
         for m in counts:
@@ -233,29 +237,39 @@ class PipelineChoice:
                 check_schedule(schedules[0], p, m)
             ctx = self._context(m, stage_mesh(self.mesh, axis), axis, self.inner)
             layers = chain_layers(ctx.graph)
-            runs = [s for s in schedules if schedule_runs(s, p, m) and len(layers) >= p * virtual_stages(s)]
+            runs = [
+                PipelineSchedule(s, m, v)
+                for s in schedules
+                if schedule_runs(s, p, m)
+                for v in virtual_choices(s, virtual, p, len(layers))
+            ]
             if forced and not runs:
-                check_layers(name, model, layers, p, min(virtual_stages(s) for s in schedules))
+                check_layers(name, model, layers, p, min(fewest_virtual(s, virtual) for s in schedules))
             if not runs:
                 continue
             with self._timing("search_s"):
                 free = self._search(ctx)
-            cap, fits = self.options.mem_cap, {}
-            for s in runs:
-                weight = held_at_most(s, p, m)
-                if weight not in fits:  # the weighted searches of this weight, shared by the schedules that hold it
+            fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
+            for run in runs:
+                weight = held_at_most(run.name, p, m, run.v)
+                if weight not in fits:
                     weighted = dataclasses.replace(ctx, activation_weight=weight)
                     fits[weight] = StageFit(functools.partial(self._search, weighted), free, weight)
-                price = functools.partial(
-                    pipelined, ctx, mesh=self.mesh, axis=axis, schedule=s, m=m, cap=cap, layers=layers
-                )
-                try:
-                    with self._timing("search_s"):
-                        plan = fit_stages(fits[weight], price, cap)
-                except MemoryCapError as e:
-                    self._missed(e, f"a pipeline along {name!r}, {s}, {m} micro-batches")
-                    continue
-                self._offer(plan, ctx.graph)
+                self._priced_pipeline(fits[weight], ctx, axis, run, layers)
+
+    def _priced_pipeline(self, fit: StageFit, ctx: PlanningContext, axis: int, run: PipelineSchedule, layers) -> None:
+        """The pipeline along ``axis`` run as ``run``, its stage plan the fastest of ``fit``'s walk whose split fits
+        the cap (``stage_fitting``): offered, or kept as a miss."""
+        cap = self.options.mem_cap
+        price = functools.partial(pipelined, ctx, mesh=self.mesh, axis=axis, schedule=run, cap=cap, layers=layers)
+        try:
+            with self._timing("search_s"):
+                plan = fit_stages(fit, price, cap)
+        except MemoryCapError as e:
+            schedule = describe_schedule(run.name, run.m, run.v)
+            self._missed(e, f"a pipeline along {self.mesh.axis_names[axis]!r}, {schedule}")
+            return
+        self._offer(plan, ctx.graph)
 
     # ---- shared work ---------------------------------------------------------------------------------------
     def _missed(self, error: MemoryCapError, what: str) -> None:

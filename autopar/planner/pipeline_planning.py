@@ -7,8 +7,9 @@ one micro-batch's activations at a time) and prices the step as ``m`` of them pl
 (``step_cost``); ``ShardedModule.train_step`` runs them one after another, the gradients accumulating.
 
 ``plan(..., pipeline="pp", microbatches=m, schedule=...)`` (``pipelined``) makes a plan whose ranks along
-axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` stages per rank (``v = 2`` for
-``interleaved``, else 1), over ``m`` micro-batches of the batch:
+axis ``pp`` (size ``p``) each run a contiguous run of the model's layers, ``v`` stages per rank (``interleaved``:
+``virtual_stages=v``, or with ``"auto"`` each of 2, 4, 8, ... that the layers fill, ``virtual_choices``; else 1),
+over ``m`` micro-batches of the batch (one ``PipelineSchedule``):
 
 1. the *stage mesh* is the mesh without the pipeline axis (a mesh of that axis alone: the axis at size 1);
 2. the model is captured at the micro-batch (the example's first ``1/m`` of the batch, ``split_microbatches``);
@@ -32,6 +33,7 @@ mesh (``context.graph_context``).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
@@ -46,16 +48,28 @@ from .stage_assignment import chain_layers, layer_span
 from .stage_prices import PricedPipeline, Speed, chain_prices, priced_stages
 
 __all__ = [
+    "PipelineSchedule",
     "check_layers",
     "check_schedule",
+    "fewest_virtual",
     "microbatch_choices",
     "pipeline_axis",
     "pipelined",
     "schedule_runs",
     "stage_mesh",
     "step_cost",
-    "virtual_stages",
+    "virtual_choices",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSchedule:
+    """How a pipeline runs one step: schedule ``name`` (``cost.SCHEDULES``) over ``m`` micro-batches, ``v`` stages
+    per rank (``interleaved``: 2 or more; the others: 1)."""
+
+    name: str
+    m: int
+    v: int = 1
 
 
 def pipeline_axis(mesh: Mesh, axis: str) -> int:
@@ -87,17 +101,16 @@ def pipelined(
     micro_plan: Plan,
     mesh: Mesh,
     axis: int,
-    schedule: str,
-    m: int,
+    schedule: PipelineSchedule,
     cap: int | None,
     *,
     layers: list[tuple[str, tuple[int, ...]]] | None = None,
 ) -> Plan:
     """The pipelined plan on ``mesh`` whose stages run ``micro_plan`` (searched on ``ctx``: one micro-batch on
-    ``stage_mesh(mesh, axis)``), split and priced for ``schedule`` over ``m`` micro-batches under ``cap`` per
-    device (module docstring).  ``layers``: ``chain_layers(ctx.graph)`` where the caller has it (None: found
-    here).  Raises ``MemoryCapError`` when no split fits."""
-    p, v = mesh.shape[axis], virtual_stages(schedule)
+    ``stage_mesh(mesh, axis)``), split and priced for ``schedule`` (its micro-batches and stages per rank) under
+    ``cap`` per device (module docstring).  ``layers``: ``chain_layers(ctx.graph)`` where the caller has it (None:
+    found here).  Raises ``MemoryCapError`` when no split fits."""
+    p, v, m = mesh.shape[axis], schedule.v, schedule.m
     layers = chain_layers(ctx.graph) if layers is None else layers
     settings = ctx.coster.settings
     if settings.microbatches != m:
@@ -106,7 +119,7 @@ def pipelined(
     speed = shared_cores_speed(settings.profile, mesh, p)
     try:
         prices = chain_prices(ctx.graph, micro_plan, layers, link, m)
-        priced = priced_stages(prices, schedule, m, p, v, cap, speed)
+        priced = priced_stages(prices, schedule.name, m, p, v, cap, speed)
     except NoSplitFits as e:
         raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
     names = [name for name, _ in layers]
@@ -115,7 +128,7 @@ def pipelined(
         for j, st in enumerate(priced.stages)
     )
     bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
-    pipe = PipelinePlan(mesh.axis_names[axis], schedule, stages, v, bubble)
+    pipe = PipelinePlan(mesh.axis_names[axis], schedule.name, stages, v, bubble)
     return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
 
 
@@ -130,9 +143,22 @@ def shared_cores_speed(profile: DeviceProfile, mesh: Mesh, p: int) -> Speed | No
     return lambda k: profile.compute_speed(max(1, round(ranks * k / p)), ranks)
 
 
-def virtual_stages(schedule: str) -> int:
-    """Stages per rank: 2 for ``interleaved``, else 1."""
-    return 2 if schedule == "interleaved" else 1
+def virtual_choices(schedule: str, asked: int | str, p: int, layers: int) -> list[int]:
+    """The stages per rank a ``p``-rank ``schedule`` over ``layers`` layers is tried with: 1 for GPipe and
+    1F1B; for ``interleaved`` ``asked`` (``virtual_stages``: an int) or, for ``"auto"``, each of 2, 4, 8, ...
+    More stages per rank cut the bubble to ``(p - 1) / (v m + p - 1)`` of the step, send each micro-batch over
+    ``p v - 1`` cuts instead of ``p - 1`` and hold more in flight early (``cost.in_flight``): the pricing weighs
+    the three.  Only ``v`` with ``p v <= layers`` (a stage of at least one layer): empty when there is none."""
+    if schedule != "interleaved":
+        return [1] if p <= layers else []
+    if asked != "auto":
+        return [asked] if p * asked <= layers else []
+    return [2**k for k in range(1, layers.bit_length()) if p * 2**k <= layers]
+
+
+def fewest_virtual(schedule: str, asked: int | str) -> int:
+    """The fewest stages per rank ``virtual_choices`` tries for ``schedule``: what ``check_layers`` needs."""
+    return 1 if schedule != "interleaved" else 2 if asked == "auto" else asked
 
 
 def _stage_name(names: list[str], stage: StagePart, j: int, count: int) -> str:

@@ -38,6 +38,7 @@ __all__ = [
     "describe_plan",
     "describe_candidate",
     "describe_model_flops",
+    "describe_schedule",
     "describe_throughput",
 ]
 
@@ -155,11 +156,17 @@ OUTPUT_GATHER_SHARE = 0.1
 
 def describe_candidate(plan: Plan) -> str:
     """What a micro-batched candidate of ``pipeline="auto"`` is (``Candidate.what``): ``no pipeline``, ``no
-    pipeline, 4 accumulated micro-batches`` or ``a pipeline along 'pp', 1f1b, 8 micro-batches``."""
+    pipeline, 4 accumulated micro-batches`` or ``a pipeline along 'pp', 1f1b, 8 micro-batches``
+    (``describe_schedule``)."""
     if plan.pipeline is None:
         return "no pipeline" + (f", {plan.microbatches} accumulated micro-batches" if plan.microbatches > 1 else "")
     pipe = plan.pipeline
-    return f"a pipeline along {pipe.axis!r}, {pipe.schedule}, {plan.microbatches} micro-batches"
+    return f"a pipeline along {pipe.axis!r}, {describe_schedule(pipe.schedule, plan.microbatches, pipe.virtual)}"
+
+
+def describe_schedule(schedule: str, m: int, v: int) -> str:
+    """``1f1b, 8 micro-batches`` or ``interleaved (4 stages per rank), 16 micro-batches``."""
+    return schedule + (f" ({v} stages per rank)" if v > 1 else "") + f", {m} micro-batches"
 
 
 def describe_output_gather(plan: Plan) -> str:

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from autopar.cost import in_flight
 
 from .errors import MemoryCapError
-from .pipeline_planning import virtual_stages
 from .schema import Plan
 
 __all__ = ["BISECT_TRIES", "LOWERING_TRIES", "StageFit", "fit_stages", "held_at_most"]
@@ -80,10 +79,9 @@ class StageFit:
         return mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + self.weight * mem.activations_bytes
 
 
-def held_at_most(schedule: str, p: int, m: int) -> int:
+def held_at_most(schedule: str, p: int, m: int, v: int = 1) -> int:
     """``w = max_r h_r``: the most micro-batches' activations of its stages a rank of a ``p``-rank ``schedule`` over
     ``m`` micro-batches holds at once (interleaved: its stage-micro-batches over its ``v`` stages, rounded up)."""
-    v = virtual_stages(schedule)
     return max(-(-in_flight(schedule, p, m, r, v) // v) for r in range(p))
 
 
