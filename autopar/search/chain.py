@@ -57,7 +57,9 @@ to pay: every search ran faster without them, to the same plans.  Windows
 already rule out.
 
 Target: iterative deepening from the Lagrange bound (:mod:`.deepen`, which also holds how a search with a
-gap merges near-equal pairs, and the rest bound).
+gap merges near-equal pairs, and the rest bound).  A search that stops before it proves its plan (the deadline,
+or within ``rel_gap``) returns the best of the plans met and their mixes (:mod:`.mixing`: the last blocks of a
+faster plan over the cap laid onto one under it, priced exactly).
 
 Lagrange rows.  lam* at a cap is found by Eisner-Severance from two plans that bracket
 it; the chain keeps the plans every Lagrange row met (``Chain.hull``, across the caps of
@@ -88,6 +90,7 @@ from .deadline import Deadline
 from .deepen import PassSetup, RestBound, VariantBounds, deepen
 from .dp import min_memory
 from .minsum import MinSumChain
+from .mixing import mixed_plan
 from .pareto import tol
 from .problem import BeatenError, InfeasibleError, SearchProblem, Solution, Start
 from .split import ChainError
@@ -215,6 +218,11 @@ def solve_chain(
     optimal = "proven_lower" not in pstats
     if pstats.get("budget_hit") and pstats["proven_lower"] >= t - tol(t):
         optimal = True  # the budget passed as the last pass proved it
+    if not optimal and cap is not None:  # stopped early: the plans met and their mixes (.mixing)
+        mixed = mixed_plan(chain, seen + found, cap)
+        if mixed is not None and mixed[0] < t:
+            stats["mixed_from"] = t  # the best plan met before mixing
+            t, m, choice, picked = mixed
     if not optimal:  # stopped within rel_gap of the optimum: how close, as an approximate search says it
         stats.update(lower_bound=pstats["proven_lower"], gap=(t - pstats["proven_lower"]) / t)
     if variants or rest_variants:
