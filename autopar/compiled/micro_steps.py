@@ -69,9 +69,16 @@ class MicroBatchSteps:
     @property
     def pipeline_busy_s(self) -> float:
         """Seconds this rank's pipeline stages have spent in forward and backward since compiling (their
-        chunks' compute, without the schedule's waits: ``1 - busy / step time`` is the rank's bubble); 0.0
-        for a plan without a pipeline."""
+        chunks' compute, without the schedule's waits: ``1 - busy / schedule`` is the rank's bubble,
+        ``pipeline_schedule_s``); 0.0 for a plan without a pipeline."""
         return self._runner.busy_s if self._runner is not None else 0.0
+
+    @property
+    def pipeline_schedule_s(self) -> float:
+        """Seconds this rank has spent in its pipeline schedule's steps since compiling (its stages' forward
+        and backward, sends and waits; not the optimizer, nor the reductions after the schedule); 0.0 without
+        a pipeline."""
+        return self._runner.schedule_s if self._runner is not None else 0.0
 
     def _accumulated_step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """``train_step`` without a pipeline: each micro-batch's forward and its weighted backward in turn."""

@@ -17,7 +17,9 @@ crosses a boundary described up front (``CarriedValue``), and drives them with t
 * the loss is summed over the pipeline axis, so every rank returns it, not only the last stage's.
 
 ``busy_s`` adds up the time this rank's stages spend in their chunks' forward and backward (the schedule's own
-sends and waits outside them): ``1 - busy / step`` is the rank's measured bubble (``autopar fidelity``).
+sends and waits outside them), ``schedule_s`` the time of the schedule's steps (not the loss's sum, the gradient
+reductions after it, nor the optimizer): ``1 - busy / schedule`` is the rank's measured bubble, as
+``cost.pipeline`` prices it (``autopar fidelity``).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class PipelineRunner:
         # the shared weights' groups (a forward-only pipeline has no gradients to sum)
         self.shared = self._shared_groups(programs, p, rank) if outputs is None else []
         self.busy_s = 0.0  # time this rank's stages spent in forward and backward (the rest of a step: the bubble)
+        self.schedule_s = 0.0  # time this rank spent in the schedule's steps (busy, its sends and its waits)
         hold_until_exit(self)  # its stages, schedule and groups dropped while the interpreter is whole
         for stage in self.stages:
             _time_into(self, stage, "forward_one_chunk")
@@ -140,7 +143,9 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = self._first_stage_args(micro_inputs)
         kwargs = {"target": weights, "losses": losses} if self.last else {}
+        began = time.perf_counter()
         self.schedule.step(*args, return_outputs=False, **kwargs)
+        self.schedule_s += time.perf_counter() - began
         device = weights.device
         total = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), device=device)
         dist.all_reduce(total, group=self.group)

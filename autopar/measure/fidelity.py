@@ -298,11 +298,12 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
             step(i)
     times: list[list[float]] = [[] for _ in runs]
     busy = [0.0] * len(runs)  # this rank's pipeline stages' compute over the timed rounds
+    scheduled = [0.0] * len(runs)  # and its time in the schedule's steps
     for r in range(bench.rounds):
         for j in range(len(runs)):
             i = (j + r) % len(runs)
             dist.barrier()
-            t0, busy0 = time.perf_counter(), runs[i][1].pipeline_busy_s
+            t0, busy0, scheduled0 = time.perf_counter(), runs[i][1].pipeline_busy_s, runs[i][1].pipeline_schedule_s
             for _ in range(bench.steps_per_round):
                 step(i)
             if device.type == "cuda":  # the kernels queued, not only launched
@@ -310,6 +311,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
             dist.barrier()
             times[i].append((time.perf_counter() - t0) / bench.steps_per_round)
             busy[i] += runs[i][1].pipeline_busy_s - busy0
+            scheduled[i] += runs[i][1].pipeline_schedule_s - scheduled0
     peaks = []  # per plan: (each measured step's largest rank peak, that rank's held bytes)
     for i, (_, sharded, opt) in enumerate(runs):
         steps, held_by = [], 0
@@ -322,7 +324,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
             top, held_by = max(every)
             steps.append(top)
         peaks.append((tuple(steps), held_by))
-    bubbles = _measured_bubbles(runs, times, busy, bench.steps_per_round)
+    bubbles = _measured_bubbles(runs, busy, scheduled)
     out = []
     for (labels, _), (plan, _, _), t, (peak, held), bubble in zip(plans, runs, times, peaks, bubbles):
         out.append(
@@ -343,20 +345,19 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
     return tuple(out)
 
 
-def _measured_bubbles(runs, times, busy: list[float], steps_per_round: int) -> list[float | None]:
-    """Per plan: the share of the timed steps a rank of its pipeline spent outside its stages' forward and
-    backward, averaged over the ranks (the bubble as ``cost.pipeline`` defines it); None without a pipeline."""
+def _measured_bubbles(runs, busy: list[float], scheduled: list[float]) -> list[float | None]:
+    """Per plan: the share of its schedule's time a rank of its pipeline spent outside its stages' forward and
+    backward (sends, waits), averaged over the ranks: the bubble as ``cost.pipeline`` prices it, over the
+    schedule's time (the step less the optimizer and the reductions after the schedule); None without a
+    pipeline."""
     import torch.distributed as dist
 
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, busy)
+    dist.all_gather_object(every, (busy, scheduled))
     out = []
     for i, (plan, _, _) in enumerate(runs):
-        if plan.pipeline is None:
-            out.append(None)
-            continue
-        total = sum(times[i]) * steps_per_round
-        out.append(1.0 - sum(b[i] for b in every) / len(every) / total if total > 0 else None)
+        shares = [b[i] / s[i] for b, s in every if s[i] > 0]
+        out.append(1.0 - sum(shares) / len(shares) if plan.pipeline is not None and shares else None)
     return out
 
 
