@@ -132,6 +132,32 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     assert collective_time_s("all_reduce", x1, 4, prof.intra_node) > price(x1)
 
 
+def _calibrate_here_rank(rank, world, path):
+    from autopar.measure.calibrate import calibrate_here
+
+    return calibrate_here(rank, world, "cpu", path, trials=2, quick=True)
+
+
+def test_fidelity_calibrates_on_its_own_ranks_before_a_case(tmp_path):
+    """``autopar fidelity --calibrate``'s step: the job's ranks calibrate together, rank 0 writes the profile (the
+    base's keys kept) and returns the spread; the CLI refuses a folder that is not there."""
+    from dist_utils import run_ranks
+
+    from autopar.measure.commands import cmd_fidelity
+    from costmodel import load_profile
+
+    path = str(tmp_path / "case.toml")
+    spreads = run_ranks(_calibrate_here_rank, 2, path, timeout_s=300)
+    assert spreads[0] is not None and spreads[0] >= 0 and spreads[1] is None
+    prof = load_profile(path)
+    assert prof.peak_flops["float32"] > 0 and prof.memory_bytes == load_profile("cpu").memory_bytes
+    args = SimpleNamespace(
+        json=None, benchmark=None, models=None, mesh=None, rounds=None, profile="cpu", ranks=2, timeout=60.0,
+        calibrate=str(tmp_path / "missing"),
+    )  # fmt: skip
+    assert cmd_fidelity(args) == 2
+
+
 def test_calibrate_on_one_rank_keeps_the_base_profiles_links(tmp_path):
     """One rank (a 1-GPU job) has no group to time: no collective fits, the profile keeps the base's links."""
     from autopar.measure.calibrate import calibrate

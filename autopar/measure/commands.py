@@ -57,6 +57,13 @@ def add_parsers(sub, *, positive_int, mesh_shape) -> None:
     f.add_argument("--mesh", type=mesh_shape, default=None, help="only this mesh of the benchmark, e.g. 2x2")
     f.add_argument("--rounds", type=positive_int, default=None, help="timed rounds (default: the benchmark's)")
     f.add_argument("--timeout", type=float, default=3600.0, help="stop the ranks after this many seconds")
+    f.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="DIR",
+        help="calibrate the machine before each case and plan that case with it (--profile: its base), writing "
+        "DIR/<model>-<mesh>.toml",
+    )
 
 
 def _writable(path: str | None, flag: str) -> None:
@@ -122,7 +129,15 @@ def cmd_fidelity(args) -> int:
         bench = bench.only(models, [args.mesh] if args.mesh else None)
         if args.rounds is not None:
             bench = replace(bench, rounds=args.rounds)
-        return run_fidelity(profile=args.profile, ranks=args.ranks, benchmark=bench, timeout_s=args.timeout)
+        if args.calibrate is not None and not Path(args.calibrate).expanduser().is_dir():
+            raise ValueError(f"--calibrate {args.calibrate!r}: not a folder; create it or pass another")
+        return run_fidelity(
+            profile=args.profile,
+            ranks=args.ranks,
+            benchmark=bench,
+            timeout_s=args.timeout,
+            calibrate_dir=args.calibrate,
+        )
 
     run, code = _run(measure)
     if run is None:  # bad input, or a torchrun rank other than 0

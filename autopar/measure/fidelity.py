@@ -109,6 +109,7 @@ class CaseResult:
     mesh: tuple[int, ...]
     plans: tuple[PlanResult, ...]
     infeasible: dict[str, str] = field(default_factory=dict)
+    profile: str = ""  # the profile the case was planned with (``--calibrate``: its own, measured just before)
 
     @property
     def key(self) -> str:
@@ -130,9 +131,18 @@ class FidelityRun:
 
 
 def run_fidelity(
-    *, profile: str, ranks: int, benchmark: Benchmark | None = None, timeout_s: float = 3600.0
+    *,
+    profile: str,
+    ranks: int,
+    benchmark: Benchmark | None = None,
+    timeout_s: float = 3600.0,
+    calibrate_dir: str | None = None,
 ) -> FidelityRun:
     """Measure ``benchmark`` (default: the fixed one) on ``ranks`` local gloo ranks, planned under ``profile``.
+
+    ``calibrate_dir``: before each case the ranks calibrate the machine (``calibrate.calibrate_here``) and the
+    case is planned with that profile (``profile`` its base), written to ``calibrate_dir/<model>-<mesh>.toml``: a
+    machine whose speed drifts over the run's minutes is priced as it runs each case.
 
     Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is one rank and the
     job's world size must equal ``ranks``; rank 0 returns the run, the others None.
@@ -150,7 +160,7 @@ def run_fidelity(
 
     load_profile(profile)  # an unknown profile fails here, before any rank starts
     t0 = time.perf_counter()
-    cases = on_ranks(_rank_main, ranks, bench, profile, timeout_s=timeout_s)
+    cases = on_ranks(_rank_main, ranks, bench, profile, calibrate_dir, timeout_s=timeout_s)
     if cases is None:  # a torchrun rank other than 0
         return None
     return FidelityRun(tuple(cases), profile, ranks, bench.source, time.perf_counter() - t0)
@@ -183,7 +193,7 @@ def _say(rank: int, text: str) -> None:
         print(f"autopar fidelity: {text}", file=sys.stderr, flush=True)
 
 
-def _rank_main(rank: int, world: int, bench: Benchmark, profile: str) -> list[CaseResult] | None:
+def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_dir: str | None):
     """One rank's whole benchmark (every case whose mesh has ``world`` devices); rank 0 returns the results."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(1)
@@ -192,11 +202,18 @@ def _rank_main(rank: int, world: int, bench: Benchmark, profile: str) -> list[Ca
     for k, (model, mesh) in enumerate(cases, 1):
         t0 = time.perf_counter()
         where = f"[{k}/{len(cases)}] {model.name} on {'x'.join(map(str, mesh))}"
+        priced = profile
+        if calibrate_dir is not None:
+            from .calibrate import calibrate_here
+
+            priced = os.path.join(calibrate_dir, f"{model.name}-{'x'.join(map(str, mesh))}.toml")
+            spread = calibrate_here(rank, world, profile, priced)
+            _say(rank, f"{where}: calibrated (repeats spread {spread or 0:.1%} in the median): {priced}")
         _say(rank, f"{where}: planning {len(bench.variants)} variants")
-        plans, infeasible = _plans_from_rank0(rank, model, mesh, bench.variants, profile)
+        plans, infeasible = _plans_from_rank0(rank, model, mesh, bench.variants, priced)
         _say(rank, f"[{k}/{len(cases)}] {len(plans)} distinct plans; compiling and timing")
         result = _measure_case(rank, model, mesh, plans, bench)
-        out.append(CaseResult(model.name, mesh, result, infeasible))
+        out.append(CaseResult(model.name, mesh, result, infeasible, priced))
         _say(rank, f"[{k}/{len(cases)}] done in {time.perf_counter() - t0:.0f} s")
         gc.collect()
     return out if rank == 0 else None
@@ -375,6 +392,7 @@ def summarize(run: FidelityRun) -> dict[str, Any]:
             "median_abs_error": stats.median([abs(p.time_error) for p in c.plans]),
             "plans": [_plan_json(p) for p in c.plans],
             "infeasible": dict(c.infeasible),
+            "profile": c.profile,
         }
     models = {}
     for name in dict.fromkeys(c.model for c in run.cases):
