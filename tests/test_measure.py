@@ -134,13 +134,17 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
 
 def _calibrate_here_rank(rank, world, path):
     from autopar.measure.calibrate import calibrate_here
+    from autopar.measure.calibration_report import write_profile
 
-    return calibrate_here(rank, world, "cpu", path, trials=2, quick=True)
+    cal = calibrate_here(rank, world, "cpu", trials=2, quick=True)
+    if cal is not None:
+        write_profile(cal, path)
+    return None if cal is None else cal.spread
 
 
 def test_fidelity_calibrates_on_its_own_ranks_before_a_case(tmp_path):
-    """``autopar fidelity --calibrate``'s step: the job's ranks calibrate together, rank 0 writes the profile (the
-    base's keys kept) and returns the spread; the CLI refuses a folder that is not there."""
+    """``autopar fidelity --calibrate``'s step: the job's ranks calibrate together, rank 0 gets the calibration (its
+    profile keeps the base's keys); the CLI refuses a folder that is not there."""
     from dist_utils import run_ranks
 
     from autopar.measure.commands import cmd_fidelity

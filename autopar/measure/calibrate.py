@@ -227,20 +227,15 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
     )
 
 
-def calibrate_here(rank: int, world: int, base: str, path: str, trials: int = 3, quick: bool = False) -> float | None:
-    """Calibrate on the ranks of the running job (every rank calls this, as ``measure_rank``) and, on rank 0,
-    write the profile to ``path`` (``base``: what it does not measure) and return its repeats' median spread; the
-    other ranks return None.  ``autopar fidelity --calibrate`` runs it before each case; ``quick``: as
-    ``calibrate``'s."""
+def calibrate_here(rank: int, world: int, base: str, trials: int = 3, quick: bool = False) -> Calibration | None:
+    """Calibrate on the ranks of the running job (every rank calls this, as ``measure_rank``; ``base``: the profile
+    of what it does not measure): the calibration on rank 0, None on the others.  ``autopar fidelity --calibrate``
+    runs it before each case; ``quick``: as ``calibrate``'s."""
     t0, load = time.perf_counter(), os.getloadavg()[0]
     raw = measure_rank(rank, world, trials, quick)
     if raw is None:
         return None
-    from .calibration_report import write_profile
-
-    cal = _calibration(dict(raw, load_before=load), base, time.perf_counter() - t0)
-    write_profile(cal, path)
-    return cal.spread
+    return _calibration(dict(raw, load_before=load), base, time.perf_counter() - t0)
 
 
 def _gpu_base(device_name: str) -> str:

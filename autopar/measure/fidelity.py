@@ -205,10 +205,13 @@ def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_
         priced = profile
         if calibrate_dir is not None:
             from .calibrate import calibrate_here
+            from .calibration_report import write_profile
 
             priced = os.path.join(calibrate_dir, f"{model.name}-{'x'.join(map(str, mesh))}.toml")
-            spread = calibrate_here(rank, world, profile, priced)
-            _say(rank, f"{where}: calibrated (repeats spread {spread or 0:.1%} in the median): {priced}")
+            cal = calibrate_here(rank, world, profile)
+            if cal is not None:  # rank 0, the one that plans
+                write_profile(cal, priced)
+                _say(rank, f"{where}: calibrated (repeats spread {cal.spread:.1%} in the median): {priced}")
         _say(rank, f"{where}: planning {len(bench.variants)} variants")
         plans, infeasible = _plans_from_rank0(rank, model, mesh, bench.variants, priced)
         _say(rank, f"[{k}/{len(cases)}] {len(plans)} distinct plans; compiling and timing")
