@@ -117,6 +117,24 @@ def test_the_simulation_at_full_speed_is_the_list_schedule(schedule):
         assert run.busy_s == pytest.approx(want_busy)
 
 
+def test_a_receive_posted_when_the_rank_is_free_delays_it_by_the_whole_transfer():
+    """Two stages, two micro-batches, GPipe, forward = backward = 1 s, each transfer 0.5 s.  Sent as soon as the
+    sender finishes (a host running ahead posted the receive long before), stage 1's second forward starts as
+    its first ends (the value came at 2.5 s): F(1,*) on [1.5, 2.5], [2.5, 3.5], B(1,*) to 5.5, B(0,*) on
+    [5, 6], [6, 7]: 7 s.  With the receive posted only once the receiver is free (``recv_when_free``: CPU
+    ranks), the second value starts moving at 2.5 s: F(1,1) on [3, 4], B(1,*) to 6, B(0,0) on [5.5, 6.5] and
+    B(0,1) waits for its gradient until 7: 8 s.  Without transfers the two agree."""
+    f, b = [1.0, 1.0], [1.0, 1.0]
+    assert schedule_run("gpipe", f, b, 2, transfer_s=0.5).step_s == pytest.approx(7.0)
+    assert schedule_run("gpipe", f, b, 2, transfer_s=0.5, recv_when_free=True).step_s == pytest.approx(8.0)
+    for schedule in ("gpipe", "1f1b"):
+        assert schedule_run(schedule, f, b, 4, recv_when_free=True).step_s == pytest.approx(
+            step_time(schedule, f, b, 4)
+        )
+    late = schedule_run("1f1b", f, b, 4, transfer_s=0.5, recv_when_free=True).step_s
+    assert late > step_time("1f1b", f, b, 4, transfer_s=0.5)
+
+
 def test_a_rank_alone_on_shared_cores_goes_faster_and_moves_do_not():
     """Two ranks, one micro-batch: only one computes at any time.  On cores shared so that one rank alone goes
     2 x, the step halves; a stage that is all moves (``compute_share`` 0) does not speed up; half and half,

@@ -160,6 +160,7 @@ def schedule_run(
     transfer_s: float = 0.0,
     speed: Callable[[int], float] | None = None,
     compute_share: Sequence[float] | None = None,
+    recv_when_free: bool = False,
 ) -> ScheduleRun:
     """The step of :func:`rank_orders` simulated in time: a rank starts its next action once the action's inputs
     are there (:func:`_ready_at`) and it is free; ``forward_s`` / ``backward_s`` are the actions' work at full
@@ -167,7 +168,15 @@ def schedule_run(
     sharing a host's cores: ``costmodel.DeviceProfile.compute_speed``; None: 1, each rank its own device, which
     is the list schedule) and the rest (collectives inside a stage) does not: stage ``j``'s work, ``c_j``
     compute (``compute_share[j]``, default 1), goes at the rate ``1 / (c_j / s + 1 - c_j)``.  Between events (an
-    action finishing, one becoming ready) the rates are constant, so each event is exact."""
+    action finishing, one becoming ready) the rates are constant, so each event is exact.
+
+    ``recv_when_free``: a value crossing to another rank starts moving only once the receiving rank is free to
+    post its receive (it has finished its previous action), so the transfer delays the receiver by its whole
+    time even when the sender finished long before: a rendezvous link (gloo, NCCL) under a runtime whose host
+    posts each receive just before the action that needs it, as ``torch.distributed.pipelining`` does; that host
+    is the device itself where it does not run ahead (``DeviceProfile.host_runs_ahead`` false: CPU ranks).
+    False: the transfer starts when the sender's action ends (a host running ahead of its device has posted the
+    receive long before the device gets there)."""
     stages = len(forward_s)
     if len(backward_s) != stages or stages % v:
         raise ValueError(
@@ -178,7 +187,7 @@ def schedule_run(
     work = {"F": forward_s, "B": backward_s}
     share = list(compute_share) if compute_share is not None else [1.0] * stages
     done: dict[Action, float] = {}
-    at, busy = [0] * p, [0.0] * p
+    at, busy, free = [0] * p, [0.0] * p, [0.0] * p  # free[r]: when rank r finished its last action
     running: dict[int, list] = {}  # rank -> [action, work left]
     now = 0.0
     while True:
@@ -187,7 +196,7 @@ def schedule_run(
             if r in running or at[r] == len(orders[r]):
                 continue
             act = orders[r][at[r]]
-            start = _ready_at(act, done, stages, p, transfer_s)
+            start = _ready_at(act, done, stages, p, transfer_s, free[r] if recv_when_free else 0.0)
             if start is not None and start <= now * (1 + 1e-12):  # ready now (up to the sum's rounding)
                 running[r] = [act, work[act.kind][act.stage]]
             elif start is not None:
@@ -201,7 +210,7 @@ def schedule_run(
             act, left = running[r]
             busy[r] += step
             if left <= step * rate[r] * (1 + 1e-12):
-                done[act] = now + step
+                done[act] = free[r] = now + step
                 at[r] += 1
                 del running[r]
             else:
@@ -212,8 +221,9 @@ def schedule_run(
     return ScheduleRun(now, tuple(busy))
 
 
-def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float) -> float | None:
-    """When ``act``'s inputs are there (None: a dependency has not run yet)."""
+def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float, posted_s: float) -> float | None:
+    """When ``act``'s inputs are there (None: a dependency has not run yet): a value from another rank
+    ``transfer_s`` after both its sender finished and the receive was posted (at ``posted_s``)."""
     deps = []
     if act.kind == "F" and act.stage > 0:
         deps.append(Action("F", act.stage - 1, act.micro))
@@ -226,7 +236,7 @@ def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float) -
         if d not in done:
             return None
         cross = d.stage % p != act.stage % p
-        start = max(start, done[d] + (transfer_s if cross else 0.0))
+        start = max(start, max(done[d], posted_s) + transfer_s if cross else done[d])
     return start
 
 

@@ -119,7 +119,8 @@ def pipelined(
     speed = shared_cores_speed(settings.profile, mesh, p)
     try:
         prices = chain_prices(ctx.graph, micro_plan, layers, link, m)
-        priced = priced_stages(prices, schedule.name, m, p, v, cap, speed)
+        late = not settings.profile.host_runs_ahead  # the host is the device: it posts each receive when free
+        priced = priced_stages(prices, schedule.name, m, p, v, cap, speed, recv_when_free=late)
     except NoSplitFits as e:
         raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
     names = [name for name, _ in layers]

@@ -14,7 +14,9 @@ of layers (``pipeline_planning.chain_layers``), as ``pipeline_planning.stage_of_
   and to each end (prelude, postlude) reading it: a weight two stages read is held by both (a tied embedding);
 * a cut after layer ``k`` costs the time to send the values made up to it that a later op reads (this rank's
   pieces under the plan's placements) over the pipeline axis's link, and their gradients back; the sends run
-  while the stages compute (``search.stages``: each link one more machine of the flow shop).
+  while the stages compute (``search.stages``: each link one more machine of the flow shop) where the host runs
+  ahead of its device; where it is the device (CPU ranks) a transfer starts once its receiver is free
+  (``cost.schedule_run``'s ``recv_when_free``), and the split's step is simulated so.
 
 ``priced_stages`` then splits the layers: for GPipe and 1F1B by ``search.stages.split_stages`` (uneven where that
 pays, every stage under the cap with its micro-batches in flight), for interleaved schedules evenly into ``p v``
@@ -150,12 +152,21 @@ def _cut_bytes(graph: OpGraph, plan: Plan, position: dict[int, int], n: int) -> 
 
 
 def priced_stages(
-    prices: ChainPrices, schedule: str, m: int, p: int, v: int, cap: int | None, speed: Speed | None = None
+    prices: ChainPrices,
+    schedule: str,
+    m: int,
+    p: int,
+    v: int,
+    cap: int | None,
+    speed: Speed | None = None,
+    recv_when_free: bool = False,
 ) -> PricedPipeline:
     """The split of the chain into ``p v`` stages and its price (module docstring).  ``speed(k)``: how much faster
     a stage computes while ``k`` of the ``p`` pipeline ranks compute (ranks sharing cores,
     ``DeviceProfile.compute_speed``); where given, the split's step is simulated so (``cost.schedule_run``),
-    each stage's compute sped up and its moves (collectives inside the stage) not."""
+    each stage's compute sped up and its moves (collectives inside the stage) not.  ``recv_when_free``: each
+    transfer starts only once its receiver is free (``cost.schedule_run``; a host that does not run ahead of
+    its device), the step then simulated too."""
     n = prices.layers.count
     held = [in_flight(schedule, p, m, r, v) for r in range(p)]
     ends = (prices.prelude, prices.postlude)
@@ -167,7 +178,7 @@ def priced_stages(
             bounds.append(bounds[-1] + n // (p * v) + (1 if j < n % (p * v) else 0))
         split = step_of_split(prices.layers, bounds, [1] * (p * v), m, ends, prices.cuts)
     per_stage = [f + b for f, b in zip(split.forward_s, split.backward_s, strict=True)]
-    if v == 1 and speed is None:  # the flow shop's exact step, each link a machine of its own
+    if v == 1 and speed is None and not recv_when_free:  # the flow shop's exact step, each link a machine
         schedule_s, busy_s = split.step_s, m * sum(per_stage) / p
     else:
         sends = max(split.sends, default=0.0)  # the simulation's one transfer time: the slowest link's
@@ -181,6 +192,7 @@ def priced_stages(
             transfer_s=sends,
             speed=speed,
             compute_share=shares,
+            recv_when_free=recv_when_free,
         )
         schedule_s, busy_s = run.step_s, sum(run.busy_s) / p
     optimizer, state, acts = [0.0] * p, [0] * p, [0] * p
