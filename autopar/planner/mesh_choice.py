@@ -14,10 +14,10 @@ The names are labels: the search chooses what each axis does (data, sharded-para
 parallel) and the plan's table says what it chose.  A third axis without a pipeline (a second data axis,
 hybrid sharding) is not enumerated yet: the two-axis meshes carry every placement the search has.
 
-Work is shared: the model is captured once per micro-batch size for every mesh (``PipelineChoice``'s
-captures), and each mesh's searches are bounded by the fastest step found so far (``SearchRun.above``), so a
-mesh proven slower stops at its bound and is listed as at least that.  The meshes go from fewest axes to
-most, so the cheap ones set the bound.  Chosen: the fastest plan that fits the cap (the earlier mesh on a
+Work is shared (``SharedPlanning``): the model is captured once per micro-batch size for every mesh, and each
+mesh's searches are bounded by the fastest step found so far (``SearchRun.above``), so a mesh proven slower
+stops at its bound and is listed as at least that.  The meshes go from fewest axes to most, so the cheap ones
+set the bound.  Chosen: the fastest plan that fits the cap (the earlier mesh on a
 tie).  ``Plan.meshes`` lists every mesh tried, fastest first, with its step, memory, model FLOP/s per device
 and MFU, or why it lost.  When no mesh fits, ``MemoryCapError`` names the least memory each mesh needs.
 """
@@ -39,7 +39,7 @@ from costmodel import load_profile
 from .errors import MemoryCapError
 from .heap import FrozenHeap
 from .options import HintOptions, PlanOptions
-from .pipeline_choice import Captures, PipelineChoice, plan_model
+from .pipeline_choice import PipelineChoice, SharedPlanning, plan_model
 from .plan_parts import MeshCandidate
 from .problem_tables import PS_PER_S
 from .schema import Plan
@@ -135,18 +135,18 @@ def plan_devices(
             f"devices= with pipeline={options.pipeline!r}: the axes are named by the plan, so none can be named "
             "before it. Fix: pipeline='auto' (a pipeline on any axis where it pays) or 'none'"
         )
-    captures, tried, timings = Captures(), [], {}
+    tried, timings = [], {}
     best: tuple[Plan, OpGraph] | None = None
     with FrozenHeap() as heap:
+        shared = SharedPlanning(heap)
         for mesh in logical_meshes(devices, options.pipeline):
             mesh_options = options
             if mesh.ndim == 3:  # the third axis is there for a pipeline: on the outermost
                 mesh_options = dataclasses.replace(options, pipeline="pp")
-            beat = None if best is None else best[0].cost.total_s
+            shared.beat = None if best is None else best[0].cost.total_s
             choice = PipelineChoice(
-                model, mesh, example_inputs, example_kwargs, mesh_options, hint_options, progress, heap
+                model, mesh, example_inputs, example_kwargs, mesh_options, hint_options, progress, shared
             )
-            choice.captures, choice.beat = captures, beat
             spent = choice.timings
             try:
                 plan, graph = choice.best(False)

@@ -77,7 +77,7 @@ from .stage_assignment import chain_layers
 from .stage_fitting import StageFit, fit_stages, held_at_most
 from .throughput import with_throughput
 
-__all__ = ["Captures", "PipelineChoice", "plan_model"]
+__all__ = ["Captures", "PipelineChoice", "SharedPlanning", "plan_model"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def plan_model(
             heap.keep()
             plan = search_context(ctx, compare_families=compare_families, progress=progress)
             return with_throughput(plan, ctx.graph), ctx.graph
-        choice = PipelineChoice(model, mesh, example_inputs, example_kwargs, options, hint_options, progress, heap)
+        shared = SharedPlanning(heap)
+        choice = PipelineChoice(model, mesh, example_inputs, example_kwargs, options, hint_options, progress, shared)
         return choice.best(compare_families)
 
 
@@ -119,7 +120,15 @@ class PipelineChoice:
     candidate that did not fit: no step, the least memory it needed); ``missed``: those candidates' errors."""
 
     def __init__(
-        self, model, mesh: Mesh, example_inputs, example_kwargs, options, hint_options, progress, heap=None
+        self,
+        model,
+        mesh: Mesh,
+        example_inputs,
+        example_kwargs,
+        options,
+        hint_options,
+        progress,
+        shared: SharedPlanning | None = None,
     ) -> None:
         if not isinstance(mesh, Mesh):
             raise TypeError(
@@ -128,14 +137,12 @@ class PipelineChoice:
         args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         self.model, self.mesh, self.args, self.kwargs = model, mesh, tuple(args), dict(example_kwargs or {})
         self.options, self.hint_options, self.progress = options.resolved(model), hint_options, progress
-        self.heap = heap or FrozenHeap()  # kept (FrozenHeap.keep) after each context is built
+        self.shared = shared or SharedPlanning(FrozenHeap())
         self.inner = dataclasses.replace(self.options, pipeline="none", microbatches=1)
         if self.options.devices_per_node is not None:
             check_devices_per_node(mesh.shape, self.options.devices_per_node)  # before any capture
         self.batch = batch_of(self.args, self.kwargs)
         self.run = SearchRun(Deadline.after(options.search_budget_s), progress)
-        self.captures = Captures()  # shared by the meshes of one device count (mesh_choice)
-        self.beat: float | None = None  # a step met on another mesh (mesh_choice): searches bounded by it
         self.found: tuple[Plan, OpGraph] | None = None
         self.priced: list[Candidate] = []
         self.missed: list[MemoryCapError] = []
@@ -151,8 +158,8 @@ class PipelineChoice:
             self._no_pipeline(compare_families)
         if self.found is None:
             beaten = [c.at_least_s for c in self.priced if c.at_least_s is not None]
-            if beaten and self.beat is not None:  # every candidate that may fit: slower than another mesh's
-                raise BeatenError(min(beaten) * PS_PER_S, int(self.beat * PS_PER_S))
+            if beaten and self.shared.beat is not None:  # every candidate that may fit: slower than another mesh's
+                raise BeatenError(min(beaten) * PS_PER_S, int(self.shared.beat * PS_PER_S))
             if len(self.missed) == 1:  # one candidate: its own words
                 raise self.missed[0]
             least = min(self.priced, key=lambda c: c.memory_bytes)  # none fitted: every one missed
@@ -205,7 +212,7 @@ class PipelineChoice:
     def _above(self, m: int) -> int | None:
         """``SearchRun.above`` for a search of one of ``m`` micro-batches: the fastest candidate's step over
         ``m`` (a step of ``m`` micro-batches is ``m`` of them, ``step_cost``), in the search's picoseconds."""
-        met = [s for s in (self.beat, self.found and self.found[0].cost.total_s) if s]
+        met = [s for s in (self.shared.beat, self.found and self.found[0].cost.total_s) if s]
         return int(min(met) * PS_PER_S / m) if met else None
 
     def _accumulations(self) -> list[int]:
@@ -320,13 +327,13 @@ class PipelineChoice:
         graph = self._graph(m)
         ctx = graph_context(graph, mesh, self.mesh, axis, options, self.hint_options, m)
         self.timings["strategies_s"] += ctx.timings.get("strategies_s", 0.0)
-        self.heap.keep()
+        self.shared.heap.keep()
         return ctx
 
     def _graph(self, m: int) -> OpGraph:
         """The model captured at one of ``m`` micro-batches: statically when the options need one size (or the
         inputs share no batch dim), else specialized from one symbolic capture."""
-        graphs = self.captures.graphs
+        graphs = self.shared.captures.graphs
         if m not in graphs:
             with self._timing("capture_s"):
                 if self.batch is None or self._one_size():
@@ -335,10 +342,10 @@ class PipelineChoice:
                     )
                     graphs[m] = capture(self.model, args, kwargs)
                 else:
-                    if self.captures.template is None:
-                        self.captures.template = capture_template(self.model, self.args, self.kwargs)
-                    graphs[m] = specialize(self.captures.template, self._micro(m))[0]
-            self.heap.keep()
+                    if self.shared.captures.template is None:
+                        self.shared.captures.template = capture_template(self.model, self.args, self.kwargs)
+                    graphs[m] = specialize(self.shared.captures.template, self._micro(m))[0]
+            self.shared.heap.keep()
         return graphs[m]
 
     def _one_size(self) -> bool:
@@ -352,6 +359,18 @@ class Captures:
 
     graphs: dict[int, OpGraph] = dataclasses.field(default_factory=dict)
     template: object | None = None
+
+
+@dataclasses.dataclass
+class SharedPlanning:
+    """What the plans of one model share, on one mesh or on each mesh of a device count (``mesh_choice``): the
+    collector kept off each capture and its strategies once built (``heap``, ``FrozenHeap.keep``), the captures
+    per micro-batch count (``captures``), and the fastest step met on a mesh planned before (``beat``: this
+    mesh's searches bounded by it; None: none yet)."""
+
+    heap: FrozenHeap
+    captures: Captures = dataclasses.field(default_factory=Captures)
+    beat: float | None = None
 
 
 def _rank(c: Candidate) -> tuple:
