@@ -30,6 +30,11 @@ receives come in one after another, while sending and receiving overlap (full-du
 links), so a set of transfers takes ``max over ranks r of max(sum of r's sends, sum of
 r's receives)`` (``transfers_time_s``); a rank's message to itself is a local copy, free.
 
+Across nodes: a group of a mesh axis whose ranks sit in several nodes sees the link
+``costmodel.fabric.group_link`` derives from the node's NICs (``DeviceProfile.link_for_axis``):
+the ring's bus bandwidth of the node's fabric shared by the groups on it and, where the fabric
+runs trees (NCCL), an all-reduce's latency the lesser of the ring's and the tree's.
+
 Emulated reduce-scatter: on a link whose backend has none
 (``LinkProfile.reduce_scatter == "all_reduce"``, e.g. the ``cpu`` profile: gloo,
 where autopar's runtime all-reduces the full input and keeps its slice), a
@@ -114,6 +119,8 @@ def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkProfi
     bw_factor, steps = _RING_FACTORS[kind]
     bandwidth_s = bw_factor * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
     latency_s = steps * (n - 1) * link.latency_s
+    if kind == "all_reduce" and link.all_reduce_latency_s is not None:  # a tree across nodes (costmodel.fabric)
+        latency_s = min(latency_s, link.all_reduce_latency_s)
     return bandwidth_s + latency_s
 
 

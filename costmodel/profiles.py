@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .fabric import group_link, group_spread
 from .toml_compat import tomllib
 
 __all__ = [
@@ -129,6 +130,13 @@ class LinkProfile:
     the table ``[<link>.collectives.<kind>]`` of a calibrated profile); where one
     covers a collective, ``costmodel.comm`` prices it from the fit instead of the
     ring estimate from ``bandwidth_bytes_per_s`` and ``latency_s``.
+
+    A node's fabric (``inter_node``) may be given as its NICs: ``nics_per_node`` > 0 makes
+    ``bandwidth_bytes_per_s`` one NIC's, shared by the node's devices, and ``tree`` says the
+    collective library may run an all-reduce as a tree across the nodes (NCCL); a group of a
+    mesh axis across nodes then sees the link ``costmodel.fabric.group_link`` derives
+    (``DeviceProfile.link_for_axis``), whose ``all_reduce_latency_s`` is the tree's whole latency
+    term where it is set.  ``nics_per_node`` 0: the bandwidth is each device's share, for every group.
     """
 
     name: str
@@ -137,6 +145,9 @@ class LinkProfile:
     source: str
     reduce_scatter: str = "native"
     collectives: tuple[CollectiveFit, ...] = ()
+    nics_per_node: int = 0
+    tree: bool = False
+    all_reduce_latency_s: float | None = None
 
     def fits_for(self, kind: str) -> tuple[CollectiveFit, ...]:
         """The measured fits of ``kind``, by group size (empty: price it by the ring estimate)."""
@@ -153,6 +164,13 @@ class LinkProfile:
                 f"link {self.name!r}: latency_s must be >= 0 and finite, got {self.latency_s!r}; "
                 "give the per-step latency in seconds"
             )
+        if isinstance(self.nics_per_node, bool) or not isinstance(self.nics_per_node, int) or self.nics_per_node < 0:
+            raise ValueError(
+                f"link {self.name!r}: nics_per_node must be an int >= 0 (0: the bandwidth is each device's share), "
+                f"got {self.nics_per_node!r}"
+            )
+        if not isinstance(self.tree, bool):
+            raise ValueError(f"link {self.name!r}: tree must be true or false, got {self.tree!r}")
         if self.reduce_scatter not in REDUCE_SCATTER:
             raise ValueError(
                 f"link {self.name!r}: reduce_scatter must be one of {REDUCE_SCATTER} (how the backend runs it), "
@@ -301,7 +319,9 @@ class DeviceProfile:
                 f"pass an axis in [0, {len(shape) - 1}]"
             )
         axis %= len(shape)
-        return self.inter_node if axis_crosses_nodes(shape, axis, self.devices_per_node) else self.intra_node
+        if not axis_crosses_nodes(shape, axis, self.devices_per_node):
+            return self.intra_node
+        return group_link(self.intra_node, self.inter_node, group_spread(shape, axis, self.devices_per_node))
 
     def with_devices_per_node(self, devices_per_node: int | None) -> DeviceProfile:
         """This profile with the job's ranks per node (a launch may use fewer devices per node than a node has);
@@ -315,8 +335,13 @@ class DeviceProfile:
     def link_between(self, rank_a: int, rank_b: int) -> LinkProfile:
         """The link two global ranks talk over point to point: ``intra_node`` when both sit in the same
         node of ``devices_per_node`` consecutive ranks, else ``inter_node``."""
-        same = rank_a // self.devices_per_node == rank_b // self.devices_per_node
-        return self.intra_node if same else self.inter_node
+        if rank_a // self.devices_per_node == rank_b // self.devices_per_node:
+            return self.intra_node
+        inter = self.inter_node
+        if not inter.nics_per_node:
+            return inter
+        share = inter.nics_per_node * inter.bandwidth_bytes_per_s / self.devices_per_node  # each device's
+        return replace(inter, bandwidth_bytes_per_s=share, nics_per_node=0, tree=False)
 
 
 def axis_crosses_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> bool:
@@ -488,8 +513,9 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     for key in ("intra_node", "inter_node"):
         table = dict(top.pop(key))
         fits = _collective_fits(table.pop("collectives", {}), f"{where} [{key}.collectives]")
+        fabric = {k: table.pop(k) for k in ("nics_per_node", "tree") if k in table}  # optional: a node's NICs
         links[key] = LinkProfile(
-            **_take(table, _LINK_KEYS, f"{where} [{key}]"), reduce_scatter=reduce_scatter, collectives=fits
+            **_take(table, _LINK_KEYS, f"{where} [{key}]"), reduce_scatter=reduce_scatter, collectives=fits, **fabric
         )
     return DeviceProfile(
         peak_flops=peak,
