@@ -194,6 +194,9 @@ def test_benchmark_variants_force_recomputation():
     accumulated = Variant("microbatches:4")
     accumulated.validate("here")
     assert accumulated.plan_options(model, 100.0) == {"pipeline": "none", "microbatches": 4}
+    free = Variant("pipeline:auto")  # the search's plan with pipeline="auto", reported against the fastest
+    free.validate("here")
+    assert free.pipeline is None and free.plan_options(model, 100.0) == {"pipeline": "auto"}
 
 
 def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):

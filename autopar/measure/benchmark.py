@@ -34,7 +34,8 @@ class BenchModel:
 class Variant:
     """One way to plan: ``auto``, ``family:<name>``, ``no state sharding``, ``cap:<fraction>``, ``poor hint``,
     ``recompute:<none|selective|full>`` (activation recomputation forced in every layer),
-    ``pipeline:<axis>/<schedule>/m<N>`` (a pipeline forced on that mesh axis, N micro-batches), or
+    ``pipeline:<axis>/<schedule>/m<N>`` (a pipeline forced on that mesh axis, N micro-batches),
+    ``pipeline:auto`` (the search's plan with ``pipeline="auto"``: a pipeline where it is priced faster), or
     ``microbatches:<N>`` (no pipeline, N micro-batches accumulated per step)."""
 
     label: str
@@ -42,7 +43,7 @@ class Variant:
     @property
     def pipeline(self) -> dict[str, Any] | None:
         """The ``pipeline``, ``schedule`` and ``microbatches`` keywords of a pipeline variant, else None."""
-        if not self.label.startswith("pipeline:"):
+        if not _pipeline_label(self.label):
             return None
         axis, schedule, m = self.label.removeprefix("pipeline:").split("/")
         return {"pipeline": axis, "schedule": schedule, "microbatches": int(m.removeprefix("m"))}
@@ -73,6 +74,8 @@ class Variant:
             return {"mem_cap": int(least_bytes + self.cap_fraction * (auto_bytes - least_bytes))}
         if self.label == "poor hint":
             return {"hints": dict(model.poor_hint)}
+        if self.label == PIPELINE_AUTO:
+            return {"pipeline": "auto"}
         if self.label.startswith("recompute:"):
             return {"recompute": self.label.removeprefix("recompute:")}
         if self.pipeline is not None:
@@ -83,7 +86,7 @@ class Variant:
 
     def validate(self, where: str) -> None:
         ok = (
-            self.label in ("auto", "no state sharding", "poor hint")
+            self.label in ("auto", "no state sharding", "poor hint", PIPELINE_AUTO)
             or (self.label.startswith("family:") and self.label.removeprefix("family:") in FAMILIES)
             or (self.label.startswith("cap:") and _fraction(self.label.removeprefix("cap:")))
             or (self.label.startswith("recompute:") and self.label.removeprefix("recompute:") in _FORCED_RECOMPUTE)
@@ -95,12 +98,15 @@ class Variant:
                 f"{where}: variant {self.label!r} is not one of 'auto', 'family:<{' | '.join(FAMILIES)}>', "
                 "'no state sharding', 'cap:<fraction in [0, 1]>', 'poor hint', "
                 f"'recompute:<{' | '.join(_FORCED_RECOMPUTE)}>', 'pipeline:<axis>/<{' | '.join(SCHEDULES)}>/m<N>', "
+                "'pipeline:auto', "
                 "'microbatches:<N>'; "
                 "fix the variants list"
             )
 
 
 _FORCED_RECOMPUTE = ("none", "selective", "full")
+#: The variant planned as ``auto`` with ``pipeline="auto"`` (``fidelity`` reports it against the fastest).
+PIPELINE_AUTO = "pipeline:auto"
 
 
 def _pipeline_label(label: str) -> bool:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from . import stats
-from .benchmark import Benchmark, BenchModel, Variant, load_benchmark, mesh_axis_names
+from .benchmark import PIPELINE_AUTO, Benchmark, BenchModel, Variant, load_benchmark, mesh_axis_names
 
 __all__ = ["PlanResult", "CaseResult", "FidelityRun", "loss_model", "plan_variants", "run_fidelity", "summarize"]
 
@@ -386,12 +386,13 @@ def summarize(run: FidelityRun) -> dict[str, Any]:
     every = [p for c in run.cases for p in c.plans]
     cases: dict[str, Any] = {}
     for c in run.cases:
-        auto = c.plan_of("auto")
+        auto, piped = c.plan_of("auto"), c.plan_of(PIPELINE_AUTO)
         fastest = min(p.measured_s for p in c.plans)
         cases[c.key] = {
             "spearman": _spearman(c.plans),
             "auto_over_fastest": auto.measured_s / fastest if auto is not None else None,
             "auto_is_fastest_within_5pct": auto is not None and auto.measured_s <= 1.05 * fastest,
+            "pipeline_auto_over_fastest": piped.measured_s / fastest if piped is not None else None,
             "median_abs_error": stats.median([abs(p.time_error) for p in c.plans]),
             "plans": [_plan_json(p) for p in c.plans],
             "infeasible": dict(c.infeasible),

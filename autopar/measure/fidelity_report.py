@@ -62,16 +62,19 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
             table.add_row(case.key, variant, f"no plan: {why[:60]}", "", "", "", "", "", "", "", "", style="dim")
     con.print(table)
     cases = Table(title="per model x mesh")
-    for col in ("model x mesh", "spearman", "median |time err|", "auto / fastest measured", "auto within 5%"):
+    piped = any(c.get("pipeline_auto_over_fastest") is not None for c in figures["cases"].values())
+    columns = ["model x mesh", "spearman", "median |time err|", "auto / fastest measured", "auto within 5%"]
+    for col in columns + (["pipeline:auto / fastest"] if piped else []):
         cases.add_column(col)
     for key, c in figures["cases"].items():
-        cases.add_row(
+        row = [
             key,
             _num(c["spearman"]),
             f"{c['median_abs_error'] * 100:.0f}%",
             _num(c["auto_over_fastest"], 3),
             "yes" if c["auto_is_fastest_within_5pct"] else "NO",
-        )
+        ]
+        cases.add_row(*row, *([_num(c.get("pipeline_auto_over_fastest"), 3)] if piped else []))
     con.print(cases)
     per_model = ", ".join(f"{m} {_num(v['spearman'])}" for m, v in figures["models"].items())
     con.print(f"spearman over all plans {_num(figures['spearman'])}; per model: {per_model}")
