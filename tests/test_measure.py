@@ -206,7 +206,8 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     bench = tmp_path / "bench.toml"
     bench.write_text(
         "meshes = [[2]]\n"
-        'variants = ["auto", "family:tensor parallel", "cap:0.0", "poor hint", "pipeline:tp/1f1b/m2"]\n'
+        'variants = ["auto", "family:tensor parallel", "cap:0.0", "poor hint", "pipeline:tp/1f1b/m2", '
+        '"pipeline:auto"]\n'
         "warmup_steps = 1\nrounds = 2\nsteps_per_round = 1\nmemory_steps = 2\n"
         '[[models]]\nname = "gpt2-tiny"\nbatch = 4\nseq = 16\n'
         'poor_hint = { "model.transformer.h.*.mlp.c_fc.weight" = { tp = "S(0)" } }\n'
@@ -221,7 +222,8 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     case = figures["cases"]["gpt2-tiny 2"]
     labels = [v for p in case["plans"] for v in p["variants"]]
     # the least-memory cap fits; the pipeline runs its two stages over 2 micro-batches
-    assert sorted(labels) == ["auto", "cap:0.0", "family:tensor parallel", "pipeline:tp/1f1b/m2", "poor hint"]
+    want = ["auto", "cap:0.0", "family:tensor parallel", "pipeline:auto", "pipeline:tp/1f1b/m2", "poor hint"]
+    assert sorted(labels) == want and not case["infeasible"], case["infeasible"]
     piped = next(p for p in case["plans"] if "pipeline:tp/1f1b/m2" in p["variants"])
     assert 0 < piped["predicted_bubble"] < 1 and 0 < piped["measured_bubble"] < 1, piped
     assert all(p["predicted_bubble"] is None for p in case["plans"] if p is not piped)
@@ -230,6 +232,8 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     assert least["predicted_bytes"] <= auto["predicted_bytes"]
     fastest = min(p["measured_s"] for p in case["plans"])
     assert case["auto_over_fastest"] == pytest.approx(auto["measured_s"] / fastest)
+    free = next(p for p in case["plans"] if "pipeline:auto" in p["variants"])  # planned with pipeline="auto"
+    assert case["pipeline_auto_over_fastest"] == pytest.approx(free["measured_s"] / fastest)
     for p in case["plans"]:
         assert len(p["round_s"]) == 2 and p["measured_s"] > 0 and p["peak_bytes"] >= p["held_bytes"] > 0
         assert len(p["peak_steps"]) == 2 and min(p["peak_steps"]) <= p["peak_bytes"] <= max(p["peak_steps"])

@@ -49,6 +49,12 @@ class Variant:
         return {"pipeline": axis, "schedule": schedule, "microbatches": int(m.removeprefix("m"))}
 
     @property
+    def micro_batched(self) -> bool:
+        """Whether this variant may plan micro-batches (a pipeline, or accumulation): planned by ``autopar.plan``,
+        which captures the model at the micro-batch, not on a context prepared for the whole batch."""
+        return self.label == PIPELINE_AUTO or self.pipeline is not None or self.microbatches is not None
+
+    @property
     def microbatches(self) -> int | None:
         """N of an accumulation variant (``microbatches:<N>``), else None."""
         return int(self.label.removeprefix("microbatches:")) if _accumulation_label(self.label) else None

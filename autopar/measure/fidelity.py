@@ -259,7 +259,7 @@ def plan_variants(model: BenchModel, mesh, variants: tuple[Variant, ...], profil
             options = variant.plan_options(model, auto_bytes, least_bytes)
             if variant.label == "auto":
                 plan = auto
-            elif variant.pipeline is not None or variant.microbatches is not None:  # captured at the micro-batch
+            elif variant.micro_batched:
                 plan = _plan(net, amesh, (ids, labels), profile, options)
             else:
                 plan = plan_from_context(ctx, compare_families=False, **options)
