@@ -36,14 +36,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .profiles import LinkProfile
-
 __all__ = ["GroupSpread", "group_link", "group_spread"]
+
+
+class Link(Protocol):
+    """What this module reads of a ``costmodel.profiles.LinkProfile`` (a frozen dataclass)."""
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    nics_per_node: int
+    tree: bool
+
+
+L = TypeVar("L", bound=Link)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,7 +78,7 @@ def group_spread(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) 
     return GroupSpread(per_node, len(set(first.tolist())), groups_here)
 
 
-def group_link(intra: LinkProfile, inter: LinkProfile, spread: GroupSpread) -> LinkProfile:
+def group_link(intra: Link, inter: L, spread: GroupSpread) -> L:
     """The link one group spread so over nodes sees (module docstring): ``inter`` (a ``LinkProfile`` whose
     ``nics_per_node`` is set) with the ring's bus bandwidth per rank and, where ``inter.tree``, the tree's
     all-reduce latency; ``inter`` itself where the fabric is given per device."""

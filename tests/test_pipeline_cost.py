@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from autopar.cost.pipeline import SCHEDULES, bubble_fraction, in_flight, rank_orders, schedule_run, step_time
+from autopar.cost.pipeline import SCHEDULES, Transfer, bubble_fraction, in_flight, rank_orders, schedule_run, step_time
 from costmodel import load_profile
 
 PLAIN = [(s, p, m) for s in ("gpipe", "1f1b") for p in range(1, 6) for m in range(1, 10)]
@@ -111,7 +111,7 @@ def test_the_simulation_at_full_speed_is_the_list_schedule(schedule):
         m = p * rng.randint(1, 3)
         f = [rng.uniform(0.5, 2.0) for _ in range(p * v)]
         b = [rng.uniform(1.0, 4.0) for _ in range(p * v)]
-        run = schedule_run(schedule, f, b, m, v=v, transfer_s=0.1, speed=lambda k: 1.0)
+        run = schedule_run(schedule, f, b, m, v=v, transfer=Transfer(0.1), speed=lambda k: 1.0)
         assert run.step_s == pytest.approx(step_time(schedule, f, b, m, v=v, transfer_s=0.1))
         want_busy = [m * sum(f[j] + b[j] for j in range(r, p * v, p)) for r in range(p)]
         assert run.busy_s == pytest.approx(want_busy)
@@ -121,18 +121,18 @@ def test_a_receive_posted_when_the_rank_is_free_delays_it_by_the_whole_transfer(
     """Two stages, two micro-batches, GPipe, forward = backward = 1 s, each transfer 0.5 s.  Sent as soon as the
     sender finishes (a host running ahead posted the receive long before), stage 1's second forward starts as
     its first ends (the value came at 2.5 s): F(1,*) on [1.5, 2.5], [2.5, 3.5], B(1,*) to 5.5, B(0,*) on
-    [5, 6], [6, 7]: 7 s.  With the receive posted only once the receiver is free (``recv_when_free``: CPU
+    [5, 6], [6, 7]: 7 s.  With the receive posted only once the receiver is free (``Transfer.when_receiver_free``: CPU
     ranks), the second value starts moving at 2.5 s: F(1,1) on [3, 4], B(1,*) to 6, B(0,0) on [5.5, 6.5] and
     B(0,1) waits for its gradient until 7: 8 s.  Without transfers the two agree."""
     f, b = [1.0, 1.0], [1.0, 1.0]
-    assert schedule_run("gpipe", f, b, 2, transfer_s=0.5).step_s == pytest.approx(7.0)
-    assert schedule_run("gpipe", f, b, 2, transfer_s=0.5, recv_when_free=True).step_s == pytest.approx(8.0)
+    late = Transfer(0.5, when_receiver_free=True)
+    assert schedule_run("gpipe", f, b, 2, transfer=Transfer(0.5)).step_s == pytest.approx(7.0)
+    assert schedule_run("gpipe", f, b, 2, transfer=late).step_s == pytest.approx(8.0)
     for schedule in ("gpipe", "1f1b"):
-        assert schedule_run(schedule, f, b, 4, recv_when_free=True).step_s == pytest.approx(
+        assert schedule_run(schedule, f, b, 4, transfer=Transfer(0.0, True)).step_s == pytest.approx(
             step_time(schedule, f, b, 4)
         )
-    late = schedule_run("1f1b", f, b, 4, transfer_s=0.5, recv_when_free=True).step_s
-    assert late > step_time("1f1b", f, b, 4, transfer_s=0.5)
+    assert schedule_run("1f1b", f, b, 4, transfer=late).step_s > step_time("1f1b", f, b, 4, transfer_s=0.5)
 
 
 def test_a_rank_alone_on_shared_cores_goes_faster_and_moves_do_not():

@@ -48,6 +48,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "ScheduleRun",
+    "Transfer",
     "bubble_fraction",
     "in_flight",
     "rank_orders",
@@ -127,6 +128,15 @@ def _backward_sequence(schedule: str, p: int, m: int, v: int, r: int) -> list[tu
 
 
 @dataclass(frozen=True, slots=True)
+class Transfer:
+    """How a value crossing between ranks moves: it takes ``seconds``; ``when_receiver_free``: it starts only once
+    the receiving rank is free to post its receive (:func:`schedule_run`), else when the sender's action ends."""
+
+    seconds: float = 0.0
+    when_receiver_free: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduleRun:
     """A simulated step: its time (first forward to last backward) and, per rank, the seconds it computed (its
     stages' forwards and backwards; ``1 - busy_s[r] / step_s`` is rank r's bubble)."""
@@ -147,7 +157,7 @@ def step_time(
     """The time from the first forward to the last backward: the list schedule of :func:`rank_orders` with
     stage ``j`` taking ``forward_s[j]`` / ``backward_s[j]`` per micro-batch (``p v`` stages) and each value
     crossing between ranks ``transfer_s`` (:func:`schedule_run` at full speed)."""
-    return schedule_run(schedule, forward_s, backward_s, m, v=v, transfer_s=transfer_s).step_s
+    return schedule_run(schedule, forward_s, backward_s, m, v=v, transfer=Transfer(transfer_s)).step_s
 
 
 def schedule_run(
@@ -157,10 +167,9 @@ def schedule_run(
     m: int,
     *,
     v: int = 1,
-    transfer_s: float = 0.0,
+    transfer: Transfer = Transfer(),
     speed: Callable[[int], float] | None = None,
     compute_share: Sequence[float] | None = None,
-    recv_when_free: bool = False,
 ) -> ScheduleRun:
     """The step of :func:`rank_orders` simulated in time: a rank starts its next action once the action's inputs
     are there (:func:`_ready_at`) and it is free; ``forward_s`` / ``backward_s`` are the actions' work at full
@@ -170,7 +179,8 @@ def schedule_run(
     compute (``compute_share[j]``, default 1), goes at the rate ``1 / (c_j / s + 1 - c_j)``.  Between events (an
     action finishing, one becoming ready) the rates are constant, so each event is exact.
 
-    ``recv_when_free``: a value crossing to another rank starts moving only once the receiving rank is free to
+    ``transfer``: each value crossing to another rank takes ``transfer.seconds``.  With
+    ``transfer.when_receiver_free`` it starts moving only once the receiving rank is free to
     post its receive (it has finished its previous action), so the transfer delays the receiver by its whole
     time even when the sender finished long before: a rendezvous link (gloo, NCCL) under a runtime whose host
     posts each receive just before the action that needs it, as ``torch.distributed.pipelining`` does; that host
@@ -196,7 +206,7 @@ def schedule_run(
             if r in running or at[r] == len(orders[r]):
                 continue
             act = orders[r][at[r]]
-            start = _ready_at(act, done, stages, p, transfer_s, free[r] if recv_when_free else 0.0)
+            start = _ready_at(act, done, stages, p, transfer.seconds, free[r] if transfer.when_receiver_free else 0.0)
             if start is not None and start <= now * (1 + 1e-12):  # ready now (up to the sum's rounding)
                 running[r] = [act, work[act.kind][act.stage]]
             elif start is not None:

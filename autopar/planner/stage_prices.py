@@ -16,7 +16,7 @@ of layers (``pipeline_planning.chain_layers``), as ``pipeline_planning.stage_of_
   pieces under the plan's placements) over the pipeline axis's link, and their gradients back; the sends run
   while the stages compute (``search.stages``: each link one more machine of the flow shop) where the host runs
   ahead of its device; where it is the device (CPU ranks) a transfer starts once its receiver is free
-  (``cost.schedule_run``'s ``recv_when_free``), and the split's step is simulated so.
+  (``cost.schedule_run`` with ``Transfer.when_receiver_free``), and the split's step is simulated so.
 
 ``priced_stages`` then splits the layers: for GPipe and 1F1B by ``search.stages.split_stages`` (uneven where that
 pays, every stage under the cap with its micro-batches in flight), for interleaved schedules evenly into ``p v``
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.capture import OpGraph
-from autopar.cost import BACKWARD_TO_FORWARD, in_flight, schedule_run
+from autopar.cost import BACKWARD_TO_FORWARD, Transfer, in_flight, schedule_run
 from autopar.search import NoSplitFits, StageCosts, split_stages, step_of_split
 from autopar.spec import local_shape
 from autopar.units import format_bytes
@@ -189,10 +189,9 @@ def priced_stages(
             list(split.backward_s),
             m,
             v=v,
-            transfer_s=sends,
+            transfer=Transfer(sends, when_receiver_free=recv_when_free),
             speed=speed,
             compute_share=shares,
-            recv_when_free=recv_when_free,
         )
         schedule_s, busy_s = run.step_s, sum(run.busy_s) / p
     optimizer, state, acts = [0.0] * p, [0] * p, [0] * p
