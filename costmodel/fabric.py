@@ -25,7 +25,9 @@ and the latency::
 
 NCCL chooses between the two per message size; the cost model takes the lower latency (the bandwidth terms
 being equal).  A point-to-point send between nodes (a pipeline's stage boundary) has the ring's per-rank
-bandwidth: the ``g`` groups of the pipeline axis on a node send at once.
+bandwidth: the ``g`` groups of the pipeline axis on a node send at once; between two given ranks (a reshard's
+messages, ``device_link``) a device has its share of the node's NICs, ``nics_per_node * B_nic /
+devices_per_node``.
 
 A fabric given per device (``nics_per_node`` 0, the profiles before this model) keeps its bandwidth for every
 group, as before.  Measured collective fits (``LinkProfile.collectives``) still price what they cover.
@@ -40,7 +42,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-__all__ = ["GroupSpread", "group_link", "group_spread"]
+__all__ = ["GroupSpread", "device_link", "group_link", "group_spread"]
 
 
 class Link(Protocol):
@@ -98,3 +100,12 @@ def group_link(intra: Link, inter: L, spread: GroupSpread) -> L:
         tree=False,
         all_reduce_latency_s=tree,
     )
+
+
+def device_link(inter: L, devices_per_node: int) -> L:
+    """The fabric as one device sees it point to point (module docstring): its share of the node's NICs;
+    ``inter`` itself where the fabric is given per device."""
+    if not inter.nics_per_node:
+        return inter
+    share = inter.nics_per_node * inter.bandwidth_bytes_per_s / devices_per_node
+    return dataclasses.replace(inter, bandwidth_bytes_per_s=share, nics_per_node=0, tree=False)

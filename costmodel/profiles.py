@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .fabric import group_link, group_spread
+from .fabric import device_link, group_link, group_spread
 from .toml_compat import tomllib
 
 __all__ = [
@@ -334,14 +334,11 @@ class DeviceProfile:
 
     def link_between(self, rank_a: int, rank_b: int) -> LinkProfile:
         """The link two global ranks talk over point to point: ``intra_node`` when both sit in the same
-        node of ``devices_per_node`` consecutive ranks, else ``inter_node``."""
+        node of ``devices_per_node`` consecutive ranks, else ``inter_node`` as one device sees it
+        (``costmodel.fabric.device_link``: its share of the node's NICs)."""
         if rank_a // self.devices_per_node == rank_b // self.devices_per_node:
             return self.intra_node
-        inter = self.inter_node
-        if not inter.nics_per_node:
-            return inter
-        share = inter.nics_per_node * inter.bandwidth_bytes_per_s / self.devices_per_node  # each device's
-        return replace(inter, bandwidth_bytes_per_s=share, nics_per_node=0, tree=False)
+        return device_link(self.inter_node, self.devices_per_node)
 
 
 def axis_crosses_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> bool:

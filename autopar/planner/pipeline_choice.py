@@ -128,7 +128,7 @@ class PipelineChoice:
         options,
         hint_options,
         progress,
-        shared: SharedPlanning | None = None,
+        shared: SharedPlanning,
     ) -> None:
         if not isinstance(mesh, Mesh):
             raise TypeError(
@@ -137,7 +137,7 @@ class PipelineChoice:
         args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         self.model, self.mesh, self.args, self.kwargs = model, mesh, tuple(args), dict(example_kwargs or {})
         self.options, self.hint_options, self.progress = options.resolved(model), hint_options, progress
-        self.shared = shared or SharedPlanning(FrozenHeap())
+        self.shared = shared
         self.inner = dataclasses.replace(self.options, pipeline="none", microbatches=1)
         if self.options.devices_per_node is not None:
             check_devices_per_node(mesh.shape, self.options.devices_per_node)  # before any capture
