@@ -30,6 +30,7 @@ from .flops import (
     is_matmul_like,
     op_family,
 )
+from .lending import CoreLending
 from .memory import (
     OPTIMIZERS,
     ModelStateBytes,
@@ -55,6 +56,7 @@ from .profiles import (
 
 __all__ = [
     "CollectiveFit",
+    "CoreLending",
     "LinkProfile",
     "DeviceProfile",
     "load_profile",

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .fabric import device_link, group_link, group_spread
+from .lending import CoreLending
 from .toml_compat import tomllib
 
 __all__ = [
@@ -214,7 +215,9 @@ class DeviceProfile:
     dropout, the math path, which keeps the attention matrix, with it; see
     ``autopar.cost.saved``).  ``memory_bytes`` is the device memory the datasheet
     states; the planner decides the headroom.  ``cores_per_node``: the CPU cores a node's
-    CPU ranks share (0: each rank has its own device); see ``compute_speed``.
+    CPU ranks share (0: each rank has its own device); ``core_lending``: how much of
+    an idle rank's share the others really get, measured per action length
+    (``costmodel.lending``; None: the core-share rule); see ``compute_speed``.
     """
 
     name: str
@@ -237,16 +240,21 @@ class DeviceProfile:
     optimizer_foreach: bool = False
     host_runs_ahead: bool = False
     cores_per_node: int = 0
+    core_lending: CoreLending | None = None
 
-    def compute_speed(self, busy: int, ranks: int) -> float:
+    def compute_speed(self, busy: int, ranks: int, action_s: float | None = None) -> float:
         """How much faster a rank computes while ``busy`` of its node's ``ranks`` ranks compute than while all of
-        them do (the rate this profile's figures are for).  CPU ranks share the node's ``cores_per_node`` cores:
-        ``k`` computing ranks get ``min(1, cores / k)`` of a core each, so the speed is
+        them do (the rate this profile's figures are for).  CPU ranks share the node's ``cores_per_node`` cores.
+        Where the profile measured the lending on ``ranks`` ranks (``core_lending``, ``costmodel.lending``) and
+        the action's length ``action_s`` (seconds, every rank busy) is given, that measurement answers.  Else the
+        core-share rule: ``k`` computing ranks get ``min(1, cores / k)`` of a core each, so the speed is
         ``min(1, cores / busy) / min(1, cores / ranks)`` (4 ranks on 2 cores: 2 x with one or two computing,
-        4/3 x with three).  A rank idle in a pipeline's bubble lends its core so.  1.0 where each rank has its
-        own device (``cores_per_node`` 0: GPUs)."""
+        4/3 x with three).  1.0 where each rank has its own device (``cores_per_node`` 0: GPUs)."""
         if not self.cores_per_node or busy >= ranks:
             return 1.0
+        lending = self.core_lending
+        if lending is not None and action_s is not None and lending.ranks == ranks:
+            return lending.speed_at(busy, action_s)
         cores = self.cores_per_node
         return min(1.0, cores / max(busy, 1)) / min(1.0, cores / ranks)
 
@@ -492,6 +500,9 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     }
     switches = {k: data.pop(k, False) for k in ("optimizer_foreach", "host_runs_ahead")}
     cores = data.pop("cores_per_node", 0)  # optional: CPU ranks sharing cores (0: a device per rank)
+    lending = data.pop("core_lending", None)  # optional: measured by calibrate where ranks outnumber cores
+    if lending is not None and not isinstance(lending, dict):
+        raise ValueError(f"{where}: core_lending must be a table (ranks, action_s, speed), got {lending!r}")
     for key, value in switches.items():
         if not isinstance(value, bool):
             raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
@@ -524,6 +535,7 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         **{k: float(v) for k, v in overheads.items()},
         **switches,
         cores_per_node=cores,
+        core_lending=None if lending is None else CoreLending.from_table(lending, where),
     )
 
 

@@ -9,6 +9,7 @@ not asserted here: the tests do not time anything).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import torch
 from autopar.measure import stats
 from autopar.measure.fit import fit_latency_bandwidth, fit_rate
 from autopar.measure.peak_memory import held_bytes, step_peak_bytes
+from costmodel import CoreLending
 
 
 def test_spearman_matches_hand_computed_values():
@@ -118,6 +120,14 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     assert prof.name == "mine" and prof.peak_flops["float32"] == pytest.approx(cal.matmul["float32"].rate)
     assert prof.op_overhead_s(backward=True) == pytest.approx(cal.backward_op_s)
     assert prof.cores_per_node == len(os.sched_getaffinity(0))  # CPU ranks share this machine's cores
+    # core lending is measured only where the ranks outnumber the cores; the base's table never carries over
+    assert (cal.lending is None) == (2 <= cal.cores) and load_profile("cpu").core_lending is not None
+    if cal.lending is None:
+        assert prof.core_lending is None and "core_lending" not in cal.profile_dict("mine")
+    measured = CoreLending(4, (0.001, 0.01), ((0.9, 2.0), (0.9, 1.8), (0.9, 1.3)))
+    lent = tmp_path / "lent.toml"
+    write_profile(dataclasses.replace(cal, lending=measured), str(lent))
+    assert load_profile(str(lent)).core_lending == measured
     # the profile follows the measured points (CollectiveFit.time_s): at each measured size the running maximum
     # of the measured times, half-way between two sizes the mean of theirs, past the last its segment extended
     points = cal.collective_points["all_reduce"][2]
@@ -130,6 +140,28 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     assert price(2 * x1 - x0) == pytest.approx(2 * t1 - t0, rel=1e-9)
     # a group size beyond the measured ones scales the nearest fit as the ring does
     assert collective_time_s("all_reduce", x1, 4, prof.intra_node) > price(x1)
+
+
+def _lending_rank(rank, world):
+    from autopar.measure.lending_ring import measure_lending
+
+    torch.set_num_threads(1)
+    return measure_lending(rank, world, (0.5, 32.0), rounds=2)
+
+
+def test_core_lending_is_measured_on_a_ring_of_waiting_ranks():
+    """``measure_lending`` on 4 gloo ranks: one table, the same on every rank, a row per count of busy ranks and
+    a figure per length.  Where 4 ranks share fewer than 4 cores, one rank computing 32 ms actions alone runs
+    well faster than with all 4 busy (2x on 2 cores)."""
+    from dist_utils import run_ranks
+
+    tables = run_ranks(_lending_rank, 4, timeout_s=300)
+    lending = tables[0]
+    assert all(t == lending for t in tables) and lending.ranks == 4
+    assert len(lending.action_s) == 2 and lending.action_s[0] < lending.action_s[1]
+    assert len(lending.speed) == 3 and all(len(row) == 2 and min(row) > 0 for row in lending.speed)
+    if len(os.sched_getaffinity(0)) < 4:
+        assert lending.speed[0][1] > 1.3, lending
 
 
 def _calibrate_here_rank(rank, world, path):

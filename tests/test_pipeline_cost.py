@@ -4,12 +4,13 @@ orders hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from autopar.cost.pipeline import SCHEDULES, Transfer, bubble_fraction, in_flight, rank_orders, schedule_run, step_time
-from costmodel import load_profile
+from costmodel import CoreLending, load_profile
 
 PLAIN = [(s, p, m) for s in ("gpipe", "1f1b") for p in range(1, 6) for m in range(1, 10)]
 INTERLEAVED = [(p, v, m) for p in (2, 3, 4) for v in (2, 3) for m in (p, 2 * p, 3 * p)]
@@ -111,7 +112,7 @@ def test_the_simulation_at_full_speed_is_the_list_schedule(schedule):
         m = p * rng.randint(1, 3)
         f = [rng.uniform(0.5, 2.0) for _ in range(p * v)]
         b = [rng.uniform(1.0, 4.0) for _ in range(p * v)]
-        run = schedule_run(schedule, f, b, m, v=v, transfer=Transfer(0.1), speed=lambda k: 1.0)
+        run = schedule_run(schedule, f, b, m, v=v, transfer=Transfer(0.1), speed=lambda k, w: 1.0)
         assert run.step_s == pytest.approx(step_time(schedule, f, b, m, v=v, transfer_s=0.1))
         want_busy = [m * sum(f[j] + b[j] for j in range(r, p * v, p)) for r in range(p)]
         assert run.busy_s == pytest.approx(want_busy)
@@ -142,11 +143,11 @@ def test_a_rank_alone_on_shared_cores_goes_faster_and_moves_do_not():
     f, b = [1.0, 1.0], [2.0, 2.0]
     full = schedule_run("gpipe", f, b, 1)
     assert full.step_s == pytest.approx(6.0) and full.busy_s == pytest.approx((3.0, 3.0))
-    alone = schedule_run("gpipe", f, b, 1, speed=lambda k: 2.0 if k == 1 else 1.0)
+    alone = schedule_run("gpipe", f, b, 1, speed=lambda k, w: 2.0 if k == 1 else 1.0)
     assert alone.step_s == pytest.approx(3.0) and alone.busy_s == pytest.approx((1.5, 1.5))
-    moves = schedule_run("gpipe", f, b, 1, speed=lambda k: 2.0, compute_share=[0.0, 0.0])
+    moves = schedule_run("gpipe", f, b, 1, speed=lambda k, w: 2.0, compute_share=[0.0, 0.0])
     assert moves.step_s == pytest.approx(6.0)
-    half = schedule_run("gpipe", f, b, 1, speed=lambda k: 2.0, compute_share=[0.5, 0.5])
+    half = schedule_run("gpipe", f, b, 1, speed=lambda k, w: 2.0, compute_share=[0.5, 0.5])
     assert half.step_s == pytest.approx(6.0 * (0.5 / 2 + 0.5))
 
 
@@ -158,3 +159,52 @@ def test_ranks_sharing_cores_lend_them_when_idle():
     assert cpu.cores_per_node == 2 and gpu.cores_per_node == 0
     assert [cpu.compute_speed(k, 4) for k in (1, 2, 3, 4)] == pytest.approx([2.0, 2.0, 4 / 3, 1.0])
     assert cpu.compute_speed(1, 2) == 1.0 and gpu.compute_speed(1, 8) == 1.0
+
+
+def test_lending_follows_the_action_length_measured():
+    """``CoreLending.speed_at``: between two measured lengths the speed is interpolated in log length (at the
+    geometric mean, the mean of the two), held beyond the ends, 1 with every rank busy.  ``compute_speed`` uses the
+    table only for the rank count it was measured on and when the action's length is given; else the
+    core-share rule."""
+    lending = CoreLending(4, (0.001, 0.1), ((0.8, 2.0), (0.9, 1.9), (0.9, 1.4)))
+    assert lending.speed_at(1, 0.01) == pytest.approx(1.4)  # sqrt(0.001 x 0.1): half-way in log length
+    assert lending.speed_at(1, 1e-5) == 0.8 and lending.speed_at(1, 10.0) == 2.0
+    assert lending.speed_at(3, 0.001) == 0.9 and lending.speed_at(4, 0.05) == 1.0
+    cpu = dataclasses.replace(load_profile("cpu"), core_lending=lending)
+    assert cpu.compute_speed(1, 4, 0.1) == 2.0 and cpu.compute_speed(2, 4, 0.001) == 0.9
+    assert cpu.compute_speed(1, 4) == 2.0 and cpu.compute_speed(3, 4) == pytest.approx(4 / 3)  # no length: the rule
+    assert cpu.compute_speed(1, 8, 0.001) == pytest.approx(4.0)  # 8 ranks on 2 cores: not measured, the rule
+
+
+def test_a_short_action_gets_less_of_the_idle_cores():
+    """Two ranks, one micro-batch, GPipe: forwards of 1 s, backwards of 2 s, one rank computing at a time.  Lent
+    2 x only for actions of 1.5 s or more, the forwards take their full 1 s and the backwards 1 s each: 2 + 2 =
+    4 s (6 s unlent, 3 s with every action lent)."""
+    f, b = [1.0, 1.0], [2.0, 2.0]
+    run = schedule_run("gpipe", f, b, 1, speed=lambda k, w: 2.0 if w >= 1.5 else 1.0)
+    assert run.step_s == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"ranks": 4, "action_s": [0.01]}, r"expected exactly the keys \['action_s', 'ranks', 'speed'\]"),
+        ({"ranks": 1, "action_s": [0.01], "speed": []}, "ranks must be an int >= 2"),
+        ({"ranks": 3, "action_s": [0.01, 0.001], "speed": [[1, 1], [1, 1]]}, "action_s must be increasing"),
+        ({"ranks": 3, "action_s": [0.01], "speed": [[1.0]]}, r"speed must hold 2 rows \(1 .. 2 busy ranks\)"),
+        ({"ranks": 2, "action_s": [0.01], "speed": [[0.0]]}, "speeds must be positive"),
+    ],
+)
+def test_a_bad_lending_table_is_named(tmp_path, table, message):
+    """A profile's ``[core_lending]`` table that does not fit is refused, naming the file and what was expected."""
+    import tomli_w
+
+    from costmodel import profile_dict
+
+    data = profile_dict("cpu")
+    data["core_lending"] = table
+    path = tmp_path / "bad.toml"
+    path.write_text(tomli_w.dumps(data))
+    with pytest.raises(ValueError, match=message) as err:
+        load_profile(str(path))
+    assert "bad.toml" in str(err.value)

@@ -168,16 +168,17 @@ def schedule_run(
     *,
     v: int = 1,
     transfer: Transfer = Transfer(),
-    speed: Callable[[int], float] | None = None,
+    speed: Callable[[int, float], float] | None = None,
     compute_share: Sequence[float] | None = None,
 ) -> ScheduleRun:
-    """The step of :func:`rank_orders` simulated in time: a rank starts its next action once the action's inputs
-    are there (:func:`_ready_at`) and it is free; ``forward_s`` / ``backward_s`` are the actions' work at full
-    load.  While ``k`` ranks run actions at once, the compute of each goes ``s = speed(k)`` times faster (ranks
-    sharing a host's cores: ``costmodel.DeviceProfile.compute_speed``; None: 1, each rank its own device, which
-    is the list schedule) and the rest (collectives inside a stage) does not: stage ``j``'s work, ``c_j``
-    compute (``compute_share[j]``, default 1), goes at the rate ``1 / (c_j / s + 1 - c_j)``.  Between events (an
-    action finishing, one becoming ready) the rates are constant, so each event is exact.
+    """The step of :func:`rank_orders` simulated in time: a rank starts its next action once the action's inputs are
+    there (:func:`_ready_at`) and it is free; ``forward_s`` / ``backward_s`` are the actions' work at full load.
+    While ``k`` ranks run actions at once, the compute of each goes ``s = speed(k, w)`` times faster, ``w`` its
+    action's work at full load (ranks sharing a host's cores: ``costmodel.DeviceProfile.compute_speed``, which lends
+    less to short actions; None: 1, each rank its own device, which is the list schedule) and the rest (collectives
+    inside a stage) does not: stage ``j``'s work, ``c_j`` compute (``compute_share[j]``, default 1), goes at the
+    rate ``1 / (c_j / s + 1 - c_j)``. Between events (an action finishing, one becoming ready) the rates are
+    constant, so each event is exact.
 
     ``transfer``: each value crossing to another rank takes ``transfer.seconds``.  With
     ``transfer.when_receiver_free`` it starts moving only once the receiving rank is free to
@@ -213,8 +214,7 @@ def schedule_run(
                 ready_later.append(start)
         if not running and not ready_later:
             break
-        s = 1.0 if speed is None else speed(len(running))
-        rate = {r: 1.0 / (c / s + 1.0 - c) for r, c in ((r, share[running[r][0].stage]) for r in running)}
+        rate = {r: _rate(act, work, share, speed, len(running)) for r, (act, _) in running.items()}
         step = min([left / rate[r] for r, (_, left) in running.items()] + [t - now for t in ready_later])
         for r in list(running):
             act, left = running[r]
@@ -229,6 +229,14 @@ def schedule_run(
     if any(at[r] < len(orders[r]) for r in range(p)):
         raise AssertionError(f"{schedule} order deadlocks (p={p}, m={m}, v={v})")
     return ScheduleRun(now, tuple(busy))
+
+
+def _rate(act: Action, work: dict, share: list[float], speed: Callable[[int, float], float] | None, k: int) -> float:
+    """How fast ``act`` runs while ``k`` actions run: its compute share ``c`` sped up ``s`` times, the rest not."""
+    full = work[act.kind][act.stage]
+    s = 1.0 if speed is None else speed(k, full)
+    c = share[act.stage]
+    return 1.0 / (c / s + 1.0 - c)
 
 
 def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float, posted_s: float) -> float | None:

@@ -28,7 +28,10 @@ ranks than cores the contention is part of every number, as it is in the job):
   (kind, group size) is fitted to the cost model's formula
   ``t = latency + factor(n) * nbytes / bandwidth`` (``measure.fit``), printed with
   its residuals, and written as the link's ``collectives`` table
-  (``costmodel.comm`` uses it in place of the ring estimate).
+  (``costmodel.comm`` uses it in place of the ring estimate);
+* **core lending**, where CPU ranks outnumber the cores: how much faster a rank
+  computes while only some compute, per action length (``measure.lending_ring``;
+  the profile's ``[core_lending]`` table, ``costmodel.lending``).
 
 What one machine cannot measure (an inter-node link, the device memory of a GPU
 model you do not have) comes from ``base``: the profile the measured one starts
@@ -49,7 +52,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from costmodel import CoreLending
+
 from .fit import LineFit, RateFit, fit_latency_bandwidth, fit_rate
+from .lending_ring import LENGTHS_MS, measure_lending
 
 __all__ = ["Calibration", "calibrate", "measure_rank", "COLLECTIVE_KINDS", "MAX_SPREAD", "SIZES_BYTES"]
 
@@ -101,6 +107,7 @@ class Calibration:
     spreads: list[float] = field(default_factory=list)  # per point timed: (max - min) / median of its repeats
     load_before: float | None = None  # the machine's 1-minute load average before calibrate's ranks started
     cores: int = 0  # the cores this process may run on
+    lending: CoreLending | None = None  # measured where CPU ranks outnumber the cores
 
     @property
     def spread(self) -> float:
@@ -137,6 +144,9 @@ class Calibration:
         prof["host_runs_ahead"] = self.backend == "nccl"  # a CUDA stream: the host's overhead overlaps kernels
         if self.backend != "nccl":  # CPU ranks share this machine's cores (DeviceProfile.compute_speed)
             prof["cores_per_node"] = self.cores
+        prof.pop("core_lending", None)  # the base's table is another machine's
+        if self.lending is not None:
+            prof["core_lending"] = self.lending.to_table()
         if self.overlap is not None:  # the measured hidden fraction, kept in the profile's range [0, 1)
             prof["grad_reduce_overlap"] = min(max(self.overlap["hidden"], 0.0), 0.95)
         if self.collectives:
@@ -224,6 +234,7 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
         spreads=list(raw.get("spreads", ())),
         load_before=raw.get("load_before"),
         cores=raw.get("cores", 0),
+        lending=raw.get("lending"),
     )
 
 
@@ -257,7 +268,9 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
     if device.type == "cpu":
         torch.set_num_threads(1)  # as autopar run's ranks: they share the machine's cores
     bar = TerminalProgress(delay_s=0.0) if rank == 0 else None
-    steps = len(_DTYPES) + 3 + len(COLLECTIVE_KINDS)
+    cores = len(os.sched_getaffinity(0))
+    lends = device.type == "cpu" and world > cores  # ranks share cores: measure what a waiting rank lends
+    steps = len(_DTYPES) + 3 + len(COLLECTIVE_KINDS) + lends
     done = 0
 
     def tick(stage: str) -> None:
@@ -267,7 +280,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         done += 1
 
     out: dict[str, Any] = {"ranks": world, "backend": dist.get_backend(), "device": device.type}
-    out["cores"] = len(os.sched_getaffinity(0))
+    out["cores"] = cores
     _SPREADS.clear()
     out["machine"] = _machine(device)
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -297,6 +310,9 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         out["collectives"][kind] = {
             n: _collective_points(kind, *groups[n], n, device, trials, message_sizes) for n in sizes
         }
+    if lends:
+        tick("core lending (a ring of waiting ranks)")
+        out["lending"] = measure_lending(rank, world, LENGTHS_MS[::3] if quick else LENGTHS_MS)
     out["spreads"] = list(_SPREADS)
     if bar is not None:
         bar.close()

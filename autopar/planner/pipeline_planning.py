@@ -134,14 +134,15 @@ def pipelined(
 
 
 def shared_cores_speed(profile: DeviceProfile, mesh: Mesh, p: int) -> Speed | None:
-    """``speed(k)`` of a pipeline of ``p`` ranks on ``mesh`` whose ranks share their node's cores
-    (``DeviceProfile.compute_speed``): while ``k`` pipeline ranks compute, so do ``k / p`` of the node's ranks
-    (each pipeline rank is a group of the other axes' ranks, spread alike over the nodes).  None where nothing is
+    """``speed(k, w)`` of a pipeline of ``p`` ranks on ``mesh`` whose ranks share their node's cores
+    (``DeviceProfile.compute_speed`` for an action of ``w`` seconds): while ``k`` pipeline ranks compute, so do
+    ``k / p`` of the node's ranks (each pipeline rank is a group of the other axes' ranks, spread alike over the
+    nodes).  None where nothing is
     lent: each rank has its own device, or the node's ranks do not outnumber its cores."""
     ranks = min(mesh.size, profile.devices_per_node)
     if not profile.cores_per_node or ranks <= profile.cores_per_node:
         return None
-    return lambda k: profile.compute_speed(max(1, round(ranks * k / p)), ranks)
+    return lambda k, w: profile.compute_speed(max(1, round(ranks * k / p)), ranks, w)
 
 
 def virtual_choices(schedule: str, asked: int | str, p: int, layers: int) -> list[int]:

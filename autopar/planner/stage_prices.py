@@ -47,8 +47,9 @@ from .stage_assignment import stage_of_nodes
 
 __all__ = ["ChainPrices", "PricedPipeline", "Speed", "chain_prices", "priced_stages"]
 
-#: ``speed(k)``: how much faster a stage computes while ``k`` pipeline ranks compute (``priced_stages``).
-Speed = Callable[[int], float]
+#: ``speed(k, w)``: how much faster a stage computes an action of ``w`` seconds (at full load) while ``k`` pipeline
+#: ranks compute (``priced_stages``).
+Speed = Callable[[int, float], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,12 +162,12 @@ def priced_stages(
     speed: Speed | None = None,
     recv_when_free: bool = False,
 ) -> PricedPipeline:
-    """The split of the chain into ``p v`` stages and its price (module docstring).  ``speed(k)``: how much faster
-    a stage computes while ``k`` of the ``p`` pipeline ranks compute (ranks sharing cores,
-    ``DeviceProfile.compute_speed``); where given, the split's step is simulated so (``cost.schedule_run``),
-    each stage's compute sped up and its moves (collectives inside the stage) not.  ``recv_when_free``: each
-    transfer starts only once its receiver is free (``cost.schedule_run``; a host that does not run ahead of
-    its device), the step then simulated too."""
+    """The split of the chain into ``p v`` stages and its price (module docstring). ``speed(k, w)``: how much faster
+    a stage computes an action of ``w`` seconds while ``k`` of the ``p`` pipeline ranks compute (ranks sharing
+    cores, ``DeviceProfile.compute_speed``); where given, the split's step is simulated so (``cost.schedule_run``),
+    each stage's compute sped up and its moves (collectives inside the stage) not. ``recv_when_free``: each transfer
+    starts only once its receiver is free (``cost.schedule_run``; a host that does not run ahead of its device), the
+    step then simulated too."""
     n = prices.layers.count
     held = [in_flight(schedule, p, m, r, v) for r in range(p)]
     ends = (prices.prelude, prices.postlude)
