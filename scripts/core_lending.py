@@ -25,7 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--ms", type=float, nargs="+", default=list(LENGTHS_MS), help="action lengths (all busy)")
-    ap.add_argument("--rounds", type=int, default=4, help="times each token goes round the ring")
+    ap.add_argument("--rounds", type=int, default=8, help="times each token goes round the ring")
     ap.add_argument("--profile", default="cpu", help="the profile whose compute_speed is printed beside")
     a = ap.parse_args()
     profile = load_profile(a.profile)

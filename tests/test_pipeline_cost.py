@@ -208,3 +208,22 @@ def test_a_bad_lending_table_is_named(tmp_path, table, message):
     with pytest.raises(ValueError, match=message) as err:
         load_profile(str(path))
     assert "bad.toml" in str(err.value)
+
+
+def test_a_stage_holds_its_micro_batches_beside_the_gradients_born_so_far():
+    """A stage's peak beyond its parameters and optimizer state, followed over its rank's actions (the step starts
+    without gradients): two equal layers on 2 ranks, each saving A = 10 per micro-batch, its gradients G = 4 of its
+    state S = 16.  1F1B, m = 2: stage 0 runs F F B B: the most is 2 A before its first backward, so it holds
+    S - G + 2 A = 32 (the additive bound S + 2 A says 36).  m = 4: a forward follows its first backward (F F B F B
+    F B B), so 2 A + G: 36.  GPipe, m = 4: 4 A before any backward: S - G + 4 A = 52 (additive 56)."""
+    from autopar.planner.stage_prices import ChainPrices, priced_stages
+    from autopar.search import StageCosts
+
+    layers = StageCosts((1.0, 1.0), (2.0, 2.0), (16, 16), (10, 10))
+    nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
+    prices = ChainPrices(layers, nothing, nothing, (0.0,) * 4, (0.0,), (1.0,) * 4, (4, 4, 0, 0))
+    held = {(s, m): priced_stages(prices, s, m, 2, 1, None) for s, m in (("1f1b", 2), ("1f1b", 4), ("gpipe", 4))}
+    assert [held[k].stages[0].memory_bytes for k in held] == [32, 36, 52]
+    assert held["1f1b", 2].memory_bytes == 32 and held["1f1b", 2].state_bytes == 16
+    # stage 1 (the last) runs F B F B in 1F1B: one micro-batch beside the gradients, max(A, A + G): 16 + 10
+    assert held["1f1b", 4].stages[1].memory_bytes == 26

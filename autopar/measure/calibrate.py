@@ -312,7 +312,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         }
     if lends:
         tick("core lending (a ring of waiting ranks)")
-        out["lending"] = measure_lending(rank, world, LENGTHS_MS[::3] if quick else LENGTHS_MS)
+        out["lending"] = measure_lending(rank, world, *((LENGTHS_MS[::3], 2) if quick else (LENGTHS_MS, 8)))
     out["spreads"] = list(_SPREADS)
     if bar is not None:
         bar.close()

@@ -65,9 +65,10 @@ def _ring(chunk: Callable[[], float], rank: int, world: int, k: int, rounds: int
     return statistics.mean(spent)
 
 
-def measure_lending(rank: int, world: int, lengths_ms: Sequence[float] = LENGTHS_MS, rounds: int = 4) -> CoreLending:
+def measure_lending(rank: int, world: int, lengths_ms: Sequence[float] = LENGTHS_MS, rounds: int = 8) -> CoreLending:
     """The lending of this job's ``world`` ranks (every rank calls it and gets the same table; gloo, one thread
-    each, as ``autopar run``'s CPU ranks).  About 10 s for 4 ranks and the default lengths."""
+    each, as ``autopar run``'s CPU ranks).  About 20 s for 4 ranks, the default lengths and 8 rounds (4 rounds spread
+    up to 25% between runs at 3 ms)."""
     import torch.distributed as dist
 
     if world < 2:

@@ -18,6 +18,11 @@ of layers (``pipeline_planning.chain_layers``), as ``pipeline_planning.stage_of_
   ahead of its device; where it is the device (CPU ranks) a transfer starts once its receiver is free
   (``cost.schedule_run`` with ``Transfer.when_receiver_free``), and the split's step is simulated so.
 
+A rank's memory is its stages' model state plus the most its actions hold beyond it: each forward's saved
+activations until its backward, the gradients born in each stage's first backward (a step starts without them),
+followed over the rank's order of actions (``_rank_peak``).  The split itself is searched under the additive
+bound (state plus every micro-batch in flight), which this never exceeds.
+
 ``priced_stages`` then splits the layers: for GPipe and 1F1B by ``search.stages.split_stages`` (uneven where that
 pays, every stage under the cap with its micro-batches in flight), for interleaved schedules evenly into ``p v``
 stages priced by ``cost.pipeline.step_time``'s list schedule; and adds the slowest rank's optimizer steps.  Where
@@ -34,11 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.capture import OpGraph
-from autopar.cost import BACKWARD_TO_FORWARD, Transfer, in_flight, schedule_run
+from autopar.cost import BACKWARD_TO_FORWARD, Transfer, in_flight, rank_orders, schedule_run
+from autopar.placement import parse_placements
 from autopar.search import NoSplitFits, StageCosts, split_stages, step_of_split
 from autopar.spec import local_shape
 from autopar.units import format_bytes
-from costmodel import LinkProfile, p2p_time_s
+from costmodel import LinkProfile, model_state_bytes, optimizer_spec, p2p_time_s, precision
 
 from .plan_parts import PipelinePlan, StagePart
 from .problem_tables import PS_PER_S
@@ -57,7 +63,8 @@ class ChainPrices:
     """Per position of the chain: the layers' costs, the prelude's and the postlude's (``search.stages``' form),
     each position's optimizer step (``step_s``: the layers', then the prelude's and the postlude's), the
     seconds to send what crosses each cut (``cuts[k]``: after layer k) and, per position as ``step_s``, the part
-    of its forward and backward that is its ops' compute (``compute_s``; the rest, moves between its ops)."""
+    of its forward and backward that is its ops' compute (``compute_s``; the rest, moves between its ops) and the
+    part of its state that is its parameters' gradients (``grad_bytes``: born in the step's first backward)."""
 
     layers: StageCosts
     prelude: StageCosts
@@ -65,13 +72,15 @@ class ChainPrices:
     step_s: tuple[float, ...]
     cuts: tuple[float, ...]
     compute_s: tuple[float, ...] = ()
+    grad_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class PricedPipeline:
     """A split and its price: the stages, the step (the schedule's time plus the slowest rank's optimizer step),
     the part of it that is the schedule's bubble, the optimizer step, and the fullest rank's memory: its model
-    state and the activations of its micro-batches in flight."""
+    state and, at its peak, the activations of its micro-batches in flight less the gradients not yet born then
+    (``activation_bytes``; ``_rank_peak``)."""
 
     stages: tuple[StagePart, ...]
     step_s: float
@@ -97,7 +106,7 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
     in_layer = {i for _, ops in layers for i in ops}
     prelude, postlude = n, n + 1  # the ends' slots after the layers'
     time, step, compute = [0.0] * (n + 2), [0.0] * (n + 2), [0.0] * (n + 2)
-    saved, state = [0] * (n + 2), [0] * (n + 2)
+    saved, state, grads = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
 
     def slot(i: int) -> int:
         k = position[i]
@@ -115,8 +124,10 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
             readers = {slot(v) for v, _, _ in consumers.get(node.index, ()) if v in position}
             layers_reading = [s for s in readers if s < n]
             holders = {s for s in readers if s >= n} | ({min(layers_reading)} if layers_reading else set())
+            grad = _grad_bytes(node, plan)
             for s in holders:
                 state[s] += nbytes
+                grads[s] += grad
                 step[s] += t_ps * m / PS_PER_S
 
     def costs(slots: range | list[int]) -> StageCosts:
@@ -124,7 +135,21 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
         return StageCosts(f, [x * BACKWARD_TO_FORWARD for x in f], [state[s] for s in slots], [saved[s] for s in slots])
 
     cuts = tuple(p2p_time_s(b, link) for b in _cut_bytes(graph, plan, position, n))
-    return ChainPrices(costs(range(n)), costs([prelude]), costs([postlude]), tuple(step), cuts, tuple(compute))
+    return ChainPrices(
+        costs(range(n)), costs([prelude]), costs([postlude]), tuple(step), cuts, tuple(compute), tuple(grads)
+    )
+
+
+def _grad_bytes(node, plan: Plan) -> int:
+    """The bytes of parameter ``node``'s gradient on a rank of ``plan`` (its state placements' piece)."""
+    placed = plan.params.get(node.fqn)
+    if placed is None:
+        return 0
+    meta, mesh_shape = node.outputs[0], plan.mesh.shape
+    numel = math.prod(local_shape(meta.shape, parse_placements(placed.placements), mesh_shape))
+    state_numel = math.prod(local_shape(meta.shape, parse_placements(placed.state_placements), mesh_shape))
+    settings = plan.settings
+    return model_state_bytes(numel, state_numel, precision(settings.dtype), optimizer_spec(settings.optimizer)).grads
 
 
 def _cut_bytes(graph: OpGraph, plan: Plan, position: dict[int, int], n: int) -> list[int]:
@@ -196,11 +221,14 @@ def priced_stages(
         )
         schedule_s, busy_s = run.step_s, sum(run.busy_s) / p
     optimizer, state, acts = [0.0] * p, [0] * p, [0] * p
-    for j in range(p * v):
-        run_step, run_state, run_acts = _stage_run(prices, split.bounds[j], split.bounds[j + 1], j, p * v)
-        optimizer[j % p] += run_step
-        state[j % p] += run_state
-        acts[j % p] += -(-held[j % p] * run_acts // v)  # the rank's micro-batches in flight, over its v stages
+    runs = [_stage_run(prices, split.bounds[j], split.bounds[j + 1], j, p * v) for j in range(p * v)]
+    for j, run in enumerate(runs):
+        optimizer[j % p] += run.step_s
+        state[j % p] += run.state_bytes
+    orders = rank_orders(schedule, p, m, v)
+    for r in range(p):
+        acts[r] = _rank_peak(orders[r], [run.act_bytes for run in runs], [run.grad_bytes for run in runs])
+        acts[r] -= sum(runs[j].grad_bytes for j in range(r, p * v, p))  # counted in the state
     fullest = max(range(p), key=lambda r: state[r] + acts[r])
     memory = [state[r] + acts[r] for r in range(p)]
     if v > 1 and cap is not None and memory[fullest] > cap:  # the even split has no other to try
@@ -233,12 +261,46 @@ def _compute_share(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> 
     return min(sum(prices.compute_s[k] for k in slots) / total, 1.0) if total > 0 else 1.0
 
 
-def _stage_run(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> tuple[float, int, int]:
-    """(optimizer seconds, state bytes, activation bytes of one micro-batch) of stage ``j`` on layers
-    ``[a, b)``: the first stage with the prelude, the last with the postlude."""
+@dataclass(frozen=True, slots=True)
+class _StageRun:
+    """A stage's optimizer seconds, state bytes (of which ``grad_bytes`` its gradients) and the activations one
+    micro-batch saves in it."""
+
+    step_s: float
+    state_bytes: int
+    act_bytes: int
+    grad_bytes: int
+
+
+def _stage_run(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> _StageRun:
+    """Stage ``j`` on layers ``[a, b)``: the first stage with the prelude, the last with the postlude."""
     n, layers = prices.layers.count, prices.layers
     first, last = j == 0, j == stages - 1
     step = sum(prices.step_s[a:b]) + first * prices.step_s[n] + last * prices.step_s[n + 1]
     state = sum(layers.state_bytes[a:b]) + first * prices.prelude.state_bytes[0] + last * prices.postlude.state_bytes[0]
     acts = sum(layers.act_bytes[a:b]) + first * prices.prelude.act_bytes[0] + last * prices.postlude.act_bytes[0]
-    return step, state, acts
+    grads = prices.grad_bytes[a:b] if prices.grad_bytes else ()
+    grad = sum(grads) + (first * prices.grad_bytes[n] + last * prices.grad_bytes[n + 1] if prices.grad_bytes else 0)
+    return _StageRun(step, state, acts, grad)
+
+
+def _rank_peak(order: list, act_bytes: list[int], grad_bytes: list[int]) -> int:
+    """The most a rank holds beyond its parameters and optimizer state over its actions ``order``: each forward of
+    stage ``j`` saves ``act_bytes[j]`` until its backward, and stage ``j``'s gradients (``grad_bytes[j]``) are
+    born in its first backward and stay (a step starts with none: the optimizer's ``zero_grad`` freed them).
+    Taken at the boundaries between actions; a backward trades its micro-batch's activations for its
+    gradients.  1F1B on a rank that runs a forward after its first backward holds its ``w`` micro-batches in
+    flight beside every gradient (``w A + G``, the additive bound); GPipe, or 1F1B with ``m <= w``, peaks at
+    ``max(m A, (m - 1) A + G)``."""
+    held = born = top = 0
+    seen: set[int] = set()
+    for act in order:
+        if act.kind == "F":
+            held += act_bytes[act.stage]
+        else:
+            held -= act_bytes[act.stage]
+            if act.stage not in seen:
+                seen.add(act.stage)
+                born += grad_bytes[act.stage]
+        top = max(top, held + born)
+    return top
