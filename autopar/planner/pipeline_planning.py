@@ -137,8 +137,8 @@ def shared_cores_speed(profile: DeviceProfile, mesh: Mesh, p: int) -> Speed | No
     """``speed(k, w)`` of a pipeline of ``p`` ranks on ``mesh`` whose ranks share their node's cores
     (``DeviceProfile.compute_speed`` for an action of ``w`` seconds): while ``k`` pipeline ranks compute, so do
     ``k / p`` of the node's ranks (each pipeline rank is a group of the other axes' ranks, spread alike over the
-    nodes).  None where nothing is
-    lent: each rank has its own device, or the node's ranks do not outnumber its cores."""
+    nodes).  None where nothing is lent: each rank has its own device, or the node's ranks do not outnumber its
+    cores."""
     ranks = min(mesh.size, profile.devices_per_node)
     if not profile.cores_per_node or ranks <= profile.cores_per_node:
         return None
