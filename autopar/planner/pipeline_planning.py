@@ -43,6 +43,7 @@ from costmodel import DeviceProfile
 from .context import PlanningContext
 from .errors import MemoryCapError
 from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
+from .problem_tables import PS_PER_S
 from .schema import Plan
 from .stage_assignment import chain_layers, layer_span
 from .stage_prices import PricedPipeline, Speed, chain_prices, priced_stages
@@ -57,6 +58,7 @@ __all__ = [
     "pipelined",
     "schedule_runs",
     "stage_mesh",
+    "step_at_least",
     "step_cost",
     "virtual_choices",
 ]
@@ -131,6 +133,36 @@ def pipelined(
     bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
     pipe = PipelinePlan(mesh.axis_names[axis], schedule.name, stages, v, bubble)
     return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
+
+
+def step_at_least(micro_plan: Plan, profile: DeviceProfile, mesh: Mesh, p: int, m: int) -> float | None:
+    """A lower bound on the step of every pipeline of ``m`` micro-batches over ``p`` ranks of ``mesh`` whose stages
+    run a plan searched on ``micro_plan``'s context, under a memory bound or not (``stage_fitting``); None where the
+    search proved none.  Each micro-batch passes every stage once, so the ranks' forward and backward work sums to
+    ``m W`` and the busiest rank's is at least ``m W / p``, done at most ``s`` times faster (``s``: the most the
+    profile lends a rank while others idle, ``max_lending``); the ranks' optimizer steps sum to at least ``m O``.
+    ``W + O`` per micro-batch is the stage search's objective, whose least over every stage plan is the free
+    plan's where the search was exact (else its proven lower bound); transfers and the bubble only add::
+
+        step >= m (W + O) / (p s)"""
+    stats = micro_plan.search
+    least_ps = stats.objective_ps if stats.optimal else stats.lower_bound_ps
+    if least_ps is None:
+        return None
+    return m * least_ps / PS_PER_S / (p * max_lending(profile, mesh))
+
+
+def max_lending(profile: DeviceProfile, mesh: Mesh) -> float:
+    """The most ``DeviceProfile.compute_speed`` lends a rank of ``mesh`` while others idle (1.0 without shared
+    cores): the core-share rule's and the measured table's largest figure."""
+    ranks = min(mesh.size, profile.devices_per_node)
+    if not profile.cores_per_node or ranks <= profile.cores_per_node:
+        return 1.0
+    figures = [profile.compute_speed(k, ranks) for k in range(1, ranks)]
+    table = profile.core_lending
+    if table is not None and table.ranks == ranks:
+        figures += [s for row in table.speed for s in row]
+    return max(1.0, *figures)
 
 
 def shared_cores_speed(profile: DeviceProfile, mesh: Mesh, p: int) -> Speed | None:
