@@ -219,14 +219,19 @@ class PipelineChoice:
     def _proven_slower(self, at_least_s: float | None) -> bool:
         """Whether a step of at least ``at_least_s`` is slower than the fastest candidate (of this mesh, or of the
         meshes planned before it: ``SharedPlanning.beat``)."""
+        fastest = self._fastest_s()
+        return at_least_s is not None and fastest is not None and at_least_s > fastest
+
+    def _fastest_s(self) -> float | None:
+        """The fastest step priced so far, of this mesh or of the meshes before it (None: none yet)."""
         met = [s for s in (self.shared.beat, self.found and self.found[0].cost.total_s) if s]
-        return at_least_s is not None and bool(met) and at_least_s > min(met)
+        return min(met) if met else None
 
     def _above(self, m: int) -> int | None:
         """``SearchRun.above`` for a search of one of ``m`` micro-batches: the fastest candidate's step over
         ``m`` (a step of ``m`` micro-batches is ``m`` of them, ``step_cost``), in the search's picoseconds."""
-        met = [s for s in (self.shared.beat, self.found and self.found[0].cost.total_s) if s]
-        return int(min(met) * PS_PER_S / m) if met else None
+        fastest = self._fastest_s()
+        return int(fastest * PS_PER_S / m) if fastest is not None else None
 
     def _accumulations(self) -> list[int]:
         if self.batch is None:

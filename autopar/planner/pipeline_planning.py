@@ -155,8 +155,8 @@ def step_at_least(micro_plan: Plan, profile: DeviceProfile, mesh: Mesh, p: int, 
 def max_lending(profile: DeviceProfile, mesh: Mesh) -> float:
     """The most ``DeviceProfile.compute_speed`` lends a rank of ``mesh`` while others idle (1.0 without shared
     cores): the core-share rule's and the measured table's largest figure."""
-    ranks = min(mesh.size, profile.devices_per_node)
-    if not profile.cores_per_node or ranks <= profile.cores_per_node:
+    ranks = _ranks_sharing_cores(profile, mesh)
+    if ranks is None:
         return 1.0
     figures = [profile.compute_speed(k, ranks) for k in range(1, ranks)]
     table = profile.core_lending
@@ -171,10 +171,17 @@ def shared_cores_speed(profile: DeviceProfile, mesh: Mesh, p: int) -> Speed | No
     ``k / p`` of the node's ranks (each pipeline rank is a group of the other axes' ranks, spread alike over the
     nodes).  None where nothing is lent: each rank has its own device, or the node's ranks do not outnumber its
     cores."""
-    ranks = min(mesh.size, profile.devices_per_node)
-    if not profile.cores_per_node or ranks <= profile.cores_per_node:
+    ranks = _ranks_sharing_cores(profile, mesh)
+    if ranks is None:
         return None
     return lambda k, w: profile.compute_speed(max(1, round(ranks * k / p)), ranks, w)
+
+
+def _ranks_sharing_cores(profile: DeviceProfile, mesh: Mesh) -> int | None:
+    """The ranks of ``mesh`` on one node where they outnumber the node's cores (they lend them when idle); None
+    where each rank has its own device or the cores are enough."""
+    ranks = min(mesh.size, profile.devices_per_node)
+    return ranks if profile.cores_per_node and ranks > profile.cores_per_node else None
 
 
 def virtual_choices(schedule: str, asked: int | str, p: int, layers: int) -> list[int]:

@@ -226,9 +226,9 @@ def priced_stages(
         optimizer[j % p] += run.step_s
         state[j % p] += run.state_bytes
     orders = rank_orders(schedule, p, m, v)
+    act_bytes, grad_bytes = [run.act_bytes for run in runs], [run.grad_bytes for run in runs]
     for r in range(p):
-        acts[r] = _rank_peak(orders[r], [run.act_bytes for run in runs], [run.grad_bytes for run in runs])
-        acts[r] -= sum(runs[j].grad_bytes for j in range(r, p * v, p))  # counted in the state
+        acts[r] = _rank_peak(orders[r], act_bytes, grad_bytes) - sum(grad_bytes[r::p])  # gradients: in the state
     fullest = max(range(p), key=lambda r: state[r] + acts[r])
     memory = [state[r] + acts[r] for r in range(p)]
     if v > 1 and cap is not None and memory[fullest] > cap:  # the even split has no other to try
@@ -279,8 +279,8 @@ def _stage_run(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> _Sta
     step = sum(prices.step_s[a:b]) + first * prices.step_s[n] + last * prices.step_s[n + 1]
     state = sum(layers.state_bytes[a:b]) + first * prices.prelude.state_bytes[0] + last * prices.postlude.state_bytes[0]
     acts = sum(layers.act_bytes[a:b]) + first * prices.prelude.act_bytes[0] + last * prices.postlude.act_bytes[0]
-    grads = prices.grad_bytes[a:b] if prices.grad_bytes else ()
-    grad = sum(grads) + (first * prices.grad_bytes[n] + last * prices.grad_bytes[n + 1] if prices.grad_bytes else 0)
+    grads = prices.grad_bytes or (0,) * (n + 2)  # none given: no gradient bytes per position
+    grad = sum(grads[a:b]) + first * grads[n] + last * grads[n + 1]
     return _StageRun(step, state, acts, grad)
 
 
