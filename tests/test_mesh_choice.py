@@ -98,7 +98,7 @@ def test_devices_with_what_names_a_mesh_is_refused(kwargs, match):
 
 
 _COMPILE_DEVICES = """
-import torch, torch.distributed as dist, autopar
+import pathlib, sys, torch, torch.distributed as dist, autopar
 from autopar.models import load_model
 from autopar.runtime import init_distributed
 
@@ -111,7 +111,8 @@ for _ in range(2):
     losses.append(float(sharded.train_step(*args, **kwargs)))
     opt.step()
     opt.zero_grad()
-print("RANK", dist.get_rank(), sharded.plan.mesh.shape, sharded.plan.mesh.axis_names, losses, flush=True)
+line = f"{sharded.plan.mesh.shape} {sharded.plan.mesh.axis_names} {losses}"
+pathlib.Path(sys.argv[1], f"rank{dist.get_rank()}.txt").write_text(line)  # one file each: stdout interleaves
 dist.destroy_process_group()
 """
 
@@ -122,10 +123,11 @@ def test_compile_with_the_world_size_builds_one_mesh_on_every_torchrun_rank(tmp_
     script = tmp_path / "train.py"
     script.write_text(_COMPILE_DEVICES)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)]
+    cmd.append(str(tmp_path))
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = [line.split(" ", 2)[2] for line in done.stdout.splitlines() if line.startswith("RANK ")]
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(4) if (tmp_path / f"rank{r}.txt").exists()]
     assert len(lines) == 4 and len({line.rsplit(" [", 1)[0] for line in lines}) == 1, done.stdout
     model, args, kwargs = load_model("gpt2-tiny", batch=4, seq=16, device="cpu", no_dropout=True)
     chosen = autopar.plan(model, devices=4, example_inputs=args, example_kwargs=kwargs, profile="cpu")
