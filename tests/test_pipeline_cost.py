@@ -227,3 +227,23 @@ def test_a_stage_holds_its_micro_batches_beside_the_gradients_born_so_far():
     assert held["1f1b", 2].memory_bytes == 32 and held["1f1b", 2].state_bytes == 16
     # stage 1 (the last) runs F B F B in 1F1B: one micro-batch beside the gradients, max(A, A + G): 16 + 10
     assert held["1f1b", 4].stages[1].memory_bytes == 26
+
+
+def test_a_backward_holds_its_working_set_beside_the_micro_batches_in_flight():
+    """As above (1F1B, m = 2 on 2 ranks, A = 10, G = 4 of S = 16), with backward working sets of 7 (layer 0) and 3
+    (layer 1) and the step's end (buckets of 5, the optimizer's 2 temporaries on the largest gradient, 3 and 2).
+    Stage 0 (F F B B): 2 A + W = 27 before its first backward, so S - G + 27 = 39 (the split's bound
+    S + 2 A + W says 43); its end holds G + max(min(4, 5), 2 x 3) = 10, less.  Stage 1 (F B F B): A + G + W = 17 at
+    its second backward: 16 - 4 + 17 = 29."""
+    from autopar.planner.stage_prices import ChainPrices, priced_stages
+    from autopar.search import EndOfStep, StageCosts
+
+    layers = StageCosts((1.0, 1.0), (2.0, 2.0), (16, 16), (10, 10), (7, 3), (4, 4), (3, 2))
+    nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
+    prices = ChainPrices(layers, nothing, nothing, (0.0,) * 4, (0.0,), (1.0,) * 4, (4, 4, 0, 0), EndOfStep(5, 2))
+    priced = priced_stages(prices, "1f1b", 2, 2, 1, None)
+    assert [st.memory_bytes for st in priced.stages] == [39, 29]
+    small = StageCosts((1.0, 1.0), (2.0, 2.0), (16, 16), (1, 1), (0, 0), (12, 4), (3, 2))
+    prices = ChainPrices(small, nothing, nothing, (0.0,) * 4, (0.0,), (1.0,) * 4, (12, 4, 0, 0), EndOfStep(5, 1))
+    # stage 0 ends with its 12 bytes of gradients and one bucket's flat copy of 5: S - G + G + 5 = 21
+    assert [st.memory_bytes for st in priced_stages(prices, "1f1b", 2, 2, 1, None).stages] == [21, 20]

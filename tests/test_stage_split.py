@@ -14,16 +14,18 @@ import numpy as np
 import pytest
 
 from autopar.cost.pipeline import in_flight, step_time
-from autopar.search.stages import StageCosts, split_stages, step_of_split
+from autopar.search.stages import EndOfStep, SharedState, StageCosts, split_stages, step_of_split
 
 
 def _random_layers(rng: np.random.Generator, n: int) -> StageCosts:
     forward = rng.uniform(0.5, 3.0, n)
+    moments = [tuple(int(x) for x in rng.integers(0, 40, n)) for _ in range(3)] if rng.random() < 0.5 else []
     return StageCosts(
         tuple(forward.tolist()),
         tuple((forward * rng.uniform(1.5, 2.5, n)).tolist()),  # backward about twice forward, not exactly
         tuple(int(x) for x in rng.integers(10, 100, n)),
         tuple(int(x) for x in rng.integers(1, 30, n)),
+        *moments,
     )
 
 
@@ -45,20 +47,53 @@ def test_the_split_is_the_best_of_every_split_that_fits(seed: int) -> None:
     m = int(rng.integers(1, 7))
     schedule = str(rng.choice(["gpipe", "1f1b"]))
     layers, ends = _random_layers(rng, n), (_one(rng), _one(rng))
+    end = EndOfStep(int(rng.integers(0, 30)), int(rng.integers(0, 3)))
     held = [in_flight(schedule, p, m, j) for j in range(p)]
-    every = [step_of_split(layers, b, held, m, ends) for b in _splits(n, p)]
+    every = [step_of_split(layers, b, held, m, ends, end=end) for b in _splits(n, p)]
+    for split in every:  # each stage's memory is the module docstring's M_j, summed here by hand
+        assert list(split.memory_bytes) == [_stage_bytes(layers, ends, end, held, split.bounds, j) for j in range(p)]
     fullest = sorted(max(s.memory_bytes) for s in every)
     cap = None if seed % 5 == 0 else int(fullest[int(rng.integers(0, len(fullest)))] + int(rng.integers(-5, 5)))
     fitting = [s for s in every if cap is None or max(s.memory_bytes) <= cap]
     if not fitting:
         with pytest.raises(ValueError, match=f"needs on its fullest stage is {fullest[0]} bytes"):
-            split_stages(layers, held, m, cap, ends)
+            split_stages(layers, held, m, cap, ends, end=end)
         return
-    got = split_stages(layers, held, m, cap, ends)
+    got = split_stages(layers, held, m, cap, ends, end=end)
     best = min(s.step_s for s in fitting)
     assert math.isclose(got.step_s, best, rel_tol=1e-12), (seed, got, best)
     assert cap is None or max(got.memory_bytes) <= cap
-    assert got == step_of_split(layers, got.bounds, held, m, ends)  # what it reports is its split's
+    assert got == step_of_split(layers, got.bounds, held, m, ends, end=end)  # what it reports is its split's
+
+
+def _stage_bytes(layers: StageCosts, ends, end: EndOfStep, held: list[int], bounds, j: int) -> int:
+    """``M_j = S_j + max(h_j A_j + W_j, E_j)``, ``E_j = max(min(G_j, max(b, g_j)), t g_j)``, over stage j's layers
+    and its ends, written out."""
+    p = len(bounds) - 1
+    rows = [(layers, k) for k in range(bounds[j], bounds[j + 1])]
+    rows += [(ends[0], 0)] * (j == 0) + [(ends[1], 0)] * (j == p - 1)
+
+    def values(name):
+        return [getattr(c, name)[k] if getattr(c, name) else 0 for c, k in rows]
+
+    state, acts = sum(values("state_bytes")), sum(values("act_bytes"))
+    work, flat, largest = max(values("work_bytes")), sum(values("flat_bytes")), max(values("largest_grad_bytes"))
+    bucket = min(flat, max(end.bucket_bytes, largest)) if end.bucket_bytes else 0  # 0: no buckets
+    at_end = max(bucket, end.temporaries * largest)
+    return state + max(held[j] * acts + work, at_end)
+
+
+def test_a_stage_holds_its_working_set_or_the_steps_last_bucket() -> None:
+    """Two layers on two 1F1B stages (2 and 1 micro-batches in flight), state 16 and activations 10 each: a backward
+    working set of 7 on layer 0 adds to stage 0's 2 x 10 (16 + 27 = 43); where the activations are small (1 each),
+    the end of the step sets the peak: stage 0's bucketed gradients 12 in buckets of 5 copy at most 5 (16 + 5 =
+    21); stage 1's 4 copy whole, or the optimizer's 2 temporaries on its largest gradient 2 (16 + 4 = 20)."""
+    big = StageCosts((1.0, 1.0), (2.0, 2.0), (16, 16), (10, 10), (7, 3), (4, 4), (3, 2))
+    assert step_of_split(big, (0, 1, 2), [2, 1], 2, end=EndOfStep(5, 2)).memory_bytes == (43, 29)
+    small = StageCosts((1.0, 1.0), (2.0, 2.0), (16, 16), (1, 1), (0, 0), (12, 4), (3, 2))
+    assert step_of_split(small, (0, 1, 2), [2, 1], 2, end=EndOfStep(5, 1)).memory_bytes == (21, 20)
+    assert step_of_split(small, (0, 1, 2), [2, 1], 2, end=EndOfStep(5, 2)).memory_bytes == (22, 20)  # 2 x 3 > 5
+    assert step_of_split(small, (0, 1, 2), [2, 1], 2).memory_bytes == (18, 17)  # no end given: the additive bound
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -98,3 +133,17 @@ def test_more_stages_than_layers_is_a_clear_error() -> None:
     layers = StageCosts((1.0,) * 3, (2.0,) * 3, (1,) * 3, (1,) * 3)
     with pytest.raises(ValueError, match="4 pipeline stages for 3 layers: each stage needs at least one layer"):
         split_stages(layers, [1, 1, 1, 1], 4)
+
+
+def test_a_weight_two_positions_read_is_held_once_by_a_stage_that_runs_both() -> None:
+    """A tied embedding of 8 state bytes (4 of them its gradient, all bucketed) read by the prelude and by layer 1,
+    in both positions' figures: the stage that runs both holds it once.  Three layers of state 10, activations 1,
+    ends of state 8 (the prelude: the embedding) and 0: split (0, 2, 3) puts both readers on stage 0 (8 + 20 - 8 +
+    1 x 2 = 22 with 1 micro-batch in flight), split (0, 1, 3) one on each (8 + 10 + 1, and 20 + 1 + 0 copies)."""
+    layers = StageCosts((1.0,) * 3, (2.0,) * 3, (10, 10, 10), (1, 1, 1))
+    ends = (StageCosts((0.0,), (0.0,), (8,), (0,)), StageCosts((0.0,), (0.0,), (0,), (0,)))
+    tied = SharedState(8, 4, 4, 0.0, layers=(1,), prelude=True)
+    assert step_of_split(layers, (0, 2, 3), [1, 1], 1, ends, shared=[tied]).memory_bytes == (22, 11)
+    assert step_of_split(layers, (0, 1, 3), [1, 1], 1, ends, shared=[tied]).memory_bytes == (19, 22)
+    assert step_of_split(layers, (0, 2, 3), [1, 1], 1, ends).memory_bytes == (30, 11)  # not said: counted twice
+    assert tied.copies(0, 3, True, True) == 1 and tied.copies(2, 3, False, True) == 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .coster import BACKWARD_SHARE, BACKWARD_TO_FORWARD, Coster, TrainingSettings
 from .model_flops import ModelFlops, count_model_flops
-from .peak import BackwardMemory, peak_memory
+from .peak import BackwardMemory, StepPeak, peak_memory
 from .pipeline import SCHEDULES, ScheduleRun, Transfer, bubble_fraction, in_flight, rank_orders, schedule_run, step_time
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "rank_orders",
     "peak_memory",
     "ScheduleRun",
+    "StepPeak",
     "Transfer",
     "schedule_run",
     "step_time",

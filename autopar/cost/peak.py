@@ -35,12 +35,11 @@ the search run again when the peak exceeds it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from autopar.strategies import SourceStrategy
 from autopar.transitions import transitions
 
-__all__ = ["BackwardMemory", "peak_memory"]
+__all__ = ["BackwardMemory", "StepPeak", "peak_memory"]
 
 
 @dataclass(frozen=True)
@@ -67,22 +66,39 @@ class BackwardMemory:
     bucket_bytes: int = 0
 
 
-def peak_memory(ctx, strat: list, step: BackwardMemory) -> dict[str, Any]:
-    """``{"per_device_bytes", "transient_bytes", "peak_phase"}`` of the plan whose strategies are ``strat``
-    and whose step holds and frees what ``step`` says (the module docstring's walk)."""
+@dataclass(frozen=True, slots=True)
+class StepPeak:
+    """The peak of one step (``peak_memory``): ``per_device_bytes`` at its worst moment, of which
+    ``transient_bytes`` the working set then, ``peak_phase`` (``"backward"`` or ``"optimizer step"``), and per op
+    the bytes its backward holds briefly beyond the walk's activations and gradients (``transient_at``: node
+    index -> ``T(v)`` plus what a recomputed region makes again there; a pipeline's stages take their own peaks
+    from them, ``planner.stage_prices``)."""
+
+    per_device_bytes: int
+    transient_bytes: int
+    peak_phase: str
+    transient_at: dict[int, int] = field(default_factory=dict)
+
+
+def peak_memory(ctx, strat: list, step: BackwardMemory) -> StepPeak:
+    """The peak of the plan whose strategies are ``strat`` and whose step holds and frees what ``step`` says
+    (the module docstring's walk)."""
     mem, freed_at, reborn_at, remade_at = step.mem, step.freed_at, step.reborn_at, step.remade_at
     recomputed, bucket_bytes = step.recomputed, step.bucket_bytes
     coster, graph = ctx.coster, ctx.graph
     static = mem["params"] + mem["optimizer"]
     grad_of = {n.index: coster.param_state_bytes(n, strat[n.index]).grads for n in graph.params()}
     alive, grads, worst, worst_t = mem["activations"], 0, 0, 0
+    transient_at: dict[int, int] = {}
     for v in reversed(graph.nodes):
-        alive += reborn_at.get(v.index, 0)
+        reborn = reborn_at.get(v.index, 0)
+        alive += reborn
         if v.kind != "op" or not v.requires_grad:
             continue
         for u, _ in v.inputs:  # the last reader of a parameter in forward starts its gradient
             grads += grad_of.pop(u, 0)
         t = _working_set(coster, graph, strat, v, v.index not in recomputed) + remade_at.get(v.index, 0)
+        transient_at[v.index] = t + reborn
         if static + alive + grads + t > worst:
             worst, worst_t = static + alive + grads + t, t
         alive -= freed_at.get(v.index, 0)
@@ -91,8 +107,8 @@ def peak_memory(ctx, strat: list, step: BackwardMemory) -> dict[str, Any]:
     t_optimizer = _optimizer_transient(ctx, strat)
     step = static + mem["grads"] + t_optimizer
     if worst >= step:
-        return {"per_device_bytes": worst, "transient_bytes": worst_t, "peak_phase": "backward"}
-    return {"per_device_bytes": step, "transient_bytes": t_optimizer, "peak_phase": "optimizer step"}
+        return StepPeak(worst, worst_t, "backward", transient_at)
+    return StepPeak(step, t_optimizer, "optimizer step", transient_at)
 
 
 #: buffers a gradient move holds besides its input, per collective step, in units of the step's bytes

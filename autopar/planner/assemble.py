@@ -18,7 +18,7 @@ sharded parameters or state).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autopar.cost import BACKWARD_SHARE, BackwardMemory, peak_memory
 from autopar.placement import Replicate, Shard
@@ -48,12 +48,15 @@ __all__ = ["Breakdown", "assemble_plan", "breakdown", "classify", "node_costs"]
 @dataclass(frozen=True, slots=True)
 class Breakdown:
     """Cost, memory and collectives of one choice, and the strategy each graph node took (``memory.cap_bytes``
-    is None: the cap is the plan's, not the choice's)."""
+    is None: the cap is the plan's, not the choice's).  ``transient_at``: node index -> the bytes it holds for a
+    moment beyond what the search charged it: an op, its backward's working set (``cost.StepPeak.transient_at``);
+    a parameter, its gradient's bytes in the buckets' flat copy (``runtime.buckets``; 0: not bucketed)."""
 
     cost: PlanCost
     memory: PlanMemory
     collectives: tuple[Collective, ...]
     strategies: tuple
+    transient_at: dict[int, int] = field(default_factory=dict)
 
 
 def breakdown(ctx, choice: list[int]) -> Breakdown:
@@ -76,12 +79,12 @@ def breakdown(ctx, choice: list[int]) -> Breakdown:
     return walk.result()
 
 
-def node_costs(ctx, choice: list[int]) -> dict[str, NodeCharge]:
+def node_costs(ctx, choice: list[int], parts: Breakdown) -> dict[str, NodeCharge]:
     """Graph node name -> the time (picoseconds) and bytes the search's objective and additive memory charge it
     under ``choice``: its own (``own_ps``; a parameter: its state and optimizer step, once per step; an op: its
     forward and backward and what it saves) plus every edge into it (its inputs' moves and their gradients; an
     edge into an output sink: its producer's).  Summed over the nodes they are the choice's objective and
-    memory."""
+    memory.  ``parts``: the choice's ``breakdown``, whose ``transient_at`` each charge carries."""
     tables, graph = ctx.tables, ctx.graph
     n = len(graph.nodes)
     own = [int(tables.node_time_ps[i][choice[i]]) for i in range(n)]
@@ -91,7 +94,8 @@ def node_costs(ctx, choice: list[int]) -> dict[str, NodeCharge]:
         owner, b = (v, choice[v]) if v < n else (u, 0)
         time[owner] += int(t[choice[u], b])
         mem[owner] += int(m[choice[u], b])
-    return {graph.nodes[i].name: NodeCharge(time[i], mem[i], own[i]) for i in range(n)}
+    moment = parts.transient_at
+    return {graph.nodes[i].name: NodeCharge(time[i], mem[i], own[i], moment.get(i, 0)) for i in range(n)}
 
 
 def _bump(where: dict, key, nbytes: int) -> None:
@@ -283,19 +287,20 @@ class _StepWalk:
         )
         peak = peak_memory(self.ctx, self.strategies, backward)
         memory = PlanMemory(
-            per_device_bytes=peak["per_device_bytes"],
+            per_device_bytes=peak.per_device_bytes,
             params_bytes=held["params"],
             grads_bytes=held["grads"],
             optimizer_bytes=held["optimizer"],
             activations_bytes=held["activations"],
             cap_bytes=None,
             search_bytes=sum(held.values()),  # the additive bound the search kept under the cap
-            transient_bytes=peak["transient_bytes"],
-            peak_phase=peak["peak_phase"],
+            transient_bytes=peak.transient_bytes,
+            peak_phase=peak.peak_phase,
         )
         terms = _terms(coster, self.graph, self.strategies, self.compute_s, self.collectives)
         cost = PlanCost(self.compute_s, self.comm_s, self.compute_s + self.comm_s, terms)
-        return Breakdown(cost, memory, tuple(self.collectives), self.strategies)
+        moment = {**peak.transient_at, **self.bucketed}
+        return Breakdown(cost, memory, tuple(self.collectives), self.strategies, moment)
 
 
 def _reborn_at(ctx, reborn: dict[str, int]) -> dict[int, int]:

@@ -198,11 +198,14 @@ class PlanThroughput:
 class NodeCharge(NamedTuple):
     """What the search charged one graph node (``Plan.node_costs``, ``planner.assemble.node_costs``): ``ps`` its
     time with the moves into it, ``nbytes`` its memory with theirs, and ``own_ps`` the node's own part of ``ps``
-    (an op's forward and backward, a parameter's optimizer step: compute, no moves)."""
+    (an op's forward and backward, a parameter's optimizer step: compute, no moves), and ``transient_bytes`` what
+    it holds for a moment beyond ``nbytes`` (an op, its backward's working set; a parameter, its gradient's bytes
+    in the buckets' flat copy: ``planner.assemble.Breakdown.transient_at``)."""
 
     ps: int
     nbytes: int
     own_ps: int
+    transient_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

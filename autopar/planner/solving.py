@@ -133,7 +133,8 @@ def plan_under(
         return None
     here = space.contexts.get(best.key, space.ctx)
     settings = PlanSettings(**here.settings, mem_cap_bytes=options.mem_cap, solver=options.solver)
-    result = assemble_plan(here, best.choice, best.sol, settings, (), space.parts.get(best.key))
+    parts = space.parts.get(best.key) or breakdown(here, best.choice)
+    result = assemble_plan(here, best.choice, best.sol, settings, (), parts)
     search = replace(result.search, peak_searches=loop.searches)  # > 1: the peak, not the bound, held it back
     if run.deadline is not None and (loop.late or best.sol.stats.get("budget_hit")):
         search = replace(search, budget_hit=True, budget_s=run.deadline.budget_s)
@@ -145,7 +146,7 @@ def plan_under(
         timings=dict(space.ctx.timings),
         hints=hints_of(resolved.record),
         search=search,
-        node_costs=node_costs(here, best.choice),
+        node_costs=node_costs(here, best.choice, parts),
     )
 
 

@@ -18,10 +18,19 @@ of layers (``pipeline_planning.chain_layers``), as ``pipeline_planning.stage_of_
   ahead of its device; where it is the device (CPU ranks) a transfer starts once its receiver is free
   (``cost.schedule_run`` with ``Transfer.when_receiver_free``), and the split's step is simulated so.
 
-A rank's memory is its stages' model state plus the most its actions hold beyond it: each forward's saved
-activations until its backward, the gradients born in each stage's first backward (a step starts without them),
-followed over the rank's order of actions (``_rank_peak``).  The split itself is searched under the additive
-bound (state plus every micro-batch in flight), which this never exceeds.
+A rank's memory is its stages' model state plus the most its actions hold beyond it, followed over the rank's order
+of actions (``_rank_peak``)::
+
+    before a backward of stage j = activations saved by the forwards not yet backward + gradients born so far
+                                   + W_j (the largest backward working set of j's ops, ``cost.StepPeak``)
+    after any action             = activations saved + gradients born so far
+    end of the step              = every gradient + max(the largest bucket's flat copy, T_optimizer)
+
+each forward's activations held until its backward, each stage's gradients born in its first backward (a step
+starts without them: ``zero_grad`` freed them); at the end the runtime reduces the step's gradients bucket by
+bucket (``runtime.buckets.GradBuckets.reduce_held``: a bucket's flat copy beside every gradient, at most
+``grad_bucket_bytes``), then the optimizer's temporaries on the rank's largest gradient.  The split itself is
+searched under the additive bound (state plus every micro-batch in flight).
 
 ``priced_stages`` then splits the layers: for GPipe and 1F1B by ``search.stages.split_stages`` (uneven where that
 pays, every stage under the cap with its micro-batches in flight), for interleaved schedules evenly into ``p v``
@@ -41,7 +50,7 @@ from dataclasses import dataclass
 from autopar.capture import OpGraph
 from autopar.cost import BACKWARD_TO_FORWARD, Transfer, in_flight, rank_orders, schedule_run
 from autopar.placement import parse_placements
-from autopar.search import NoSplitFits, StageCosts, split_stages, step_of_split
+from autopar.search import EndOfStep, NoSplitFits, SharedState, StageCosts, split_stages, step_of_split
 from autopar.spec import local_shape
 from autopar.units import format_bytes
 from costmodel import LinkProfile, model_state_bytes, optimizer_spec, p2p_time_s, precision
@@ -64,7 +73,9 @@ class ChainPrices:
     each position's optimizer step (``step_s``: the layers', then the prelude's and the postlude's), the
     seconds to send what crosses each cut (``cuts[k]``: after layer k) and, per position as ``step_s``, the part
     of its forward and backward that is its ops' compute (``compute_s``; the rest, moves between its ops) and the
-    part of its state that is its parameters' gradients (``grad_bytes``: born in the step's first backward)."""
+    part of its state that is its parameters' gradients (``grad_bytes``: born in the step's first backward), and
+    what the step's end holds beside them (``end``); ``shared``: the parameters several positions hold (a tied
+    embedding), held once by a stage that runs two of them (``search.SharedState``)."""
 
     layers: StageCosts
     prelude: StageCosts
@@ -73,6 +84,8 @@ class ChainPrices:
     cuts: tuple[float, ...]
     compute_s: tuple[float, ...] = ()
     grad_bytes: tuple[int, ...] = ()
+    end: EndOfStep = EndOfStep()
+    shared: tuple[SharedState, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +120,8 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
     prelude, postlude = n, n + 1  # the ends' slots after the layers'
     time, step, compute = [0.0] * (n + 2), [0.0] * (n + 2), [0.0] * (n + 2)
     saved, state, grads = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
+    work, flat, largest = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
+    shared: list[SharedState] = []
 
     def slot(i: int) -> int:
         k = position[i]
@@ -115,28 +130,47 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
         return prelude if k == 0 else postlude
 
     for node in graph.nodes:
-        t_ps, nbytes, own_ps = plan.node_costs.get(node.name, (0, 0, 0))
+        t_ps, nbytes, own_ps, moment = plan.node_costs.get(node.name, (0, 0, 0, 0))
         if node.kind == "op":
             time[slot(node.index)] += t_ps / PS_PER_S
             compute[slot(node.index)] += own_ps / PS_PER_S
             saved[slot(node.index)] += nbytes
+            work[slot(node.index)] = max(work[slot(node.index)], moment)
         elif node.kind == "param":
             readers = {slot(v) for v, _, _ in consumers.get(node.index, ()) if v in position}
             layers_reading = [s for s in readers if s < n]
             holders = {s for s in readers if s >= n} | ({min(layers_reading)} if layers_reading else set())
             grad = _grad_bytes(node, plan)
+            if len(holders) > 1:
+                layer_slots = tuple(sorted(s for s in holders if s < n))
+                ends = (prelude in holders, postlude in holders)
+                shared.append(SharedState(nbytes, grad, moment, t_ps * m / PS_PER_S, layer_slots, *ends))
             for s in holders:
                 state[s] += nbytes
                 grads[s] += grad
                 step[s] += t_ps * m / PS_PER_S
+                flat[s] += moment
+                largest[s] = max(largest[s], grad)
 
     def costs(slots: range | list[int]) -> StageCosts:
         f = [time[s] / (1 + BACKWARD_TO_FORWARD) for s in slots]
-        return StageCosts(f, [x * BACKWARD_TO_FORWARD for x in f], [state[s] for s in slots], [saved[s] for s in slots])
+        b = [x * BACKWARD_TO_FORWARD for x in f]
+        moments = ([work[s] for s in slots], [flat[s] for s in slots], [largest[s] for s in slots])
+        return StageCosts(f, b, [state[s] for s in slots], [saved[s] for s in slots], *moments)
 
     cuts = tuple(p2p_time_s(b, link) for b in _cut_bytes(graph, plan, position, n))
+    settings = plan.settings
+    end = EndOfStep(settings.grad_bucket_bytes or 0, optimizer_spec(settings.optimizer).temporaries)
     return ChainPrices(
-        costs(range(n)), costs([prelude]), costs([postlude]), tuple(step), cuts, tuple(compute), tuple(grads)
+        costs(range(n)),
+        costs([prelude]),
+        costs([postlude]),
+        tuple(step),
+        cuts,
+        tuple(compute),
+        tuple(grads),
+        end,
+        tuple(shared),
     )
 
 
@@ -197,12 +231,12 @@ def priced_stages(
     held = [in_flight(schedule, p, m, r, v) for r in range(p)]
     ends = (prices.prelude, prices.postlude)
     if v == 1:
-        split = split_stages(prices.layers, held, m, cap, ends, prices.cuts)
+        split = split_stages(prices.layers, held, m, cap, ends, prices.cuts, prices.end, prices.shared)
     else:
         bounds = [0]
         for j in range(p * v):
             bounds.append(bounds[-1] + n // (p * v) + (1 if j < n % (p * v) else 0))
-        split = step_of_split(prices.layers, bounds, [1] * (p * v), m, ends, prices.cuts)
+        split = step_of_split(prices.layers, bounds, [1] * (p * v), m, ends, prices.cuts, prices.end, prices.shared)
     per_stage = [f + b for f, b in zip(split.forward_s, split.backward_s, strict=True)]
     if v == 1 and speed is None and not recv_when_free:  # the flow shop's exact step, each link a machine
         schedule_s, busy_s = split.step_s, m * sum(per_stage) / p
@@ -226,17 +260,24 @@ def priced_stages(
         optimizer[j % p] += run.step_s
         state[j % p] += run.state_bytes
     orders = rank_orders(schedule, p, m, v)
-    act_bytes, grad_bytes = [run.act_bytes for run in runs], [run.grad_bytes for run in runs]
     for r in range(p):
-        acts[r] = _rank_peak(orders[r], act_bytes, grad_bytes) - sum(grad_bytes[r::p])  # gradients: in the state
+        mine = runs[r::p]
+        grads = sum(run.grad_bytes for run in mine)
+        end = grads + prices.end.bytes(sum(run.flat_bytes for run in mine), max(run.largest_grad_bytes for run in mine))
+        acts[r] = max(_rank_peak(orders[r], runs), end) - grads  # its gradients: in the state
     fullest = max(range(p), key=lambda r: state[r] + acts[r])
     memory = [state[r] + acts[r] for r in range(p)]
-    if v > 1 and cap is not None and memory[fullest] > cap:  # the even split has no other to try
+    if cap is not None and memory[fullest] > cap:  # the split was searched under the additive bound
+        split_of = (
+            f"the even split of {n} layers into {p * v} interleaved stages ({v} per rank)"
+            if v > 1
+            else f"the split of {n} layers into {p} stages"
+        )
         raise NoSplitFits(
-            f"the even split of {n} layers into {p * v} interleaved stages ({v} per rank) needs "
-            f"{format_bytes(memory[fullest])} on its fullest rank (its state and {held[fullest]} stage-micro-batches "
-            f"of activations in flight), over the cap of {format_bytes(cap)}; raise the cap, use more stages, or "
-            "1f1b (fewer micro-batches in flight)",
+            f"{split_of} needs {format_bytes(memory[fullest])} on its fullest rank at its peak (its state, "
+            f"{held[fullest]} stage-micro-batches of activations in flight and its backward's working set), over "
+            f"the cap of {format_bytes(cap)}; raise the cap, use more stages, or 1f1b (fewer micro-batches in "
+            "flight)",
             memory[fullest],
         )
     stages = tuple(
@@ -263,44 +304,61 @@ def _compute_share(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> 
 
 @dataclass(frozen=True, slots=True)
 class _StageRun:
-    """A stage's optimizer seconds, state bytes (of which ``grad_bytes`` its gradients) and the activations one
-    micro-batch saves in it."""
+    """A stage's optimizer seconds, state bytes (of which ``grad_bytes`` its gradients), the activations one
+    micro-batch saves in it, and what it holds for a moment (``search.StageCosts``' last three figures: the
+    largest over its positions, its bucketed gradients summed)."""
 
     step_s: float
     state_bytes: int
     act_bytes: int
     grad_bytes: int
+    work_bytes: int = 0
+    flat_bytes: int = 0
+    largest_grad_bytes: int = 0
 
 
 def _stage_run(prices: ChainPrices, a: int, b: int, j: int, stages: int) -> _StageRun:
     """Stage ``j`` on layers ``[a, b)``: the first stage with the prelude, the last with the postlude."""
     n, layers = prices.layers.count, prices.layers
     first, last = j == 0, j == stages - 1
+    ends = [end for end, here in ((prices.prelude, first), (prices.postlude, last)) if here]
     step = sum(prices.step_s[a:b]) + first * prices.step_s[n] + last * prices.step_s[n + 1]
-    state = sum(layers.state_bytes[a:b]) + first * prices.prelude.state_bytes[0] + last * prices.postlude.state_bytes[0]
-    acts = sum(layers.act_bytes[a:b]) + first * prices.prelude.act_bytes[0] + last * prices.postlude.act_bytes[0]
     grads = prices.grad_bytes or (0,) * (n + 2)  # none given: no gradient bytes per position
     grad = sum(grads[a:b]) + first * grads[n] + last * grads[n + 1]
-    return _StageRun(step, state, acts, grad)
+
+    def total(name: str) -> int:
+        return sum(layers.at(name, k) for k in range(a, b)) + sum(end.at(name, 0) for end in ends)
+
+    def largest(name: str) -> int:
+        return max([layers.at(name, k) for k in range(a, b)] + [end.at(name, 0) for end in ends])
+
+    state, acts, flat = total("state_bytes"), total("act_bytes"), total("flat_bytes")
+    for one in prices.shared:  # a parameter two of its positions read, held once
+        extra = one.copies(a, b, first, last)
+        step, state, grad = step - extra * one.step_s, state - extra * one.state_bytes, grad - extra * one.grad_bytes
+        flat -= extra * one.flat_bytes
+    return _StageRun(step, state, acts, grad, largest("work_bytes"), flat, largest("largest_grad_bytes"))
 
 
-def _rank_peak(order: list, act_bytes: list[int], grad_bytes: list[int]) -> int:
-    """The most a rank holds beyond its parameters and optimizer state over its actions ``order``: each forward of
-    stage ``j`` saves ``act_bytes[j]`` until its backward, and stage ``j``'s gradients (``grad_bytes[j]``) are
-    born in its first backward and stay (a step starts with none: the optimizer's ``zero_grad`` freed them).
-    Taken at the boundaries between actions; a backward trades its micro-batch's activations for its
-    gradients.  1F1B on a rank that runs a forward after its first backward holds its ``w`` micro-batches in
-    flight beside every gradient (``w A + G``, the additive bound); GPipe, or 1F1B with ``m <= w``, peaks at
-    ``max(m A, (m - 1) A + G)``."""
+def _rank_peak(order: list, runs: list[_StageRun]) -> int:
+    """The most a rank holds beyond its parameters and optimizer state over its actions ``order`` (stage ``j``:
+    ``runs[j]``), the module docstring's walk: each forward of stage ``j`` saves ``act_bytes`` until its backward,
+    which first holds its working set (``work_bytes``) beside them; stage ``j``'s gradients (``grad_bytes``) are
+    born in its first backward and stay (a step starts with none).  Taken at the boundaries between actions.
+    1F1B on a rank that runs a forward after its first backward holds its ``w`` micro-batches in flight beside
+    every gradient (``w A + G``, the additive bound); GPipe, or 1F1B with ``m <= w``, peaks at
+    ``max(m A + W, (m - 1) A + G)``."""
     held = born = top = 0
     seen: set[int] = set()
     for act in order:
+        run = runs[act.stage]
         if act.kind == "F":
-            held += act_bytes[act.stage]
+            held += run.act_bytes
         else:
-            held -= act_bytes[act.stage]
+            top = max(top, held + born + run.work_bytes)
+            held -= run.act_bytes
             if act.stage not in seen:
                 seen.add(act.stage)
-                born += grad_bytes[act.stage]
+                born += run.grad_bytes
         top = max(top, held + born)
     return top

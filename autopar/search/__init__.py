@@ -27,7 +27,7 @@ from .cpsat import solve_cpsat
 from .deadline import Deadline
 from .dp import min_memory, solve_dp
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, Start, solve_brute_force
-from .stages import NoSplitFits, StageCosts, StageSplit, split_stages, step_of_split
+from .stages import EndOfStep, NoSplitFits, SharedState, StageCosts, StageSplit, split_stages, step_of_split
 
 __all__ = [
     "INF",
@@ -43,7 +43,9 @@ __all__ = [
     "min_memory",
     "solve_cpsat",
     "solve_brute_force",
+    "EndOfStep",
     "NoSplitFits",
+    "SharedState",
     "StageCosts",
     "StageSplit",
     "split_stages",

@@ -34,9 +34,20 @@ end's) and the activations of the ``h_j`` micro-batches in flight on it (``cost.
 the caller: ``m`` under GPipe, ``min(m, p - j)`` under 1F1B), each its layers' and end's saved activations
 ``A_j``:
 
-    M_j = S_j + h_j A_j  <=  cap     for every stage j
+    M_j = S_j + max(h_j A_j + W_j, E_j)  <=  cap     for every stage j
+    E_j = max(min(G_j, max(b, g_j)), t g_j)
 
-Under 1F1B the first stages hold more micro-batches, so the best split gives them fewer layers.
+with, where the caller gives them (else 0), ``W_j`` the largest working set one of its layers' backward holds for
+a moment beside the rest (``StageCosts.work_bytes``), and ``E_j`` what the step's end adds to its gradients: the
+largest gradient bucket's flat copy (its bucketed gradients ``G_j``, buckets of ``b`` bytes holding at least one
+gradient of at most ``g_j`` bytes; ``EndOfStep``; none where ``b = 0``) or the optimizer's ``t`` temporaries on
+its largest gradient.
+A parameter read in several places (a tied embedding: the prelude's lookup, a later lookup, the postlude's head) is
+in the ``S`` and ``G`` of each: a stage that runs two of them holds it once, so the split takes the extra copies
+off (``SharedState.copies``).  ``M_j`` bounds the rank's walk over its actions from above
+(``planner.stage_prices._rank_peak``: a backward holds at most ``h_j A_j`` beside its gradients, which ``S_j``
+holds).  Under 1F1B the first stages hold more micro-batches,
+so the best split gives them fewer layers.
 
 Search (:func:`split_stages`).  Dynamic programming over (stages placed, layers placed): ``P(j, k)`` is the
 Pareto set of ``(max F, max B)`` over the splits of layers ``[0, k)`` into stages ``0 .. j - 1`` that fit the
@@ -55,7 +66,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["NoSplitFits", "StageCosts", "StageSplit", "split_stages", "step_of_split"]
+__all__ = ["EndOfStep", "NoSplitFits", "SharedState", "StageCosts", "StageSplit", "split_stages", "step_of_split"]
 
 
 class NoSplitFits(ValueError):
@@ -77,10 +88,55 @@ class StageCosts:
     backward_s: Sequence[float]
     state_bytes: Sequence[int]
     act_bytes: Sequence[int]
+    #: what each holds for a moment (module docstring, Memory; empty: nothing): its backward's largest working set,
+    #: its gradients' bytes in the buckets' flat copies, its largest parameter gradient
+    work_bytes: Sequence[int] = ()
+    flat_bytes: Sequence[int] = ()
+    largest_grad_bytes: Sequence[int] = ()
 
     @property
     def count(self) -> int:
         return len(self.forward_s)
+
+    def at(self, name: str, k: int) -> int:
+        """Layer ``k``'s figure ``name`` (a field's name; 0 where that field is empty: not given)."""
+        values = getattr(self, name)
+        return values[k] if values else 0
+
+
+@dataclass(frozen=True, slots=True)
+class EndOfStep:
+    """What the step's end holds beside every gradient (module docstring, Memory): the runtime's gradient bucket
+    (``bucket_bytes``, 0: none) and the optimizer's ``temporaries`` (copies of its largest gradient)."""
+
+    bucket_bytes: int = 0
+    temporaries: int = 0
+
+    def bytes(self, bucketed: int, largest_grad: int) -> int:
+        """``E``: the largest bucket's flat copy of ``bucketed`` gradient bytes, or the optimizer's temporaries."""
+        bucket = min(bucketed, max(self.bucket_bytes, largest_grad)) if self.bucket_bytes else 0
+        return max(bucket, self.temporaries * largest_grad)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedState:
+    """A parameter whose figures (its ``state_bytes``, of which ``grad_bytes`` its gradient and ``flat_bytes`` that
+    in a bucket's flat copy, and its optimizer step ``step_s``) are in several positions' ``StageCosts``: the
+    layers ``layers``, the ``prelude`` and the ``postlude`` (module docstring, Memory)."""
+
+    state_bytes: int
+    grad_bytes: int
+    flat_bytes: int
+    step_s: float
+    layers: tuple[int, ...] = ()
+    prelude: bool = False
+    postlude: bool = False
+
+    def copies(self, i: int, k: int, first: bool, last: bool) -> int:
+        """How many times more than once a stage on layers ``[i, k)`` (with the prelude if ``first``, the postlude
+        if ``last``) counts it: its positions there, less one (0 where it has none)."""
+        here = sum(i <= layer < k for layer in self.layers) + (self.prelude and first) + (self.postlude and last)
+        return max(here - 1, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,16 +154,37 @@ class StageSplit:
 
 
 class _Prefix:
-    """Prefix sums of the layers' costs, so that a stage's totals over ``[i, k)`` are O(1)."""
+    """Prefix sums of the layers' costs, and the largest of their moments over every run, so that a stage's
+    totals over ``[i, k)`` are O(1)."""
 
     def __init__(self, layers: StageCosts) -> None:
-        self.f, self.b, self.s, self.a = ([0] for _ in range(4))
-        for row in zip(layers.forward_s, layers.backward_s, layers.state_bytes, layers.act_bytes, strict=True):
-            for acc, x in zip((self.f, self.b, self.s, self.a), row):
+        n = layers.count
+        self.f, self.b, self.s, self.a, self.flat = ([0] for _ in range(5))
+        flat = [layers.at("flat_bytes", k) for k in range(n)]
+        for row in zip(layers.forward_s, layers.backward_s, layers.state_bytes, layers.act_bytes, flat, strict=True):
+            for acc, x in zip((self.f, self.b, self.s, self.a, self.flat), row):
                 acc.append(acc[-1] + x)
+        self.work = _range_max([layers.at("work_bytes", k) for k in range(n)])
+        self.largest = _range_max([layers.at("largest_grad_bytes", k) for k in range(n)])
 
     def run(self, i: int, k: int) -> tuple[float, float, int, int]:
         return self.f[k] - self.f[i], self.b[k] - self.b[i], self.s[k] - self.s[i], self.a[k] - self.a[i]
+
+    def moments(self, i: int, k: int) -> tuple[int, int, int]:
+        """(largest working set, bucketed gradient bytes, largest gradient) of the layers ``[i, k)``."""
+        return self.work[i][k - i - 1], self.flat[k] - self.flat[i], self.largest[i][k - i - 1]
+
+
+def _range_max(values: list[int]) -> list[list[int]]:
+    """``out[i][d]``: the largest of ``values[i : i + d + 1]`` (O(n^2) once, then O(1) a run)."""
+    out = []
+    for i in range(len(values)):
+        row, top = [], 0
+        for x in values[i:]:
+            top = max(top, x)
+            row.append(top)
+        out.append(row)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +197,8 @@ class _Pipeline:
     postlude: StageCosts
     held: tuple[int, ...]
     cuts: tuple[float, ...] = ()
+    end: EndOfStep = EndOfStep()
+    shared: tuple[SharedState, ...] = ()
 
     @property
     def p(self) -> int:
@@ -129,11 +208,17 @@ class _Pipeline:
         """(forward s, backward s, memory bytes) of stage j on layers ``[i, k)``, its compute (the sends are the
         links', ``cut``)."""
         f, b, s, a = self.prefix.run(i, k)
+        work, flat, largest = self.prefix.moments(i, k)
         for end, here in ((self.prelude, j == 0), (self.postlude, j == self.p - 1)):
             if here:
                 f, b = f + end.forward_s[0], b + end.backward_s[0]
                 s, a = s + end.state_bytes[0], a + end.act_bytes[0]
-        return f, b, s + self.held[j] * a
+                work, flat = max(work, end.at("work_bytes", 0)), flat + end.at("flat_bytes", 0)
+                largest = max(largest, end.at("largest_grad_bytes", 0))
+        for one in self.shared:  # held once on this stage however many of its positions read it
+            extra = one.copies(i, k, j == 0, j == self.p - 1)
+            s, flat = s - extra * one.state_bytes, flat - extra * one.flat_bytes
+        return f, b, s + max(self.held[j] * a + work, self.end.bytes(flat, largest))
 
     def cut(self, k: int, n: int) -> float:
         """Seconds to send what crosses the cut before layer ``k`` of ``n`` (0 at the chain's ends)."""
@@ -147,12 +232,16 @@ def split_stages(
     cap_bytes: int | None = None,
     ends: tuple[StageCosts, StageCosts] | None = None,
     cuts: Sequence[float] = (),
+    end: EndOfStep = EndOfStep(),
+    shared: Sequence[SharedState] = (),
 ) -> StageSplit:
     """The split of ``layers`` into ``p = len(in_flight)`` contiguous stages with the least step time over ``m``
     micro-batches (module docstring) whose every stage fits ``cap_bytes`` (None: no cap), stage j holding the
     activations of ``in_flight[j]`` micro-batches (``cost.pipeline.in_flight`` of the schedule); ``ends``: the
     (prelude, postlude) costs on the first and last stage (None: nothing); ``cuts[k]``: the seconds to send what
-    crosses a cut after layer k (forward; its gradient back takes as long), paid by the stages on either side.
+    crosses a cut after layer k (forward; its gradient back takes as long), paid by the stages on either side;
+    ``end``: what the step's end holds beside the gradients, ``shared``: the parameters several positions hold
+    (module docstring, Memory).
 
     ValueError for more stages than layers (each stage needs one); ``NoSplitFits`` for a cap no split fits (its
     ``least_bytes``: the least memory of the fullest stage any split reaches)."""
@@ -164,7 +253,7 @@ def split_stages(
         )
     nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
     prelude, postlude = ends or (nothing, nothing)
-    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts))
+    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts), end, tuple(shared))
     fronts = _fronts(pipe, layers.count, cap_bytes)
     final = fronts[p].get(layers.count, {})
     if not final:
@@ -178,7 +267,7 @@ def split_stages(
         )
     pace = min(final, key=lambda fb: fb[0] + fb[1])
     bounds = _walk_back(fronts, final[pace], p, layers.count)
-    return step_of_split(layers, bounds, in_flight, m, ends, cuts)
+    return step_of_split(layers, bounds, in_flight, m, ends, cuts, end, shared)
 
 
 def _fronts(pipe: _Pipeline, n: int, cap: int | None) -> list[dict[int, dict[tuple[float, float], tuple]]]:
@@ -247,13 +336,15 @@ def step_of_split(
     m: int,
     ends: tuple[StageCosts, StageCosts] | None = None,
     cuts: Sequence[float] = (),
+    end: EndOfStep = EndOfStep(),
+    shared: Sequence[SharedState] = (),
 ) -> StageSplit:
     """The step time over ``m`` micro-batches (module docstring's ``T``), stage times and stage memory of one
     split (stage j on layers ``[bounds[j], bounds[j + 1])``, holding ``in_flight[j]`` micro-batches)."""
     p = len(bounds) - 1
     nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
     prelude, postlude = ends or (nothing, nothing)
-    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts))
+    pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts), end, tuple(shared))
     stages = [pipe.stage(j, bounds[j], bounds[j + 1]) for j in range(p)]
     fs, bs, mems = (tuple(x[i] for x in stages) for i in range(3))
     sends = [pipe.cut(k, bounds[-1]) for k in bounds[1:-1]]
