@@ -3,6 +3,7 @@
     python scripts/sweep_search.py                       # the default sweep (48 configurations + the issue's two)
     python scripts/sweep_search.py --count 80 --seed 3   # another sample of the grid
     python scripts/sweep_search.py --budget 30 --timeout 120 --json sweep.json
+    python scripts/sweep_search.py --pipeline auto       # the search may pipeline over an axis too
 
 Each configuration is planned with ``autopar.plan`` in its own forked process (so its peak RSS is its own, and a
 configuration that runs past ``--timeout`` is killed and reported as such), on a model built on the meta device
@@ -12,10 +13,11 @@ every axis covered): widths 1024-8192, 12-96 layers, batches 8-2048 sequences of
 (64, 8) with (32, 2), profiles a100 / h100 / cpu, caps from 16 GiB to none, recompute auto / full / none.
 
 Columns: plan s (the whole ``autopar.plan`` call: capture, strategies, search), search s (the search part,
-``plan.timings["search_s"]``), RSS GiB (the process's peak), the plan's step (ms), its memory per device, its
-proven gap (``optimal`` when exact), and the status (``ok``; ``no plan fits`` when the cap is below every plan's
-peak: a correct answer, timed too; ``budget`` when the search stopped at ``search_budget_s``; ``timeout``; or
-the error).  A summary line gives the worst and median plan and search times and the worst RSS.
+``plan.timings["search_s"]``), RSS GiB (the process's peak), the plan's step (ms), its memory per device, its proven
+gap (``optimal`` when exact), its pipeline (``none``, or schedule, stages and micro-batches), and the status
+(``ok``; ``no plan fits`` when the cap is below every plan's peak: a correct answer, timed too; ``budget`` when the
+search stopped at ``search_budget_s``; ``timeout``; or the error). A summary line gives the worst and median plan
+and search times and the worst RSS.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ def build(config: Config):
     return model, (ids,), ({"labels": ids} if config.labels else {})
 
 
-def plan_one(config: Config, budget: float | None, out) -> None:
-    """Plan ``config`` and send a result dict through the pipe ``out`` (run in a child process)."""
+def plan_one(config: Config, options: dict, out) -> None:
+    """Plan ``config`` with the planner ``options`` (``search_budget_s``, ``pipeline``) and send a result dict
+    through the pipe ``out`` (run in a child process)."""
     import autopar
     from autopar.planner.errors import MemoryCapError
 
@@ -141,7 +144,6 @@ def plan_one(config: Config, budget: float | None, out) -> None:
         mesh = autopar.Mesh(config.mesh, axis_names=names)
         start = time.perf_counter()
         try:
-            options = {"search_budget_s": budget} if budget is not None else {}
             plan = autopar.plan(
                 model,
                 mesh,
@@ -166,6 +168,7 @@ def plan_one(config: Config, budget: float | None, out) -> None:
                 step_ms=plan.cost.total_s * 1e3,
                 memory_gib=plan.memory.per_device_bytes / GIB,
                 gap=None if search.optimal else search.gap,
+                pipeline=_pipeline_of(plan),
             )
     except Exception as e:  # noqa: BLE001 - a sweep reports every failure and goes on
         row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
@@ -173,10 +176,18 @@ def plan_one(config: Config, budget: float | None, out) -> None:
     out.send(row)
 
 
-def run(config: Config, budget: float | None, timeout: float) -> dict:
+def _pipeline_of(plan) -> str:
+    """``none``, or the plan's schedule, stages and micro-batches (``1f1b p4 m8``)."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return "none" if plan.microbatches == 1 else f"none m{plan.microbatches}"
+    return f"{pipe.schedule} p{len(pipe.stages)} m{plan.microbatches}"
+
+
+def run(config: Config, options: dict, timeout: float) -> dict:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=plan_one, args=(config, budget, child))
+    proc = ctx.Process(target=plan_one, args=(config, options, child))
     start = time.perf_counter()
     proc.start()
     row = parent.recv() if parent.poll(timeout) else None
@@ -190,8 +201,8 @@ def run(config: Config, budget: float | None, timeout: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| configuration | plan s | search s | RSS GiB | step ms | memory GiB | gap | status |"
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    head = "| configuration | plan s | search s | RSS GiB | step ms | memory GiB | gap | pipeline | status |"
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -201,7 +212,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['config']} | {num(r.get('plan_s'), '.2f')} | {num(r.get('search_s'), '.2f')} | "
             f"{num(r.get('rss_gib'), '.2f')} | {num(r.get('step_ms'), '.1f')} | {num(r.get('memory_gib'), '.2f')} | "
-            f"{'exact' if gap is None and r.get('status') == 'ok' else num(gap, '.1e')} | {r['status']} |"
+            f"{'exact' if gap is None and r.get('status') == 'ok' else num(gap, '.1e')} | {r.get('pipeline', '-')} | "
+            f"{r['status']} |"
         )
     return "\n".join(lines)
 
@@ -226,13 +238,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds before a configuration is killed")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--only", type=int, nargs="*", help="run only these indices of the list (0, 1: the issue's)")
+    ap.add_argument("--pipeline", default=None, help="pipeline= for every plan (default: the planner's)")
     args = ap.parse_args()
+    options = {"search_budget_s": args.budget, "pipeline": args.pipeline}
+    options = {k: v for k, v in options.items() if v is not None}
     configs = [*ISSUE_CONFIGS, *sample(args.count, args.seed)]
     if args.only:
         configs = [configs[i] for i in args.only]
     rows = []
     for i, config in enumerate(configs):
-        row = run(config, args.budget, args.timeout)
+        row = run(config, options, args.timeout)
         rows.append(row)
         print(
             f"[{i + 1}/{len(configs)}] {row['config']}: {row.get('plan_s', 0):.2f} s, "

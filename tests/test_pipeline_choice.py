@@ -88,6 +88,18 @@ def test_auto_tries_no_pipeline_for_a_model_without_a_loss_or_with_hints():
     assert hinted.pipeline is None and hinted.timings["candidates"] == 1
 
 
+def test_auto_skips_an_axis_the_batch_is_too_small_to_pipeline():
+    """A batch of 2 cannot feed 4 stages (every schedule needs at least 4 micro-batches): ``auto`` pipelines along
+    the axis of 2 only, where forcing the axis of 4 is an error that says so."""
+    model, args, kwargs = load_model("gpt2-tiny", batch=2, seq=16, overrides={"n_layer": 4})
+    mesh = autopar.Mesh((4, 2), axis_names=("a", "b"))
+    chosen = _plan(model, args, kwargs, mesh, pipeline="auto")
+    assert all("along 'a'" not in c.what for c in chosen.candidates)
+    assert any("along 'b'" in c.what for c in chosen.candidates)
+    with pytest.raises(ValueError, match="a batch of 2 does not split into micro-batches a 4-stage"):
+        _plan(model, args, kwargs, mesh, pipeline="a")
+
+
 def test_microbatches_auto_accumulates_only_when_the_whole_batch_does_not_fit():
     model, args, kwargs = load_model("gpt2-tiny", batch=16, seq=64)
     mesh = autopar.Mesh((2,), axis_names=("dp",))

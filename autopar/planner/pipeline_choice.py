@@ -255,8 +255,14 @@ class PipelineChoice:
         p, others = self.mesh.shape[axis], self.mesh.size // self.mesh.shape[axis]
         schedules = SCHEDULE_ORDER if self.options.schedule == "auto" else (self.options.schedule,)
         asked, virtual = self.options.microbatches, self.options.virtual_stages
-        counts = [asked] if asked != "auto" else microbatch_choices(self.batch, p, others, schedules)
         name, model = self.mesh.axis_names[axis], type(self.model).__name__
+        try:
+            counts = [asked] if asked != "auto" else microbatch_choices(self.batch, p, others, schedules)
+        except ValueError as e:  # the batch is too small for this many stages
+            if forced:
+                raise
+            log.info("pipeline='auto': no pipeline along %r: %s", name, e)
+            return
         for m in counts:
             if forced and len(schedules) == 1:
                 check_schedule(schedules[0], p, m)
@@ -353,12 +359,13 @@ class PipelineChoice:
         return ctx
 
     def _graph(self, m: int) -> OpGraph:
-        """The model captured at one of ``m`` micro-batches: statically when the options need one size (or the
-        inputs share no batch dim), else specialized from one symbolic capture."""
+        """The model captured at one of ``m`` micro-batches: statically for the batch as given (``m = 1``), where the
+        options need one size or the inputs share no batch dim; else specialized from one symbolic capture (a
+        symbolic export takes several times a static one: built only once a smaller batch is needed)."""
         graphs = self.shared.captures.graphs
         if m not in graphs:
             with self._timing("capture_s"):
-                if self.batch is None or self._one_size():
+                if self.batch is None or m == 1 or self._one_size():
                     (args, kwargs), *_ = (
                         split_microbatches(self.args, self.kwargs, m) if m > 1 else [(self.args, self.kwargs)]
                     )
