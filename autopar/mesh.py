@@ -99,14 +99,20 @@ class Mesh:
             pos //= s
         return tuple(reversed(coord))
 
-    def axis_groups(self, axis: int | str) -> list[list[int]]:
-        """The rank groups along one axis (each group: ranks that differ only on that axis)."""
-        a = self.axis_index(axis)
+    def axis_groups(self, axis: int | str | tuple[int, ...]) -> list[list[int]]:
+        """The rank groups along one axis (each group: ranks that differ only on that axis), or along several axes
+        flattened into one (a tuple: ranks that differ only on those axes)."""
+        axes = {self.axis_index(a) for a in axis} if isinstance(axis, tuple) else {self.axis_index(axis)}
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in self.ranks:
             c = self.coordinate(r)
-            groups.setdefault(c[:a] + c[a + 1 :], []).append(r)
+            groups.setdefault(tuple(x for k, x in enumerate(c) if k not in axes), []).append(r)
         return [groups[k] for k in sorted(groups)]
+
+    def axis_label(self, axis: int | tuple[int, ...]) -> str:
+        """The name a collective on ``axis`` is listed under: the axis's, or ``dp+tp`` for one collective over
+        several axes' groups flattened into one (``Plan.flat_grad_axes``)."""
+        return self.axis_names[axis] if isinstance(axis, int) else "+".join(self.axis_names[a] for a in axis)
 
     def to_dict(self) -> dict:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names), "ranks": list(self.ranks)}

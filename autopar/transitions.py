@@ -61,9 +61,11 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class AxisTransition:
-    """One collective on one axis. ``kind`` is None for free local conversions."""
+    """One collective on one axis. ``kind`` is None for free local conversions.  ``axis`` is a tuple for one
+    all-reduce over several axes' groups flattened into one (the cost model's choice for a gradient bucket partial
+    on them, ``cost.Coster.flattens``); ``transitions`` itself lists one step per axis."""
 
-    axis: int
+    axis: int | tuple[int, ...]
     kind: str | None
     bytes: int
     reduce_op: str = "sum"

@@ -69,10 +69,14 @@ class GroupSpread:
 
 
 @functools.lru_cache(maxsize=1024)
-def group_spread(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> GroupSpread:
-    """The spread of the groups of ``axis`` over nodes of ``devices_per_node`` consecutive ranks (row-major mesh,
-    last axis innermost; the group of rank 0 and the groups with a rank on its node)."""
-    ranks = np.moveaxis(np.arange(math.prod(mesh_shape)).reshape(mesh_shape), axis, -1).reshape(-1, mesh_shape[axis])
+def group_spread(mesh_shape: tuple[int, ...], axis: int | tuple[int, ...], devices_per_node: int) -> GroupSpread:
+    """The spread of the groups of ``axis`` (or of several axes flattened into one group) over nodes of
+    ``devices_per_node`` consecutive ranks (row-major mesh, last axis innermost; the group of rank 0 and the groups
+    with a rank on its node)."""
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    size = math.prod(mesh_shape[a] for a in axes)
+    grid = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+    ranks = np.moveaxis(grid, axes, tuple(range(-len(axes), 0))).reshape(-1, size)
     nodes = ranks // devices_per_node
     first = nodes[0]
     per_node = int(np.bincount(first).max())

@@ -309,8 +309,9 @@ class DeviceProfile:
             return self.peak_flops["float16"]
         return self.peak_flops["float32"]
 
-    def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkProfile:
-        """The link the ranks of one mesh axis group talk over.
+    def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int | tuple[int, ...]) -> LinkProfile:
+        """The link the ranks of one mesh axis group talk over (``axis`` a tuple: the group of those axes
+        flattened into one, every rank that differs from this one on those axes only).
 
         The mesh is row-major, last axis innermost, on nodes of ``devices_per_node``
         consecutive ranks: a group whose ranks all sit in one node talks over
@@ -321,15 +322,17 @@ class DeviceProfile:
         shape = tuple(int(s) for s in mesh_shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"mesh shape {mesh_shape!r}: expected a non-empty tuple of sizes >= 1")
-        if not -len(shape) <= axis < len(shape):
-            raise ValueError(
-                f"axis {axis} is out of range for mesh shape {shape} ({len(shape)} axes); "
-                f"pass an axis in [0, {len(shape) - 1}]"
-            )
-        axis %= len(shape)
-        if not axis_crosses_nodes(shape, axis, self.devices_per_node):
+        for a in (axis,) if isinstance(axis, int) else axis:
+            if not -len(shape) <= a < len(shape):
+                raise ValueError(
+                    f"axis {a} is out of range for mesh shape {shape} ({len(shape)} axes); "
+                    f"pass an axis in [0, {len(shape) - 1}]"
+                )
+        axes = tuple(a % len(shape) for a in ((axis,) if isinstance(axis, int) else axis))
+        key = axes[0] if len(axes) == 1 else axes
+        if not axis_crosses_nodes(shape, key, self.devices_per_node):
             return self.intra_node
-        return group_link(self.intra_node, self.inter_node, group_spread(shape, axis, self.devices_per_node))
+        return group_link(self.intra_node, self.inter_node, group_spread(shape, key, self.devices_per_node))
 
     def with_devices_per_node(self, devices_per_node: int | None) -> DeviceProfile:
         """This profile with the job's ranks per node (a launch may use fewer devices per node than a node has);
@@ -349,7 +352,7 @@ class DeviceProfile:
         return device_link(self.inter_node, self.devices_per_node)
 
 
-def axis_crosses_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> bool:
+def axis_crosses_nodes(mesh_shape: tuple[int, ...], axis: int | tuple[int, ...], devices_per_node: int) -> bool:
     """Whether some group of one mesh axis holds ranks of more than one node (``devices_per_node`` consecutive
     ranks each).
 
@@ -357,8 +360,10 @@ def axis_crosses_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node:
     node by node (rank // devices_per_node), so a group that straddles a node boundary crosses even when its span
     is shorter than a node (a mesh (4, 3) on nodes of 4: the group of ranks 3, 4, 5 crosses).
     """
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)  # several: their groups flattened into one
     ranks = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)
-    nodes = np.moveaxis(ranks, axis, -1) // devices_per_node
+    nodes = np.moveaxis(ranks, axes, tuple(range(-len(axes), 0))).reshape(-1, math.prod(mesh_shape[a] for a in axes))
+    nodes = nodes // devices_per_node
     return bool((nodes.min(axis=-1) != nodes.max(axis=-1)).any())
 
 

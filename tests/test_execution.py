@@ -169,7 +169,8 @@ def _count_rank_fn(rank, world, name, mesh_shape, axis_names):
         loss = sharded(*args, **kwargs)[0]
         loss.backward()
         opt.step()  # one whole training step: a ZeRO plan's all-gathers run after the optimizer step
-        counted = [(r.kind, axis_names[r.axis], r.phase, r.bytes) for r in sharded.collective_counter.records]
+        label = sharded.mesh.axis_label  # an axis's name, or dp+tp for a flattened group
+        counted = [(r.kind, label(r.axis), r.phase, r.bytes) for r in sharded.collective_counter.records]
         planned = [(c.kind, c.axis, c.phase, c.bytes) for c in sharded.plan.collectives]
         out[family] = (sharded.plan.family, sorted(counted), sorted(planned))
     return out

@@ -41,7 +41,8 @@ def _zero_plan(mesh_shape, axis_names, factor):
 
 
 def _records(counter, axis_names):
-    return sorted((r.kind, axis_names[r.axis], r.phase, r.bytes) for r in counter.records)
+    label = autopar.Mesh((1,) * len(axis_names), axis_names=axis_names).axis_label  # dp+tp: a flattened group
+    return sorted((r.kind, label(r.axis), r.phase, r.bytes) for r in counter.records)
 
 
 def _zero_rank_fn(rank, world, mesh_shape, axis_names, cap, plan_json):

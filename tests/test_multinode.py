@@ -54,13 +54,16 @@ def test_an_axis_that_spans_nodes_is_priced_on_the_inter_node_link_and_the_searc
     mesh = autopar.Mesh((2, 2), axis_names=("node", "tp"))
     assert [link.name for link in context(mesh, 2).coster.links] == ["slow-nic", "gloo-loopback"]
     assert [link.name for link in context(mesh, None).coster.links] == ["gloo-loopback", "gloo-loopback"]
-    # on one node the batch is split over both axes; across two nodes of 2 ranks the search keeps the
-    # gradient all-reduces off the slow axis, and what it still sends there costs the slow link's price
+    # on one node the batch is split over both axes (the gradients reduced by one all-reduce over both, flattened);
+    # across two nodes of 2 ranks the search keeps the gradient all-reduces off the slow axis, and what it still
+    # sends there costs the slow link's price
     one_node, two_nodes = dp_plan(mesh, None), dp_plan(mesh, 2)
     assert one_node.settings.devices_per_node is None and two_nodes.settings.devices_per_node == 2
-    assert any(c.axis == "node" and c.kind == "all_reduce" for c in one_node.collectives)
-    assert two_nodes.collectives and not any(c.axis == "node" and c.kind == "all_reduce" for c in two_nodes.collectives)
-    for c in (c for c in two_nodes.collectives if c.axis == "node"):
+    assert one_node.flat_grad_axes == (("node", "tp"),)
+    assert any(c.axis == "node+tp" and c.kind == "all_reduce" for c in one_node.collectives)
+    on_node = [c for c in two_nodes.collectives if "node" in c.axis.split("+")]
+    assert two_nodes.collectives and not any(c.kind == "all_reduce" for c in on_node)
+    for c in on_node:
         assert c.time_s >= collective_time_s(c.kind, c.bytes, 2, profile.inter_node)
     assert "crosses nodes" not in one_node.table()
     assert "nodes of 2 rank(s): axis node crosses nodes (slow-nic link), tp stays within a node" in two_nodes.table()

@@ -300,8 +300,7 @@ def _planned_rank_fn(rank, world, name, mesh_shape, family, mode="full"):
     counted.collective_counter = CollectiveCounter()
     counted(*args, **kwargs)[0].backward()
     opt.step()
-    names = mesh.axis_names
-    records = sorted((r.kind, names[r.axis], r.phase, r.bytes) for r in counted.collective_counter.records)
+    records = sorted((r.kind, mesh.axis_label(r.axis), r.phase, r.bytes) for r in counted.collective_counter.records)
     planned = sorted((c.kind, c.axis, c.phase, c.bytes) for c in sharded.plan.collectives)
     return (
         result,

@@ -210,14 +210,35 @@ class Coster:
             return 1.0
         return 1.0 - self.settings.profile.grad_reduce_overlap
 
-    def comm_time_s(self, kind: str, nbytes: int, axis: int) -> float:
-        """The collective's time on the axis's link plus one op's overhead (the runtime issues it as a step)."""
+    def comm_time_s(self, kind: str, nbytes: int, axis: int | tuple[int, ...]) -> float:
+        """The collective's time on the axis's link plus one op's overhead (the runtime issues it as a step);
+        ``axis`` a tuple: one collective over those axes' groups flattened into one (``flat_link``)."""
         key = (kind, nbytes, axis)
         hit = self._comm_s.get(key)
         if hit is None:
-            t = collective_time_s(kind, nbytes, self.mesh_shape[axis], self.links[axis])
+            if isinstance(axis, tuple):
+                size, link = math.prod(self.mesh_shape[a] for a in axis), self.flat_link(axis)
+            else:
+                size, link = self.mesh_shape[axis], self.links[axis]
+            t = collective_time_s(kind, nbytes, size, link)
             hit = self._comm_s[key] = t + self.settings.profile.op_overhead_s() if t > 0 else 0.0
         return hit
+
+    def flat_link(self, axes: tuple[int, ...]) -> LinkProfile:
+        """The link of one group over ``axes`` flattened: the profile's for that group on the mesh
+        (``DeviceProfile.link_for_axis``); on a pipeline stage's mesh (its axes' links given, each the one it has in
+        the job's mesh) the slowest of theirs, which the flattened ring crosses."""
+        if self.settings.axis_links is None:
+            return self.settings.profile.link_for_axis(self.mesh_shape, axes)
+        return min((self.links[a] for a in axes), key=lambda link: link.bandwidth_bytes_per_s)
+
+    def flattens(self, axes: tuple[int, ...]) -> bool:
+        """Whether a gradient bucket partial on ``axes`` (two or more) is all-reduced as one collective over their
+        flattened group rather than once per axis, one after the other: the cheaper for a full bucket (both
+        ``comm_time_s``, each collective with its op overhead).  The same for every bucket of those axes."""
+        bucket = self.settings.grad_bucket_bytes or 0
+        per_axis = sum(self.comm_time_s("all_reduce", bucket, a) for a in axes)
+        return self.comm_time_s("all_reduce", bucket, tuple(axes)) < per_axis
 
     def grad_move_steps(self, producer: OpNode, meta: TensorMeta, src, dst) -> list[tuple[Any, float, float]]:
         """(step, whole seconds, the fraction of them exposed) of each collective moving ``producer``'s gradient
@@ -227,7 +248,9 @@ class Coster:
             return [(None, math.inf, 1.0)]  # the runtime cannot run this move on the nested layout: forbidden
         steps = [t for t in steps if t.kind is not None]
         terms = self._grad_terms(producer, [(t.kind, t.bytes, t.axis) for t in steps])
-        return [(t, whole, exposed) for t, (whole, exposed) in zip(steps, terms)]
+        if len(terms) < len(steps):  # one bucketed all-reduce over the axes' flattened group (_grad_terms)
+            steps = [replace(steps[0], axis=tuple(sorted(t.axis for t in steps)))]
+        return [(t, whole, exposed) for t, (whole, exposed) in zip(steps, terms, strict=True)]
 
     def grad_move_time_s(self, producer: OpNode, meta: TensorMeta, src, dst, pair=None) -> float:
         """The exposed seconds of ``grad_move_steps`` (the edge tables' hot path; ``pair``: ``MoveSteps``'s key)."""
@@ -239,31 +262,37 @@ class Coster:
     def _grad_terms(self, producer: OpNode, steps: list[tuple[str, int, int]]) -> list[tuple[float, float]]:
         """(whole seconds, exposed fraction) per collective (kind, bytes, axis) of a move of a gradient.
 
-        A parameter's gradient whose move is one all-reduce on one axis is what the
+        A parameter's gradient whose move is all-reduces, one per axis, is what the
         runtime's gradient buckets reduce (``runtime/buckets.py``): it then costs its
         bytes' share of a full bucket's all-reduce (the latency paid once per bucket,
         not once per parameter), overlapped with backward (``grad_exposed``); in a step of
         ``m`` micro-batches (``TrainingSettings.microbatches``) the buckets reduce once,
-        after the last backward: ``1 / m`` of it per micro-batch, all exposed.  Any other
-        move costs its collectives one by one, each micro-batch.
+        after the last backward: ``1 / m`` of it per micro-batch, all exposed.  Partial on
+        several axes, a bucket is reduced once per axis or, where that is cheaper
+        (``flattens``), by one all-reduce over the axes' flattened group (torchtitan's
+        flattened mesh dims): one term then, for the merged collective.  Any other move
+        costs its collectives one by one, each micro-batch.
         """
         if self._bucketed(producer, steps):
-            ((kind, nbytes, axis),) = steps
-            bucket = self.settings.grad_bucket_bytes
-            m = self.settings.microbatches
-            whole = self.comm_time_s(kind, bucket, axis) * nbytes / bucket / m
-            return [(whole, self.grad_exposed(producer, per_step=m > 1))]
+            bucket, m = self.settings.grad_bucket_bytes, self.settings.microbatches
+            exposed = self.grad_exposed(producer, per_step=m > 1)
+            axes = tuple(sorted(axis for _, _, axis in steps))
+            if len(axes) > 1 and self.flattens(axes):
+                axes = (axes,)  # one collective over their flattened group
+            nbytes = steps[0][1]  # an all-reduce's bytes are the buffer's, alike on every axis
+            return [(self.comm_time_s("all_reduce", bucket, a) * nbytes / bucket / m, exposed) for a in axes]
         exposed = self.grad_exposed(producer)
         return [(self.comm_time_s(kind, nbytes, axis), exposed) for kind, nbytes, axis in steps]
 
     def _bucketed(self, producer: OpNode, steps: list[tuple[str, int, int]]) -> bool:
         """Whether the runtime's gradient buckets reduce this move of ``producer``'s gradient (its collectives
-        as (kind, bytes, axis))."""
+        as (kind, bytes, axis)): all-reduces only, one per axis (``runtime.buckets.bucketable``)."""
         return bool(
             producer.kind == "param"
             and self.settings.grad_bucket_bytes
-            and len(steps) == 1
-            and steps[0][0] == "all_reduce"
+            and steps
+            and all(kind == "all_reduce" for kind, _, _ in steps)
+            and len({axis for _, _, axis in steps}) == len(steps)
         )
 
     def bucketed_grad_bytes(self, producer: OpNode, meta: TensorMeta, src, dst) -> int:

@@ -50,13 +50,15 @@ class Breakdown:
     """Cost, memory and collectives of one choice, and the strategy each graph node took (``memory.cap_bytes``
     is None: the cap is the plan's, not the choice's).  ``transient_at``: node index -> the bytes it holds for a
     moment beyond what the search charged it: an op, its backward's working set (``cost.StepPeak.transient_at``);
-    a parameter, its gradient's bytes in the buckets' flat copy (``runtime.buckets``; 0: not bucketed)."""
+    a parameter, its gradient's bytes in the buckets' flat copy (``runtime.buckets``; 0: not bucketed).
+    ``flat_grad_axes``: the axis sets whose gradient buckets reduce over one flattened group (``Plan``'s field)."""
 
     cost: PlanCost
     memory: PlanMemory
     collectives: tuple[Collective, ...]
     strategies: tuple
     transient_at: dict[int, int] = field(default_factory=dict)
+    flat_grad_axes: tuple[tuple[str, ...], ...] = ()
 
 
 def breakdown(ctx, choice: list[int]) -> Breakdown:
@@ -117,6 +119,7 @@ class _StepWalk:
         self.freed_at: dict[int, int] = {}  # node index -> activation bytes its backward frees (autopar.cost.peak)
         self.regions = ctx.recompute  # op node -> its recompute region (planner.recompute_tables)
         self.reborn: dict[str, int] = {}  # region -> the activations its recomputation makes again in backward
+        self.flat: set[tuple[str, ...]] = set()  # axis sets whose gradient buckets reduce over one flattened group
         self.remade: dict[str, int] = {}  # region -> its outputs, made again by the recomputation, dropped after
         self.keep = keeping(ctx, self.regions) if self.regions else None  # who pays what checkpoints keep
         self.consumers = ctx.graph.consumers() if self.regions else {}
@@ -130,11 +133,13 @@ class _StepWalk:
         adds to the step; ``again``: run again by a recomputation; ``out``: gathers a model output."""
         whole = self.coster.comm_time_s(move.kind, move.bytes, move.axis) if whole is None else whole
         t = whole * exposed
+        if isinstance(move.axis, tuple):  # a gradient bucket's all-reduce over the axes' flattened group
+            self.flat.add(tuple(self.ctx.mesh.axis_names[a] for a in move.axis))
         self.comm_s += t
         self.collectives.append(
             Collective(
                 kind=move.kind,
-                axis=self.ctx.mesh.axis_names[move.axis],
+                axis=self.ctx.mesh.axis_label(move.axis),
                 phase=phase,
                 bytes=int(move.bytes),
                 node=node.name,
@@ -300,7 +305,8 @@ class _StepWalk:
         terms = _terms(coster, self.graph, self.strategies, self.compute_s, self.collectives)
         cost = PlanCost(self.compute_s, self.comm_s, self.compute_s + self.comm_s, terms)
         moment = {**peak.transient_at, **self.bucketed}
-        return Breakdown(cost, memory, tuple(self.collectives), self.strategies, moment)
+        flat = tuple(sorted(self.flat))
+        return Breakdown(cost, memory, tuple(self.collectives), self.strategies, moment, flat)
 
 
 def _reborn_at(ctx, reborn: dict[str, int]) -> dict[int, int]:
@@ -368,6 +374,7 @@ def assemble_plan(
         family=classify(ctx, choice),
         alternatives=tuple(alternatives),
         search=_search_stats(ctx, sol),
+        flat_grad_axes=b.flat_grad_axes,
     )
 
 

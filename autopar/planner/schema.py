@@ -77,7 +77,9 @@ SCHEMA_VERSION = 2
 FAMILIES = ("data parallel", "sharded parameters", "tensor parallel")
 #: The fields written only when they differ from their default (a plan without hints, pipeline or micro-batches
 #: reads as before).
-_WHEN_SET = {"hints": None, "pipeline": None, "microbatches": 1, "throughput": None, "meshes": ()}
+_WHEN_SET = {"hints": None, "pipeline": None, "microbatches": 1, "throughput": None, "meshes": ()} | {
+    "flat_grad_axes": ()
+}
 #: What a plan knows of how it was made, kept in memory only.
 _NOT_WRITTEN = ("timings", "node_costs", "candidates")
 #: Version 1's memory keys, by the name version 2 gives them.
@@ -110,6 +112,9 @@ class Plan:
     throughput: PlanThroughput | None = None  # model FLOPs and MFU of the predicted step (planner.throughput)
     # planned for a device count: every logical mesh tried, fastest first (planner.mesh_choice)
     meshes: tuple[MeshCandidate, ...] = ()
+    # the axis sets whose gradient buckets are all-reduced by one collective over their groups flattened into one
+    # (the search's choice, cost.Coster.flattens; runtime.buckets runs it); others reduce once per axis
+    flat_grad_axes: tuple[tuple[str, ...], ...] = ()
     # node name -> what the search charged it (planner.assemble.node_costs); never written, not compared
     node_costs: dict[str, NodeCharge] = field(default_factory=dict, compare=False, repr=False)
     # pipeline="auto": every candidate priced, fastest first (planner.pipeline_choice); never written, not compared

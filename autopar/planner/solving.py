@@ -189,9 +189,14 @@ class SearchSpace:
                 return False
         return self.family_node is None or self.family_node(i, s)
 
-    def search(self, bound: int | None, gap: float | None, seed: Solution | None = None) -> Probe | NoFit:
+    def search(
+        self, bound: int | None, gap: float | None, seed: Solution | None = None, at_cap: bool = True
+    ) -> Probe | NoFit:
         """The plan under ``bound``, within ``gap`` of its optimum (None: ``PLAN_GAP``), or ``NoFit``; ``seed``: a
-        solution of the search under the same bound to start from (``solve_problem``)."""
+        solution of the search under the same bound to start from (``solve_problem``).  ``at_cap``: ``bound`` is
+        the cap itself, so a bound the search proves (``BeatenError`` past ``above``) holds for every plan the
+        peak loop can return; under a bound it tightened (``PeakLoop``) a proof says nothing of the looser bounds
+        it may bisect back to, so those searches run to their plan."""
         allow = {"allow_node": self.allow_node if self.restricted else None, "allow_edge": self.allow_edge}
         weight, params = self.base.activation_weight, self.params
 
@@ -203,7 +208,7 @@ class SearchSpace:
         rests = tuple(problem_of(t)[0] for t in self.rest_tables)
         solver, blocks = self.options.solver, self.ctx.blocks
         try:
-            start = Start(self.above, seed)
+            start = Start(self.above if at_cap else None, seed)
             sol = solve_problem(problem, solver, blocks, variants, rests, self.run, start=start, rel_gap=gap)
         except InfeasibleError as e:
             if e.min_mem_bytes is None and self.hinted:
@@ -288,7 +293,7 @@ class PeakLoop:
                 break  # out of time: the fastest plan that fits so far
             self.searches += 1
             bound = self.bound if attempt < _PEAK_TRIES or self.best is not None else 0
-            found = self.space.search(bound, self.probe_gap if attempt else self.first_gap)
+            found = self.space.search(bound, self.probe_gap if attempt else self.first_gap, at_cap=bound == self.cap)
             if isinstance(found, NoFit):
                 done = self.no_plan_under(found, attempt)
             elif unless_over is not None and found.sol.mem_bytes > unless_over:
@@ -383,7 +388,7 @@ class PeakLoop:
         lower, tries = sol.time_lower_bound, 0
         while tries < _REFINE_TRIES:
             tries += 1
-            finer = self.space.search(bound, None, seed=sol if tries == 1 else None)
+            finer = self.space.search(bound, None, seed=sol if tries == 1 else None, at_cap=bound == cap)
             if isinstance(finer, NoFit) or finer.sol.time > sol.time:
                 break
             if tries == 1:

@@ -346,8 +346,8 @@ def _rank_peak(order: list, runs: list[_StageRun]) -> int:
     which first holds its working set (``work_bytes``) beside them; stage ``j``'s gradients (``grad_bytes``) are
     born in its first backward and stay (a step starts with none).  Taken at the boundaries between actions.
     1F1B on a rank that runs a forward after its first backward holds its ``w`` micro-batches in flight beside
-    every gradient (``w A + G``, the additive bound); GPipe, or 1F1B with ``m <= w``, peaks at
-    ``max(m A + W, (m - 1) A + G)``."""
+    every gradient (``w A + G + W``); GPipe, or 1F1B with ``m <= w``, peaks at ``max(m A, (m - 1) A + G) + W``
+    (the step's end, ``G + E``, is the caller's: ``search.EndOfStep``)."""
     held = born = top = 0
     seen: set[int] = set()
     for act in order:

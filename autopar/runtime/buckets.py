@@ -32,9 +32,14 @@ and adds what ``hold`` took (the cost model prices it so: ``Coster.grad_move_ste
 
 Bucketed: parameters whose every consumer edge returns the same gradient
 placement (or whose plan sums its uses' gradients first, ``partial_grad_axes``: then
-that sum's placement), which differs from the parameter's own gradient placement on exactly
-one axis (``P(sum)`` there, ``R`` in the placement); others keep the plan's
-per-edge collectives.  ZeRO parameters are never bucketed.
+that sum's placement), which differs from the parameter's own gradient placement only
+on axes where it is ``P(sum)`` and the placement ``R``; others keep the plan's
+per-edge collectives.  ZeRO parameters are never bucketed.  A bucket partial on several
+axes (data parallelism over two axes of the mesh) is reduced as the plan chose
+(``Plan.flat_grad_axes``, priced by ``cost.Coster.flattens``): by one all-reduce over
+those axes' groups flattened into one (``MeshGroups.flat_group``; torchtitan flattens
+mesh dims so), or once per axis, one after the other (the first overlapped with
+backward, the others as backward ends).
 
 Limits: gradients reach ``.grad`` only, as with DDP (``torch.autograd.grad``
 with respect to a bucketed parameter sees none: compile with
@@ -73,8 +78,9 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 DEFAULT_FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
-def bucketable(xplan, exclude: set[str]) -> dict[str, tuple[int, tuple[Placement, ...]]]:
-    """Param node name -> (axis, partial gradient placement) for parameters whose gradient can be bucketed.
+def bucketable(xplan, exclude: set[str]) -> dict[str, tuple[tuple[int, ...], tuple[Placement, ...]]]:
+    """Param node name -> (axes, partial gradient placement) for parameters whose gradient can be bucketed: partial
+    on ``axes`` where the parameter's gradient is replicated, alike elsewhere.
 
     Parameters in ``exclude`` (ZeRO) and those whose edges disagree are left out.
     Ordered by first use in forward.
@@ -99,14 +105,14 @@ def bucketable(xplan, exclude: set[str]) -> dict[str, tuple[int, tuple[Placement
         (g,) = grads
         target = xplan.sources[name][1]  # where the parameter's gradient lives
         axes = [a for a, (p, q) in enumerate(zip(g, target)) if p != q]
-        if len(axes) == 1 and isinstance(g[axes[0]], Partial) and isinstance(target[axes[0]], Replicate):
-            out[name] = (axes[0], g)
+        if axes and all(isinstance(g[a], Partial) and isinstance(target[a], Replicate) for a in axes):
+            out[name] = (tuple(axes), g)
     return out
 
 
 @dataclass
 class _Bucket:
-    axis: int
+    axes: tuple[int, ...]
     names: list[str]
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     work: object = None
@@ -119,7 +125,7 @@ class _Round:
 
     def __init__(self, owner: GradBuckets, params: dict[str, torch.Tensor], counter: CollectiveCounter | None) -> None:
         self.owner, self.params, self.counter = owner, params, counter
-        self.buckets = [_Bucket(axis, list(names)) for axis, names in owner.layout]
+        self.buckets = [_Bucket(axes, list(names)) for axes, names in owner.layout]
         self.of = {name: b for b in self.buckets for name in b.names}
         self.queued = False
 
@@ -139,7 +145,7 @@ class _Round:
         b.flat = torch.cat([b.grads[n].reshape(-1) for n in names])
         b.packed = [(n, b.grads[n].shape) for n in names]
         b.grads.clear()  # the flat copy is the only one kept: the gradients are held once, as the plan counts
-        b.work = dist.all_reduce(b.flat, group=self.owner.groups.axis_group(b.axis), async_op=True)
+        b.work = dist.all_reduce(b.flat, group=self.owner.first_group(b.axes), async_op=True)
         if self.counter is not None:
             for n in names:
                 for entries in self.owner.logical.get(n, {}).values():
@@ -157,6 +163,8 @@ class _Round:
             if b.work is None:
                 continue
             b.work.wait()
+            for group in self.owner.later_groups(b.axes):  # reduced once per axis: the others, in turn
+                dist.all_reduce(b.flat, group=group)
             offset = 0
             for n, shape in b.packed:
                 numel = shape.numel()
@@ -189,31 +197,46 @@ class GradBuckets:
     def __init__(
         self,
         groups: MeshGroups,
-        bucketed: dict[str, tuple[int, tuple[Placement, ...]]],
+        bucketed: dict[str, tuple[tuple[int, ...], tuple[Placement, ...]]],
         sizes: dict[str, int],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        flat: frozenset[tuple[int, ...]] = frozenset(),
     ) -> None:
         self.groups = groups
         self.bucketed = bucketed
-        layout: list[tuple[int, list[str]]] = []
+        self.flat = flat  # axis sets reduced by one all-reduce over their flattened group (groups.flat_group)
+        layout: list[tuple[tuple[int, ...], list[str]]] = []
         filled: dict[int, int] = {}
         for name in reversed(list(bucketed)):  # backward readiness order: last used first
-            axis = bucketed[name][0]
-            current = next((b for b in reversed(layout) if b[0] == axis), None)
-            first = current is not None and not any(b[0] == axis for b in layout if b is not current)
+            axes = bucketed[name][0]
+            current = next((b for b in reversed(layout) if b[0] == axes), None)
+            first = current is not None and not any(b[0] == axes for b in layout if b is not current)
             cap = min(first_bucket_bytes, bucket_bytes) if first else bucket_bytes
             if current is None or filled[id(current)] + sizes[name] > cap and current[1]:
-                current = (axis, [])
+                current = (axes, [])
                 layout.append(current)
                 filled[id(current)] = 0
             current[1].append(name)
             filled[id(current)] += sizes[name]
         self.layout = layout
-        # param -> {edge: its planned gradient collectives (kind, axis, bytes, reduce op)}
-        self.logical: dict[str, dict[object, list[tuple[str, int, int, str]]]] = {}
+        # param -> {edge: its planned gradient collectives (kind, axis or flattened axes, bytes, reduce op)}
+        self.logical: dict[str, dict[object, list[tuple]]] = {}
         self.round: _Round | None = None
         log.debug("gradient buckets: %s", [(a, len(n)) for a, n in layout])
+
+    def first_group(self, axes: tuple[int, ...]) -> dist.ProcessGroup:
+        """The group a bucket partial on ``axes`` starts its reduction on: the flattened group of the axes where
+        the plan chose it (``flat``), else its first axis's."""
+        if len(axes) > 1 and axes in self.flat:
+            return self.groups.flat_group(axes)
+        return self.groups.axis_group(axes[0])
+
+    def later_groups(self, axes: tuple[int, ...]) -> list[dist.ProcessGroup]:
+        """The groups its reduction goes on over, one after the other: its other axes' (none when flattened)."""
+        if len(axes) == 1 or axes in self.flat:
+            return []
+        return [self.groups.axis_group(a) for a in axes[1:]]
 
     def __contains__(self, name: str) -> bool:
         return name in self.bucketed
@@ -233,8 +256,12 @@ class GradBuckets:
         and every reduction of ``name``'s bucket records the edge's planned
         ``grad_src -> grad_dst`` collectives.
         """
-        steps = transitions(meta, grad_src, grad_dst, self.groups.mesh.shape)
-        self.logical.setdefault(name, {})[edge] = [(t.kind, t.axis, t.bytes, t.reduce_op) for t in steps]
+        steps = [t for t in transitions(meta, grad_src, grad_dst, self.groups.mesh.shape) if t.kind]
+        entries = [(t.kind, t.axis, t.bytes, t.reduce_op) for t in steps]
+        axes = tuple(sorted(t.axis for t in steps))
+        if len(axes) > 1 and axes in self.flat:  # one all-reduce over the axes flattened, as the plan lists it
+            entries = [(entries[0][0], axes, entries[0][2], entries[0][3])]
+        self.logical.setdefault(name, {})[edge] = entries
 
     def hold(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """Before a step of several micro-batches: each bucketed parameter's ``.grad`` so far, taken out of it.

@@ -20,10 +20,10 @@ __all__ = ["CollectiveRecord", "CollectiveCounter"]
 
 @dataclass(frozen=True, slots=True)
 class CollectiveRecord:
-    """One collective issued on one mesh axis."""
+    """One collective issued on one mesh axis (a tuple: over several axes' groups flattened into one)."""
 
     kind: str
-    axis: int
+    axis: int | tuple[int, ...]
     phase: str
     bytes: int
     reduce_op: str = "sum"
@@ -36,10 +36,11 @@ class CollectiveCounter:
     records: list[CollectiveRecord] = field(default_factory=list)
     enabled: bool = True
 
-    def record(self, kind: str, axis: int, phase: str, bytes: int, reduce_op: str = "sum") -> None:
+    def record(self, kind: str, axis: int | tuple[int, ...], phase: str, bytes: int, reduce_op: str = "sum") -> None:
         """Append one record (no-op while disabled)."""
         if self.enabled:
-            self.records.append(CollectiveRecord(kind, int(axis), phase, int(bytes), reduce_op))
+            axis = tuple(int(a) for a in axis) if isinstance(axis, tuple) else int(axis)
+            self.records.append(CollectiveRecord(kind, axis, phase, int(bytes), reduce_op))
 
     def clear(self) -> None:
         self.records.clear()

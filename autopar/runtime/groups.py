@@ -154,6 +154,7 @@ class MeshGroups:
         self._shut_down: str | None = None  # the reason, once the groups are destroyed
         self._members: list[tuple[int, ...]] = []
         self._order: list[tuple[int, ...]] = []
+        self._flat: dict[tuple[int, ...], dist.ProcessGroup] = {}  # axes -> this rank's group over them flattened
         for axis in range(mesh.ndim):
             mine = None
             for ranks in mesh.axis_groups(axis):  # every rank creates every group, same order
@@ -262,7 +263,8 @@ class MeshGroups:
         if self._shut_down is not None:
             return
         self._shut_down = reason
-        groups, self._groups = self._groups, []
+        groups, self._groups = [*self._groups, *self._flat.values()], []
+        self._flat = {}
         while groups:  # popped: this frame keeps no reference, so the connections close as each one goes
             with contextlib.suppress(Exception):  # a group a peer already broke may refuse a clean destroy
                 dist.destroy_process_group(groups.pop())
@@ -272,7 +274,7 @@ class MeshGroups:
         """Drop this rank's references to its groups (they are destroyed when nothing else holds them); later
         collectives raise ``reason`` (``check_alive``)."""
         if self._shut_down is None:
-            self._shut_down, self._groups = reason, []
+            self._shut_down, self._groups, self._flat = reason, [], {}
 
     # ---- axes -----------------------------------------------------------------------
     def axis_group(self, axis: int | str) -> dist.ProcessGroup:
@@ -280,6 +282,32 @@ class MeshGroups:
         if self._shut_down is not None:
             self.check_alive(f"collective on mesh axis {axis}")
         return self._groups[self._mesh.axis_index(axis)]
+
+    def add_flat_groups(self, axis_sets) -> None:
+        """Create the process groups of each set of axes in ``axis_sets`` (tuples of axis indices) flattened into
+        one (``flat_group``).  Collective: every rank calls it with the same sets in the same order (the plan's
+        ``flat_grad_axes``, at compile)."""
+        for axes in axis_sets:
+            axes = tuple(sorted(self._mesh.axis_index(a) for a in axes))
+            if axes in self._flat:
+                continue
+            mine = None
+            for ranks in self._mesh.axis_groups(axes):  # every rank creates every group, same order
+                pg = dist.new_group(ranks=list(ranks))
+                if self._rank in ranks:
+                    mine = pg
+            self._flat[axes] = mine
+
+    def flat_group(self, axes: tuple[int, ...]) -> dist.ProcessGroup:
+        """This rank's process group over ``axes`` flattened into one: the ranks that differ from it on those axes
+        only (made by ``add_flat_groups``)."""
+        self.check_alive(f"collective on mesh axes {axes}")
+        if axes not in self._flat:
+            raise ValueError(
+                f"no flattened process group over mesh axes {axes} of {self._mesh}: create it on every rank with "
+                "MeshGroups.add_flat_groups first (compile does, for the plan's flat_grad_axes)"
+            )
+        return self._flat[axes]
 
     def axis_size(self, axis: int | str) -> int:
         return self._mesh.shape[self._mesh.axis_index(axis)]
