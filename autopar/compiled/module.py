@@ -168,8 +168,7 @@ class ShardedModule(MicroBatchSteps, nn.Module):
         sizes = {n.name: params[n.fqn].numel() * params[n.fqn].element_size() for n in graph.params()}
         flat = frozenset(tuple(sorted(self.mesh.axis_index(a) for a in axes)) for axes in plan.flat_grad_axes)
         self._groups.add_flat_groups(sorted(flat))  # collective: the plan's sets, alike on every rank
-        buckets = GradBuckets(self._groups, bucketed, sizes, self._bucket_bytes, flat=flat) if bucketed else None
-        self._buckets = buckets
+        self._buckets = GradBuckets(self._groups, bucketed, sizes, self._bucket_bytes, flat=flat) if bucketed else None
         self._sources = self._static_sources(params)
         if pipelined:
             self._runner = self._pipeline_runner(train=True)
