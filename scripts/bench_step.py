@@ -18,7 +18,10 @@ same global batch inside the same processes:
 
 and, only when named in ``--variants``, ``autopar DP unfused``: the same plan as
 ``autopar DP`` lowered without fusing the cross-entropy (``autopar/lower/fused_loss.py``), so
-its ratio to ``autopar DP`` is what the fused log-softmax saves.
+its ratio to ``autopar DP`` is what the fused log-softmax saves; and ``autopar DP 2-D``: the
+data-parallel plan on the same ranks seen as a (2, ranks / 2) mesh, so its ratio to ``autopar DP``
+is what a second mesh axis costs a data-parallel step (its gradients may ride one all-reduce over
+both axes, ``Plan.flat_grad_axes``).
 
 Every model returns only its loss (a wrapper around the HF model), so no variant
 pays for gathering logits it does not need.  Measurements alternate: after
@@ -80,7 +83,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-VARIANTS = ("autopar auto", "autopar TP", "torch TP", "autopar DP", "torch DDP", "autopar DP unfused")
+VARIANTS = ("autopar auto", "autopar TP", "torch TP", "autopar DP", "torch DDP", "autopar DP unfused", "autopar DP 2-D")
 DEFAULT_VARIANTS = VARIANTS[:5]
 PAIRS = (
     ("autopar auto", "torch TP"),
@@ -89,6 +92,7 @@ PAIRS = (
     ("autopar DP", "torch DDP"),
     ("autopar DP unfused", "torch DDP"),
     ("autopar DP", "autopar DP unfused"),
+    ("autopar DP 2-D", "autopar DP"),
 )
 
 
@@ -238,6 +242,7 @@ def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases)
     per = a.batch // world
     local = (ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])
     mesh = autopar.Mesh((world,), axis_names=("x",))
+    square = autopar.Mesh((2, world // 2), axis_names=("x", "y")) if "autopar DP 2-D" in variants else None
 
     models: dict[str, tuple[nn.Module, tuple]] = {}
     for name, family, cap in (
@@ -245,6 +250,7 @@ def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases)
         ("autopar TP", "tensor parallel", a.tp_mem_cap),
         ("autopar DP", "data parallel", None),
         ("autopar DP unfused", "data parallel", None),
+        ("autopar DP 2-D", "data parallel", None),
     ):
         if name not in variants:
             continue
@@ -252,7 +258,7 @@ def _build(a, rank: int, world: int, variants: tuple[str, ...], phases: _Phases)
             models[name] = (
                 autopar.compile(
                     copy.deepcopy(base),
-                    mesh,
+                    square if name.endswith("2-D") else mesh,
                     example_inputs=(ids, labels),
                     family=family,
                     profile=a.profile,
@@ -415,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if a.hidden % a.heads:
         problems.append(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+    if "autopar DP 2-D" in _variants(a) and (a.ranks % 2 or a.ranks < 4):
+        problems.append(f"variant 'autopar DP 2-D' needs an even --ranks >= 4 (a (2, ranks / 2) mesh), got {a.ranks}")
     if problems:
         print("bench_step: " + "; ".join(problems), file=sys.stderr)
         return 2
