@@ -56,27 +56,53 @@ def test_auto_is_the_fastest_of_the_forced_candidates():
 
 
 def test_a_pipelines_bound_holds_for_every_stage_plan(monkeypatch):
-    """``step_at_least``: every pipeline of ``m`` micro-batches takes at least ``m (W + O) / (p s)`` of its free
-    stage search's objective, on ranks that lend their cores (``s``: the cpu profile's largest lending figure) and
-    on a GPU profile where nothing is lent (``s`` = 1).  Checked on the forced plans, whose free stage plan the
-    bound is computed from (a forced axis is never skipped by it)."""
+    """``step_at_least``: every pipeline run takes at least its bound, computed from its free stage search's objective
+    ``X*``, on ranks that lend their cores (``s``: the cpu profile's largest lending figure; a simulated schedule)
+    and on a GPU profile where nothing is lent (``s`` = 1; GPipe and 1F1B priced by the flow shop's formula),
+    under no cap and under one the stage plans are walked down to (``stage_fitting``).  Checked on the forced
+    plans, whose free stage plan the bound is computed from (a forced axis is never skipped by it).  With more
+    than one stage the bound of GPipe and 1F1B is above the busiest rank's share of the work, ``m X* / (p s)``
+    (the bubble: the flow shop's ``(m + p - 1) / m`` of it, less what the parameters' charges may take)."""
     import autopar.planner.pipeline_choice as choice
     from autopar.planner.pipeline_planning import max_lending
+    from autopar.planner.problem_tables import PS_PER_S
     from costmodel import load_profile
 
-    bounds = []
+    seen = []
     real = choice.step_at_least
-    monkeypatch.setattr(choice, "step_at_least", lambda *a: bounds.append(real(*a)) or bounds[-1])
+
+    def recorded(free, ctx, mesh, p, run):
+        bound = real(free, ctx, mesh, p, run)
+        share = run.m * free.search.objective_ps / PS_PER_S / (p * max_lending(ctx.coster.settings.profile, mesh))
+        seen.append((bound, share))
+        return bound
+
+    monkeypatch.setattr(choice, "step_at_least", recorded)
     model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 8})
     mesh = autopar.Mesh((4,), axis_names=("pp",))
     cpu = load_profile("cpu")
     assert max_lending(cpu, mesh) == max(2.0, *(s for row in cpu.core_lending.speed for s in row))
     assert max_lending(load_profile("h100"), autopar.Mesh((8,))) == 1.0
     for profile in ("cpu", "h100"):
+        free = _plan(model, args, kwargs, mesh, profile=profile, pipeline="pp", microbatches=4, schedule="1f1b")
         for m, schedule in ((4, "1f1b"), (8, "gpipe"), (4, "interleaved")):
-            plan = _plan(model, args, kwargs, mesh, profile=profile, pipeline="pp", microbatches=m, schedule=schedule)
-            assert bounds and 0 < bounds[-1] <= plan.cost.total_s
-            bounds.clear()
+            for cap in (None, int(free.memory.per_device_bytes * 0.9)):
+                plan = _plan(
+                    model,
+                    args,
+                    kwargs,
+                    mesh,
+                    profile=profile,
+                    pipeline="pp",
+                    microbatches=m,
+                    schedule=schedule,
+                    mem_cap=cap,
+                )
+                (bound, share), *_ = seen
+                assert 0 < bound <= plan.cost.total_s
+                if schedule != "interleaved":
+                    assert bound > share * 1.05, (profile, schedule, bound, share)
+                seen.clear()
 
 
 def test_auto_tries_no_pipeline_for_a_model_without_a_loss_or_with_hints():

@@ -9,7 +9,16 @@ import random
 
 import pytest
 
-from autopar.cost.pipeline import SCHEDULES, Transfer, bubble_fraction, in_flight, rank_orders, schedule_run, step_time
+from autopar.cost.pipeline import (
+    SCHEDULES,
+    Transfer,
+    bubble_fraction,
+    in_flight,
+    least_schedule_time,
+    rank_orders,
+    schedule_run,
+    step_time,
+)
 from costmodel import CoreLending, load_profile
 
 PLAIN = [(s, p, m) for s in ("gpipe", "1f1b") for p in range(1, 6) for m in range(1, 10)]
@@ -74,6 +83,45 @@ def test_gpipe_with_unequal_stages_is_the_flow_shop_form():
         b = [rng.uniform(1.0, 4.0) for _ in range(p)]
         want = sum(f) + sum(b) + (m - 1) * (max(f) + max(b))
         assert step_time("gpipe", f, b, m) == pytest.approx(want)
+
+
+def test_no_split_of_the_work_runs_faster_than_the_least_schedule_time():
+    """``least_schedule_time``: over random unequal stages, the list schedule of every schedule (sped up by at most
+    ``s`` while ranks idle: at least the bound over ``s``) and the flow shop's formula are at least the bound of their
+    kind; equal stages meet the flow shop's; the split that makes ``m t_r + sum_(i<r) t_i`` the same ``T`` for every
+    rank sums to the work whose bound is ``T`` (the closed form's derivation); and the bound is above the busiest
+    rank's share wherever ``p, m > 1``."""
+    rng = random.Random(5)
+    for _ in range(200):
+        p, m = rng.randint(1, 6), rng.randint(1, 9)
+        f = [rng.uniform(0.1, 2.0) for _ in range(p)]
+        b = [2 * x * rng.uniform(0.5, 1.5) for x in f]
+        work = sum(f) + sum(b)
+        for schedule in ("gpipe", "1f1b"):
+            if schedule == "1f1b" and m < p:
+                continue
+            assert step_time(schedule, f, b, m) >= least_schedule_time(work, p, m) * (1 - 1e-12)
+            lent = schedule_run(schedule, f, b, m, speed=lambda k, w, p=p: 1 + (p - k) / max(p, 1))
+            assert lent.step_s >= least_schedule_time(work, p, m) / 2 * (1 - 1e-12)
+        formula = work + (m - 1) * (max(f) + max(b))
+        assert formula >= least_schedule_time(work, p, m, flow_shop=True) * (1 - 1e-12)
+        if p > 1 and m > 1:
+            assert least_schedule_time(work, p, m) > m * work / p
+    for p, v, m in INTERLEAVED:
+        f = [rng.uniform(0.1, 2.0) for _ in range(p * v)]
+        b = [2 * x for x in f]
+        assert step_time("interleaved", f, b, m, v=v) >= least_schedule_time(sum(f) + sum(b), p, m, v) * (1 - 1e-12)
+    # equal stages: the flow shop's bound is its step
+    assert least_schedule_time(12.0, 4, 8, flow_shop=True) == pytest.approx(step_time("1f1b", [1.0] * 4, [2.0] * 4, 8))
+    # the equalizing split meets the list schedule's bound (GPipe: each rank's m t_r after the stages before it)
+    p, m, T = 3, 4, 10.0
+    t, done = [], 0.0
+    for _ in range(p):
+        t.append((T - done) / m)
+        done += t[-1]
+    bound = least_schedule_time(done, p, m)
+    assert bound == pytest.approx(T)
+    assert step_time("gpipe", [x / 3 for x in t], [2 * x / 3 for x in t], m) >= bound * (1 - 1e-12)
 
 
 def test_one_f_one_b_is_never_slower_than_gpipe_and_transfers_add_per_hop():

@@ -14,7 +14,17 @@ from __future__ import annotations
 from .coster import BACKWARD_SHARE, BACKWARD_TO_FORWARD, Coster, TrainingSettings
 from .model_flops import ModelFlops, count_model_flops
 from .peak import BackwardMemory, StepPeak, peak_memory
-from .pipeline import SCHEDULES, ScheduleRun, Transfer, bubble_fraction, in_flight, rank_orders, schedule_run, step_time
+from .pipeline import (
+    SCHEDULES,
+    ScheduleRun,
+    Transfer,
+    bubble_fraction,
+    in_flight,
+    least_schedule_time,
+    rank_orders,
+    schedule_run,
+    step_time,
+)
 
 __all__ = [
     "BACKWARD_SHARE",
@@ -27,6 +37,7 @@ __all__ = [
     "bubble_fraction",
     "count_model_flops",
     "in_flight",
+    "least_schedule_time",
     "rank_orders",
     "peak_memory",
     "ScheduleRun",

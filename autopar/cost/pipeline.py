@@ -51,6 +51,7 @@ __all__ = [
     "Transfer",
     "bubble_fraction",
     "in_flight",
+    "least_schedule_time",
     "rank_orders",
     "schedule_run",
     "step_time",
@@ -256,6 +257,28 @@ def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float, p
         cross = d.stage % p != act.stage % p
         start = max(start, max(done[d], posted_s) + transfer_s if cross else done[d])
     return start
+
+
+def least_schedule_time(work_s: float, p: int, m: int, v: int = 1, *, flow_shop: bool = False) -> float:
+    """The least time any split of ``work_s`` (one micro-batch's forward and backward over every stage) into a
+    ``p``-rank schedule of ``m`` micro-batches takes, transfers free, each action at full speed:
+
+    * ``flow_shop`` (GPipe and 1F1B priced by the formula ``sum_j t_j + (m - 1) (max_j f_j + max_j b_j)``,
+      ``search.stages``): ``max_j t_j >= W / p``, so ``(m + p - 1) W / p``, equal stages reaching it;
+    * a list schedule (:func:`schedule_run`), ``v = 1``: rank r starts after the forwards of the stages before it
+      and ends before their backwards of its last micro-batch, so the step is at least ``m t_r + sum_(i<r) t_i``
+      for every r.  Least over the splits where every rank's is the same ``T``: ``T - sum_(i<=r) t_i = (T -
+      sum_(i<r) t_i)(1 - 1/m)``, so ``sum_(i<p) t_i = W = T (1 - (1 - 1/m)^p)``: ``T = W / (1 - (1 - 1/m)^p)``
+      (a split under ``T`` everywhere would sum to less than ``W``, by induction on r);
+    * interleaved (``v > 1``): ``m W / p``, the busiest rank's share (the stages of its first chunk, which the
+      others wait for, may be small).
+
+    A rank sped up by at most ``s`` while others idle (``schedule_run``'s ``speed``) takes at least this over ``s``."""
+    if v > 1:
+        return m * work_s / p
+    if flow_shop:
+        return (m + p - 1) * work_s / p
+    return work_s / (1 - (1 - 1 / m) ** p)
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:

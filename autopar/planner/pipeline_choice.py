@@ -29,10 +29,12 @@ never negative), so a plan whose objective is above ``s`` is slower.  On 96 laye
 search it skips was about 3 of the 11 s of search.
 
 Likewise a pipelined candidate whose every stage plan is proven slower than the fastest candidate so far (of this
-mesh, or of the meshes before it) is not priced: ``pipeline_planning.step_at_least`` bounds every pipeline of
-``m`` micro-batches by its free stage search's objective (``m (W + O) / (p s)``), which skips the stage fitting
-(weighted searches) of candidates that cannot win; listed as at least that bound.  A forced axis is never
-skipped.  On 96 layers on 4 x 8 x 8 (49 candidates) it took the search from 15-18 s to 9.7 s, the same choice.
+mesh, or of the meshes before it) is not priced: ``pipeline_planning.step_at_least`` bounds every pipeline run
+(schedule, ``m`` micro-batches, stages per rank) by its free stage search's objective with the run's least bubble
+(GPipe and 1F1B on devices of their own: ``(m + p - 1) / p`` of one micro-batch's work), which skips the stage
+fitting (weighted searches) of candidates that cannot win; listed as at least that bound.  A forced axis is never
+skipped.  On 96 layers on 4 x 8 x 8 (49 candidates) the bound without the bubble took the search from 15-18 s
+to 9.7 s, the same choice.
 
 ``Plan.timings`` of the chosen plan adds up the whole choice: ``capture_s``, ``strategies_s`` and ``search_s``
 over every candidate, and ``candidates``, how many were priced.
@@ -280,10 +282,10 @@ class PipelineChoice:
                 continue
             with self._timing("search_s"):
                 free = self._search(ctx)
-            at_least = step_at_least(free, ctx.coster.settings.profile, self.mesh, p, m)
             fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
             for run in runs:
-                if not forced and self._proven_slower(at_least):  # no stage plan of this m can beat the fastest
+                at_least = step_at_least(free, ctx, self.mesh, p, run)
+                if not forced and self._proven_slower(at_least):  # no stage plan of this run can beat the fastest
                     self._beaten(f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}", at_least)
                     continue
                 weight = held_at_most(run.name, p, m, run.v)

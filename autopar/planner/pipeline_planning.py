@@ -35,9 +35,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.cost import least_schedule_time
 from autopar.mesh import Mesh
 from autopar.placement import Replicate
-from autopar.search import NoSplitFits
+from autopar.search import INF, NoSplitFits
 from costmodel import DeviceProfile
 
 from .context import PlanningContext
@@ -135,21 +136,60 @@ def pipelined(
     return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
 
 
-def step_at_least(micro_plan: Plan, profile: DeviceProfile, mesh: Mesh, p: int, m: int) -> float | None:
-    """A lower bound on the step of every pipeline of ``m`` micro-batches over ``p`` ranks of ``mesh`` whose stages
-    run a plan searched on ``micro_plan``'s context, under a memory bound or not (``stage_fitting``); None where the
-    search proved none.  Each micro-batch passes every stage once, so the ranks' forward and backward work sums to
-    ``m W`` and the busiest rank's is at least ``m W / p``, done at most ``s`` times faster (``s``: the most the
-    profile lends a rank while others idle, ``max_lending``); the ranks' optimizer steps sum to at least ``m O``.
-    ``W + O`` per micro-batch is the stage search's objective, whose least over every stage plan is the free
-    plan's where the search was exact (else its proven lower bound); transfers and the bubble only add::
+def step_at_least(micro_plan: Plan, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule) -> float | None:
+    """A lower bound on the step of every pipeline ``run`` (``m`` micro-batches, ``v`` stages per rank) over ``p``
+    ranks of ``mesh`` whose stages run a plan searched on ``ctx`` (one micro-batch on the stage mesh), under a
+    memory bound or not (``stage_fitting``); ``micro_plan``: its free search.  None where the search proved none.
 
-        step >= m (W + O) / (p s)"""
+    A stage plan's objective per micro-batch is ``X = W + R``: ``W`` its ops' forward and backward with the moves
+    into them (what the stages run per micro-batch, ``stage_prices.chain_prices``) and ``R`` what its other nodes
+    are charged: ``R_p`` its parameters' optimizer steps and once-per-step reductions at ``1 / m``
+    (``cost.coster``), ``R_o`` the rest (inputs, output sinks), which the pipeline's step counts nowhere.  The step is
+    the schedule's time over the stages plus the slowest rank's optimizer step (``stage_prices.priced_stages``)::
+
+        step >= (c W + m R_p / p) / s
+
+    * the schedule's time is at least ``c W`` (``cost.least_schedule_time``): ``c = (m + p - 1) / p`` for GPipe and
+      1F1B priced by the flow shop's formula (``search.stages``), ``1 / (1 - (1 - 1/m)^p)`` where the step is a
+      simulated list schedule (ranks that share cores, a host that posts each receive when free), ``m / p``
+      interleaved;
+    * the slowest rank's optimizer step is at least the ranks' mean, ``m R_p / p`` (every parameter is held by
+      at least one stage);
+    * ``s``: the most a rank computes faster while others idle (``max_lending``; 1 on devices of their own).
+
+    Every stage plan has ``X >= X*`` (the free plan's objective where the search was exact, else its proven lower
+    bound), ``R_p <= P`` and ``R_o <= O`` (each such node's costliest strategy).  As ``c >= m / p`` the bound is
+    least where ``R_p`` takes the most of ``X* - O`` it can::
+
+        step >= (c (X* - O - r) + m r / p) / s,    r = min(P, max(X* - O, 0)),  X* - O - r >= 0 else 0"""
     stats = micro_plan.search
     least_ps = stats.objective_ps if stats.optimal else stats.lower_bound_ps
     if least_ps is None:
         return None
-    return m * least_ps / PS_PER_S / (p * max_lending(profile, mesh))
+    params_ps, others_ps = _costliest_other_charges(ctx)
+    m, profile = run.m, ctx.coster.settings.profile
+    r = min(params_ps, max(least_ps - others_ps, 0))
+    work = max(least_ps - others_ps - r, 0)
+    flow_shop = _ranks_sharing_cores(profile, mesh) is None and profile.host_runs_ahead  # priced_stages' formula
+    schedule_ps = least_schedule_time(work, p, m, run.v, flow_shop=flow_shop)
+    return (schedule_ps + m * r / p) / PS_PER_S / max_lending(profile, mesh)
+
+
+def _costliest_other_charges(ctx: PlanningContext) -> tuple[int, int]:
+    """``(P, O)`` of ``step_at_least``, picoseconds: the most any stage plan of ``ctx`` charges its parameter nodes,
+    and its other nodes that are not ops (inputs, buffers, output sinks), each node at its costliest strategy."""
+    tables, nodes = ctx.tables, ctx.graph.nodes
+    params = others = 0
+    for i, row in enumerate(tables.node_time_ps):
+        if i < len(nodes) and nodes[i].kind == "op":
+            continue
+        finite = row[row < INF]
+        most = int(finite.max()) if finite.size else 0
+        if i < len(nodes) and nodes[i].kind == "param":
+            params += most
+        else:
+            others += most
+    return params, others
 
 
 def max_lending(profile: DeviceProfile, mesh: Mesh) -> float:
