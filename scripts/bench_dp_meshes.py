@@ -23,15 +23,12 @@ import argparse
 import collections
 import copy
 import os
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each mesh")
     p.add_argument("--iters", type=int, default=10, help="timed rounds (each runs both meshes once)")
     p.add_argument("--profile", default="cpu", help="device profile the plans are made with (default cpu)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="stop the ranks after this many seconds")
     return p
 
 
@@ -67,7 +65,8 @@ def _step(module, args, kwargs, opt) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
-def _one_model(name: str, a, rank: int, world: int) -> None:
+def _one_model(name: str, a, rank: int, world: int) -> list[str]:
+    """Rank ``rank``'s share of one model's measurement; rank 0 returns the report's lines (the others none)."""
     import autopar
     from autopar.models import load_model
 
@@ -101,28 +100,25 @@ def _one_model(name: str, a, rank: int, world: int) -> None:
             dist.barrier()
             times[label].append(time.perf_counter() - start)
     if rank != 0:
-        return
-    print(f"{name}: batch {a.batch} x seq {a.seq}, {world} gloo ranks, {a.iters} interleaved rounds", flush=True)
+        return []
+    lines = [f"{name}: batch {a.batch} x seq {a.seq}, {world} gloo ranks, {a.iters} interleaved rounds"]
     for label, (compiled, _) in runs.items():
         med = statistics.median(times[label]) * 1e3
         fwd, bwd, opt_s = (statistics.median(p[i] for p in phases[label]) * 1e3 for i in range(3))
-        print(f"  {label:>8}: {med:7.1f} ms (forward {fwd:.1f}, backward {bwd:.1f}, optimizer {opt_s:.1f})", flush=True)
-        print(f"            {_describe(compiled.plan)}", flush=True)
+        lines.append(f"  {label:>8}: {med:7.1f} ms (forward {fwd:.1f}, backward {bwd:.1f}, optimizer {opt_s:.1f})")
+        lines.append(f"            {_describe(compiled.plan)}")
     one, two = (statistics.median(v) for v in times.values())
-    print(f"  ratio (2, {world // 2}) / ({world},): {two / one:.3f}", flush=True)
+    lines.append(f"  ratio (2, {world // 2}) / ({world},): {two / one:.3f}")
+    return lines
 
 
-def _rank(rank: int, world: int, port: int, a) -> None:
+def _rank(rank: int, world: int, a) -> list[str]:
+    """Every model's measurement on this rank (``runtime.spawn_ranks`` has set gloo up); rank 0's report lines."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
-    )
-    try:
-        for name in a.models:
-            _one_model(name, a, rank, world)
-    finally:
-        dist.destroy_process_group()
+    lines: list[str] = []
+    for name in a.models:
+        lines += _one_model(name, a, rank, world)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(a.ranks, port, a), nprocs=a.ranks, join=True)
+    from autopar.runtime import RankSettings, spawn_ranks
+
+    settings = RankSettings(timeout_s=a.timeout, collective_timeout_s=600.0)  # ranks share the cores: one thread each
+    (lines, *_), _ = spawn_ranks(_rank, a.ranks, a, settings=settings)
+    print("\n".join(lines))
     return 0
 
 
