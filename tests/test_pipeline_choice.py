@@ -71,8 +71,8 @@ def test_a_pipelines_bound_holds_for_every_stage_plan(monkeypatch):
     seen = []
     real = choice.step_at_least
 
-    def recorded(free, ctx, mesh, p, run):
-        bound = real(free, ctx, mesh, p, run)
+    def recorded(free, ctx, mesh, p, run, charges):
+        bound = real(free, ctx, mesh, p, run, charges)
         share = run.m * free.search.objective_ps / PS_PER_S / (p * max_lending(ctx.coster.settings.profile, mesh))
         seen.append((bound, share))
         return bound

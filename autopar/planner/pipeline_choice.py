@@ -66,6 +66,7 @@ from .pipeline_planning import (
     PipelineSchedule,
     check_layers,
     check_schedule,
+    costliest_other_charges,
     fewest_virtual,
     microbatch_choices,
     pipeline_axis,
@@ -283,8 +284,9 @@ class PipelineChoice:
             with self._timing("search_s"):
                 free = self._search(ctx)
             fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
+            charges = costliest_other_charges(ctx)
             for run in runs:
-                at_least = step_at_least(free, ctx, self.mesh, p, run)
+                at_least = step_at_least(free, ctx, self.mesh, p, run, charges)
                 if not forced and self._proven_slower(at_least):  # no stage plan of this run can beat the fastest
                     self._beaten(f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}", at_least)
                     continue

@@ -53,6 +53,7 @@ __all__ = [
     "PipelineSchedule",
     "check_layers",
     "check_schedule",
+    "costliest_other_charges",
     "fewest_virtual",
     "microbatch_choices",
     "pipeline_axis",
@@ -136,10 +137,13 @@ def pipelined(
     return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
 
 
-def step_at_least(micro_plan: Plan, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule) -> float | None:
+def step_at_least(
+    micro_plan: Plan, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule, charges: tuple[int, int]
+) -> float | None:
     """A lower bound on the step of every pipeline ``run`` (``m`` micro-batches, ``v`` stages per rank) over ``p``
     ranks of ``mesh`` whose stages run a plan searched on ``ctx`` (one micro-batch on the stage mesh), under a
-    memory bound or not (``stage_fitting``); ``micro_plan``: its free search.  None where the search proved none.
+    memory bound or not (``stage_fitting``); ``micro_plan``: its free search; ``charges``: ``(P, O)`` below,
+    ``costliest_other_charges(ctx)`` (one per context, shared by its runs).  None where the search proved none.
 
     A stage plan's objective per micro-batch is ``X = W + R``: ``W`` its ops' forward and backward with the moves
     into them (what the stages run per micro-batch, ``stage_prices.chain_prices``) and ``R`` what its other nodes
@@ -166,7 +170,7 @@ def step_at_least(micro_plan: Plan, ctx: PlanningContext, mesh: Mesh, p: int, ru
     least_ps = stats.objective_ps if stats.optimal else stats.lower_bound_ps
     if least_ps is None:
         return None
-    params_ps, others_ps = _costliest_other_charges(ctx)
+    params_ps, others_ps = charges
     m, profile = run.m, ctx.coster.settings.profile
     r = min(params_ps, max(least_ps - others_ps, 0))
     work = max(least_ps - others_ps - r, 0)
@@ -175,7 +179,7 @@ def step_at_least(micro_plan: Plan, ctx: PlanningContext, mesh: Mesh, p: int, ru
     return (schedule_ps + m * r / p) / PS_PER_S / max_lending(profile, mesh)
 
 
-def _costliest_other_charges(ctx: PlanningContext) -> tuple[int, int]:
+def costliest_other_charges(ctx: PlanningContext) -> tuple[int, int]:
     """``(P, O)`` of ``step_at_least``, picoseconds: the most any stage plan of ``ctx`` charges its parameter nodes,
     and its other nodes that are not ops (inputs, buffers, output sinks), each node at its costliest strategy."""
     tables, nodes = ctx.tables, ctx.graph.nodes
