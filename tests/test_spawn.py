@@ -96,3 +96,22 @@ def test_ranks_die_with_a_parent_killed_by_a_signal(tmp_path):
     for p in survivors:
         os.kill(p, signal.SIGKILL)
     assert not survivors, f"ranks {survivors} outlived their killed parent"
+
+
+def _where_and_env(rank, world):
+    import os
+
+    return os.getcwd(), os.environ.get("AUTOPAR_TEST_SPAWN"), os.environ["RANK"]
+
+
+def test_ranks_start_in_the_callers_directory_and_environment_as_they_are_at_the_call(tmp_path, monkeypatch):
+    """The ranks are forked from a server started at the first call (``_rank_context``): a later call's working
+    directory and environment must still be the caller's at that call, as a spawned rank's are."""
+    from autopar.runtime.spawn import spawn_ranks
+
+    first, _ = spawn_ranks(_where_and_env, 2)
+    assert [r[1] for r in first] == [None, None]
+    monkeypatch.setenv("AUTOPAR_TEST_SPAWN", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    later, _ = spawn_ranks(_where_and_env, 2)
+    assert later == [(str(tmp_path), "set after the server started", str(r)) for r in range(2)]
