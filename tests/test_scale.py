@@ -201,6 +201,23 @@ def test_chain_stops_early_only_when_its_bound_beats_the_plan_in_hand(gpt2_tiny_
     assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
 
 
+def test_chain_deepening_stops_once_a_pass_proves_every_plan_slower_than_the_plan_in_hand(gpt2_tiny_4) -> None:
+    """``above`` between the Lagrange bound and the optimum: the first check passes, and the deepening's targets
+    stop at ``above`` (``deepen``, Beaten): a pass there finds no plan within it, so every plan is slower and the
+    search raises with a bound no lower than ``above``; at the optimum itself it returns the optimum."""
+    problem, blocks, low, fastest = gpt2_tiny_4
+    capped = problem.with_cap(int(low + 0.4 * (fastest.mem_bytes - low)))
+    want = solve_chain(capped, blocks)
+    lagrange = want.stats["lower_bound"]
+    assert lagrange < want.time - 2  # the cap binds: the first check alone cannot stop a search above it
+    for above in (int(lagrange) + 1, int((lagrange + want.time) / 2), want.time - 1):
+        with pytest.raises(BeatenError) as err:
+            solve_chain(capped, blocks, start=Start(above=above))
+        assert above <= err.value.lower_bound_ps <= want.time
+    got = solve_chain(capped, blocks, start=Start(above=want.time))
+    assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
+
+
 def test_chain_names_the_least_memory_when_the_cap_is_too_small(gpt2_tiny_4) -> None:
     problem, blocks, low, _ = gpt2_tiny_4
     with pytest.raises(InfeasibleError) as err:

@@ -210,7 +210,7 @@ def solve_chain(
         raise BeatenError(lb, above)
     tick("exact pass", 3, 4)
     rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
-    setup = PassSetup(chain, sc, bounds, cap, rest_bound, deadline)
+    setup = PassSetup(chain, sc, bounds, cap, rest_bound, deadline, above)
     found, pstats = deepen(setup, lb, ub, rel_gap, seeded)
     stats.update(pstats, upper_bound=ub)
     cands = [p for p in seen if cap is None or p[1] <= cap] + found

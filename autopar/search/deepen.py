@@ -49,6 +49,12 @@ as without merging.  A pass merges only while the gap is open by more than the f
 (``rel_gap`` 0) never merges.  The cells hold at most ``range / step`` pairs per state pair, so a product's
 work no longer grows with how many near-equal plans there are.
 
+Beaten (``PassSetup.above``: the time of a plan the caller met already, another mesh's or another candidate's).
+The targets never pass ``above`` while the best plan met is slower than it, and once a pass at ``above`` finds
+no plan within it the optimum is above it: :class:`.problem.BeatenError` with the proven bound, and the passes
+towards this search's own optimum (what the exact search spends most on when two candidates lie within a few
+tenths of a percent) are not run.  Exact: only a plan no faster than one in hand is left unproven.
+
 Rest bound.  The Lagrange bound averages the rest's choices, which are few and far apart (an output gathered
 to every rank or kept sharded, a loss computed whole or split): where the cap falls between two of them it can
 lie far below the optimum (10% on a GPT-2 1.7B whose logits leave the model), and every pass below the
@@ -69,7 +75,7 @@ import numpy as np
 from .deadline import Deadline, OutOfTime
 from .minsum import MinSumChain, halving
 from .pareto import Bounds, ParetoTable, min_sum_bounds, pareto_pass, proven_within, row_limits, tol
-from .problem import INF
+from .problem import INF, BeatenError
 from .segments import Seg, leaf_segment, product
 from .tables import PortTable
 
@@ -151,7 +157,8 @@ class PassSetup:
     """What every pass of one search shares: the chain, its min-sum rows ``sc`` (time, memory and maybe the
     Lagrange row: the bound rows' weights ``sc.w``), the tables' bounds ``(block's, rest's)`` (a
     :class:`VariantBounds` per variant: outside the block ``O_1``, outside the rest ``f^n``), the memory cap,
-    the rest bound (:class:`RestBound`; None: the rest's pairs are not bounded first) and the deadline."""
+    the rest bound (:class:`RestBound`; None: the rest's pairs are not bounded first), the deadline, and
+    ``above``: a time the caller has met already (``Start.above``; module docstring, Beaten)."""
 
     chain: Chain
     sc: MinSumChain
@@ -159,6 +166,7 @@ class PassSetup:
     cap: int | None
     rest_bound: RestBound | None = None
     deadline: Deadline | None = None
+    above: int | None = None
 
 
 def deepen(setup: PassSetup, lb: float, ub: int, rel_gap: float = 0.0, seeded: bool = False) -> tuple[list, dict]:
@@ -175,7 +183,7 @@ def deepen(setup: PassSetup, lb: float, ub: int, rel_gap: float = 0.0, seeded: b
     the search (it finds the optimum, or proves the gap closed).  Past ``setup.deadline`` the passes stop, and
     ``proven_lower`` is what they proved (``budget_hit``).  ``seeded``: ``lb`` is a coarser search's proven bound,
     so no cheap target is left above it: the first pass runs at ``ub``, or where the gap closes."""
-    deadline = setup.deadline
+    deadline, above = setup.deadline, setup.above
     plans: list = []
     passes, slack, proven, stats = 0, (ub - lb) * (1.0 if seeded else _DEEPEN_FIRST), lb, {"chain_pairs": 0}
     while True:
@@ -183,6 +191,8 @@ def deepen(setup: PassSetup, lb: float, ub: int, rel_gap: float = 0.0, seeded: b
         if low is not None:
             return plans, dict(stats, passes=passes, proven_lower=low)
         target = ub if ub - lb <= tol(ub) else min(ub, int(lb + slack))
+        if above is not None and ub > above:  # no target past what the caller has (module docstring, Beaten)
+            target = min(target, above)
         if rel_gap > 0:  # past ``closing`` the gap holds (in integers, as proven_within reads it)
             closing = int(ub - rel_gap * ub + tol(ub)) + 2
             if target > closing > proven:  # a pass there ends it: it finds the optimum, or the gap closed
@@ -210,6 +220,8 @@ def deepen(setup: PassSetup, lb: float, ub: int, rel_gap: float = 0.0, seeded: b
             ub = min(ub, found[0])
             if err == 0 and found[0] <= target:  # an exact pass found the optimum
                 break
+        if above is not None and ub > above and proven >= above:  # every plan is slower than the caller's
+            raise BeatenError(proven, above)
         if target >= ub and err == 0:
             break
     return plans, dict(stats, passes=passes, target=target)
