@@ -47,7 +47,7 @@ from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
 from .problem_tables import PS_PER_S
 from .schema import Plan
 from .stage_assignment import chain_layers, layer_span
-from .stage_prices import PricedPipeline, Speed, chain_prices, priced_stages
+from .stage_prices import PricedPipeline, Speed, chain_prices, flow_shop_priced, priced_stages
 
 __all__ = [
     "PipelineSchedule",
@@ -120,10 +120,9 @@ def pipelined(
     if settings.microbatches != m:
         raise ValueError(f"the stage plan was priced for {settings.microbatches} micro-batches per step, not {m}")
     link = settings.profile.link_for_axis(mesh.shape, axis)
-    speed = shared_cores_speed(settings.profile, mesh, p)
+    speed, late = _schedule_pricing(settings.profile, mesh, p)
     try:
         prices = chain_prices(ctx.graph, micro_plan, layers, link, m)
-        late = not settings.profile.host_runs_ahead  # the host is the device: it posts each receive when free
         priced = priced_stages(prices, schedule.name, m, p, v, cap, speed, recv_when_free=late)
     except NoSplitFits as e:
         raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
@@ -174,7 +173,7 @@ def step_at_least(
     m, profile = run.m, ctx.coster.settings.profile
     r = min(params_ps, max(least_ps - others_ps, 0))
     work = max(least_ps - others_ps - r, 0)
-    flow_shop = _ranks_sharing_cores(profile, mesh) is None and profile.host_runs_ahead  # priced_stages' formula
+    flow_shop = flow_shop_priced(run.v, *_schedule_pricing(profile, mesh, p))  # as pipelined prices the run
     schedule_ps = least_schedule_time(work, p, m, run.v, flow_shop=flow_shop)
     return (schedule_ps + m * r / p) / PS_PER_S / max_lending(profile, mesh)
 
@@ -207,6 +206,13 @@ def max_lending(profile: DeviceProfile, mesh: Mesh) -> float:
     if table is not None and table.ranks == ranks:
         figures += [s for row in table.speed for s in row]
     return max(1.0, *figures)
+
+
+def _schedule_pricing(profile: DeviceProfile, mesh: Mesh, p: int) -> tuple[Speed | None, bool]:
+    """(``speed``, ``recv_when_free``) of ``stage_prices.priced_stages`` for a pipeline of ``p`` ranks on ``mesh``:
+    how its ranks lend cores (``shared_cores_speed``), and whether each receive is posted only when its rank is
+    free (a host that is the device, ``host_runs_ahead`` false)."""
+    return shared_cores_speed(profile, mesh, p), not profile.host_runs_ahead
 
 
 def shared_cores_speed(profile: DeviceProfile, mesh: Mesh, p: int) -> Speed | None:

@@ -211,6 +211,13 @@ def _cut_bytes(graph: OpGraph, plan: Plan, position: dict[int, int], n: int) -> 
     return crossing
 
 
+def flow_shop_priced(v: int, speed: Speed | None, recv_when_free: bool) -> bool:
+    """Whether ``priced_stages`` prices a split by the flow shop's formula (one stage per rank, ranks on devices of
+    their own, receives posted ahead: ``search.stages``) rather than simulating its schedule (``cost.schedule_run``);
+    ``pipeline_planning.step_at_least`` bounds each run by the same rule."""
+    return v == 1 and speed is None and not recv_when_free
+
+
 def priced_stages(
     prices: ChainPrices,
     schedule: str,
@@ -238,7 +245,7 @@ def priced_stages(
             bounds.append(bounds[-1] + n // (p * v) + (1 if j < n % (p * v) else 0))
         split = step_of_split(prices.layers, bounds, [1] * (p * v), m, ends, prices.cuts, prices.end, prices.shared)
     per_stage = [f + b for f, b in zip(split.forward_s, split.backward_s, strict=True)]
-    if v == 1 and speed is None and not recv_when_free:  # the flow shop's exact step, each link a machine
+    if flow_shop_priced(v, speed, recv_when_free):  # the flow shop's exact step, each link a machine
         schedule_s, busy_s = split.step_s, m * sum(per_stage) / p
     else:
         sends = max(split.sends, default=0.0)  # the simulation's one transfer time: the slowest link's
