@@ -59,10 +59,13 @@ def test_planning_hands_the_heap_back() -> None:
     """``autopar.plan`` (with and without micro-batches) freezes while it works and leaves nothing frozen."""
     model, args, kwargs = load_model("gpt2-tiny", batch=4, seq=16, overrides={"n_layer": 2})
     seen = []
-    calls = itertools.count()  # gc.get_freeze_count walks the frozen objects: every 16th collection's start
-    gc.callbacks.append(
-        lambda phase, info: phase == "start" and next(calls) % 16 == 0 and seen.append(gc.get_freeze_count())
-    )
+    calls = itertools.count()
+
+    def sample(phase, info) -> None:  # gc.get_freeze_count walks the frozen objects: every 16th collection's start
+        if phase == "start" and next(calls) % 16 == 0:
+            seen.append(gc.get_freeze_count())
+
+    gc.callbacks.append(sample)
     try:
         # micro-batched: one pipeline candidate and the plan without (the micro-batched path, PipelineChoice, and
         # its shared heap; pipeline="auto"'s other candidates take the same path)

@@ -170,16 +170,12 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="autopar-parent-watch", daemon=True).start()
 
 
-def _child(
-    task: _Task, rank: int, world_size: int, threads: int, env: dict[str, str], parent: int, environ: dict[str, str]
-) -> None:
-    """A ``spawn_ranks`` rank: one run, then exit (1 if ``fn`` raised).  ``environ``: the parent's environment at
-    the call (a rank of the fork server starts with the server's); ``env``: ``RankSettings.env``, where unset."""
+def _child(task: _Task, rank: int, world_size: int, threads: int, parent: int, environ: dict[str, str]) -> None:
+    """A ``spawn_ranks`` rank: one run, then exit (1 if ``fn`` raised).  ``environ``: the rank's whole environment
+    (a rank of the fork server starts with the server's, not the caller's at the call)."""
     _die_with_parent(parent)
     os.environ.clear()
     os.environ.update(environ)
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
     torch.set_num_threads(threads)  # the ranks share this machine's cores
     code = 0 if _run_task(task, rank, world_size) else 1
     _exit_now(code)
@@ -314,9 +310,8 @@ def spawn_ranks(
                     r,
                     world_size,
                     settings.threads,
-                    dict(settings.env),
                     os.getpid(),
-                    dict(os.environ),
+                    {**settings.env, **os.environ},  # RankSettings.env where the caller's has no such variable
                 ),
                 daemon=True,
             )
