@@ -69,11 +69,13 @@ from .pipeline_planning import (
     costliest_other_charges,
     fewest_virtual,
     microbatch_choices,
+    objective_beaten_above,
     pipeline_axis,
     pipelined,
     schedule_runs,
     stage_mesh,
     step_at_least,
+    step_at_least_of,
     step_cost,
     virtual_choices,
 )
@@ -281,26 +283,49 @@ class PipelineChoice:
                 check_layers(name, model, layers, p, min(fewest_virtual(s, virtual) for s in schedules))
             if not runs:
                 continue
-            with self._timing("search_s"):
-                free = self._search(ctx)
-            fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
             charges = costliest_other_charges(ctx)
+            free, proven_ps = self._free_search(ctx, p, runs, charges, forced)
+            fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
+            prices_of: dict = {}  # the chain's prices of each stage plan priced (``pipelined``), shared likewise
             for run in runs:
+                what = f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}"
+                if free is None:  # its free search proved every run slower than the fastest: bounded by the proof
+                    self._beaten(what, step_at_least_of(proven_ps, ctx, self.mesh, p, run, charges))
+                    continue
                 at_least = step_at_least(free, ctx, self.mesh, p, run, charges)
                 if not forced and self._proven_slower(at_least):  # no stage plan of this run can beat the fastest
-                    self._beaten(f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}", at_least)
+                    self._beaten(what, at_least)
                     continue
                 weight = held_at_most(run.name, p, m, run.v)
                 if weight not in fits:
                     weighted = dataclasses.replace(ctx, activation_weight=weight)
                     fits[weight] = StageFit(functools.partial(self._search, weighted), free, weight)
-                self._priced_pipeline(fits[weight], ctx, axis, run, layers)
+                self._priced_pipeline(fits[weight], ctx, axis, run, layers, prices_of)
 
-    def _priced_pipeline(self, fit: StageFit, ctx: PlanningContext, axis: int, run: PipelineSchedule, layers) -> None:
+    def _free_search(
+        self, ctx: PlanningContext, p: int, runs: list[PipelineSchedule], charges: tuple[int, int], forced: bool
+    ) -> tuple[Plan | None, int | None]:
+        """The free stage search of ``ctx`` (one micro-batch on the stage mesh, no cap), ``(plan, None)``; or, where
+        a fastest candidate bounds it (``objective_beaten_above``: not for a forced axis), ``(None, lower bound on
+        its objective)`` once the search proves every run of ``runs`` slower than that candidate (``BeatenError``):
+        the plan is not assembled, and the bound stands for each run's (``step_at_least_of``)."""
+        fastest = None if forced else self._fastest_s()
+        above = None if fastest is None else objective_beaten_above(ctx, self.mesh, p, runs, charges, fastest)
+        with self._timing("search_s"):
+            try:
+                return self._search(ctx, above=above), None
+            except BeatenError as e:
+                return None, int(e.lower_bound_ps)
+
+    def _priced_pipeline(
+        self, fit: StageFit, ctx: PlanningContext, axis: int, run: PipelineSchedule, layers, prices_of: dict
+    ) -> None:
         """The pipeline along ``axis`` run as ``run``, its stage plan the fastest of ``fit``'s walk whose split fits
         the cap (``stage_fitting``): offered, or kept as a miss."""
         cap = self.options.mem_cap
-        price = functools.partial(pipelined, ctx, mesh=self.mesh, axis=axis, schedule=run, cap=cap, layers=layers)
+        price = functools.partial(
+            pipelined, ctx, mesh=self.mesh, axis=axis, schedule=run, cap=cap, layers=layers, prices_of=prices_of
+        )
         try:
             with self._timing("search_s"):
                 plan = fit_stages(fit, price, cap)

@@ -47,7 +47,7 @@ from .plan_parts import PipelinePlan, PlanCost, PlanMemory, StagePart
 from .problem_tables import PS_PER_S
 from .schema import Plan
 from .stage_assignment import chain_layers, layer_span
-from .stage_prices import PricedPipeline, Speed, chain_prices, flow_shop_priced, priced_stages
+from .stage_prices import ChainPrices, PricedPipeline, Speed, chain_prices, flow_shop_priced, priced_stages
 
 __all__ = [
     "PipelineSchedule",
@@ -56,11 +56,13 @@ __all__ = [
     "costliest_other_charges",
     "fewest_virtual",
     "microbatch_choices",
+    "objective_beaten_above",
     "pipeline_axis",
     "pipelined",
     "schedule_runs",
     "stage_mesh",
     "step_at_least",
+    "step_at_least_of",
     "step_cost",
     "virtual_choices",
 ]
@@ -109,11 +111,14 @@ def pipelined(
     cap: int | None,
     *,
     layers: list[tuple[str, tuple[int, ...]]] | None = None,
+    prices_of: dict[int, tuple[Plan, ChainPrices]] | None = None,
 ) -> Plan:
     """The pipelined plan on ``mesh`` whose stages run ``micro_plan`` (searched on ``ctx``: one micro-batch on
     ``stage_mesh(mesh, axis)``), split and priced for ``schedule`` (its micro-batches and stages per rank) under
     ``cap`` per device (module docstring).  ``layers``: ``chain_layers(ctx.graph)`` where the caller has it (None:
-    found here).  Raises ``MemoryCapError`` when no split fits."""
+    found here).  ``prices_of``: the chain's prices of the stage plans priced already on ``ctx`` along ``axis``
+    (by ``id``, the plan kept beside them), which do not depend on the schedule: shared by the caller between the
+    schedules it prices, filled here.  Raises ``MemoryCapError`` when no split fits."""
     p, v, m = mesh.shape[axis], schedule.v, schedule.m
     layers = chain_layers(ctx.graph) if layers is None else layers
     settings = ctx.coster.settings
@@ -122,7 +127,7 @@ def pipelined(
     link = settings.profile.link_for_axis(mesh.shape, axis)
     speed, late = _schedule_pricing(settings.profile, mesh, p)
     try:
-        prices = chain_prices(ctx.graph, micro_plan, layers, link, m)
+        prices = _chain_prices(ctx, micro_plan, layers, link, prices_of if prices_of is not None else {})
         priced = priced_stages(prices, schedule.name, m, p, v, cap, speed, recv_when_free=late)
     except NoSplitFits as e:
         raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
@@ -134,6 +139,19 @@ def pipelined(
     bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
     pipe = PipelinePlan(mesh.axis_names[axis], schedule.name, stages, v, bubble)
     return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
+
+
+def _chain_prices(
+    ctx: PlanningContext, plan: Plan, layers: list, link, prices_of: dict[int, tuple[Plan, ChainPrices]]
+) -> ChainPrices:
+    """``chain_prices`` of ``plan`` on ``ctx``, from ``prices_of`` where it is there (``pipelined``)."""
+    kept = prices_of.get(id(plan))
+    if kept is None or kept[0] is not plan:
+        kept = prices_of[id(plan)] = (
+            plan,
+            chain_prices(ctx.graph, plan, layers, link, ctx.coster.settings.microbatches),
+        )
+    return kept[1]
 
 
 def step_at_least(
@@ -167,8 +185,14 @@ def step_at_least(
         step >= (c (X* - O - r) + m r / p) / s,    r = min(P, max(X* - O, 0)),  X* - O - r >= 0 else 0"""
     stats = micro_plan.search
     least_ps = stats.objective_ps if stats.optimal else stats.lower_bound_ps
-    if least_ps is None:
-        return None
+    return None if least_ps is None else step_at_least_of(least_ps, ctx, mesh, p, run, charges)
+
+
+def step_at_least_of(
+    least_ps: int, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule, charges: tuple[int, int]
+) -> float:
+    """``step_at_least`` from ``X*`` itself (``least_ps``, or any lower bound on it: the bound does not decrease
+    with ``X*``, so one from a lower bound on ``X*`` is a lower bound too)."""
     params_ps, others_ps = charges
     m, profile = run.m, ctx.coster.settings.profile
     r = min(params_ps, max(least_ps - others_ps, 0))
@@ -176,6 +200,30 @@ def step_at_least(
     flow_shop = flow_shop_priced(run.v, *_schedule_pricing(profile, mesh, p))  # as pipelined prices the run
     schedule_ps = least_schedule_time(work, p, m, run.v, flow_shop=flow_shop)
     return (schedule_ps + m * r / p) / PS_PER_S / max_lending(profile, mesh)
+
+
+def objective_beaten_above(
+    ctx: PlanningContext, mesh: Mesh, p: int, runs: list[PipelineSchedule], charges: tuple[int, int], fastest_s: float
+) -> int:
+    """The stage objective ``X`` (ps) past which every run's ``step_at_least_of`` is above ``fastest_s``: a free
+    stage search of ``ctx`` that proves its optimum above it (``SearchRun.above``, ``BeatenError``) proves every
+    run slower than the fastest candidate, before its plan is assembled.  Per run, the least ``X`` whose bound
+    passes ``fastest_s``, found by bisection (the bound does not decrease with ``X`` and grows without limit with
+    it); the most of them, less one."""
+
+    def beaten_from(run: PipelineSchedule) -> int:
+        def beats(x: int) -> bool:
+            return step_at_least_of(x, ctx, mesh, p, run, charges) > fastest_s
+
+        lo, hi = -1, 1 << 20  # beats(lo) false (or lo = -1), beats(hi) true once hi is large enough
+        while not beats(hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if beats(mid) else (mid, hi)
+        return hi
+
+    return max(beaten_from(run) for run in runs) - 1
 
 
 def costliest_other_charges(ctx: PlanningContext) -> tuple[int, int]:

@@ -193,11 +193,6 @@ def solve_chain(
         lb_seed = seed.time_lower_bound
     ub = min(p[0] for p in seen if cap is None or p[1] <= cap)
     tick("bounds", 2, 4)
-    o1 = sc.outside()[1].transpose(0, 2, 1)
-    bounds = (  # outside the block: O_1; outside the rest: the chain's min-sum f^n (per variant)
-        [VariantBounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
-        [VariantBounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
-    )
     stats: dict = {"blocks": len(blocks), "block_nodes": len(blocks[0]), "states": chain.k, "rows": len(w)}
     stats["tables_reused"] = reused  # block/rest tables and the time/memory min-sum from an earlier cap
     stats["lagrange_ub"] = ub
@@ -209,9 +204,13 @@ def solve_chain(
     if above is not None and lb > above + tol(above):
         raise BeatenError(lb, above)
     tick("exact pass", 3, 4)
-    rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
-    setup = PassSetup(chain, sc, bounds, cap, rest_bound, deadline, above)
-    found, pstats = deepen(setup, lb, ub, rel_gap, seeded)
+    fastest = chain.fastest_plan() if cap is None else None  # ties broken without a pass (Chain.fastest_plan)
+    if fastest is not None:
+        found, pstats = [fastest], {"fastest_from_time_row": True}
+    else:
+        rest_bound = RestBound(chain, float(w[2, 1]), cap) if cap is not None and len(w) > 2 else None
+        setup = PassSetup(chain, sc, _pass_bounds(chain, sc, w), cap, rest_bound, deadline, above)
+        found, pstats = deepen(setup, lb, ub, rel_gap, seeded)
     stats.update(pstats, upper_bound=ub)
     cands = [p for p in seen if cap is None or p[1] <= cap] + found
     t, m, choice, picked = min(cands, key=lambda p: (p[0], p[1]))
@@ -234,6 +233,16 @@ def solve_chain(
         msg = "solve_chain: %s, %d blocks, %d states -> (%d ps, %d B) in %.3fs"
         logger.info(msg, problem.summary(), len(blocks), chain.k, t, m, elapsed)
     return Solution(tuple(choice), t, m, optimal, "chain", elapsed, stats)
+
+
+def _pass_bounds(chain: Chain, sc: MinSumChain, w: np.ndarray) -> tuple[list, list]:
+    """What lies outside each part in a pass (:mod:`.deepen`): outside the block ``O_1``, outside the rest the
+    chain's min-sum ``f^n``, per variant."""
+    o1 = sc.outside()[1].transpose(0, 2, 1)
+    return (
+        [VariantBounds(t.model, w, sc.fv[j][0], t.from_grid(o1)) for j, t in enumerate(chain.ftabs)],
+        [VariantBounds(t.model, w, sc.rv[j][0], t.from_grid(sc.power())) for j, t in enumerate(chain.rtabs)],
+    )
 
 
 def _bound_rows(

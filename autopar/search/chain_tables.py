@@ -8,10 +8,12 @@ plan of each row assembled back onto the whole problem.  It holds no search poli
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .minsum import MinSumChain
-from .problem import InfeasibleError, SearchProblem, exact_sums
+from .problem import INF, InfeasibleError, SearchProblem, exact_sums
 from .split import ChainError, split_blocks
 from .tables import PortTable
 
@@ -69,9 +71,24 @@ class Chain:
 
     def time_row(self) -> tuple[MinSumChain, list]:
         """The min-sum of the time row and its plan (built once): without a cap, all the bounds need."""
+        return self._time_row()[:2]
+
+    def _time_sums_exact(self) -> bool:
+        """Whether float64 holds every sum of finite time terms a plan can form exactly: the rest's and ``n``
+        blocks' largest finite ``|t|`` per factor table, summed, below 2^53 (int64 terms; a sum with a forbidden
+        entry is past ``INF`` less that, far above every finite one)."""
+
+        def most(tab: PortTable) -> float:
+            model = tab.model
+            return sum(float(np.abs(np.where(ok & (t < INF), t, 0)).max(initial=0)) for t, ok in zip(model.t, model.ok))
+
+        return max(map(most, self.rtabs)) + self.n * max(map(most, self.ftabs)) < 2.0**53
+
+    def _time_row(self) -> tuple[MinSumChain, list, bool]:
         if self._time is None:
             sc = self.minsum(np.array([[1.0, 0.0]]))
-            self._time = (sc, self.scalar_plans(sc))
+            plan, once = self.scalar_plan(sc, 0)
+            self._time = (sc, [plan], once)
         return self._time
 
     def base(self) -> tuple[MinSumChain, list]:
@@ -126,22 +143,93 @@ class Chain:
 
     def scalar_plans(self, sc: MinSumChain) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
         """Each row's min-sum plan: ``(T, M, choice, variant of each block)``."""
-        out = []
+        return [self.scalar_plan(sc, row)[0] for row in range(len(sc.w))]
+
+    def scalar_plan(self, sc: MinSumChain, row: int) -> tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], bool]:
+        """Row ``row``'s min-sum plan ``(T, M, choice, variant of each block)``, and whether every least value its
+        decoding took was reached once (:meth:`_decoded`).  Where the row's sums are exact (the time row:
+        :meth:`_time_sums_exact`), it is then the only plan of least value."""
+        d = self._decoded(sc, row)
+        plan = self._assembled(d.rest, d.blocks, d)
+        return plan, d.states_once and d.rest_once and all(d.blocks_once)
+
+    def _decoded(self, sc: MinSumChain, row: int) -> _Decoded:
+        """Row ``row``'s min-sum plan, part by part, and where its decoding met ties (:class:`_Decoded`)."""
         k = self.k
-        for row in range(len(sc.w)):
-            if not np.isfinite(sc.total[row]):
-                raise InfeasibleError(f"{self.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
-            st = np.asarray(sc.states(row), np.int64)
-            j = int(sc.rsel[row, st[0], st[-1]])
-            rest = self.rtabs[j].argmin_choice(sc.rv[j][0], row, int(st[0] * k + st[-1]))
-            # blocks between equal states choose alike: one argmin walk per distinct state pair
-            pairs, which = np.unique(st[:-1] * k + st[1:], return_inverse=True)
-            picks = [int(sc.fsel[row, p // k, p % k]) for p in pairs.tolist()]
-            distinct = [self.ftabs[v].argmin_choice(sc.fv[v][0], row, int(p)) for p, v in zip(pairs, picks)]
-            choice = self.assemble(rest, distinct, which)
-            variants = (j, *(picks[w] for w in which.tolist()))
-            out.append((*self.evaluate(choice, variants), choice, variants))
-        return out
+        if not np.isfinite(sc.total[row]):
+            raise InfeasibleError(f"{self.problem.summary()}: every plan hits a forbidden (INF) choice or pair")
+        states, once = sc.unique_states(row)
+        st = np.asarray(states, np.int64)
+        j = int(sc.rsel[row, st[0], st[-1]])
+        once &= not sc.rtied[row, st[0], st[-1]]
+        rest_pair = int(st[0] * k + st[-1])
+        rest, rest_once = self.rtabs[j].unique_argmin_choice(sc.rv[j][0], row, rest_pair)
+        # blocks between equal states choose alike: one argmin walk per distinct state pair
+        pairs, which = np.unique(st[:-1] * k + st[1:], return_inverse=True)
+        picks = [int(sc.fsel[row, p // k, p % k]) for p in pairs.tolist()]
+        once &= not any(sc.ftied[row, p // k, p % k] for p in pairs.tolist())
+        blocks = [self.ftabs[v].unique_argmin_choice(sc.fv[v][0], row, int(p)) for p, v in zip(pairs, picks)]
+        return _Decoded(
+            j,
+            rest_pair,
+            rest,
+            rest_once,
+            pairs.tolist(),
+            picks,
+            which,
+            [c for c, _ in blocks],
+            [u for _, u in blocks],
+            once,
+        )
+
+    def _assembled(self, rest: tuple[int, ...], blocks: list[tuple[int, ...]], d: _Decoded) -> tuple:
+        choice = self.assemble(rest, blocks, d.which)
+        variants = (d.rest_variant, *(d.picks[w] for w in d.which.tolist()))
+        return (*self.evaluate(choice, variants), choice, variants)
+
+    def fastest_plan(self) -> tuple | None:
+        """The plan of least time, ties broken by memory, from the time row without a pass: its plan where that is
+        the only fastest (:meth:`scalar_plan`), else with each part whose choice tied re-solved at its port states
+        (:meth:`.tables.PortTable.fastest_choice`).  That is exact where the port states and each part's variant
+        were reached once: every fastest plan then has them, each part at its least time given its ports, so the
+        least memory among them is each part's least at its least time.  None where they tied, where the part's
+        flat search is not exact, or where float64 may not hold the row's sums (:meth:`_time_sums_exact`)."""
+        if not self._time_sums_exact():
+            return None
+        sc, (plan,), _ = self._time_row()
+        d = self._decoded(sc, 0)
+        if not d.states_once:
+            return None
+        if d.rest_once and all(d.blocks_once):
+            return plan
+        rest = d.rest if d.rest_once else self.rtabs[d.rest_variant].fastest_choice(d.rest_pair)
+        blocks = [
+            choice if once else self.ftabs[v].fastest_choice(p)
+            for choice, once, p, v in zip(d.blocks, d.blocks_once, d.pairs, d.picks)
+        ]
+        if rest is None or any(b is None for b in blocks):
+            return None
+        held = self._assembled(rest, blocks, d)
+        return held if held[:2] <= plan[:2] else None  # no slower (the time row's least) and no larger
+
+
+@dataclass
+class _Decoded:
+    """A min-sum plan decoded part by part (:meth:`Chain._decoded`): the rest's variant, port state pair and
+    choice, and whether that choice was its part's only least; the distinct state pairs of the blocks, each one's
+    variant and choice and whether it was the only least; which pair each block ``1..`` takes; and whether the port
+    states and every part's variant were reached once."""
+
+    rest_variant: int
+    rest_pair: int
+    rest: tuple[int, ...]
+    rest_once: bool
+    pairs: list[int]
+    picks: list[int]
+    which: np.ndarray
+    blocks: list[tuple[int, ...]]
+    blocks_once: list[bool]
+    states_once: bool
 
 
 def _same_terms(a: SearchProblem, b: SearchProblem) -> bool:

@@ -171,6 +171,7 @@ class EliminationModel:
         self.step_of: dict[int, Step] = {}
         self.buckets: dict[int, tuple[int, ...]] = {}  # node -> every table its bucket held (decoding)
         live = set(range(len(scopes)))
+        self.whole_buckets = True  # no bucket split into mini-bucket parts: the inside values are exact minima
         for v in order + [-1]:
             inputs = tuple(sorted(holding.pop(v) if v >= 0 else live))
             live.difference_update(inputs)
@@ -183,6 +184,7 @@ class EliminationModel:
                 parts = [inputs]
             else:
                 parts = mini_buckets(inputs, scopes, k, v, budget)
+                self.whole_buckets &= len(parts) == 1
             for part in parts:
                 step = self._step(scopes, v, part)
                 live.add(step.out)
@@ -317,26 +319,86 @@ def inside(model: EliminationModel, w: np.ndarray, argmins: bool = True) -> tupl
     return vals, args
 
 
-def argmin_at(model: EliminationModel, var: int, vals: list, red: np.ndarray) -> np.ndarray:
-    """Per row b, the argmin over ``var`` of the sum of its bucket's tables at the choices
-    ``red[b]`` of the nodes eliminated after it: the exact joint's line summed as
-    :func:`_joint` sums it (same floats, so the same argmin as ``joint.argmin(axis=-1)``);
-    with mini-buckets, every part's tables (the classic mini-bucket decoding)."""
+def _line(model: EliminationModel, var: int, vals: list, red: np.ndarray) -> np.ndarray:
+    """(rows, k of ``var``): per row b, the sum of ``var``'s bucket's tables at the choices ``red[b]`` of the nodes
+    eliminated after it, summed as :func:`_joint` sums it (the same floats)."""
     rows = np.arange(red.shape[0])[:, None]
     xs = np.arange(model.k[var])[None, :]
     acc: np.ndarray | float = 0.0
     for tid in model.buckets[var]:
         idx = tuple(xs if v == var else red[:, v, None] for v in model.scopes[tid])
         acc = acc + vals[tid][(rows,) + idx]
-    return np.broadcast_to(acc, (red.shape[0], model.k[var])).argmin(axis=-1)
+    return np.broadcast_to(acc, (red.shape[0], model.k[var]))
+
+
+def argmin_at(model: EliminationModel, var: int, vals: list, red: np.ndarray) -> np.ndarray:
+    """Per row b, the argmin over ``var`` of the sum of its bucket's tables at the choices
+    ``red[b]`` of the nodes eliminated after it: the exact joint's line summed as
+    :func:`_joint` sums it (same floats, so the same argmin as ``joint.argmin(axis=-1)``);
+    with mini-buckets, every part's tables (the classic mini-bucket decoding)."""
+    return _line(model, var, vals, red).argmin(axis=-1)
 
 
 def decode(model: EliminationModel, vals: list, red: np.ndarray) -> np.ndarray:
     """``red`` (rows, nodes; the kept nodes already set) with every eliminated node set to its argmin, in
     reverse elimination order (:func:`argmin_at`; row r reads row r of ``vals``): each row's min-sum plan."""
+    return decode_unique(model, vals, red)[0]
+
+
+def decode_unique(model: EliminationModel, vals: list, red: np.ndarray) -> tuple[np.ndarray, bool]:
+    """:func:`decode`, and whether every line it took an argmin of had its least value once (in every row).
+
+    Where it had, the model is exact (``whole_buckets``) and its sums are exact (a row of integer weights over
+    the int64 terms, every sum below 2^53), the decoded plan is the only one of least value with the kept nodes
+    as set: an optimal plan ``P`` agrees with it on every node, by induction in decoding order.  With the nodes
+    decoded before ``x`` as ``P`` has them, the line of ``x`` is the least of ``P``'s terms below ``x``'s bucket
+    for each value of ``x`` (inside values are minima over the nodes eliminated before it, which appear in no
+    other term); were ``P``'s ``x`` not the line's least, choosing the least and the minima below it would make a
+    plan of less value, so it is that least, taken once: the decoded value."""
+    unique = True
     for var in reversed(model.buckets):
         if var >= 0:
-            red[:, var] = argmin_at(model, var, vals, red)
+            line = _line(model, var, vals, red)
+            red[:, var] = line.argmin(axis=-1)
+            unique &= bool(((line == line.min(axis=-1, keepdims=True)).sum(axis=-1) == 1).all())
+    return red, unique
+
+
+def lexicographic(model: EliminationModel) -> tuple[list, list]:
+    """Per table, its least time below it and the least memory among the ways below it to that time, ``(t_vals,
+    m_vals)``, each (1, *scope): the min-sum of (time, memory) pairs ordered by time, then memory (a semiring:
+    adding a pair keeps the order).  Exact where the time sums are (int64 terms below 2^53): each joint cell's
+    memory is kept where its time equals the least over the eliminated node.  Wide steps in slices, on torch's
+    kernels (every core), as :func:`_inside_sliced`."""
+    t_vals: list = [np.where(ok, t, np.inf)[None] for t, ok in zip(model.t, model.ok)] + [None] * len(model.steps)
+    m_vals: list = [np.where(ok, m, np.inf)[None] for m, ok in zip(model.m, model.ok)] + [None] * len(model.steps)
+    lay = torch.from_numpy
+    for st in model.steps:
+        shape = (1,) + (st.shape[:-1] if st.var >= 0 else st.shape)
+        t_out, m_out = t_vals[st.out], m_vals[st.out] = np.empty(shape), np.empty(shape)
+        for part in _slices(st, 1):
+            joint_t, joint_m = _joint(st, t_vals, part=part, lay=lay), _joint(st, m_vals, part=part, lay=lay)
+            if st.var >= 0:
+                least = joint_t.amin(dim=-1, keepdim=True)
+                joint_m = joint_m.masked_fill(joint_t != least, np.inf).amin(dim=-1)
+                joint_t = least.squeeze(-1)
+            at = (slice(None), part)[: len(shape)]
+            t_out[at], m_out[at] = _numpy(joint_t), _numpy(joint_m)
+    return t_vals, m_vals
+
+
+def _numpy(x):
+    return x.numpy() if isinstance(x, torch.Tensor) else x
+
+
+def decode_lexicographic(model: EliminationModel, t_vals: list, m_vals: list, red: np.ndarray) -> np.ndarray:
+    """:func:`decode` in the order of :func:`lexicographic`: each node the least memory among its choices of least
+    time (the first on ties): the plan of least time whose memory is least among those, as the values say."""
+    for var in reversed(model.buckets):
+        if var >= 0:
+            line_t, line_m = _line(model, var, t_vals, red), _line(model, var, m_vals, red)
+            line_m = np.where(line_t == line_t.min(axis=-1, keepdims=True), line_m, np.inf)
+            red[:, var] = line_m.argmin(axis=-1)
     return red
 
 

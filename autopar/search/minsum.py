@@ -42,12 +42,14 @@ def halving(n: int) -> list[tuple[int, int, int]]:
     return [(length, length // 2, length - length // 2) for length in sorted(seen)]
 
 
-def _least(grids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """The elementwise least of the variants' grids, and which variant gives it (the first on ties)."""
+def _least(grids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The elementwise least of the variants' grids, which variant gives it (the first on ties), and where more
+    than one does."""
     if len(grids) == 1:
-        return grids[0], np.zeros(grids[0].shape, np.int64)
+        return grids[0], np.zeros(grids[0].shape, np.int64), np.zeros(grids[0].shape, bool)
     stack = np.stack(grids)
-    return stack.min(axis=0), stack.argmin(axis=0)
+    least = stack.min(axis=0)
+    return least, stack.argmin(axis=0), (stack == least).sum(axis=0) > 1
 
 
 def _join(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -92,21 +94,22 @@ class MinSumChain:
         self.w, self.n = w, n
         self.fv = [inside(t.model, w, argmins=False) for t in ftabs]
         self.rv = [inside(t.model, w, argmins=False) for t in rtabs]
-        self.f, self.fsel = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(ftabs, self.fv)])
-        self.r, self.rsel = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(rtabs, self.rv)])
+        self.f, self.fsel, self.ftied = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(ftabs, self.fv)])
+        self.r, self.rsel, self.rtied = _least([t.to_grid(v[t.model.final]) for t, (v, _) in zip(rtabs, self.rv)])
         self._pow = {1: self.f}  # l -> f^l, built by halving (:meth:`fpow`)
         self._out: dict[int, np.ndarray] | None = None  # l -> O_l (:meth:`outside`)
         rows, k = len(w), self.f.shape[1]
         whole = (self.r + self.fpow(n)).reshape(rows, -1)  # (a, z): the rest plus n blocks
         self.total = whole.min(axis=1)
         self.ends = np.stack(np.unravel_index(whole.argmin(axis=1), (k, k)), axis=1)  # (a_0, a_n) per row
+        self.ends_once = (whole == self.total[:, None]).sum(axis=1) == 1  # per row: no other (a_0, a_n) ties
 
     def stacked(self, other: MinSumChain) -> MinSumChain:
         """The min-sum of ``self``'s rows then ``other``'s (same tables and chain): every array joined along
         the rows, the powers both have kept, so a row solved once is not solved again."""
         out = object.__new__(MinSumChain)
         out.n, out._out = self.n, None
-        for name in ("w", "f", "fsel", "r", "rsel", "total", "ends"):
+        for name in ("w", "f", "fsel", "ftied", "r", "rsel", "rtied", "total", "ends", "ends_once"):
             setattr(out, name, _join(getattr(self, name), getattr(other, name)))
 
         def rows(a: list, b: list) -> list:
@@ -142,24 +145,34 @@ class MinSumChain:
         return self.fpow(self.n)
 
     def states(self, row: int) -> list[int]:
+        """Port states a_0 (B_0) .. a_n (B_{L-1}) of the row's min-sum plan (:meth:`unique_states`)."""
+        return self.unique_states(row)[0]
+
+    def unique_states(self, row: int) -> tuple[list[int], bool]:
         """Port states a_0 (B_0) .. a_n (B_{L-1}) of the row's min-sum plan: the ends from
         ``total``'s argmin, then each segment split in the middle as :meth:`fpow` split it,
-        at the state b minimizing ``f^h(a, b) + f^(l-h)(b, c)`` (h = l//2, first b on ties).
+        at the state b minimizing ``f^h(a, b) + f^(l-h)(b, c)`` (h = l//2, first b on ties);
+        and whether every one of these least values was reached once (the ends' and each split's: then,
+        where the row's sums are exact, every plan of least value has these states, by induction from the ends
+        as in :func:`.elimination.decode_unique`).
 
         The split depends on (l, a, c) only, so each distinct segment is split once and its
         interior states reused: the Python work is per distinct (l, a, c), at most
         ``K^2`` per length of :func:`halving` and about two per length when the plan repeats
         one state, rather than per block; only the list joins are per block."""
         memo: dict[tuple[int, int, int], list[int]] = {}
+        once = [bool(self.ends_once[row])]
 
         def inner(length: int, a: int, c: int) -> list[int]:  # states strictly between a and c
             if length < 2:
                 return []
             if (length, a, c) not in memo:
                 h = length // 2
-                mid = int((self.fpow(h)[row, a, :] + self.fpow(length - h)[row, :, c]).argmin())
+                line = self.fpow(h)[row, a, :] + self.fpow(length - h)[row, :, c]
+                mid = int(line.argmin())
+                once[0] &= int((line == line[mid]).sum()) == 1
                 memo[length, a, c] = inner(h, a, mid) + [mid] + inner(length - h, mid, c)
             return memo[length, a, c]
 
         first, last = (int(x) for x in self.ends[row])
-        return [first, *inner(self.n, first, last), last]
+        return [first, *inner(self.n, first, last), last], once[0]

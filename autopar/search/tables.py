@@ -16,11 +16,12 @@ for :mod:`.minsum`) and from Pareto tables (:meth:`PortTable.pareto_choice`, for
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
-from .elimination import EliminationModel, decode
+from .elimination import EliminationModel, decode_lexicographic, decode_unique, lexicographic
 from .split import Part
 
 __all__ = ["PortTable"]
@@ -33,6 +34,7 @@ class PortTable:
         """``width_budget``: a wider elimination raises :class:`.ChainError` (:mod:`.chain`
         passes ``dp.WIDTH_BUDGET``)."""
         self.part = part
+        self.width_budget = width_budget
         self.model = EliminationModel(part.problem, keep=frozenset(part.left + part.right), width_budget=width_budget)
         model, k = self.model, self.model.k
         scope = model.steps[-1].scope
@@ -71,8 +73,31 @@ class PortTable:
         """Row ``row``'s min-sum plan of the part with the ports at ``state_pair``, decoded from the inside
         values (:func:`.elimination.inside` without argmins) in reverse elimination order
         (:func:`.elimination.decode`: the same sums, so the same argmins as the joint tables')."""
+        return self.unique_argmin_choice(vals, row, state_pair)[0]
+
+    def unique_argmin_choice(self, vals: list, row: int, state_pair: int) -> tuple[tuple[int, ...], bool]:
+        """:meth:`argmin_choice`, and whether it is the part's only plan of least value at ``state_pair``
+        (:func:`.elimination.decode_unique`: every line's least taken once, the model without mini-buckets; exact
+        where the row's sums are)."""
         one = [None if v is None else v[row : row + 1] for v in vals]
-        return self.model.original_choice(decode(self.model, one, self.reduced(state_pair)[None, :])[0])
+        red, unique = decode_unique(self.model, one, self.reduced(state_pair)[None, :])
+        return self.model.original_choice(red[0]), unique and self.model.whole_buckets
+
+    def fastest_choice(self, state_pair: int) -> tuple[int, ...] | None:
+        """The part's plan of least time with the ports at ``state_pair``, ties broken by memory, exactly
+        (:func:`.elimination.lexicographic`); None where its elimination is wider than the chain's budget.  Over
+        the part's problem with each port held to its choice, in the domains this table's pruning left: still
+        exact, as a pruned strategy's dominator stays and the ports are never pruned (:mod:`.prune`), so every plan
+        of the held problem has one no slower and no larger in these domains."""
+        red, model = self.reduced(state_pair), self.model
+        held = dataclasses.replace(self.part.problem, mem_cap_bytes=None)  # its own memo: the held domains
+        ports = set(self.part.left + self.part.right)
+        domains = [model.allowed[v][red[v] : red[v] + 1] if v in ports else a for v, a in enumerate(model.allowed)]
+        held.memo(("allowed", frozenset()), lambda: domains)
+        small = EliminationModel(held, width_budget=self.width_budget)
+        t_vals, m_vals = lexicographic(small)
+        red = decode_lexicographic(small, t_vals, m_vals, np.zeros((1, len(small.k)), np.int64))
+        return small.original_choice(red[0])
 
     def pareto_choice(self, tabs: list, pair: int, state_pair: int) -> tuple[int, ...]:
         red = self.reduced(state_pair)
