@@ -476,7 +476,7 @@ def test_a_fold_that_differs_in_one_block_is_refused() -> None:
 
 @pytest.mark.parametrize("k", [1, 2, 9, 63])
 def test_minplus_equals_the_dense_product(k: int) -> None:
-    from autopar.search.minsum import minplus
+    from autopar.search.minplus import minplus
 
     rng = np.random.default_rng(k)
     x, y = rng.integers(0, 1000, (3, k, k)).astype(float), rng.integers(0, 1000, (3, k, k)).astype(float)

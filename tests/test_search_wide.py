@@ -14,7 +14,7 @@ import autopar.search.elimination as elimination
 from autopar.search import solve_dp
 from autopar.search.chain import ChainError, solve_chain
 from autopar.search.elimination import EliminationModel, inside, outside
-from autopar.search.minsum import _TORCH_CELLS, minplus
+from autopar.search.minplus import _TORCH_CELLS, minplus
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -40,6 +40,38 @@ def test_min_sum_passes_in_slices_give_the_same_floats(seed: int, monkeypatch: p
             assert (a is None and b is None) or np.array_equal(np.asarray(a), np.asarray(b))
         assert whole_args.keys() == args.keys()
         assert all(np.array_equal(whole_args[t], args[t]) for t in args)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_steps_of_two_sides_as_min_plus_products_give_the_min_sum_values(seed: int, monkeypatch) -> None:
+    """A step whose inputs lie on two sides of its node (``elimination._sides``) runs as a min-plus product in
+    both passes: its inside and outside values equal the joint's (exactly on the integer rows, to float rounding
+    on a mixed one: the sides are summed before they meet), and the capped chained search finds the same plan."""
+    problem = transformer_like_problem(3, 5 + seed % 3, seed, cap_fraction=None)
+    chained, blocks = chain_problem(seed, 4, 6, 4, cap_quantile=None)
+    rng = np.random.default_rng(seed)
+    w = np.stack([[1.0, 0.0], [0.0, 1.0], rng.random(2)])
+    ran = 0
+    for prob, keep in ((problem, frozenset()), (chained, frozenset(blocks[1][:2]))):
+        model = EliminationModel(prob, keep=keep)
+        joint_vals, _ = inside(model, w, argmins=False)
+        joint_outs = outside(model, joint_vals)
+        monkeypatch.setattr(elimination, "PRODUCT_CELLS", 1)
+        ran += sum(elimination._sides(model, st) is not None for st in model.steps)
+        vals, _ = inside(model, w, argmins=False)
+        outs = outside(model, vals)
+        monkeypatch.undo()
+        for a, b in zip(joint_vals + joint_outs, vals + outs):
+            if a is not None:
+                assert np.array_equal(a[:2], b[:2]) and np.allclose(a[2], b[2], rtol=1e-12)
+    assert ran  # the product ran
+    fastest, least = solve_dp(chained), dp_module.min_memory(chained).mem_bytes
+    capped = chained.with_cap((fastest.mem_bytes + least) // 2)
+    want = solve_chain(capped, blocks)
+    capped.forget()
+    monkeypatch.setattr(elimination, "PRODUCT_CELLS", 1)
+    got = solve_chain(capped, blocks)
+    assert (got.time, got.mem_bytes) == (want.time, want.mem_bytes)
 
 
 @pytest.mark.parametrize("k", [80, 160])

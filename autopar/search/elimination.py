@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .deadline import Deadline
+from .minplus import minplus
 from .problem import INF, SearchProblem
 from .prune import prune_dominated, rows_cols
 from .split import ChainError
@@ -294,6 +295,65 @@ def _outside_sliced(st: Step, vals: list, oh: np.ndarray, j: int, rows: int) -> 
     return acc
 
 
+#: Cells per row from which :func:`inside` runs a step whose inputs lie on two sides of its node as a min-plus
+#: product (:func:`_sides`): below it forming the joint costs less than the product's pass per middle choice
+PRODUCT_CELLS = 2**16
+
+
+def _sides(model: EliminationModel, st: Step) -> tuple[list[int], list[int]] | None:
+    """Where step ``st`` eliminates ``x`` into a table over two nodes ``(a, c)`` and no input holds both (each is
+    over ``x`` with at most one of them): its inputs by side, ``(over a and x or x alone, over x and c)``; else
+    None.  Then ``I(a, c) = min_x L(a, x) + R(x, c)`` with ``L``, ``R`` the sums of each side's inputs: a min-plus
+    product (:func:`.minplus.minplus`), one pass per ``x`` over the (a, c) table instead of forming the joint
+    (a, c, x).  Every wide step of the chain's GPT-shaped blocks on three-axis meshes is one (the residual stream
+    between two ports, 511 x 372 x 511 cells)."""
+    if st.var < 0 or len(st.scope) != 2 or math.prod(st.shape) < PRODUCT_CELLS:
+        return None
+    a, c = st.scope
+    left, right = [], []
+    for j, tid in enumerate(st.inputs):
+        scope = set(model.scopes[tid]) - {st.var}
+        if a in scope and c in scope:
+            return None
+        (right if c in scope else left).append(j)
+    return (left, right) if left and right and any(a in model.scopes[st.inputs[j]] for j in left) else None
+
+
+def _inside_product(st: Step, vals: list, left: list[int], right: list[int]) -> np.ndarray:
+    """:func:`inside`'s step ``st`` as the min-plus product of its two sides (:func:`_sides`): (rows, a, c)."""
+    lhs = sum(_bc(st, j, vals[st.inputs[j]]) for j in left)  # (rows, a, 1, x) where some input holds a
+    rhs = sum(_bc(st, j, vals[st.inputs[j]]) for j in right)  # (rows, 1, c, x)
+    lhs = np.array(np.broadcast_to(lhs[:, :, 0, :], (lhs.shape[0], st.shape[0], st.shape[2])))  # writable
+    return minplus(lhs, np.ascontiguousarray(rhs[:, 0, :, :].transpose(0, 2, 1)))
+
+
+def _outside_product(
+    st: Step, vals: list, out: np.ndarray, j: int, sides: tuple[list[int], list[int]], across: dict
+) -> np.ndarray:
+    """Input j's outside value (on the step's joint axes, as :func:`outside` takes it) for a step of two sides
+    (:func:`_sides`), ``out`` the step's own (rows, a, c): for j over (a, x), ``min_c out(a, c) + R(x, c)`` (a
+    min-plus product, kept per side in ``across``) plus the other inputs of its side, then the least over the axes
+    j does not hold; likewise over (x, c) with ``min_a L(a, x) + out(a, c)``."""
+    left, right = sides
+    on_left = j in left
+    if on_left not in across:
+        if on_left:
+            rhs = sum(_bc(st, i, vals[st.inputs[i]]) for i in right)[:, 0]  # (rows, c, x)
+            across[on_left] = minplus(_writable(out), _writable(rhs))[:, :, None, :]  # (rows, a, 1, x)
+        else:
+            lhs = sum(_bc(st, i, vals[st.inputs[i]]) for i in left)[:, :, 0]  # (rows, a|1, x)
+            lhs = np.broadcast_to(lhs, (lhs.shape[0], st.shape[0], st.shape[2])).transpose(0, 2, 1)  # (rows, x, a)
+            across[on_left] = minplus(_writable(lhs), _writable(out)).transpose(0, 2, 1)[:, None]  # (rows, 1, c, x)
+    rest = across[on_left] + sum((_bc(st, i, vals[st.inputs[i]]) for i in (left if on_left else right) if i != j), 0.0)
+    axes = tuple(1 + a for a, size in enumerate(st.bcast[j][1]) if size == 1)
+    return rest.min(axis=axes) if axes else rest
+
+
+def _writable(x: np.ndarray) -> np.ndarray:
+    """``x`` as a C-contiguous writable array (torch takes only those), copied where it is not one."""
+    return x if x.flags.writeable and x.flags.c_contiguous else np.array(x)
+
+
 def inside(model: EliminationModel, w: np.ndarray, argmins: bool = True) -> tuple[list, dict[int, np.ndarray]]:
     """Min-sum elimination of ``w[b, 0] T + w[b, 1] M`` for every row b at once:
     inside values (rows, *scope) of every table, and (``argmins``) the argmins.
@@ -307,6 +367,10 @@ def inside(model: EliminationModel, w: np.ndarray, argmins: bool = True) -> tupl
     args: dict[int, np.ndarray] = {}
     rows = len(w)
     for st in model.steps:
+        sides = None if argmins else _sides(model, st)
+        if sides is not None:  # two sides of the node: a min-plus product, no joint formed
+            vals[st.out] = _inside_product(st, vals, *sides)
+            continue
         if len(_slices(st, rows)) > 1:  # a joint too wide to form at once
             _inside_sliced(st, vals, rows, args if argmins else None)
             continue
@@ -412,10 +476,14 @@ def outside(model: EliminationModel, vals: list, final_out: np.ndarray | None = 
     for st in reversed(model.steps):
         oh = outs[st.out] if st.var < 0 else outs[st.out][..., None]
         sliced = len(_slices(st, rows)) > 1  # a joint too wide to form at once
+        sides = _sides(model, st)
+        across: dict[bool, np.ndarray] = {}  # per side, what lies across the node from it (_outside_product)
         for j, tid in enumerate(st.inputs):
             if tid >= model.n_orig:
                 perm, bshape = st.bcast[j]
-                if sliced:
+                if sides is not None:
+                    low = _outside_product(st, vals, outs[st.out], j, sides, across)
+                elif sliced:
                     low = _outside_sliced(st, vals, oh, j, rows)
                 else:
                     rest = np.broadcast_to(oh + _joint(st, vals, skip=j), (rows,) + st.shape)
