@@ -30,9 +30,9 @@ def _paths(monkeypatch) -> dict[str, int]:
         seen["pass" if plan is None else "alone"] += 1
         return plan
 
-    def choice(self, pair):
+    def choice(self, pair, alike):
         seen["resolved"] += 1
-        return real_choice(self, pair)
+        return real_choice(self, pair, alike)
 
     monkeypatch.setattr(Chain, "fastest_plan", fastest)
     monkeypatch.setattr(PortTable, "fastest_choice", choice)

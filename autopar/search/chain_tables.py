@@ -151,7 +151,7 @@ class Chain:
         :meth:`_time_sums_exact`), it is then the only plan of least value."""
         d = self._decoded(sc, row)
         plan = self._assembled(d.rest, d.blocks, d)
-        return plan, d.states_once and d.rest_once and all(d.blocks_once)
+        return plan, d.states_once and d.rest_alike is None and all(a is None for a in d.blocks_alike)
 
     def _decoded(self, sc: MinSumChain, row: int) -> _Decoded:
         """Row ``row``'s min-sum plan, part by part, and where its decoding met ties (:class:`_Decoded`)."""
@@ -163,23 +163,15 @@ class Chain:
         j = int(sc.rsel[row, st[0], st[-1]])
         once &= not sc.rtied[row, st[0], st[-1]]
         rest_pair = int(st[0] * k + st[-1])
-        rest, rest_once = self.rtabs[j].unique_argmin_choice(sc.rv[j][0], row, rest_pair)
+        rest, rest_alike = self.rtabs[j].unique_argmin_choice(sc.rv[j][0], row, rest_pair)
         # blocks between equal states choose alike: one argmin walk per distinct state pair
         pairs, which = np.unique(st[:-1] * k + st[1:], return_inverse=True)
         picks = [int(sc.fsel[row, p // k, p % k]) for p in pairs.tolist()]
         once &= not any(sc.ftied[row, p // k, p % k] for p in pairs.tolist())
         blocks = [self.ftabs[v].unique_argmin_choice(sc.fv[v][0], row, int(p)) for p, v in zip(pairs, picks)]
+        alike = [a for _, a in blocks]
         return _Decoded(
-            j,
-            rest_pair,
-            rest,
-            rest_once,
-            pairs.tolist(),
-            picks,
-            which,
-            [c for c, _ in blocks],
-            [u for _, u in blocks],
-            once,
+            j, rest_pair, rest, rest_alike, pairs.tolist(), picks, which, [c for c, _ in blocks], alike, once
         )
 
     def _assembled(self, rest: tuple[int, ...], blocks: list[tuple[int, ...]], d: _Decoded) -> tuple:
@@ -190,25 +182,23 @@ class Chain:
     def fastest_plan(self) -> tuple | None:
         """The plan of least time, ties broken by memory, from the time row without a pass: its plan where that is
         the only fastest (:meth:`scalar_plan`), else with each part whose choice tied re-solved at its port states
-        (:meth:`.tables.PortTable.fastest_choice`).  That is exact where the port states and each part's variant
-        were reached once: every fastest plan then has them, each part at its least time given its ports, so the
-        least memory among them is each part's least at its least time.  None where they tied, where the part's
-        flat search is not exact, or where float64 may not hold the row's sums (:meth:`_time_sums_exact`)."""
+        (:meth:`.tables.PortTable.fastest_choice`, the nodes decoded before its first tie held).  That is exact
+        where the port states and each part's variant were reached once: every fastest plan then has them, each
+        part at its least time given its ports, so the least memory among them is each part's least at its least
+        time.  None where they tied, or where float64 may not hold the row's sums (:meth:`_time_sums_exact`)."""
         if not self._time_sums_exact():
             return None
         sc, (plan,), _ = self._time_row()
         d = self._decoded(sc, 0)
         if not d.states_once:
             return None
-        if d.rest_once and all(d.blocks_once):
+        if d.rest_alike is None and all(a is None for a in d.blocks_alike):
             return plan
-        rest = d.rest if d.rest_once else self.rtabs[d.rest_variant].fastest_choice(d.rest_pair)
+        rest = d.rest if d.rest_alike is None else self.rtabs[d.rest_variant].fastest_choice(d.rest_pair, d.rest_alike)
         blocks = [
-            choice if once else self.ftabs[v].fastest_choice(p)
-            for choice, once, p, v in zip(d.blocks, d.blocks_once, d.pairs, d.picks)
+            choice if alike is None else self.ftabs[v].fastest_choice(p, alike)
+            for choice, alike, p, v in zip(d.blocks, d.blocks_alike, d.pairs, d.picks)
         ]
-        if rest is None or any(b is None for b in blocks):
-            return None
         held = self._assembled(rest, blocks, d)
         return held if held[:2] <= plan[:2] else None  # no slower (the time row's least) and no larger
 
@@ -216,19 +206,20 @@ class Chain:
 @dataclass
 class _Decoded:
     """A min-sum plan decoded part by part (:meth:`Chain._decoded`): the rest's variant, port state pair and
-    choice, and whether that choice was its part's only least; the distinct state pairs of the blocks, each one's
-    variant and choice and whether it was the only least; which pair each block ``1..`` takes; and whether the port
-    states and every part's variant were reached once."""
+    choice, and None where that choice was its part's only least (else what every least of it chooses alike,
+    :meth:`.tables.PortTable.unique_argmin_choice`); the distinct state pairs of the blocks, each one's variant,
+    choice and likewise; which pair each block ``1..`` takes; and whether the port states and every part's variant
+    were reached once."""
 
     rest_variant: int
     rest_pair: int
     rest: tuple[int, ...]
-    rest_once: bool
+    rest_alike: dict[int, int] | None
     pairs: list[int]
     picks: list[int]
     which: np.ndarray
     blocks: list[tuple[int, ...]]
-    blocks_once: list[bool]
+    blocks_alike: list[dict[int, int] | None]
     states_once: bool
 
 

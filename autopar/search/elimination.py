@@ -298,6 +298,9 @@ def _outside_sliced(st: Step, vals: list, oh: np.ndarray, j: int, rows: int) -> 
 #: Cells per row from which :func:`inside` runs a step whose inputs lie on two sides of its node as a min-plus
 #: product (:func:`_sides`): below it forming the joint costs less than the product's pass per middle choice
 PRODUCT_CELLS = 2**16
+#: ...and whose (a, c) table, which each of the product's passes (one per choice of the node) sweeps, holds at least
+#: this many: a pass over fewer cells costs more in its call than in its work
+PASS_CELLS = 2**12
 
 
 def _sides(model: EliminationModel, st: Step) -> tuple[list[int], list[int]] | None:
@@ -307,7 +310,8 @@ def _sides(model: EliminationModel, st: Step) -> tuple[list[int], list[int]] | N
     product (:func:`.minplus.minplus`), one pass per ``x`` over the (a, c) table instead of forming the joint
     (a, c, x).  Every wide step of the chain's GPT-shaped blocks on three-axis meshes is one (the residual stream
     between two ports, 511 x 372 x 511 cells)."""
-    if st.var < 0 or len(st.scope) != 2 or math.prod(st.shape) < PRODUCT_CELLS:
+    cells = math.prod(st.shape)
+    if st.var < 0 or len(st.scope) != 2 or cells < PRODUCT_CELLS or st.shape[0] * st.shape[1] < PASS_CELLS:
         return None
     a, c = st.scope
     left, right = [], []
@@ -409,23 +413,28 @@ def decode(model: EliminationModel, vals: list, red: np.ndarray) -> np.ndarray:
     return decode_unique(model, vals, red)[0]
 
 
-def decode_unique(model: EliminationModel, vals: list, red: np.ndarray) -> tuple[np.ndarray, bool]:
-    """:func:`decode`, and whether every line it took an argmin of had its least value once (in every row).
+def decode_unique(model: EliminationModel, vals: list, red: np.ndarray) -> tuple[np.ndarray, list[int], bool]:
+    """:func:`decode`; the nodes it set before the first line whose least it met more than once (in some row), in
+    decoding order; and whether there was none (every node is then among them).
 
-    Where it had, the model is exact (``whole_buckets``) and its sums are exact (a row of integer weights over
-    the int64 terms, every sum below 2^53), the decoded plan is the only one of least value with the kept nodes
-    as set: an optimal plan ``P`` agrees with it on every node, by induction in decoding order.  With the nodes
-    decoded before ``x`` as ``P`` has them, the line of ``x`` is the least of ``P``'s terms below ``x``'s bucket
-    for each value of ``x`` (inside values are minima over the nodes eliminated before it, which appear in no
-    other term); were ``P``'s ``x`` not the line's least, choosing the least and the minima below it would make a
-    plan of less value, so it is that least, taken once: the decoded value."""
-    unique = True
+    In a model without mini-buckets (``whole_buckets``) whose sums are exact (a row of integer weights over the
+    int64 terms, every sum below 2^53), every plan of least value with the kept nodes as set agrees with the
+    decoded one on those nodes, by induction in decoding order: with the nodes decoded before ``x`` as such a plan
+    ``P`` has them, the line of ``x`` is the least of ``P``'s terms below ``x``'s bucket for each value of ``x``
+    (inside values are minima over the nodes eliminated before it, which appear in no other term); were ``P``'s
+    ``x`` not the line's least, choosing the least and the minima below it would make a plan of less value, so it
+    is that least, and taken once, the decoded value.  Without a tie the decoded plan is the only one of least
+    value."""
+    forced: list[int] = []
+    tied = False
     for var in reversed(model.buckets):
         if var >= 0:
             line = _line(model, var, vals, red)
             red[:, var] = line.argmin(axis=-1)
-            unique &= bool(((line == line.min(axis=-1, keepdims=True)).sum(axis=-1) == 1).all())
-    return red, unique
+            tied = tied or not bool(((line == line.min(axis=-1, keepdims=True)).sum(axis=-1) == 1).all())
+            if not tied:
+                forced.append(var)
+    return red, forced, not tied
 
 
 def lexicographic(model: EliminationModel) -> tuple[list, list]:

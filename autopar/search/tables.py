@@ -75,24 +75,31 @@ class PortTable:
         (:func:`.elimination.decode`: the same sums, so the same argmins as the joint tables')."""
         return self.unique_argmin_choice(vals, row, state_pair)[0]
 
-    def unique_argmin_choice(self, vals: list, row: int, state_pair: int) -> tuple[tuple[int, ...], bool]:
-        """:meth:`argmin_choice`, and whether it is the part's only plan of least value at ``state_pair``
-        (:func:`.elimination.decode_unique`: every line's least taken once, the model without mini-buckets; exact
-        where the row's sums are)."""
+    def unique_argmin_choice(
+        self, vals: list, row: int, state_pair: int
+    ) -> tuple[tuple[int, ...], dict[int, int] | None]:
+        """:meth:`argmin_choice`, and None where it is the part's only plan of least value at ``state_pair``, else
+        the nodes every such plan chooses alike with their choices (reduced indices; :func:`.elimination.
+        decode_unique`: every line's least taken once, the model without mini-buckets; exact where the row's sums
+        are), for :meth:`fastest_choice`."""
         one = [None if v is None else v[row : row + 1] for v in vals]
-        red, unique = decode_unique(self.model, one, self.reduced(state_pair)[None, :])
-        return self.model.original_choice(red[0]), unique and self.model.whole_buckets
+        red, forced, unique = decode_unique(self.model, one, self.reduced(state_pair)[None, :])
+        choice = self.model.original_choice(red[0])
+        if unique and self.model.whole_buckets:
+            return choice, None
+        return choice, {v: int(red[0, v]) for v in forced} if self.model.whole_buckets else {}
 
-    def fastest_choice(self, state_pair: int) -> tuple[int, ...] | None:
+    def fastest_choice(self, state_pair: int, alike: dict[int, int]) -> tuple[int, ...]:
         """The part's plan of least time with the ports at ``state_pair``, ties broken by memory, exactly
-        (:func:`.elimination.lexicographic`); None where its elimination is wider than the chain's budget.  Over
-        the part's problem with each port held to its choice, in the domains this table's pruning left: still
-        exact, as a pruned strategy's dominator stays and the ports are never pruned (:mod:`.prune`), so every plan
-        of the held problem has one no slower and no larger in these domains."""
+        (:func:`.elimination.lexicographic`), where every plan of least time chooses as ``alike`` says (reduced
+        choices per node; :meth:`unique_argmin_choice`).  Over the part's problem with the ports and those nodes
+        held to their choice, in the domains this table's pruning left: still exact, as a pruned strategy's
+        dominator stays and the ports are never pruned (:mod:`.prune`), so every plan of the held problem has one no
+        slower and no larger in these domains."""
         red, model = self.reduced(state_pair), self.model
         held = dataclasses.replace(self.part.problem, mem_cap_bytes=None)  # its own memo: the held domains
-        ports = set(self.part.left + self.part.right)
-        domains = [model.allowed[v][red[v] : red[v] + 1] if v in ports else a for v, a in enumerate(model.allowed)]
+        at = {v: int(red[v]) for v in self.part.left + self.part.right} | alike
+        domains = [a[at[v] : at[v] + 1] if v in at else a for v, a in enumerate(model.allowed)]
         held.memo(("allowed", frozenset()), lambda: domains)
         small = EliminationModel(held, width_budget=self.width_budget)
         t_vals, m_vals = lexicographic(small)
