@@ -286,7 +286,7 @@ class PipelineChoice:
             charges = costliest_other_charges(ctx)
             free, proven_ps = self._free_search(ctx, p, runs, charges, forced)
             fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
-            prices_of: dict = {}  # the chain's prices of each stage plan priced (``pipelined``), shared likewise
+            seen: dict = {}  # what each stage plan priced gives whatever the schedule (``pipelined``), likewise
             for run in runs:
                 what = f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}"
                 if free is None:  # its free search proved every run slower than the fastest: bounded by the proof
@@ -300,7 +300,7 @@ class PipelineChoice:
                 if weight not in fits:
                     weighted = dataclasses.replace(ctx, activation_weight=weight)
                     fits[weight] = StageFit(functools.partial(self._search, weighted), free, weight)
-                self._priced_pipeline(fits[weight], ctx, axis, run, layers, prices_of)
+                self._priced_pipeline(fits[weight], ctx, axis, run, layers, seen)
 
     def _free_search(
         self, ctx: PlanningContext, p: int, runs: list[PipelineSchedule], charges: tuple[int, int], forced: bool
@@ -318,13 +318,13 @@ class PipelineChoice:
                 return None, int(e.lower_bound_ps)
 
     def _priced_pipeline(
-        self, fit: StageFit, ctx: PlanningContext, axis: int, run: PipelineSchedule, layers, prices_of: dict
+        self, fit: StageFit, ctx: PlanningContext, axis: int, run: PipelineSchedule, layers, seen: dict
     ) -> None:
         """The pipeline along ``axis`` run as ``run``, its stage plan the fastest of ``fit``'s walk whose split fits
         the cap (``stage_fitting``): offered, or kept as a miss."""
         cap = self.options.mem_cap
         price = functools.partial(
-            pipelined, ctx, mesh=self.mesh, axis=axis, schedule=run, cap=cap, layers=layers, prices_of=prices_of
+            pipelined, ctx, mesh=self.mesh, axis=axis, schedule=run, cap=cap, layers=layers, seen=seen
         )
         try:
             with self._timing("search_s"):

@@ -111,24 +111,23 @@ def pipelined(
     cap: int | None,
     *,
     layers: list[tuple[str, tuple[int, ...]]] | None = None,
-    prices_of: dict[int, tuple[Plan, ChainPrices]] | None = None,
+    seen: dict[int, StagePlanWork] | None = None,
 ) -> Plan:
     """The pipelined plan on ``mesh`` whose stages run ``micro_plan`` (searched on ``ctx``: one micro-batch on
     ``stage_mesh(mesh, axis)``), split and priced for ``schedule`` (its micro-batches and stages per rank) under
     ``cap`` per device (module docstring).  ``layers``: ``chain_layers(ctx.graph)`` where the caller has it (None:
-    found here).  ``prices_of``: the chain's prices of the stage plans priced already on ``ctx`` along ``axis``
-    (by ``id``, the plan kept beside them), which do not depend on the schedule: shared by the caller between the
-    schedules it prices, filled here.  Raises ``MemoryCapError`` when no split fits."""
+    found here).  ``seen``: what was derived already from the stage plans priced on ``ctx`` along ``axis``
+    (``StagePlanWork``, by the plan's ``id``), which does not depend on the schedule: shared by the caller between
+    the schedules it prices, filled here.  Raises ``MemoryCapError`` when no split fits."""
     p, v, m = mesh.shape[axis], schedule.v, schedule.m
     layers = chain_layers(ctx.graph) if layers is None else layers
     settings = ctx.coster.settings
     if settings.microbatches != m:
         raise ValueError(f"the stage plan was priced for {settings.microbatches} micro-batches per step, not {m}")
-    link = settings.profile.link_for_axis(mesh.shape, axis)
     speed, late = _schedule_pricing(settings.profile, mesh, p)
     try:
-        prices = _chain_prices(ctx, micro_plan, layers, link, prices_of if prices_of is not None else {})
-        priced = priced_stages(prices, schedule.name, m, p, v, cap, speed, recv_when_free=late)
+        work = StagePlanWork.of(ctx, micro_plan, mesh, axis, layers, seen if seen is not None else {})
+        priced = priced_stages(work.prices, schedule.name, m, p, v, cap, speed, recv_when_free=late)
     except NoSplitFits as e:
         raise MemoryCapError(f"no pipelined plan fits: {e}", e.least_bytes) from None
     names = [name for name, _ in layers]
@@ -138,20 +137,27 @@ def pipelined(
     )
     bubble = priced.bubble_s / max(priced.step_s - priced.optimizer_s, 1e-30)
     pipe = PipelinePlan(mesh.axis_names[axis], schedule.name, stages, v, bubble)
-    return lift(micro_plan, mesh, axis, pipe, m, priced, cap)
+    return lift(micro_plan, mesh, axis, pipe, m, priced, cap, work.lifted)
 
 
-def _chain_prices(
-    ctx: PlanningContext, plan: Plan, layers: list, link, prices_of: dict[int, tuple[Plan, ChainPrices]]
-) -> ChainPrices:
-    """``chain_prices`` of ``plan`` on ``ctx``, from ``prices_of`` where it is there (``pipelined``)."""
-    kept = prices_of.get(id(plan))
-    if kept is None or kept[0] is not plan:
-        kept = prices_of[id(plan)] = (
-            plan,
-            chain_prices(ctx.graph, plan, layers, link, ctx.coster.settings.microbatches),
-        )
-    return kept[1]
+@dataclass(frozen=True)
+class StagePlanWork:
+    """What ``pipelined`` derives from a stage plan whatever the schedule: the chain's prices (``chain_prices``)
+    and its placements on the whole mesh (``lifted_placements``)."""
+
+    plan: Plan
+    prices: ChainPrices
+    lifted: tuple[dict, dict, dict]
+
+    @staticmethod
+    def of(ctx: PlanningContext, plan: Plan, mesh: Mesh, axis: int, layers: list, seen: dict) -> StagePlanWork:
+        """``plan``'s, from ``seen`` (by ``id``, the plan kept beside) where it is there, else derived and kept."""
+        work = seen.get(id(plan))
+        if work is None or work.plan is not plan:
+            link = ctx.coster.settings.profile.link_for_axis(mesh.shape, axis)
+            prices = chain_prices(ctx.graph, plan, layers, link, ctx.coster.settings.microbatches)
+            work = seen[id(plan)] = StagePlanWork(plan, prices, lifted_placements(plan, mesh, axis))
+        return work
 
 
 def step_at_least(
@@ -367,9 +373,9 @@ def check_layers(axis: str, model: str, layers: list, p: int, v: int) -> None:
         )
 
 
-def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, m: int, priced: PricedPipeline, cap) -> Plan:
-    """``inner`` (planned on ``stage_mesh(mesh, axis)`` for one micro-batch) on ``mesh``: every placement
-    replicated along ``axis``, priced as the pipeline runs (``priced``: its split's step and fullest rank)."""
+def lifted_placements(inner: Plan, mesh: Mesh, axis: int) -> tuple[dict, dict, dict]:
+    """The ``params``, ``inputs`` and ``nodes`` of ``inner`` (planned on ``stage_mesh(mesh, axis)``) on ``mesh``:
+    every placement replicated along ``axis``."""
 
     def on_mesh(placements: tuple) -> tuple:
         if len(placements) == mesh.ndim:  # a one-axis mesh: the stage mesh kept the axis at size 1
@@ -393,6 +399,23 @@ def lift(inner: Plan, mesh: Mesh, axis: int, pipe: PipelinePlan, m: int, priced:
         )
         for k, v in inner.nodes.items()
     }
+    return params, inputs, nodes
+
+
+def lift(
+    inner: Plan,
+    mesh: Mesh,
+    axis: int,
+    pipe: PipelinePlan,
+    m: int,
+    priced: PricedPipeline,
+    cap,
+    lifted: tuple[dict, dict, dict] | None = None,
+) -> Plan:
+    """``inner`` (planned on ``stage_mesh(mesh, axis)`` for one micro-batch) on ``mesh``: every placement
+    replicated along ``axis`` (``lifted``: ``lifted_placements`` where the caller has them), priced as the
+    pipeline runs (``priced``: its split's step and fullest rank)."""
+    params, inputs, nodes = lifted_placements(inner, mesh, axis) if lifted is None else lifted
     name = mesh.axis_names[axis]
     work = priced.step_s - priced.bubble_s - priced.optimizer_s
     terms = {"pipeline stages (forward + backward)": work, "pipeline bubble": priced.bubble_s}
