@@ -21,8 +21,8 @@ in the graph; bf16 with fp32 AdamW state, 80 GiB per device):
 * ``one-node``: GPT-2 small (12 layers, width 768) on 8 devices of one node, h100: no pipeline;
 * ``deep``: 96 layers on a 4 x 8 x 8 mesh (``pp`` x ``dp`` x ``tp``), h100 profile: every candidate (no pipeline,
   each axis x micro-batch counts x schedules) searched.  Not run by default (about a minute, most of it the
-  strategies of three axes).  Measured 2026-11-28 on 2 cores: 8.7 s of search, 23.8 s of strategies, 48 s in
-  all, the issue asks for 10 s of search.
+  strategies of three axes).  Measured 2026-11-29 on 2 cores: 7.75 and 8.08 s of search (two runs; 18.3 s the
+  morning before), 36-38 s of strategies, 58-62 s in all; the issue asks for 10 s of search.
 
 Columns: the choice (axis, schedule, micro-batches, the stage split), its step, the no-pipeline plan's step,
 candidates priced, and the seconds of capture, strategies (candidates and cost tables) and search summed over

@@ -34,7 +34,10 @@ mesh, or of the meshes before it) is not priced: ``pipeline_planning.step_at_lea
 (GPipe and 1F1B on devices of their own: ``(m + p - 1) / p`` of one micro-batch's work), which skips the stage
 fitting (weighted searches) of candidates that cannot win; listed as at least that bound.  A forced axis is never
 skipped.  On 96 layers on 4 x 8 x 8 (49 candidates) the bound without the bubble took the search from 15-18 s
-to 9.7 s, the same choice.
+to 9.7 s, the same choice.  The bound does not decrease with the free search's objective, so the free search
+itself is given the objective past which every run of its ``m`` is beaten (``objective_beaten_above``, as
+``SearchRun.above``): where it proves its optimum above that, it stops (``BeatenError``) before its plan is
+assembled, and each run is listed as at least the bound from the proof (4 of the 9 free searches there).
 
 ``Plan.timings`` of the chosen plan adds up the whole choice: ``capture_s``, ``strategies_s`` and ``search_s``
 over every candidate, and ``candidates``, how many were priced.

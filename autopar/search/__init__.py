@@ -7,7 +7,8 @@ Modules, each importing only modules listed before it:
 * ``deadline``: the wall-clock budget the searches stop at;
 * ``problem``: the problem as data, its objective, brute force;  ``prune``: exact dominance
   pruning;  ``split``: a problem cut into its repeated block and the rest;
-* ``elimination``: factor tables, the elimination plan, min-sum passes;
+* ``minplus``: the min-plus matrix product;
+* ``elimination``: factor tables, the elimination plan, min-sum passes (and the lexicographic one);
 * ``pareto``: the exact elimination over Pareto sets of (time, memory);  ``lagrange``:
   min-sum plans and the Lagrange slope;
 * ``minibucket``: the approximate search past the width budget;  ``dp``: the exact search

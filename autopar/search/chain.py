@@ -61,6 +61,15 @@ gap merges near-equal pairs, and the rest bound).  A search that stops before it
 or within ``rel_gap``) returns the best of the plans met and their mixes (:mod:`.mixing`: the last blocks of a
 faster plan over the cap laid onto one under it, priced exactly).
 
+Without a cap, no pass.  The time row's min-sum is the optimum's time, exactly (int64 terms summed in float64
+below 2^53); what is left is the tie-break by memory among the plans of that time, which the pass at target
+``lb`` settled at the cost of an outside sweep of every part (two thirds of a 96-layer search on 4 x 8 x 8).
+:meth:`.chain_tables.Chain.fastest_plan` settles it from the time row's decoding instead: where every least
+value it took was reached once, its plan is the only fastest; where a part's choice tied but the port states
+and the variants did not, every fastest plan has those states, so each tied part is re-solved alone at its
+ports, lexicographically (least time, then least memory: :func:`.elimination.lexicographic`), with the nodes
+decoded before its first tie held; where the states tied, the pass runs as before.
+
 Lagrange rows.  lam* at a cap is found by Eisner-Severance from two plans that bracket
 it; the chain keeps the plans every Lagrange row met (``Chain.hull``, across the caps of
 the planner's peak loop), and a cap starts from the nearest of them, so a second cap

@@ -30,6 +30,14 @@ and ``O_g(s)``, the same least over all factors not below g::
     O_{F_j}(s_j) = min over (s, x) \\ s_j of [ O_g(s) + sum_{l != j} I_{F_l}(s, x) ]
 
 :func:`argmin_at` decodes one plan per row from the inside values, in reverse order.
+
+Two sides (:func:`_sides`).  A step over ``(a, c)`` eliminating ``x`` whose inputs each hold ``x`` and at most one
+of ``a``, ``c`` is a min-plus product, ``I(a, c) = min_x L(a, x) + R(x, c)`` (:func:`.minplus.minplus`, one pass
+per ``x`` over the ``(a, c)`` table; the outside values likewise, ``min_c O(a, c) + R(x, c)``): the joint table
+is never formed.  Every wide step of a GPT-shaped block on a three-axis mesh is one.
+
+Lexicographic (:func:`lexicographic`).  The min-sum of (time, memory) pairs ordered by time, then memory: the
+least memory among the plans of least time, exactly, for the chain's tie-break without a cap.
 """
 
 from __future__ import annotations
