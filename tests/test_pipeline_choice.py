@@ -224,3 +224,63 @@ def test_a_search_bounded_by_a_faster_plan_stops_at_a_true_bound(capped):
     chosen = Candidate("a pipeline along 'dp', 1f1b, 2 micro-batches", plan.cost.total_s, 1 << 30)
     text = render_explanation(replace(plan, candidates=(chosen, bounded)))
     assert ">= 1.50x (bound)" in text and "chosen" in text
+
+
+def test_a_free_stage_search_stops_once_every_run_of_its_count_is_beaten(monkeypatch):
+    """``objective_beaten_above``: the least stage objective at which every run's bound passes the fastest step
+    (one below it, some run's bound does not), given to the free stage search; where the search proves its optimum
+    above it, the count's runs are listed at least their bound from the proof, each above the fastest and at most
+    its forced plan's step; and the choice is the one made without the stop."""
+    import re
+
+    import autopar.planner.pipeline_choice as choice
+    from autopar.planner.pipeline_planning import step_at_least_of
+
+    calls, stopped = [], set()
+    real_above, real_free = choice.objective_beaten_above, choice.PipelineChoice._free_search
+
+    def above(ctx, mesh, p, runs, charges, fastest_s):
+        x = real_above(ctx, mesh, p, runs, charges, fastest_s)
+        calls.append(
+            [
+                (
+                    fastest_s,
+                    step_at_least_of(x, ctx, mesh, p, r, charges),
+                    step_at_least_of(x + 1, ctx, mesh, p, r, charges),
+                )
+                for r in runs
+            ]
+        )
+        return x
+
+    def free(self, ctx, p, runs, charges, forced):
+        got = real_free(self, ctx, p, runs, charges, forced)
+        if got[0] is None:
+            stopped.add(ctx.coster.settings.microbatches)
+        return got
+
+    monkeypatch.setattr(choice, "objective_beaten_above", above)
+    monkeypatch.setattr(choice.PipelineChoice, "_free_search", free)
+    model, args, kwargs = load_model("gpt2-tiny", batch=16, seq=16, overrides={"n_layer": 8})
+    mesh = autopar.Mesh((4,), axis_names=("pp",))
+    chosen = _plan(model, args, kwargs, mesh, pipeline="auto", profile="h100")  # its small micro-batches lose
+    assert calls and stopped  # the stop ran, and proved some count's runs slower
+    for runs in calls:
+        assert all(after > fastest for fastest, _, after in runs) and any(at <= fastest for fastest, at, _ in runs)
+    form = re.compile(r"along 'pp', (\w+)(?: \((\d+) stages per rank\))?, (\d+) micro-batches")
+    checked = 0
+    for c in chosen.candidates:
+        run = form.search(c.what)
+        if c.at_least_s is None or run is None or int(run[3]) not in stopped:
+            continue
+        schedule, v, m = run[1], int(run[2] or 1), int(run[3])
+        virtual = {"virtual_stages": v} if schedule == "interleaved" else {}
+        forced = _plan(
+            model, args, kwargs, mesh, pipeline="pp", microbatches=m, schedule=schedule, profile="h100", **virtual
+        )
+        assert chosen.cost.total_s < c.at_least_s <= forced.cost.total_s * (1 + 1e-12), c.what
+        checked += 1
+    assert checked
+    monkeypatch.setattr(choice, "objective_beaten_above", lambda *_: None)  # no stop: the same choice
+    unstopped = _plan(model, args, kwargs, mesh, pipeline="auto", profile="h100")
+    assert (unstopped.cost.total_s, unstopped.pipeline) == (chosen.cost.total_s, chosen.pipeline)

@@ -332,7 +332,10 @@ def _sides(model: EliminationModel, st: Step) -> tuple[list[int], list[int]] | N
 
 
 def _inside_product(st: Step, vals: list, left: list[int], right: list[int]) -> np.ndarray:
-    """:func:`inside`'s step ``st`` as the min-plus product of its two sides (:func:`_sides`): (rows, a, c)."""
+    """:func:`inside`'s step ``st`` as the min-plus product of its two sides (:func:`_sides`): (rows, a, c).  Each
+    side's inputs are summed before the sides meet, so on a row of fractional weights (a Lagrange row) a value may
+    differ from the joint's in its last bits; on the time and memory rows (int64 terms) it is the same number.
+    Only without argmins: :func:`decode` then recovers a plan from the values, as the chain's rows do."""
     lhs = sum(_bc(st, j, vals[st.inputs[j]]) for j in left)  # (rows, a, 1, x) where some input holds a
     rhs = sum(_bc(st, j, vals[st.inputs[j]]) for j in right)  # (rows, 1, c, x)
     lhs = np.array(np.broadcast_to(lhs[:, :, 0, :], (lhs.shape[0], st.shape[0], st.shape[2])))  # writable
