@@ -84,11 +84,11 @@ class Chain:
 
         return max(map(most, self.rtabs)) + self.n * max(map(most, self.ftabs)) < 2.0**53
 
-    def _time_row(self) -> tuple[MinSumChain, list, bool]:
+    def _time_row(self) -> tuple[MinSumChain, list, _Decoded]:
         if self._time is None:
             sc = self.minsum(np.array([[1.0, 0.0]]))
-            plan, once = self.scalar_plan(sc, 0)
-            self._time = (sc, [plan], once)
+            decoded = self._decoded(sc, 0)
+            self._time = (sc, [self._assembled(decoded.rest, decoded.blocks, decoded)], decoded)
         return self._time
 
     def base(self) -> tuple[MinSumChain, list]:
@@ -143,15 +143,12 @@ class Chain:
 
     def scalar_plans(self, sc: MinSumChain) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
         """Each row's min-sum plan: ``(T, M, choice, variant of each block)``."""
-        return [self.scalar_plan(sc, row)[0] for row in range(len(sc.w))]
+        return [self.scalar_plan(sc, row) for row in range(len(sc.w))]
 
-    def scalar_plan(self, sc: MinSumChain, row: int) -> tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], bool]:
-        """Row ``row``'s min-sum plan ``(T, M, choice, variant of each block)``, and whether every least value its
-        decoding took was reached once (:meth:`_decoded`).  Where the row's sums are exact (the time row:
-        :meth:`_time_sums_exact`), it is then the only plan of least value."""
+    def scalar_plan(self, sc: MinSumChain, row: int) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        """Row ``row``'s min-sum plan ``(T, M, choice, variant of each block)``."""
         d = self._decoded(sc, row)
-        plan = self._assembled(d.rest, d.blocks, d)
-        return plan, d.states_once and d.rest_alike is None and all(a is None for a in d.blocks_alike)
+        return self._assembled(d.rest, d.blocks, d)
 
     def _decoded(self, sc: MinSumChain, row: int) -> _Decoded:
         """Row ``row``'s min-sum plan, part by part, and where its decoding met ties (:class:`_Decoded`)."""
@@ -188,8 +185,7 @@ class Chain:
         time.  None where they tied, or where float64 may not hold the row's sums (:meth:`_time_sums_exact`)."""
         if not self._time_sums_exact():
             return None
-        sc, (plan,), _ = self._time_row()
-        d = self._decoded(sc, 0)
+        _, (plan,), d = self._time_row()  # the row's plan and its decoding, ties marked
         if not d.states_once:
             return None
         if d.rest_alike is None and all(a is None for a in d.blocks_alike):
