@@ -210,6 +210,16 @@ def test_calibrate_on_one_rank_keeps_the_base_profiles_links(tmp_path):
     assert prof.peak_flops["float32"] == pytest.approx(cal.matmul["float32"].rate)
 
 
+def test_a_contest_retimes_the_plans_near_the_fastest_and_the_searchs_own():
+    from autopar.measure.fidelity import contenders
+
+    labels = [("family:tensor parallel",), ("auto",), ("poor hint",), ("pipeline:auto", "pipeline:tp/1f1b/m4")]
+    times = [[1.0, 1.2, 1.1], [2.0, 2.0, 2.0], [1.3, 1.4, 1.2], [5.0, 5.0, 5.0]]
+    assert contenders(labels, times, 0.25) == [0, 1, 2, 3]  # 1.3 <= 1.25 x 1.1
+    assert contenders(labels, times, 0.1) == [0, 1, 3]
+    assert contenders(labels[:1] + [("poor hint",)], [[1.0], [1.0]], 0.0) == [0, 1]  # a tie is near
+
+
 def test_benchmark_variants_force_recomputation():
     from autopar.measure.benchmark import BenchModel, Variant
 
@@ -241,6 +251,7 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
         'variants = ["auto", "family:tensor parallel", "cap:0.0", "poor hint", "pipeline:tp/1f1b/m2", '
         '"pipeline:auto"]\n'
         "warmup_steps = 1\nrounds = 2\nsteps_per_round = 1\nmemory_steps = 2\n"
+        "contest_rounds = 2\ncontest_margin = 1000.0\n"  # every plan is near: the contest times them all again
         '[[models]]\nname = "gpt2-tiny"\nbatch = 4\nseq = 16\n'
         'poor_hint = { "model.transformer.h.*.mlp.c_fc.weight" = { tp = "S(0)" } }\n'
     )
@@ -267,7 +278,9 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     free = next(p for p in case["plans"] if "pipeline:auto" in p["variants"])  # planned with pipeline="auto"
     assert case["pipeline_auto_over_fastest"] == pytest.approx(free["measured_s"] / fastest)
     for p in case["plans"]:
-        assert len(p["round_s"]) == 2 and p["measured_s"] > 0 and p["peak_bytes"] >= p["held_bytes"] > 0
+        assert len(p["round_s"]) == 2 + 2, p  # the rounds and the contest's
+        assert p["measured_s"] == pytest.approx(stats.median(p["round_s"]))
+        assert p["measured_s"] > 0 and p["peak_bytes"] >= p["held_bytes"] > 0
         assert len(p["peak_steps"]) == 2 and min(p["peak_steps"]) <= p["peak_bytes"] <= max(p["peak_steps"])
         assert p["time_error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
 
@@ -311,5 +324,10 @@ def test_fidelity_refuses_bad_settings_before_any_rank_starts(tmp_path, capsys):
     bad.write_text('meshes = [[2]]\nvariants = ["auto", "cap:2"]\n[[models]]\nname = "gpt2-tiny"\nbatch = 2\nseq = 8\n')
     assert main(["fidelity", "--benchmark", str(bad), "--ranks", "2"]) == 2
     assert "variant 'cap:2' is not one of" in capsys.readouterr().err
+    bad.write_text(
+        'meshes = [[2]]\nvariants = ["auto"]\ncontest_rounds = -1\n[[models]]\nname = "gpt2-tiny"\nbatch = 2\nseq = 8\n'
+    )
+    assert main(["fidelity", "--benchmark", str(bad), "--ranks", "2"]) == 2
+    assert "contest_rounds and contest_margin >= 0" in capsys.readouterr().err
     assert main(["calibrate", "--base", "no-such-profile"]) == 2
     assert "unknown device profile 'no-such-profile'" in capsys.readouterr().err

@@ -145,6 +145,8 @@ class Benchmark:
     steps_per_round: int
     source: str
     memory_steps: int = 3  # steps whose peak memory is measured per plan (the median is the plan's)
+    contest_rounds: int = 0  # more rounds for the plans near the fastest and the search's own (measure.fidelity)
+    contest_margin: float = 0.25  # "near": a median within this fraction of the fastest's
 
     def only(self, models: list[str] | None = None, meshes: list[tuple[int, ...]] | None = None) -> Benchmark:
         """The benchmark restricted to some of its models and meshes (a quick check of one case)."""
@@ -198,6 +200,8 @@ def load_benchmark(path: str | Path | None = None) -> Benchmark:
             int(data.get("steps_per_round", 2)),
             str(file),
             int(data.get("memory_steps", 3)),
+            int(data.get("contest_rounds", 0)),
+            float(data.get("contest_margin", 0.25)),
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e}; see the header of configs/benchmarks/fidelity.toml") from None
@@ -208,6 +212,11 @@ def load_benchmark(path: str | Path | None = None) -> Benchmark:
     if (
         any(m.batch < 1 or m.seq < 1 for m in models)
         or min(bench.rounds, bench.steps_per_round, bench.memory_steps) < 1
+        or bench.contest_rounds < 0
+        or bench.contest_margin < 0
     ):
-        raise ValueError(f"{where}: batch, seq, rounds, steps_per_round and memory_steps must be >= 1")
+        raise ValueError(
+            f"{where}: batch, seq, rounds, steps_per_round and memory_steps must be >= 1, contest_rounds and "
+            "contest_margin >= 0"
+        )
     return bench

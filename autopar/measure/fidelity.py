@@ -12,7 +12,11 @@ every plan once, in an order that rotates by one per round, for
 ``steps_per_round`` training steps (forward, backward, ``AdamW.step()``,
 ``zero_grad()``) between two barriers, so the slowest rank sets the time and
 background load falls on every plan alike.  A plan's time is the median over the
-rounds and its spread (max - min) / median.  Then each plan runs ``memory_steps``
+rounds and its spread (max - min) / median.  A contest follows (``contest_rounds`` > 0): the plans within
+``contest_margin`` of the fastest median, and the search's own, run that many more interleaved rounds among
+themselves, which their medians include: where plans are near-equal, whether the search's is within 5% of the
+fastest is then decided on three times the rounds (a 5-round median of steps spreading 20% moves by about
+5%).  Then each plan runs ``memory_steps``
 steps under ``measure.peak_memory.step_peak_bytes`` on every rank: the peak is what the
 allocator (CUDA) or PyTorch's profiler (CPU) saw, never a cost-model formula.  A
 step's peak is its largest rank's; the plan's is the median over the steps, with
@@ -319,19 +323,12 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
     times: list[list[float]] = [[] for _ in runs]
     busy = [0.0] * len(runs)  # this rank's pipeline stages' compute over the timed rounds
     scheduled = [0.0] * len(runs)  # and its time in the schedule's steps
-    for r in range(bench.rounds):
-        for j in range(len(runs)):
-            i = (j + r) % len(runs)
-            dist.barrier()
-            t0, busy0, scheduled0 = time.perf_counter(), runs[i][1].pipeline_busy_s, runs[i][1].pipeline_schedule_s
-            for _ in range(bench.steps_per_round):
-                step(i)
-            if device.type == "cuda":  # the kernels queued, not only launched
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            times[i].append((time.perf_counter() - t0) / bench.steps_per_round)
-            busy[i] += runs[i][1].pipeline_busy_s - busy0
-            scheduled[i] += runs[i][1].pipeline_schedule_s - scheduled0
+    timed = _Rounds(runs, step, bench.steps_per_round, device, times, busy, scheduled)
+    timed.run(range(len(runs)), bench.rounds)
+    picked = _contenders_from_rank0(rank, plans, times, bench.contest_margin)
+    if bench.contest_rounds and len(picked) > 1:  # more rounds where the report's "auto over fastest" is decided
+        _say(rank, f"contest: {bench.contest_rounds} more rounds of {len(picked)} plans near the fastest")
+        timed.run(picked, bench.contest_rounds)
     peaks = []  # per plan: (each measured step's largest rank peak, that rank's held bytes)
     for i, (_, sharded, opt) in enumerate(runs):
         steps, held_by = [], 0
@@ -363,6 +360,62 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
             )
         )
     return tuple(out)
+
+
+@dataclass
+class _Rounds:
+    """Interleaved timed rounds over some of a case's compiled plans (``_measure_case``): each round runs every
+    plan of the set once, in an order that rotates by one per round, for ``steps`` training steps between two
+    barriers; each plan's seconds per step are appended to ``times[i]``, its pipeline stages' compute and
+    scheduled time added to ``busy[i]`` and ``scheduled[i]``."""
+
+    runs: list
+    step: Any
+    steps: int
+    device: torch.device
+    times: list[list[float]]
+    busy: list[float]
+    scheduled: list[float]
+
+    def run(self, which, rounds: int) -> None:
+        import torch.distributed as dist
+
+        which = list(which)
+        for r in range(rounds):
+            for j in range(len(which)):
+                i = which[(j + r) % len(which)]
+                sharded = self.runs[i][1]
+                dist.barrier()
+                t0, busy0, scheduled0 = time.perf_counter(), sharded.pipeline_busy_s, sharded.pipeline_schedule_s
+                for _ in range(self.steps):
+                    self.step(i)
+                if self.device.type == "cuda":  # the kernels queued, not only launched
+                    torch.cuda.synchronize(self.device)
+                dist.barrier()
+                self.times[i].append((time.perf_counter() - t0) / self.steps)
+                self.busy[i] += sharded.pipeline_busy_s - busy0
+                self.scheduled[i] += sharded.pipeline_schedule_s - scheduled0
+
+
+def contenders(labels: list[tuple[str, ...]], times: list[list[float]], margin: float) -> list[int]:
+    """The plans a contest re-times: those whose median step is within ``margin`` of the fastest's, and the
+    search's own (``auto``, ``pipeline:auto``), which the report compares with the fastest."""
+    medians = [stats.median(t) for t in times]
+    fastest = min(medians)
+    return [
+        i
+        for i, (lab, m) in enumerate(zip(labels, medians))
+        if m <= (1 + margin) * fastest or {"auto", PIPELINE_AUTO} & set(lab)
+    ]
+
+
+def _contenders_from_rank0(rank: int, plans, times: list[list[float]], margin: float) -> list[int]:
+    """``contenders`` of rank 0's times, the same on every rank (each rank timed the rounds itself)."""
+    import torch.distributed as dist
+
+    box: list = [contenders([labels for labels, _ in plans], times, margin) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _measured_bubbles(runs, busy: list[float], scheduled: list[float]) -> list[float | None]:
