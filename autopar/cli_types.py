@@ -61,6 +61,12 @@ def positive_int(text: str) -> int:
     return n
 
 
+def whole_number(text: str) -> int:
+    if not text.strip().lstrip("+").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 0")
+    return int(text)
+
+
 def microbatches_arg(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 

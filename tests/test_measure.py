@@ -329,5 +329,8 @@ def test_fidelity_refuses_bad_settings_before_any_rank_starts(tmp_path, capsys):
     )
     assert main(["fidelity", "--benchmark", str(bad), "--ranks", "2"]) == 2
     assert "contest_rounds and contest_margin >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fidelity", "--contest-rounds", "-1"])
+    assert "argument --contest-rounds: '-1': expected a whole number >= 0" in capsys.readouterr().err
     assert main(["calibrate", "--base", "no-such-profile"]) == 2
     assert "unknown device profile 'no-such-profile'" in capsys.readouterr().err

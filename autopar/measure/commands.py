@@ -2,6 +2,7 @@
 
     autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3] [--force] [--max-spread 0.10]
     autopar fidelity [--profile cpu|FILE.toml] [--ranks 4] [--json FILE] [--models a,b] [--mesh 2x2] [--rounds 5]
+        [--contest-rounds 10]
 
 ``calibrate`` prints the measurements, the fits and their residuals and the noise of
 the repeats, and writes the profile (``-o``), unless the repeats spread more than
@@ -24,6 +25,8 @@ __all__ = ["add_parsers", "cmd_calibrate", "cmd_fidelity"]
 
 def add_parsers(sub, *, positive_int, mesh_shape) -> None:
     """The two subparsers, on ``sub`` (argparse subparsers) with the main CLI's argument types."""
+    from autopar.cli_types import whole_number
+
     c = sub.add_parser("calibrate", help="measure this machine into a device profile (--profile FILE.toml)")
     c.add_argument("-o", "--output", default=None, metavar="FILE", help="write the profile TOML here ('-': stdout)")
     c.add_argument("--ranks", type=positive_int, default=4, help="local CPU ranks to measure with (default 4)")
@@ -56,6 +59,12 @@ def add_parsers(sub, *, positive_int, mesh_shape) -> None:
     f.add_argument("--models", default=None, help="comma-separated subset of the benchmark's models")
     f.add_argument("--mesh", type=mesh_shape, default=None, help="only this mesh of the benchmark, e.g. 2x2")
     f.add_argument("--rounds", type=positive_int, default=None, help="timed rounds (default: the benchmark's)")
+    f.add_argument(
+        "--contest-rounds",
+        type=whole_number,
+        default=None,
+        help="more rounds for the plans near the fastest and the search's own; 0: none (default: the benchmark's)",
+    )
     f.add_argument("--timeout", type=float, default=3600.0, help="stop the ranks after this many seconds")
     f.add_argument(
         "--calibrate",
@@ -129,6 +138,8 @@ def cmd_fidelity(args) -> int:
         bench = bench.only(models, [args.mesh] if args.mesh else None)
         if args.rounds is not None:
             bench = replace(bench, rounds=args.rounds)
+        if args.contest_rounds is not None:
+            bench = replace(bench, contest_rounds=args.contest_rounds)
         if args.calibrate is not None and not Path(args.calibrate).expanduser().is_dir():
             raise ValueError(f"--calibrate {args.calibrate!r}: not a folder; create it or pass another")
         return run_fidelity(
