@@ -409,12 +409,7 @@ class _ManyOps(nn.Module):
 
 
 def _op_overhead(world: int, device: torch.device, trials: int) -> dict[str, float]:
-    """Forward and backward seconds per op of autopar's runtime on a plan without collectives.
-
-    Timed over ``max(trials, 7)`` loops of about 0.25 s each: where ranks share cores the per-op time moves with
-    how the operating system slices them, and eight per-case profiles of one fidelity run, 3 loops of 0.1 s
-    each, measured the forward's 29-98 us per op (2026-11-29): the case with the least chose a plan of 8
-    micro-batches (twice the op calls of 4) that measured 16% slower than the fastest."""
+    """Forward and backward seconds per op of autopar's runtime on a plan without collectives."""
     from autopar import compiled
     from autopar.mesh import Mesh
 
@@ -426,8 +421,7 @@ def _op_overhead(world: int, device: torch.device, trials: int) -> dict[str, flo
         model, mesh, example_inputs=(x,), hints={"*": ["R"]}, input_placements={"x": ["R"]}, profile="cpu"
     )
     ops = sum(1 for n in sharded.plan.nodes)
-    repeats = max(trials, 7)
-    forward_s = _slowest_median(lambda: sharded(x), device, repeats, budget_s=0.25)
+    forward_s = _slowest_median(lambda: sharded(x), device, trials, budget_s=0.1)
     views = torch.randn(8, 16, 4, device=device)
 
     def view_chain():  # 8 ops that launch no kernel, as a lowered graph calls them
@@ -440,12 +434,12 @@ def _op_overhead(world: int, device: torch.device, trials: int) -> dict[str, flo
         y = torch.ops.aten.permute.default(y, [2, 0, 1])
         return torch.ops.aten.expand.default(y, [4, 8, 16])
 
-    view_s = _slowest_median(view_chain, device, repeats, budget_s=0.1) / 8
+    view_s = _slowest_median(view_chain, device, trials, budget_s=0.05) / 8
 
     def step():
         sharded(x).backward()
 
-    step_s = _slowest_median(step, device, repeats, budget_s=0.25)
+    step_s = _slowest_median(step, device, trials, budget_s=0.1)
     return {
         "ops": ops,
         "forward_op_s": forward_s / ops,
