@@ -188,8 +188,8 @@ def test_fidelity_calibrates_on_its_own_ranks_before_a_case(tmp_path):
     prof = load_profile(path)
     assert prof.peak_flops["float32"] > 0 and prof.memory_bytes == load_profile("cpu").memory_bytes
     args = SimpleNamespace(
-        json=None, benchmark=None, models=None, mesh=None, rounds=None, contest_rounds=None, profile="cpu", ranks=2, timeout=60.0,
-        calibrate=str(tmp_path / "missing"),
+        json=None, benchmark=None, models=None, mesh=None, rounds=None, contest_rounds=None, profile="cpu", ranks=2,
+        timeout=60.0, calibrate=str(tmp_path / "missing"),
     )  # fmt: skip
     assert cmd_fidelity(args) == 2
 
