@@ -54,17 +54,18 @@ def family_arg(text: str) -> str | None:
     return FLAG_FAMILY[text]
 
 
+def _whole_at_least(text: str, least: int) -> int:
+    if not text.strip().lstrip("+").isdigit() or int(text) < least:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= {least}")
+    return int(text)
+
+
 def positive_int(text: str) -> int:
-    n = int(text) if text.strip().lstrip("+").isdigit() else 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return n
+    return _whole_at_least(text, 1)
 
 
 def whole_number(text: str) -> int:
-    if not text.strip().lstrip("+").isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 0")
-    return int(text)
+    return _whole_at_least(text, 0)
 
 
 def microbatches_arg(text: str) -> int | str:
