@@ -178,9 +178,21 @@ def _arg(call: Any, index: int, name: str, default: Any = None) -> Any:
     return call.kwargs.get(name, default)
 
 
+def _returns_its_input(call: Any) -> bool:
+    """``aten.to`` that changes nothing (its output's dtype and shape are its input's, and not ``copy=True``): it
+    returns the input itself, no kernel (Hugging Face's ``logits.float()`` on float32 logits)."""
+    if op_key(call.target) != "aten.to" or not call.inputs or not call.outputs:
+        return False
+    schema = getattr(call.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    copy = _arg(call, names.index("copy"), "copy", False) if "copy" in names else call.kwargs.get("copy", False)
+    src, out = call.inputs[0], call.outputs[0]
+    return not copy and _is_meta(src) and src.dtype == out.dtype and _shape(src) == _shape(out)
+
+
 def _family(call: Any) -> str:
     key = op_key(call.target)
-    if call.target is operator.getitem or key in _VIEWS or not call.outputs:
+    if call.target is operator.getitem or key in _VIEWS or not call.outputs or _returns_its_input(call):
         return "view"
     if key in _FACTORIES:
         return "factory"

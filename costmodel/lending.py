@@ -11,15 +11,25 @@ starts cold.  Measured on the 2-core CI machine (``scripts/core_lending.py``): o
 
 :class:`CoreLending` holds such a measurement (``autopar calibrate`` writes it as a profile's
 ``[core_lending]`` table, measured the way a pipeline idles: tokens going round a ring of the ranks) and
-answers ``speed(busy, action_s)``: the measured speed for ``busy`` computing ranks, interpolated linearly in
+answers ``speed_at(busy, action_s)``: the speed for ``busy`` computing ranks, interpolated linearly in
 ``log(action_s)`` between the measured lengths and held at the ends.
+
+The answer comes from the measurement made monotone (:func:`monotone_table`), not from the raw figures.  Each
+figure is a few rounds of a ring on a shared machine, and profiles of one quiet hour spread widely: one measured
+one busy rank 2.38x faster at 16 ms and 1.50x at 43 ms, another 0.62x with two busy at 1.9 ms and 1.08x at 0.7
+ms.  Priced raw, such a table made a pipeline of 8 micro-batches (its actions half as long) look 11% faster than
+one of 4, which measured 8% slower (gpt2-bench on 4 ranks, 2026-11-29).  Two things hold on any machine: a rank
+computes no slower while fewer ranks compute (the speed does not increase with ``busy``), and an action is lent
+no less for being longer (the module's first paragraph), so the table is fitted to both orders by least squares
+(alternating isotonic regressions over the two axes).  ``DeviceProfile.compute_speed`` also caps it at the
+core-share rule: a rank cannot run faster than a whole core.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -35,6 +45,7 @@ class CoreLending:
     ranks: int
     action_s: tuple[float, ...]
     speed: tuple[tuple[float, ...], ...]
+    fitted: tuple[tuple[float, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = "[core_lending]"
@@ -51,13 +62,15 @@ class CoreLending:
             )
         if any(not s > 0 for row in self.speed for s in row):
             raise ValueError(f"{where}: speeds must be positive, got {self.speed!r}")
+        object.__setattr__(self, "fitted", monotone_table(self.speed))
 
     def speed_at(self, busy: int, action_s: float) -> float:
         """The speed of one of ``busy`` computing ranks on an action of ``action_s`` seconds (all busy): 1.0 when
-        every rank computes, else ``speed[busy - 1]`` interpolated in ``log(action_s)`` (held beyond the ends)."""
+        every rank computes, else the monotone fit's row ``busy - 1`` (``fitted``) interpolated in
+        ``log(action_s)`` (held beyond the ends)."""
         if busy >= self.ranks:
             return 1.0
-        row = self.speed[max(busy, 1) - 1]
+        row = self.fitted[max(busy, 1) - 1]
         j = bisect.bisect_left(self.action_s, action_s)
         if j == 0:
             return row[0]
@@ -68,7 +81,7 @@ class CoreLending:
         return row[j - 1] * (1.0 - w) + row[j] * w
 
     def to_table(self) -> dict[str, Any]:
-        """The profile's ``[core_lending]`` TOML table."""
+        """The profile's ``[core_lending]`` TOML table (the figures as measured; the fit is made on reading)."""
         return {"ranks": self.ranks, "action_s": list(self.action_s), "speed": [list(row) for row in self.speed]}
 
     @classmethod
@@ -88,3 +101,35 @@ class CoreLending:
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: {err}") from None
+
+
+def monotone_table(speed: tuple[tuple[float, ...], ...], rounds: int = 100) -> tuple[tuple[float, ...], ...]:
+    """``speed`` (rows: busy ranks 1, 2, ...; columns: action lengths, increasing) fitted so that every row is
+    non-decreasing (longer actions lent no less) and every column non-increasing (more busy ranks, no faster).
+
+    Each order alone has an exact least-squares fit, the isotonic regression (:func:`_isotonic`, pool adjacent
+    violators); the two are applied in turn, rows then columns, until neither moves a figure by more than
+    1e-12 (alternating projections onto the two convex sets of ordered tables: the limit is in both).  A table
+    already in both orders is returned unchanged."""
+    rows = [list(r) for r in speed]
+    for _ in range(rounds):
+        by_length = [_isotonic(r) for r in rows]
+        columns = [_isotonic([-r[j] for r in by_length]) for j in range(len(by_length[0]))]
+        fitted = [[-columns[j][k] for j in range(len(columns))] for k in range(len(rows))]
+        moved = max(abs(a - b) for ra, rb in zip(fitted, rows) for a, b in zip(ra, rb))
+        rows = fitted
+        if moved <= 1e-12:
+            break
+    return tuple(tuple(r) for r in rows)
+
+
+def _isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in squared distance: runs that break the order are pooled
+    to their mean (pool adjacent violators)."""
+    pools: list[list[float]] = []  # [mean, count]
+    for v in values:
+        pools.append([v, 1.0])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (m2, n2), (m1, n1) = pools.pop(), pools.pop()
+            pools.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in pools for _ in range(int(n))]

@@ -245,18 +245,20 @@ class DeviceProfile:
     def compute_speed(self, busy: int, ranks: int, action_s: float | None = None) -> float:
         """How much faster a rank computes while ``busy`` of its node's ``ranks`` ranks compute than while all of
         them do (the rate this profile's figures are for).  CPU ranks share the node's ``cores_per_node`` cores.
-        Where the profile measured the lending on ``ranks`` ranks (``core_lending``, ``costmodel.lending``) and
-        the action's length ``action_s`` (seconds, every rank busy) is given, that measurement answers.  Else the
-        core-share rule: ``k`` computing ranks get ``min(1, cores / k)`` of a core each, so the speed is
+        The core-share rule: ``k`` computing ranks get ``min(1, cores / k)`` of a core each, so the speed is
         ``min(1, cores / busy) / min(1, cores / ranks)`` (4 ranks on 2 cores: 2 x with one or two computing,
-        4/3 x with three).  1.0 where each rank has its own device (``cores_per_node`` 0: GPUs)."""
+        4/3 x with three).  Where the profile measured the lending on ``ranks`` ranks (``core_lending``,
+        ``costmodel.lending``: its monotone fit) and the action's length ``action_s`` (seconds, every rank busy)
+        is given, that measurement answers, capped at the rule (no rank runs faster than a whole core).  1.0 where
+        each rank has its own device (``cores_per_node`` 0: GPUs)."""
         if not self.cores_per_node or busy >= ranks:
             return 1.0
+        cores = self.cores_per_node
+        rule = min(1.0, cores / max(busy, 1)) / min(1.0, cores / ranks)
         lending = self.core_lending
         if lending is not None and action_s is not None and lending.ranks == ranks:
-            return lending.speed_at(busy, action_s)
-        cores = self.cores_per_node
-        return min(1.0, cores / max(busy, 1)) / min(1.0, cores / ranks)
+            return min(lending.speed_at(busy, action_s), rule)
+        return rule
 
     def op_overhead_s(self, *, backward: bool = False) -> float:
         """Fixed seconds per op call: the measured forward/backward overhead, else ``kernel_overhead_s``."""

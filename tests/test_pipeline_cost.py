@@ -214,14 +214,33 @@ def test_lending_follows_the_action_length_measured():
     geometric mean, the mean of the two), held beyond the ends, 1 with every rank busy.  ``compute_speed`` uses the
     table only for the rank count it was measured on and when the action's length is given; else the
     core-share rule."""
-    lending = CoreLending(4, (0.001, 0.1), ((0.8, 2.0), (0.9, 1.9), (0.9, 1.4)))
-    assert lending.speed_at(1, 0.01) == pytest.approx(1.4)  # sqrt(0.001 x 0.1): half-way in log length
-    assert lending.speed_at(1, 1e-5) == 0.8 and lending.speed_at(1, 10.0) == 2.0
-    assert lending.speed_at(3, 0.001) == 0.9 and lending.speed_at(4, 0.05) == 1.0
+    lending = CoreLending(4, (0.001, 0.1), ((0.9, 2.0), (0.9, 1.9), (0.8, 1.2)))  # in both orders: as measured
+    assert lending.fitted == lending.speed
+    assert lending.speed_at(1, 0.01) == pytest.approx(1.45)  # sqrt(0.001 x 0.1): half-way in log length
+    assert lending.speed_at(1, 1e-5) == 0.9 and lending.speed_at(1, 10.0) == 2.0
+    assert lending.speed_at(3, 0.001) == 0.8 and lending.speed_at(4, 0.05) == 1.0
     cpu = dataclasses.replace(load_profile("cpu"), core_lending=lending)
     assert cpu.compute_speed(1, 4, 0.1) == 2.0 and cpu.compute_speed(2, 4, 0.001) == 0.9
     assert cpu.compute_speed(1, 4) == 2.0 and cpu.compute_speed(3, 4) == pytest.approx(4 / 3)  # no length: the rule
     assert cpu.compute_speed(1, 8, 0.001) == pytest.approx(4.0)  # 8 ranks on 2 cores: not measured, the rule
+
+
+def test_the_measured_lending_is_fitted_to_its_two_orders_and_capped_by_the_cores():
+    """A measured table out of order (one busy rank lent 2.38x at 16 ms, 1.5x at 43 ms; two busy 1.08x at 0.7 ms,
+    0.62x at 1.9 ms: a profile of 2026-11-29) answers from its least-squares fit in both orders: rows pooled where
+    a longer action was lent less, columns where more busy ranks ran faster.  ``compute_speed`` caps it at the
+    core-share rule (4 ranks on 2 cores: 2x, 2x, 4/3x), and the profile keeps the table as measured."""
+    measured = ((1.63, 0.99, 2.38, 1.5), (1.08, 0.62, 2.02, 1.46), (0.89, 0.68, 1.72, 1.13))
+    lending = CoreLending(4, (0.00066, 0.0019, 0.0164, 0.043), measured)
+    fit = lending.fitted
+    assert all(a <= b + 1e-12 for row in fit for a, b in zip(row, row[1:]))  # longer: lent no less
+    assert all(fit[k][j] >= fit[k + 1][j] - 1e-12 for k in range(2) for j in range(4))  # more busy: no faster
+    assert fit[0] == pytest.approx((1.31, 1.31, 1.94, 1.94))  # pooled pairs: (1.63 + 0.99) / 2, (2.38 + 1.5) / 2
+    assert fit[2] == pytest.approx((0.785, 0.785, 1.425, 1.425))
+    assert lending.to_table()["speed"] == [list(r) for r in measured]  # written back as measured
+    cpu = dataclasses.replace(load_profile("cpu"), core_lending=lending)
+    assert cpu.compute_speed(1, 4, 0.043) == pytest.approx(1.94)
+    assert cpu.compute_speed(3, 4, 0.043) == pytest.approx(4 / 3)  # the fit's 1.425 is over a whole core
 
 
 def test_a_short_action_gets_less_of_the_idle_cores():
