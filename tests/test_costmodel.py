@@ -423,6 +423,15 @@ def test_a_to_that_changes_nothing_is_a_view_and_a_cast_or_copy_moves_bytes():
     assert cm.op_family(cast) == "data" and cm.bytes_moved(cast) == 256 * 4096 * (4 + 2)
     copied = make_call(aten.to.dtype, x, torch.float32, False, True)
     assert cm.op_family(copied) == "data" and cm.bytes_moved(copied) == 2 * 256 * 4096 * 4
+    # planned in bf16, the planner gives every float meta bfloat16: the upcast the call asks for is still a cast
+    upcast = OpCall(
+        aten.to.dtype,
+        (meta(256, 4096, dtype=torch.bfloat16), torch.float32),
+        {},
+        (meta(256, 4096, dtype=torch.bfloat16),),
+        (meta(256, 4096, dtype=torch.bfloat16),),
+    )
+    assert cm.op_family(upcast) == "data" and cm.bytes_moved(upcast) == 2 * 256 * 4096 * 2
 
 
 def test_inconsistent_local_shapes_name_the_op():
