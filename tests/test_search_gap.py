@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from chain_cases import mixed, variant
 from search_problems import chain_problem
 
-from autopar.planner.solving import PLAN_GAP
+from autopar.planner.solving import PLAN_GAP, PROBE_GAP, PeakLoop, Probe
 from autopar.search import Deadline, InfeasibleError, Start, min_memory, solve_dp
 from autopar.search.chain import solve_chain
 from autopar.search.problem import SearchProblem, Solution
@@ -178,3 +179,44 @@ def test_a_stopped_search_mixes_the_layers_of_its_hull_plans() -> None:
         mixes += got.time < met and 0 < sum(picks[1:]) < len(picks) - 1
         before, after = before + met - exact.time, after + got.time - exact.time
     assert mixes >= 8 and after <= 0.25 * before, (mixes, after, before)
+
+
+class _Space:
+    """A stand-in ``SearchSpace`` for ``PeakLoop``: a search under bound b returns the plan of the least time whose
+    searched memory is within b, from ``plans`` ((time, searched memory, step peak) each), stopped at the gap asked
+    (its proven bound ``time (1 - gap)``, rounded up); ``searches`` records each search's (bound, gap)."""
+
+    ctx = SimpleNamespace(blocks=[[0]])
+    options = SimpleNamespace(solver="dp")
+    above = None
+
+    def __init__(self, plans: list[tuple[int, int, int]]) -> None:
+        self.plans, self.searches, self.peaks = plans, [], {}
+
+    def search(self, bound, gap, seed=None, at_cap=True):
+        self.searches.append((bound, gap))
+        time, mem, peak = min(p for p in self.plans if bound is None or p[1] <= bound)
+        gap = PLAN_GAP if gap is None else gap
+        sol = Solution((len(self.searches),), time, mem, False, "dp", 0.0, {"lower_bound": time - int(time * gap)})
+        self.peaks[sol.choice] = peak
+        return Probe(sol, list(sol.choice))
+
+    def peak_of(self, probe: Probe) -> int:
+        return self.peaks[tuple(probe.choice)]
+
+
+def test_the_peak_loop_refines_a_plan_found_at_the_cap_and_keeps_a_bisected_ones_probe() -> None:
+    """``PeakLoop``: where the first plan (at the cap) fits, it is searched again at ``PLAN_GAP`` (its proven gap
+    closes to it); where its peak is over the cap, the loop tightens the bound until a plan fits, and that plan,
+    a tightened bound's optimum known to the loop's tolerance only, keeps its probe's gap (no search at
+    ``PLAN_GAP``)."""
+    cap = 1000
+    t = 10**9  # picoseconds: 1 ms
+    fits_first = _Space([(t, 900, 950), (2 * t, 500, 600)])
+    got = PeakLoop(fits_first, cap, None).run()
+    assert [g for _, g in fits_first.searches] == [PROBE_GAP, None] and got.sol.time == t
+    assert got.sol.time - got.sol.time_lower_bound <= got.sol.time * PLAN_GAP
+    bisected = _Space([(t, 900, 1100), (2 * t, 500, 600)])  # the fastest plan's peak is over the cap
+    got = PeakLoop(bisected, cap, None).run()
+    assert got.sol.time == 2 * t and all(g == PROBE_GAP for _, g in bisected.searches) and len(bisected.searches) >= 2
+    assert got.sol.time - got.sol.time_lower_bound == pytest.approx(2 * t * PROBE_GAP, abs=1)
