@@ -12,7 +12,10 @@ launch latency): the op takes the longer of the device's and the host's time::
              = max(kernel_s + kernel_overhead_s, host_s)      (host_runs_ahead true)
 
 with ``host_s`` the profile's measured forward / backward overhead of the runtime
-(``op_overhead_s``), or ``kernel_overhead_s`` where none was measured.
+(``op_overhead_s``), or ``kernel_overhead_s`` where none was measured, and ``eff``
+``matmul_efficiency`` for matmul-like ops (times the profile's measured
+``attention_efficiency`` / ``attention_backward_efficiency`` for fused attention,
+whose kernels reach another rate than a GEMM's), 1 for the rest.
 
 All rates come from a ``DeviceProfile`` (``configs/devices/*.toml``).
 """
@@ -38,11 +41,12 @@ def op_time_s(
     *,
     matmul: bool,
     backward: bool = False,
+    attention: bool = False,
 ) -> float:
     """Roofline seconds of one op: math or memory bound, with the host's per-op overhead
     (``op_overhead_s``: ``kernel_overhead_s``, or the measured forward or ``backward`` overhead of
     a calibrated profile) added, or overlapped where the host runs ahead of the device (module
-    docstring).
+    docstring).  ``attention``: a fused attention kernel (its measured efficiency applies).
 
     An op with no flops and no bytes (a view) launches no kernel, but a runtime
     that dispatches ops one by one on the host still pays for calling it:
@@ -55,6 +59,8 @@ def op_time_s(
     if flops == 0 and bytes_moved == 0:
         return profile.view_op_overhead_s
     efficiency = profile.matmul_efficiency if matmul else 1.0
+    if attention:
+        efficiency *= profile.attention_backward_efficiency if backward else profile.attention_efficiency
     math_s = flops / (profile.peak_flops_for(dtype) * efficiency)
     memory_s = bytes_moved / (profile.mem_bandwidth_bytes_per_s * profile.memory_efficiency)
     kernel_s, host_s = max(math_s, memory_s), profile.op_overhead_s(backward=backward)
@@ -74,4 +80,7 @@ def call_time_s(call: Any, profile: DeviceProfile, *, backward: bool = False) ->
     else:
         n_flops, n_bytes = _flops.forward_flops(call), _flops.bytes_moved(call)
     dtype = _flops.compute_dtype(call)
-    return op_time_s(n_flops, n_bytes, profile, dtype, matmul=_flops.is_matmul_like(call), backward=backward)
+    attention = _flops.op_family(call) == "sdpa"
+    return op_time_s(
+        n_flops, n_bytes, profile, dtype, matmul=_flops.is_matmul_like(call), backward=backward, attention=attention
+    )

@@ -206,6 +206,14 @@ class DeviceProfile:
     *parameter gradients* in backward that is hidden behind backward compute (DDP
     and FSDP bucket them and overlap them with the rest of backward); collectives on
     activations and the optimizer-step all-gather are never discounted.
+    ``attention_efficiency`` / ``attention_backward_efficiency``: the fused attention
+    kernel's achieved rate over the matmul rate (``peak_flops`` x ``matmul_efficiency``),
+    forward and backward, on the flops ``costmodel.flops`` counts for it (causal masking
+    not subtracted: a kernel that skips masked blocks can exceed 1); measured by
+    ``autopar calibrate``, 1.0 where not measured.  ``optimizer_bandwidth_bytes_per_s``
+    and ``optimizer_op_overhead_s``: what torch.optim's step achieves per byte of its
+    tensor passes and per kernel it launches, measured on its AdamW step by calibrate
+    (None: ``mem_bandwidth_bytes_per_s`` x ``memory_efficiency`` and ``op_overhead_s()``).
     ``dropout_mask_bytes`` is what a training dropout keeps per element for
     backward (a bool mask in CUDA's native_dropout; the CPU path keeps a float mask).
     ``attention_saves`` is what scaled_dot_product_attention keeps for backward on
@@ -241,6 +249,10 @@ class DeviceProfile:
     host_runs_ahead: bool = False
     cores_per_node: int = 0
     core_lending: CoreLending | None = None
+    attention_efficiency: float = 1.0
+    attention_backward_efficiency: float = 1.0
+    optimizer_bandwidth_bytes_per_s: float | None = None
+    optimizer_op_overhead_s: float | None = None
 
     def compute_speed(self, busy: int, ranks: int, action_s: float | None = None) -> float:
         """How much faster a rank computes while ``busy`` of its node's ``ranks`` ranks compute than while all of
@@ -287,7 +299,17 @@ class DeviceProfile:
             raise ValueError(
                 f"device profile {self.name!r}: devices_per_node must be an int >= 1, got {self.devices_per_node!r}"
             )
-        for key in ("kernel_overhead_s", "forward_op_overhead_s", "backward_op_overhead_s", "view_op_overhead_s"):
+        for key in ("attention_efficiency", "attention_backward_efficiency", "optimizer_bandwidth_bytes_per_s"):
+            value = getattr(self, key)
+            if value is not None:
+                _check_positive(self.name, key, value)
+        for key in (
+            "kernel_overhead_s",
+            "forward_op_overhead_s",
+            "backward_op_overhead_s",
+            "view_op_overhead_s",
+            "optimizer_op_overhead_s",
+        ):
             value = getattr(self, key)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"device profile {self.name!r}: {key} must be >= 0 seconds, got {value!r}")
@@ -495,6 +517,11 @@ def _take(table: dict, schema: dict[str, type], where: str) -> dict[str, Any]:
     return out
 
 
+#: optional keys of a profile file: seconds (measured overheads) and rates (measured efficiencies, bandwidths)
+_OPTIONAL_SECONDS = ("forward_op_overhead_s", "backward_op_overhead_s", "view_op_overhead_s", "optimizer_op_overhead_s")
+_OPTIONAL_RATES = ("attention_efficiency", "attention_backward_efficiency", "optimizer_bandwidth_bytes_per_s")
+
+
 def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     where = f"device profile {path}"
     data = dict(data)
@@ -502,9 +529,8 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     mask_bytes = data.pop("dropout_mask_bytes", 1)
     attention = data.pop("attention_saves", "traced")  # optional: older files lack it
     reduce_scatter = data.pop("reduce_scatter", "native")  # optional: how the backend runs it (LinkProfile)
-    overheads = {
-        k: data.pop(k) for k in ("forward_op_overhead_s", "backward_op_overhead_s", "view_op_overhead_s") if k in data
-    }
+    overheads = {k: data.pop(k) for k in _OPTIONAL_SECONDS if k in data}
+    rates = {k: data.pop(k) for k in _OPTIONAL_RATES if k in data}  # measured by calibrate: older files lack them
     switches = {k: data.pop(k, False) for k in ("optimizer_foreach", "host_runs_ahead")}
     cores = data.pop("cores_per_node", 0)  # optional: CPU ranks sharing cores (0: a device per rank)
     lending = data.pop("core_lending", None)  # optional: measured by calibrate where ranks outnumber cores
@@ -513,9 +539,9 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
     for key, value in switches.items():
         if not isinstance(value, bool):
             raise ValueError(f"{where}: {key} must be true or false, got {value!r}")
-    for key, value in overheads.items():
+    for key, value in {**overheads, **rates}.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: {key} must be a number of seconds, got {value!r}")
+            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
     if not isinstance(attention, str):
         raise ValueError(f"{where}: attention_saves must be a string {ATTENTION_SAVES}, got {attention!r}")
     if not isinstance(mask_bytes, int) or mask_bytes < 1:
@@ -539,7 +565,7 @@ def _profile_from_dict(data: dict, path: Path) -> DeviceProfile:
         grad_reduce_overlap=float(overlap),
         dropout_mask_bytes=mask_bytes,
         attention_saves=attention,
-        **{k: float(v) for k, v in overheads.items()},
+        **{k: float(v) for k, v in {**overheads, **rates}.items()},
         **switches,
         cores_per_node=cores,
         core_lending=None if lending is None else CoreLending.from_table(lending, where),

@@ -630,3 +630,61 @@ def test_plan_activations_equal_bytes_saved_on_one_device():
     plan = autopar.plan(model, autopar.Mesh((1,), axis_names=("dp",)), example_inputs=(x,), profile="cpu", dtype="fp32")
     assert sum(kept.values()) > 30_000
     assert plan.memory.activations_bytes == sum(kept.values())
+
+
+def test_fused_attention_is_priced_at_its_measured_rate_over_the_matmuls(h100):
+    """``attention_efficiency`` scales attention's forward, ``attention_backward_efficiency`` its backward; a
+    matmul keeps the matmul rate."""
+    import dataclasses
+
+    q = meta(4, 32, 4096, 128, dtype=torch.bfloat16)
+    sdpa = make_call(aten.scaled_dot_product_attention.default, q, q, q, None, 0.0, True)
+    mm = make_call(aten.mm.default, meta(4096, 4096, dtype=torch.bfloat16), meta(4096, 4096, dtype=torch.bfloat16))
+    slow = dataclasses.replace(h100, attention_efficiency=0.5, attention_backward_efficiency=0.25)
+    rate = 989e12 * h100.matmul_efficiency
+    overhead = h100.kernel_overhead_s
+    assert cm.call_time_s(sdpa, h100) == pytest.approx(cm.forward_flops(sdpa) / rate + overhead)
+    assert cm.call_time_s(sdpa, slow) == pytest.approx(cm.forward_flops(sdpa) / (0.5 * rate) + overhead)
+    assert cm.call_time_s(sdpa, slow, backward=True) == pytest.approx(
+        cm.backward_flops(sdpa) / (0.25 * rate) + overhead
+    )
+    assert cm.call_time_s(mm, slow) == cm.call_time_s(mm, h100)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("attention_efficiency", 0), ("attention_backward_efficiency", -0.5), ("optimizer_bandwidth_bytes_per_s", 0)],
+)
+def test_a_measured_rate_must_be_positive(tmp_path, key, value):
+    from costmodel import load_profile
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f"{key} = {value}\n" + (config_dir() / "devices" / "cpu.toml").read_text())
+    with pytest.raises(ValueError, match=f"{key} must be a positive finite number"):
+        load_profile(str(bad))
+
+
+def test_the_optimizer_step_is_priced_at_the_measured_optimizer_rates(tmp_path):
+    """AdamW on one device: per parameter, 8 kernels at ``optimizer_op_overhead_s`` and 20 passes over its
+    float32 state shard at ``optimizer_bandwidth_bytes_per_s`` (costmodel.memory's count)."""
+    import autopar
+    from autopar.mesh import Mesh
+
+    path = tmp_path / "measured.toml"
+    text = (config_dir() / "devices" / "cpu.toml").read_text()
+    path.write_text("optimizer_bandwidth_bytes_per_s = 2e9\noptimizer_op_overhead_s = 1e-5\n" + text)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    plans = {
+        p: autopar.plan(model, Mesh((1,)), example_inputs=(torch.randn(8, 64),), profile=p, optimizer="adamw")
+        for p in ("cpu", str(path))
+    }
+    numels = [p.numel() for p in model.parameters()]
+    want = sum(8 * 1e-5 + 20 * 4 * n / 2e9 for n in numels)
+    assert plans[str(path)].cost.terms["optimizer step"] == pytest.approx(want)
+    cpu = cm.load_profile("cpu")
+    assert plans["cpu"].cost.terms["optimizer step"] == pytest.approx(
+        sum(
+            8 * cpu.op_overhead_s() + 20 * 4 * n / (cpu.mem_bandwidth_bytes_per_s * cpu.memory_efficiency)
+            for n in numels
+        )
+    )

@@ -119,6 +119,12 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     prof = load_profile(str(path))
     assert prof.name == "mine" and prof.peak_flops["float32"] == pytest.approx(cal.matmul["float32"].rate)
     assert prof.op_overhead_s(backward=True) == pytest.approx(cal.backward_op_s)
+    # attention's rate over the matmul rate, AdamW's per-kernel overhead and bandwidth: measured and written
+    assert 0 < prof.attention_efficiency == pytest.approx(cal.attention_efficiency("forward"))
+    assert 0 < prof.attention_backward_efficiency == pytest.approx(cal.attention_efficiency("backward"))
+    assert 0 < prof.optimizer_bandwidth_bytes_per_s == pytest.approx(cal.optimizer["bandwidth_bytes_per_s"])
+    assert 0 <= prof.optimizer_op_overhead_s == pytest.approx(cal.optimizer["op_overhead_s"])
+    assert "fused attention (float32) over the matmul rate" in text and "optimizer step (AdamW)" in text
     assert prof.cores_per_node == len(os.sched_getaffinity(0))  # CPU ranks share this machine's cores
     # core lending is measured only where the ranks outnumber the cores; the base's table never carries over
     assert (cal.lending is None) == (2 <= cal.cores) and load_profile("cpu").core_lending is not None

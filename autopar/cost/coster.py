@@ -72,6 +72,7 @@ from costmodel import (
     forward_flops,
     is_matmul_like,
     model_state_bytes,
+    op_family,
     op_time_s,
 )
 
@@ -339,12 +340,12 @@ class Coster:
         )
         local = call.with_metas(ins, outs)
         dtype = outs[0].dtype if outs else torch.float32
-        matmul = is_matmul_like(local)
-        nbytes = bytes_moved(local)
-        t = op_time_s(forward_flops(local), nbytes, self.settings.profile, dtype, matmul=matmul)
+        matmul, attention = is_matmul_like(local), op_family(local) == "sdpa"
+        nbytes, prof = bytes_moved(local), self.settings.profile
+        t = op_time_s(forward_flops(local), nbytes, prof, dtype, matmul=matmul, attention=attention)
         if node.requires_grad and not forward_only:
             t += op_time_s(
-                backward_flops(local), 2 * nbytes, self.settings.profile, dtype, matmul=matmul, backward=True
+                backward_flops(local), 2 * nbytes, prof, dtype, matmul=matmul, backward=True, attention=attention
             )
         for axis, comms in enumerate(strategy.comm):
             t += sum(self.comm_time_s(c.kind, c.bytes, axis) for c in comms if not forward_only or c.phase == "forward")
@@ -352,13 +353,17 @@ class Coster:
 
     def optimizer_step_s(self, node: OpNode, s: SourceStrategy) -> float:
         """The optimizer's update of this parameter's state shard, as torch.optim runs it: ``passes`` tensors
-        of the shard's size read and written (memory-bound), plus one per-op overhead for each of its
-        ``ops_per_param`` kernels unless the profile's optimizer steps many parameters per kernel (foreach);
-        per micro-batch (``TrainingSettings.microbatches``: once per step)."""
+        of the shard's size read and written at the profile's optimizer bandwidth (memory-bound; the measured
+        ``optimizer_bandwidth_bytes_per_s``, else the memory bandwidth), plus one per-kernel overhead
+        (``optimizer_op_overhead_s``, else the op overhead) for each of its ``ops_per_param`` kernels unless the
+        profile's optimizer steps many parameters per kernel (foreach); per micro-batch
+        (``TrainingSettings.microbatches``: once per step)."""
         opt, prof = self.settings.optimizer, self.settings.profile
         shard_bytes = self.param_state_bytes(node, s).grads  # one tensor the size of the state shard
-        t = opt.passes * shard_bytes / (prof.mem_bandwidth_bytes_per_s * prof.memory_efficiency)
-        return (t + (0.0 if prof.optimizer_foreach else opt.ops_per_param * prof.op_overhead_s())) / self.per_step
+        bandwidth = prof.optimizer_bandwidth_bytes_per_s or prof.mem_bandwidth_bytes_per_s * prof.memory_efficiency
+        per_kernel = prof.op_overhead_s() if prof.optimizer_op_overhead_s is None else prof.optimizer_op_overhead_s
+        t = opt.passes * shard_bytes / bandwidth
+        return (t + (0.0 if prof.optimizer_foreach else opt.ops_per_param * per_kernel)) / self.per_step
 
     @property
     def per_step(self) -> int:

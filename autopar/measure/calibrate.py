@@ -14,6 +14,11 @@ ranks than cores the contention is part of every number, as it is in the job):
   it is printed as a residual;
 * **memory bandwidth** of a large copy and a large add (read + write bytes / s;
   32 MiB tensors on CPU, 256 MiB on GPUs: past the caches);
+* **fused attention and the optimizer step** against that roofline
+  (``measure.kernel_rates``): ``attention_efficiency`` and
+  ``attention_backward_efficiency`` (scaled_dot_product_attention's rate over the
+  matmul rate), ``optimizer_op_overhead_s`` and ``optimizer_bandwidth_bytes_per_s``
+  (AdamW's step on two parameter sets);
 * **per-op overhead of autopar's runtime**: a small model of many tiny ops through
   ``autopar.compile`` under an all-replicated plan (no collective), forward per op
   and backward per op (``forward_op_overhead_s``, ``backward_op_overhead_s``);
@@ -55,6 +60,7 @@ from torch import nn
 from costmodel import CoreLending
 
 from .fit import LineFit, RateFit, fit_latency_bandwidth, fit_rate
+from .kernel_rates import attention_points, optimizer_rates
 from .lending_ring import LENGTHS_MS, measure_lending
 
 __all__ = ["Calibration", "calibrate", "measure_rank", "COLLECTIVE_KINDS", "MAX_SPREAD", "SIZES_BYTES"]
@@ -108,6 +114,13 @@ class Calibration:
     load_before: float | None = None  # the machine's 1-minute load average before calibrate's ranks started
     cores: int = 0  # the cores this process may run on
     lending: CoreLending | None = None  # measured where CPU ranks outnumber the cores
+    attention: dict[str, RateFit] | None = None  # "forward"/"backward": scaled_dot_product_attention's flop/s
+    attention_dtype: str = "float32"  # the dtype attention was timed in (its matmul rate is the reference)
+    optimizer: dict[str, float] | None = None  # kernel_rates.optimizer_rates
+
+    def attention_efficiency(self, direction: str) -> float:
+        """Attention's median rate in ``direction`` ("forward", "backward") over the matmul rate of its dtype."""
+        return self.attention[direction].rate / self.matmul[self.attention_dtype].rate
 
     @property
     def spread(self) -> float:
@@ -145,6 +158,12 @@ class Calibration:
         if self.backend != "nccl":  # CPU ranks share this machine's cores (DeviceProfile.compute_speed)
             prof["cores_per_node"] = self.cores
         prof.pop("core_lending", None)  # the base's table is another machine's
+        if self.attention is not None:
+            prof["attention_efficiency"] = self.attention_efficiency("forward")
+            prof["attention_backward_efficiency"] = self.attention_efficiency("backward")
+        if self.optimizer is not None:
+            prof["optimizer_op_overhead_s"] = self.optimizer["op_overhead_s"]
+            prof["optimizer_bandwidth_bytes_per_s"] = self.optimizer["bandwidth_bytes_per_s"]
         if self.lending is not None:
             prof["core_lending"] = self.lending.to_table()
         if self.overlap is not None:  # the measured hidden fraction, kept in the profile's range [0, 1)
@@ -235,6 +254,9 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
         load_before=raw.get("load_before"),
         cores=raw.get("cores", 0),
         lending=raw.get("lending"),
+        attention={k: fit_rate(v) for k, v in raw["attention"].items()},
+        attention_dtype=raw["attention_dtype"],
+        optimizer=raw["optimizer"],
     )
 
 
@@ -270,7 +292,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
     bar = TerminalProgress(delay_s=0.0) if rank == 0 else None
     cores = len(os.sched_getaffinity(0))
     lends = device.type == "cpu" and world > cores  # ranks share cores: measure what a waiting rank lends
-    steps = len(_DTYPES) + 3 + len(COLLECTIVE_KINDS) + lends
+    steps = len(_DTYPES) + 4 + len(COLLECTIVE_KINDS) + lends
     done = 0
 
     def tick(stage: str) -> None:
@@ -296,6 +318,10 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         out["matmul"][str(dtype).removeprefix("torch.")] = _gemm_rates(dtype, device, trials, shapes)
     tick("memory bandwidth")
     out["bandwidth"] = _bandwidth(device, trials)
+    tick("attention and optimizer kernels")
+    out["attention_dtype"] = "float32" if device.type == "cpu" else "bfloat16"  # what models train in there
+    out["attention"] = attention_points(device, getattr(torch, out["attention_dtype"]), _slowest_median, trials)
+    out["optimizer"] = optimizer_rates(device, _slowest_median, trials)
     tick("runtime overhead per op")
     out.update(_op_overhead(world, device, trials))
     if world > 1:

@@ -33,6 +33,21 @@ def render_calibration(cal: Calibration) -> str:
         f"memory bandwidth: {cal.bandwidth.rate / 1e9:.2f} GB/s (copy {cal.bandwidth.samples[0][1] / 1e9:.2f}, "
         f"add {cal.bandwidth.samples[1][1] / 1e9:.2f})"
     )
+    if cal.attention is not None:
+        reference = cal.matmul[cal.attention_dtype].rate
+        shapes = ", ".join(f"{label} {rate / reference:.2f}" for label, rate in cal.attention["forward"].samples)
+        lines.append(
+            f"fused attention ({cal.attention_dtype}) over the matmul rate: forward "
+            f"{cal.attention_efficiency('forward'):.2f}, backward {cal.attention_efficiency('backward'):.2f} "
+            f"(forward per shape: {shapes})"
+        )
+    if cal.optimizer is not None:
+        o = cal.optimizer
+        lines.append(
+            f"optimizer step (AdamW): {o['op_overhead_s'] * 1e6:.1f} us per kernel, "
+            f"{o['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s over its tensor passes "
+            f"(small tensors {o['small_s'] * 1e3:.2f} ms, a layer's {o['layer_s'] * 1e3:.2f} ms)"
+        )
     lines.append(
         f"runtime overhead per op ({cal.ops} ops, no collective): forward {cal.forward_op_s * 1e6:.1f} us, "
         f"backward {cal.backward_op_s * 1e6:.1f} us; a view (no kernel) {cal.view_op_s * 1e6:.1f} us"
