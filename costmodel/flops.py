@@ -178,9 +178,28 @@ def _arg(call: Any, index: int, name: str, default: Any = None) -> Any:
     return call.kwargs.get(name, default)
 
 
+def _returns_its_input(call: Any) -> bool:
+    """``aten.to`` that changes nothing (the dtype it asks for is its input's, the shape stays, and not
+    ``copy=True``): it returns the input itself, no kernel (Hugging Face's ``logits.float()`` on float32 logits).
+    The dtype asked for is read from the call's arguments, not its output's meta: the planner gives every float
+    meta the training precision's dtype, and under bf16 that upcast is a real cast."""
+    if op_key(call.target) != "aten.to" or not call.inputs or not call.outputs:
+        return False
+    schema = getattr(call.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+
+    def given(name: str, default: Any) -> Any:
+        return _arg(call, names.index(name), name, default) if name in names else call.kwargs.get(name, default)
+
+    src, out = call.inputs[0], call.outputs[0]
+    asked = given("dtype", None)
+    dtype = asked if isinstance(asked, torch.dtype) else out.dtype
+    return not given("copy", False) and _is_meta(src) and src.dtype == dtype and _shape(src) == _shape(out)
+
+
 def _family(call: Any) -> str:
     key = op_key(call.target)
-    if call.target is operator.getitem or key in _VIEWS or not call.outputs:
+    if call.target is operator.getitem or key in _VIEWS or not call.outputs or _returns_its_input(call):
         return "view"
     if key in _FACTORIES:
         return "factory"

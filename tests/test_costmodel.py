@@ -409,6 +409,31 @@ def test_views_are_free_and_integer_ops_cost_bytes_only():
     assert cm.forward_flops(cat) == 0 and cm.bytes_moved(cat) == 2 * 4 * 8 * 4 * 2
 
 
+def test_a_to_that_changes_nothing_is_a_view_and_a_cast_or_copy_moves_bytes():
+    """``aten.to`` to the tensor's own dtype returns the tensor itself (Hugging Face's ``logits.float()`` on float32
+    logits): no kernel, no bytes, as eager runs it.  A cast, or ``copy=True``, reads and writes the tensor."""
+    x = meta(256, 4096)
+    same = make_call(aten.to.dtype, x, torch.float32)
+    assert cm.op_family(same) == "view" and cm.bytes_moved(same) == 0 and cm.backward_bytes_moved(same) == 0
+    real = torch.randn(2, 3)
+    assert aten.to.dtype(real, torch.float32) is real  # what the pricing rests on
+    layout = make_call(aten.to.dtype_layout, x, dtype=torch.float32, layout=torch.strided)
+    assert cm.op_family(layout) == "view"
+    cast = make_call(aten.to.dtype, x, torch.bfloat16)
+    assert cm.op_family(cast) == "data" and cm.bytes_moved(cast) == 256 * 4096 * (4 + 2)
+    copied = make_call(aten.to.dtype, x, torch.float32, False, True)
+    assert cm.op_family(copied) == "data" and cm.bytes_moved(copied) == 2 * 256 * 4096 * 4
+    # planned in bf16, the planner gives every float meta bfloat16: the upcast the call asks for is still a cast
+    upcast = OpCall(
+        aten.to.dtype,
+        (meta(256, 4096, dtype=torch.bfloat16), torch.float32),
+        {},
+        (meta(256, 4096, dtype=torch.bfloat16),),
+        (meta(256, 4096, dtype=torch.bfloat16),),
+    )
+    assert cm.op_family(upcast) == "data" and cm.bytes_moved(upcast) == 2 * 256 * 4096 * 2
+
+
 def test_inconsistent_local_shapes_name_the_op():
     call = OpCall(aten.mm.default, (meta(4, 8), meta(6, 2)), {}, (meta(4, 8), meta(6, 2)), (meta(4, 2),))
     with pytest.raises(ValueError, match=r"aten\.mm\.default: inconsistent local shapes"):

@@ -61,7 +61,7 @@ PARTS = (
 )
 #: The plan calls the version-1 files were written for (gpt2-tiny, batch 4, seq 32).
 V1_CALLS = {
-    "plan_v1_gpt2_tiny.json": {"mesh": (2,)},
+    "plan_v1_gpt2_tiny.json": {"mesh": (4,)},
     "plan_v1_gpt2_tiny_hinted_recompute.json": {
         "mesh": (2, 2),
         "recompute": "full",
@@ -84,12 +84,13 @@ def hinted_plan() -> Plan:
 
 def _with_every_field_set(plan: Plan) -> Plan:
     """``plan`` with a value other than the default in every field a planned gpt2-tiny leaves at it (what an
-    approximate or budget-bound search, a fallback op, a buffer, a kernel, op hints and a tied parameter's
-    partial gradient would write)."""
+    approximate or budget-bound search, a fallback op, a buffer, a kernel, op hints, a tied parameter's
+    partial gradient and a gradient reduction hidden behind backward would write: gpt2-tiny's gradients fill one
+    bucket, reduced after backward)."""
     mesh_axes = len(plan.mesh.shape)
     name, node = next(iter(plan.nodes.items()))
     odd_node = dataclasses.replace(node, kernels=("matmul_tp",) * mesh_axes, fallback=True)
-    odd_collective = dataclasses.replace(plan.collectives[0], output=True, recompute=True)
+    odd_collective = dataclasses.replace(plan.collectives[0], output=True, recompute=True, hidden_s=1e-6)
     trials = (
         RecomputeTrial("none", False, min_per_device_bytes=123),
         RecomputeTrial("full", True, total_s=1.5e-3, per_device_bytes=456),

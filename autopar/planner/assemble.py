@@ -25,6 +25,7 @@ from autopar.placement import Replicate, Shard
 from autopar.spec import local_shape
 from autopar.transitions import AxisTransition, transitions
 
+from .bucket_prices import BucketedReduction, buckets_as_filled
 from .kept import keeping
 from .plan_parts import (
     Collective,
@@ -51,7 +52,9 @@ class Breakdown:
     is None: the cap is the plan's, not the choice's).  ``transient_at``: node index -> the bytes it holds for a
     moment beyond what the search charged it: an op, its backward's working set (``cost.StepPeak.transient_at``);
     a parameter, its gradient's bytes in the buckets' flat copy (``runtime.buckets``; 0: not bucketed).
-    ``flat_grad_axes``: the axis sets whose gradient buckets reduce over one flattened group (``Plan``'s field)."""
+    ``flat_grad_axes``: the axis sets whose gradient buckets reduce over one flattened group (``Plan``'s field).
+    ``reductions``: which of ``collectives`` reduce a parameter's gradient in a bucket, and ``bucketed`` each such
+    parameter's gradient bytes there (``bucket_prices``)."""
 
     cost: PlanCost
     memory: PlanMemory
@@ -59,6 +62,8 @@ class Breakdown:
     strategies: tuple
     transient_at: dict[int, int] = field(default_factory=dict)
     flat_grad_axes: tuple[tuple[str, ...], ...] = ()
+    reductions: tuple[BucketedReduction, ...] = ()
+    bucketed: dict[int, int] = field(default_factory=dict)
 
 
 def breakdown(ctx, choice: list[int]) -> Breakdown:
@@ -124,6 +129,7 @@ class _StepWalk:
         self.keep = keeping(ctx, self.regions) if self.regions else None  # who pays what checkpoints keep
         self.consumers = ctx.graph.consumers() if self.regions else {}
         self.bucketed: dict[int, int] = {}  # parameter -> its gradient bytes the runtime's buckets reduce
+        self.reductions: list[BucketedReduction] = []  # which collectives reduce a gradient in a bucket
 
     def node_time_s(self, node) -> float:
         return int(self.ctx.tables.node_time_ps[node.index][self.choice[node.index]]) / PS_PER_S
@@ -171,6 +177,8 @@ class _StepWalk:
         self.compute_s -= sum(whole * exposed for _, whole, exposed in summed)
         for t, whole, exposed in summed:  # the summed partial gradients of all uses, reduced once
             self.add(t, "backward", n, n.name, exposed, whole)
+            if self.bucketed.get(n.index):
+                self.reductions.append(BucketedReduction(len(self.collectives) - 1, n.index, t.axis))
 
     def saved_activations(self, n) -> str | None:
         """What a node keeps for backward and when backward frees it; its recompute region (None: saved)."""
@@ -264,12 +272,15 @@ class _StepWalk:
         if not (producer.requires_grad and n.requires_grad and producer.outputs[o].is_float):
             return
         g, target = self.strategies[n.index].input_grad(pos), self.strategies[u].output_grad(o)
+        grad_bytes = 0
         if producer.kind == "param":  # its uses' gradients are summed into the bucket once
             grad_bytes = self.coster.bucketed_grad_bytes(producer, producer.outputs[o], g, target)
             self.bucketed[u] = max(self.bucketed.get(u, 0), grad_bytes)
         if g != target:  # as the runtime reduces it (a data-parallel all-reduce in a bucket)
             for t, whole, exposed in self.coster.grad_move_steps(producer, producer.outputs[o], g, target):
                 self.add(t, "backward", n, producer.name, exposed, whole)
+                if grad_bytes:
+                    self.reductions.append(BucketedReduction(len(self.collectives) - 1, u, t.axis))
 
     def output_gathers(self) -> None:
         """The model's outputs gathered whole onto every rank (what the module returns)."""
@@ -306,7 +317,8 @@ class _StepWalk:
         cost = PlanCost(self.compute_s, self.comm_s, self.compute_s + self.comm_s, terms)
         moment = {**peak.transient_at, **self.bucketed}
         flat = tuple(sorted(self.flat))
-        return Breakdown(cost, memory, tuple(self.collectives), self.strategies, moment, flat)
+        reductions, bucketed = tuple(self.reductions), dict(self.bucketed)
+        return Breakdown(cost, memory, tuple(self.collectives), self.strategies, moment, flat, reductions, bucketed)
 
 
 def _reborn_at(ctx, reborn: dict[str, int]) -> dict[int, int]:
@@ -348,6 +360,17 @@ def overlap_bounded(cost: PlanCost, collectives: tuple[Collective, ...]) -> Plan
     return PlanCost(cost.compute_s, cost.comm_s + past, cost.total_s + past, {**cost.terms, PAST_BACKWARD: past})
 
 
+def _as_run(ctx, b: Breakdown) -> tuple[tuple[Collective, ...], PlanCost]:
+    """The step's collectives and cost with what is priced after the search: the gradient buckets as the runtime
+    fills them (``bucket_prices``), then the reductions' overlap bounded by backward (``overlap_bounded``)."""
+    collectives, added = buckets_as_filled(ctx, b.collectives, b.reductions, b.bucketed)
+    cost = b.cost
+    if added > 0:  # the reductions' terms as they run (the search's objective is the step less ``added``)
+        terms = _terms(ctx.coster, ctx.graph, b.strategies, cost.compute_s, collectives)
+        cost = PlanCost(cost.compute_s, cost.comm_s + added, cost.total_s + added, terms)
+    return collectives, overlap_bounded(cost, collectives)
+
+
 def assemble_plan(
     ctx,
     choice: list[int],
@@ -358,6 +381,7 @@ def assemble_plan(
 ) -> Plan:
     """The ``Plan`` of ``choice`` (``parts``: its ``breakdown`` when the caller has it already)."""
     b = parts if parts is not None else breakdown(ctx, choice)
+    collectives, cost = _as_run(ctx, b)
     params, inputs, nodes = _placements(ctx, b.strategies)
     fallback = tuple(FallbackOp(name, e.op, e.module) for name, e in nodes.items() if e.fallback)
     return Plan(
@@ -367,8 +391,8 @@ def assemble_plan(
         params=params,
         inputs=inputs,
         nodes=nodes,
-        collectives=b.collectives,
-        cost=overlap_bounded(b.cost, b.collectives),
+        collectives=collectives,
+        cost=cost,
         memory=replace(b.memory, cap_bytes=settings.mem_cap_bytes),
         fallback_ops=fallback,
         family=classify(ctx, choice),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from . import at_exit  # noqa: F401 - registers the release at interpreter exit
 from .at_exit import hold_until_exit
-from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, bucketable
+from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, GradBuckets, bucket_layout, bucketable
 from .clip import clip_grad_norm_, replication
 from .counter import CollectiveCounter, CollectiveRecord
 from .deferred import PendingLoss, defer_loss_tail, wait_pending
@@ -49,6 +49,8 @@ __all__ = [
     "StateShards",
     "from_state_shard",
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "bucket_layout",
     "GradBuckets",
     "RankError",
     "ReshardCost",

@@ -70,7 +70,7 @@ from autopar.transitions import transitions
 from .counter import CollectiveCounter
 from .groups import MeshGroups
 
-__all__ = ["GradBuckets", "bucketable"]
+__all__ = ["DEFAULT_FIRST_BUCKET_BYTES", "GradBuckets", "bucket_layout", "bucketable"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,31 @@ def bucketable(xplan, exclude: set[str]) -> dict[str, tuple[tuple[int, ...], tup
         if axes and all(isinstance(g[a], Partial) and isinstance(target[a], Replicate) for a in axes):
             out[name] = (tuple(axes), g)
     return out
+
+
+def bucket_layout(
+    order: list, axes_of: dict, sizes: dict, bucket_bytes: int, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
+) -> list[tuple[tuple, list]]:
+    """The gradient buckets of the parameters ``order`` (by first use in forward), as ``(axes, names)`` in the
+    order backward fills them: parameters in reverse order of first use (the last used are ready first), each
+    into the open bucket of its partial ``axes_of[name]`` while it stays within the cap (``bucket_bytes``; the
+    first bucket of each axis set ``first_bucket_bytes``, as DDP's); ``sizes``: each gradient's bytes in the
+    bucket.  A gradient larger than the cap has a bucket of its own.  The last bucket of an axis set holds the
+    parameters used first; it is ready only when backward ends."""
+    layout: list[tuple[tuple, list]] = []
+    filled: dict[int, int] = {}
+    for name in reversed(order):  # backward readiness order: last used first
+        axes = axes_of[name]
+        current = next((b for b in reversed(layout) if b[0] == axes), None)
+        first = current is not None and not any(b[0] == axes for b in layout if b is not current)
+        cap = min(first_bucket_bytes, bucket_bytes) if first else bucket_bytes
+        if current is None or filled[id(current)] + sizes[name] > cap and current[1]:
+            current = (axes, [])
+            layout.append(current)
+            filled[id(current)] = 0
+        current[1].append(name)
+        filled[id(current)] += sizes[name]
+    return layout
 
 
 @dataclass
@@ -206,24 +231,12 @@ class GradBuckets:
         self.groups = groups
         self.bucketed = bucketed
         self.flat = flat  # axis sets reduced by one all-reduce over their flattened group (groups.flat_group)
-        layout: list[tuple[tuple[int, ...], list[str]]] = []
-        filled: dict[int, int] = {}
-        for name in reversed(list(bucketed)):  # backward readiness order: last used first
-            axes = bucketed[name][0]
-            current = next((b for b in reversed(layout) if b[0] == axes), None)
-            first = current is not None and not any(b[0] == axes for b in layout if b is not current)
-            cap = min(first_bucket_bytes, bucket_bytes) if first else bucket_bytes
-            if current is None or filled[id(current)] + sizes[name] > cap and current[1]:
-                current = (axes, [])
-                layout.append(current)
-                filled[id(current)] = 0
-            current[1].append(name)
-            filled[id(current)] += sizes[name]
-        self.layout = layout
+        axes_of = {name: axes for name, (axes, _) in bucketed.items()}
+        self.layout = bucket_layout(list(bucketed), axes_of, sizes, bucket_bytes, first_bucket_bytes)
         # param -> {edge: its planned gradient collectives (kind, axis or flattened axes, bytes, reduce op)}
         self.logical: dict[str, dict[object, list[tuple]]] = {}
         self.round: _Round | None = None
-        log.debug("gradient buckets: %s", [(a, len(n)) for a, n in layout])
+        log.debug("gradient buckets: %s", [(a, len(n)) for a, n in self.layout])
 
     def first_group(self, axes: tuple[int, ...]) -> dist.ProcessGroup:
         """The group a bucket partial on ``axes`` starts its reduction on: the flattened group of the axes where
