@@ -425,20 +425,29 @@ def test_collectives_table_shows_the_overlapped_part(tiny_model):
 
     model, args, kwargs = tiny_model("gpt2-tiny", 4, 16)
     mesh = autopar.Mesh(2, "dp")
-    ctx = autopar.prepare(model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE)
+    # 64 KiB buckets: gpt2-tiny's gradients fill several, so all but the last overlap backward
+    ctx = autopar.prepare(
+        model, mesh, example_inputs=args, example_kwargs=kwargs, profile=PARTITIONING_PROFILE, grad_bucket_bytes=1 << 16
+    )
     plan = autopar.plan_from_context(ctx, family="data parallel", compare_families=False)
     overlap = load_profile(PARTITIONING_PROFILE).grad_reduce_overlap
     assert 0 < overlap < 1
     params = {f"p_{fqn.replace('.', '_')}" for fqn in plan.params}
     grads = [c for c in plan.collectives if c.phase == "backward" and c.tensor in params]
     assert grads, "a data-parallel plan reduces parameter gradients"
+    # the embedding is used first in forward: its bucket (its own, 250 KiB over the cap) is filled when backward
+    # ends and hides behind nothing (planner/bucket_prices.py); the others hide the profile's overlap
+    hidden = [c for c in grads if c.tensor != "p_transformer_wte_weight"]
+    assert hidden and len(hidden) == len(grads) - 1
     for c in plan.collectives:
         whole = c.time_s + c.hidden_s
-        assert c.hidden_s == pytest.approx(whole * overlap if c in grads else 0.0, rel=1e-9, abs=1e-15), c
+        assert c.hidden_s == pytest.approx(whole * overlap if c in hidden else 0.0, rel=1e-9, abs=1e-15), c
     table = render_table(plan)
     assert re.search(r"\bexposed\b.*\boverlapped\b", table) and "hidden behind" in table
     rows = [line for line in table.splitlines() if "reduce" in line and "backward" in line]
-    assert rows and all(re.search(r"\d\.\d{3} ms │ \d\.\d{3} ms", row) for row in rows), rows
+    overlapped = [row for row in rows if re.search(r"\d\.\d{3} ms │ \d\.\d{3} ms", row)]
+    exposed_only = [row for row in rows if re.search(r"\d\.\d{3} ms │ -", row)]
+    assert len(overlapped) == len(rows) - 1 and len(exposed_only) == 1 and "transformer.wte " in exposed_only[0]
     counts = re.findall(r"│ (?:all_reduce|all_gather|reduce_scatter|all_to_all)\s+│ \w+\s+│ \w+\s+│ ([^│]+)│", table)
     assert counts and all(re.fullmatch(r"\d+(; .*)?|\d+-\d+", c.strip()) for c in counts), counts
 
