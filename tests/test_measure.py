@@ -44,6 +44,26 @@ def test_spread_and_relative_error():
         stats.relative_error(1.0, 0.0)
 
 
+def test_median_of_passes_takes_each_number_s_median_and_keeps_labels():
+    """``autopar calibrate --passes``: the passes' nested measurements merged number by number."""
+    passes = [
+        {"matmul": {"float32": [("256x256", 3.0), ("512x512", 10.0)]}, "ops": 40, "dtype": "float32", "x": 1.0},
+        {"matmul": {"float32": [("256x256", 1.0), ("512x512", 30.0)]}, "ops": 40, "dtype": "float32", "x": 2.0},
+        {"matmul": {"float32": [("256x256", 2.0), ("512x512", 20.0)]}, "ops": 40, "dtype": "float32", "x": 9.0},
+    ]
+    merged = stats.median_of(passes)
+    assert merged == {
+        "matmul": {"float32": [("256x256", 2.0), ("512x512", 20.0)]}, "ops": 40, "dtype": "float32", "x": 2.0
+    }  # fmt: skip
+    assert isinstance(merged["ops"], int) and stats.median_of([{"a": (1, 4)}, {"a": (3, 4)}]) == {"a": (2.0, 4)}
+    with pytest.raises(ValueError, match="labels differ"):
+        stats.median_of([("256x256", 1.0), ("512x512", 1.0)])
+    with pytest.raises(ValueError, match="other keys"):
+        stats.median_of([{"a": 1.0}, {"b": 1.0}])
+    with pytest.raises(ValueError, match="other lengths"):
+        stats.median_of([[1.0], [1.0, 2.0]])
+
+
 def test_latency_bandwidth_fit_recovers_the_line_and_reports_residuals():
     latency, bandwidth = 50e-6, 2e9
     points = [(x, latency + x / bandwidth) for x in (1e4, 1e5, 1e6, 1e7)]
@@ -105,11 +125,12 @@ def test_calibrate_writes_a_profile_the_cost_model_prices_with(tmp_path):
     from autopar.measure.calibration_report import render_calibration, write_profile
     from costmodel import collective_time_s, load_profile
 
-    cal = calibrate(ranks=2, trials=2, quick=True)
+    cal = calibrate(ranks=2, trials=2, quick=True, passes=2)
+    assert cal.passes == 2 and "each number the median of 2 passes" in render_calibration(cal)
     assert set(cal.matmul) == {"float32", "bfloat16", "float16"} and all(f.rate > 0 for f in cal.matmul.values())
     assert cal.bandwidth.rate > 0 and cal.forward_op_s > 0 and cal.backward_op_s > 0
     assert set(cal.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
-    # every point timed twice: its spread measured, and the machine's load before
+    # every point timed twice in each pass: its spread measured, and the machine's load before
     assert len(cal.spreads) > 20 and all(x >= 0 for x in cal.spreads) and cal.spread == statistics.median(cal.spreads)
     assert cal.load_before is not None and cal.cores == len(os.sched_getaffinity(0))
     text = render_calibration(cal)
@@ -175,7 +196,7 @@ def _calibrate_here_rank(rank, world, path):
     from autopar.measure.calibrate import calibrate_here
     from autopar.measure.calibration_report import write_profile
 
-    cal = calibrate_here(rank, world, "cpu", trials=2, quick=True)
+    cal = calibrate_here(rank, world, "cpu", trials=2, quick=True, passes=1)
     if cal is not None:
         write_profile(cal, path)
     return None if cal is None else cal.spread
@@ -207,7 +228,7 @@ def test_calibrate_on_one_rank_keeps_the_base_profiles_links(tmp_path):
     from autopar.measure.calibration_report import render_calibration, write_profile
     from costmodel import load_profile
 
-    cal = calibrate(ranks=1, trials=1, quick=True)
+    cal = calibrate(ranks=1, trials=1, quick=True, passes=1)
     assert cal.collectives == {} and cal.overlap is None and cal.forward_op_s > 0
     assert "one rank, nothing to measure" in render_calibration(cal)
     path = tmp_path / "one.toml"

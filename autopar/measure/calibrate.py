@@ -55,13 +55,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from costmodel import CoreLending
 
 from .fit import LineFit, RateFit, fit_latency_bandwidth, fit_rate
 from .kernel_rates import attention_points, optimizer_rates
 from .lending_ring import LENGTHS_MS, measure_lending
+from .op_overhead import runtime_op_overhead
+from .stats import median_of
 
 __all__ = ["Calibration", "calibrate", "measure_rank", "COLLECTIVE_KINDS", "MAX_SPREAD", "SIZES_BYTES"]
 
@@ -117,6 +118,7 @@ class Calibration:
     attention: dict[str, RateFit] | None = None  # "forward"/"backward": scaled_dot_product_attention's flop/s
     attention_dtype: str = "float32"  # the dtype attention was timed in (its matmul rate is the reference)
     optimizer: dict[str, float] | None = None  # kernel_rates.optimizer_rates
+    passes: int = 1  # how many times every number was measured (its median over them is kept)
 
     def attention_efficiency(self, direction: str) -> float:
         """Attention's median rate in ``direction`` ("forward", "backward") over the matmul rate of its dtype."""
@@ -193,21 +195,30 @@ class Calibration:
 
 
 def calibrate(
-    *, ranks: int = 4, base: str | None = None, trials: int = 3, timeout_s: float = 600.0, quick: bool = False
+    *,
+    ranks: int = 4,
+    base: str | None = None,
+    trials: int = 3,
+    timeout_s: float = 600.0,
+    quick: bool = False,
+    passes: int = 2,
 ) -> Calibration:
     """Measure this machine on ``ranks`` local CPU ranks (gloo), or as the ranks of a torchrun job.
 
     Under torchrun (``RANK``/``WORLD_SIZE`` set) every rank calls this and rank 0
     returns the calibration (the others None); CUDA ranks use nccl, one GPU each.
     ``quick`` measures three GEMM shapes and two message sizes only (a smoke check,
-    not a profile to plan with).
+    not a profile to plan with); ``passes``: how many times the whole set is measured, each number the median
+    over them (``measure_rank``).
     """
     from .ranks import on_ranks
 
     if ranks < 1:
         raise ValueError(f"--ranks {ranks}: expected at least 1 rank")
+    if passes < 1:
+        raise ValueError(f"--passes {passes}: expected at least 1 pass")
     t0, load = time.perf_counter(), os.getloadavg()[0]  # before this command's own ranks start
-    raw = on_ranks(measure_rank, ranks, trials, quick, timeout_s=timeout_s)
+    raw = on_ranks(measure_rank, ranks, trials, quick, passes, timeout_s=timeout_s)
     if raw is None:  # a torchrun rank other than 0
         return None
     return _calibration(dict(raw, load_before=load), base, time.perf_counter() - t0)
@@ -257,15 +268,18 @@ def _calibration(raw: dict[str, Any], base: str | None, wall_s: float) -> Calibr
         attention={k: fit_rate(v) for k, v in raw["attention"].items()},
         attention_dtype=raw["attention_dtype"],
         optimizer=raw["optimizer"],
+        passes=raw.get("passes", 1),
     )
 
 
-def calibrate_here(rank: int, world: int, base: str, trials: int = 3, quick: bool = False) -> Calibration | None:
+def calibrate_here(
+    rank: int, world: int, base: str, trials: int = 3, quick: bool = False, passes: int = 2
+) -> Calibration | None:
     """Calibrate on the ranks of the running job (every rank calls this, as ``measure_rank``; ``base``: the profile
     of what it does not measure): the calibration on rank 0, None on the others.  ``autopar fidelity --calibrate``
-    runs it before each case; ``quick``: as ``calibrate``'s."""
+    runs it before each case; ``quick`` and ``passes``: as ``calibrate``'s."""
     t0, load = time.perf_counter(), os.getloadavg()[0]
-    raw = measure_rank(rank, world, trials, quick)
+    raw = measure_rank(rank, world, trials, quick, passes)
     if raw is None:
         return None
     return _calibration(dict(raw, load_before=load), base, time.perf_counter() - t0)
@@ -279,36 +293,59 @@ def _gpu_base(device_name: str) -> str:
 # ---- on every rank --------------------------------------------------------------------
 
 
-def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dict[str, Any] | None:
-    """Every measurement of the module docstring on this rank; rank 0 returns them (slowest rank's times)."""
-    import torch.distributed as dist
+def measure_rank(rank: int, world: int, trials: int, quick: bool = False, passes: int = 1) -> dict[str, Any] | None:
+    """Every measurement of the module docstring on this rank; rank 0 returns them (slowest rank's times).
 
-    from autopar.launch import TerminalProgress
-
+    The whole set is measured ``passes`` times, one pass after the other, and each number is the median over the
+    passes (``stats.median_of``): on a shared machine whose speed moves from one minute to the next, two
+    calibrations a minute apart priced the same plans up to 30% apart (2026-11-30), and a pass's own repeats,
+    seconds apart, do not see that.  Core lending, the longest, is measured once.
+    """
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     device = _device()
     if device.type == "cpu":
         torch.set_num_threads(1)  # as autopar run's ranks: they share the machine's cores
+    from autopar.launch import TerminalProgress
+
     bar = TerminalProgress(delay_s=0.0) if rank == 0 else None
     cores = len(os.sched_getaffinity(0))
     lends = device.type == "cpu" and world > cores  # ranks share cores: measure what a waiting rank lends
-    steps = len(_DTYPES) + 4 + len(COLLECTIVE_KINDS) + lends
-    done = 0
+    steps = passes * (len(_DTYPES) + 4 + len(COLLECTIVE_KINDS)) + lends
+    done, label = 0, ""
 
     def tick(stage: str) -> None:
         nonlocal done
         if bar is not None:
-            bar(f"calibrate: {stage}", done, steps)
+            bar(f"calibrate{label}: {stage}", done, steps)
         done += 1
 
-    out: dict[str, Any] = {"ranks": world, "backend": dist.get_backend(), "device": device.type}
-    out["cores"] = cores
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {"ranks": world, "backend": dist.get_backend(), "device": device.type, "cores": cores}
+    out.update(
+        machine=_machine(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    )
     _SPREADS.clear()
-    out["machine"] = _machine(device)
-    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if device.type == "cuda":
         out["device_memory_bytes"] = int(torch.cuda.get_device_properties(device).total_memory)
-    out["matmul"] = {}
+    samples = []
+    for k in range(passes):
+        label = f" (pass {k + 1} of {passes})" if passes > 1 else ""
+        samples.append(_measure_pass(world, device, trials, quick, tick))
+    out.update(median_of(samples))
+    out["passes"] = passes
+    if lends:
+        tick("core lending (a ring of waiting ranks)")
+        out["lending"] = measure_lending(rank, world, *((LENGTHS_MS[::3], 2) if quick else (LENGTHS_MS, 8)))
+    out["spreads"] = list(_SPREADS)
+    if bar is not None:
+        bar.close()
+    return out if rank == 0 else None
+
+
+def _measure_pass(world: int, device: torch.device, trials: int, quick: bool, tick) -> dict[str, Any]:
+    """One pass of every measurement but core lending (``measure_rank``)."""
+    out: dict[str, Any] = {"matmul": {}}
     for dtype in _DTYPES:
         tick(f"matmul {str(dtype).removeprefix('torch.')}")
         # float16 has no fast CPU path (about 1 GFLOP/s): its three smallest shapes say enough there
@@ -323,7 +360,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
     out["attention"] = attention_points(device, getattr(torch, out["attention_dtype"]), _slowest_median, trials)
     out["optimizer"] = optimizer_rates(device, _slowest_median, trials)
     tick("runtime overhead per op")
-    out.update(_op_overhead(world, device, trials))
+    out.update(runtime_op_overhead(world, device, _slowest_median, trials))
     if world > 1:
         tick("overlap of a gradient all-reduce with compute")
         out["overlap"] = _overlap(device, trials)
@@ -336,13 +373,7 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False) -> dic
         out["collectives"][kind] = {
             n: _collective_points(kind, *groups[n], n, device, trials, message_sizes) for n in sizes
         }
-    if lends:
-        tick("core lending (a ring of waiting ranks)")
-        out["lending"] = measure_lending(rank, world, *((LENGTHS_MS[::3], 2) if quick else (LENGTHS_MS, 8)))
-    out["spreads"] = list(_SPREADS)
-    if bar is not None:
-        bar.close()
-    return out if rank == 0 else None
+    return out
 
 
 def _device() -> torch.device:
@@ -419,59 +450,6 @@ def _bandwidth(device: torch.device, trials: int) -> list[tuple[str, float]]:
     copy_s = _slowest_median(lambda: dst.copy_(src), device, trials, budget_s=0.1)
     add_s = _slowest_median(lambda: torch.add(src, other, out=dst), device, trials, budget_s=0.1)
     return [("copy", 2 * src.nbytes / copy_s), ("add", 3 * src.nbytes / add_s)]
-
-
-class _ManyOps(nn.Module):
-    """Many ops too small for their flops or bytes to matter: its time is per-op overhead."""
-
-    def __init__(self, width: int = 16, depth: int = 8) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + torch.nn.functional.gelu(block(x))
-        return x.sum()
-
-
-def _op_overhead(world: int, device: torch.device, trials: int) -> dict[str, float]:
-    """Forward and backward seconds per op of autopar's runtime on a plan without collectives."""
-    from autopar import compiled
-    from autopar.mesh import Mesh
-
-    torch.manual_seed(0)
-    x = torch.randn(8, 16, device=device)
-    mesh = Mesh((world,), axis_names=("x",))
-    model = _ManyOps().to(device)
-    sharded = compiled.compile(
-        model, mesh, example_inputs=(x,), hints={"*": ["R"]}, input_placements={"x": ["R"]}, profile="cpu"
-    )
-    ops = sum(1 for n in sharded.plan.nodes)
-    forward_s = _slowest_median(lambda: sharded(x), device, trials, budget_s=0.1)
-    views = torch.randn(8, 16, 4, device=device)
-
-    def view_chain():  # 8 ops that launch no kernel, as a lowered graph calls them
-        y = torch.ops.aten.view.default(views, [8, 64])
-        y = torch.ops.aten.transpose.int(y, 0, 1)
-        y = torch.ops.aten.unsqueeze.default(y, 0)
-        y = torch.ops.aten.squeeze.dim(y, 0)
-        y = torch.ops.aten.t.default(y)
-        y = torch.ops.aten.view.default(y, [8, 16, 4])
-        y = torch.ops.aten.permute.default(y, [2, 0, 1])
-        return torch.ops.aten.expand.default(y, [4, 8, 16])
-
-    view_s = _slowest_median(view_chain, device, trials, budget_s=0.05) / 8
-
-    def step():
-        sharded(x).backward()
-
-    step_s = _slowest_median(step, device, trials, budget_s=0.1)
-    return {
-        "ops": ops,
-        "forward_op_s": forward_s / ops,
-        "backward_op_s": max(step_s - forward_s, 0.0) / ops,
-        "view_op_s": view_s,
-    }
 
 
 def _overlap(device: torch.device, trials: int) -> dict[str, float]:

@@ -19,7 +19,8 @@ def render_calibration(cal: Calibration) -> str:
     """The measurements, the fits and their residuals, as text."""
     lines = [
         f"autopar calibrate: {cal.machine}; {cal.ranks} {cal.backend} ranks; torch {torch.__version__}; "
-        f"{cal.date}; {cal.wall_s:.0f} s",
+        f"{cal.date}; {cal.wall_s:.0f} s"
+        + (f"; each number the median of {cal.passes} passes" if cal.passes > 1 else ""),
         "",
         "matmul rate per dtype (median over transformer-shaped GEMMs; residual = shape / median - 1):",
     ]

@@ -1,6 +1,6 @@
 """The ``autopar calibrate`` and ``autopar fidelity`` subcommands (``autopar.cli`` adds them).
 
-    autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3] [--force] [--max-spread 0.10]
+    autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3] [--passes 2] [--force] [--max-spread 0.10]
     autopar fidelity [--profile cpu|FILE.toml] [--ranks 4] [--json FILE] [--models a,b] [--mesh 2x2] [--rounds 5]
         [--contest-rounds 10]
 
@@ -38,6 +38,12 @@ def add_parsers(sub, *, positive_int, mesh_shape) -> None:
     )
     c.add_argument("--name", default=None, help="the profile's name (default: the output file's stem)")
     c.add_argument("--trials", type=positive_int, default=3, help="repeats per measurement; the median is kept")
+    c.add_argument(
+        "--passes",
+        type=positive_int,
+        default=2,
+        help="measure everything this many times, one pass after another; each number's median is kept (default 2)",
+    )
     c.add_argument(
         "--force",
         action="store_true",
@@ -103,7 +109,9 @@ def cmd_calibrate(args) -> int:
             from costmodel import load_profile
 
             load_profile(args.base)
-        return calibrate(ranks=args.ranks, base=args.base, trials=args.trials, timeout_s=args.timeout)
+        return calibrate(
+            ranks=args.ranks, base=args.base, trials=args.trials, timeout_s=args.timeout, passes=args.passes
+        )
 
     cal, code = _run(measure)
     if cal is None:  # bad input, or a torchrun rank other than 0

@@ -1,6 +1,8 @@
 """Small statistics the measurements report: medians, spread, rank correlation, relative error.
 
-Pure functions over lists of floats; no numpy needed.  ``spearman`` is the
+Pure functions over lists of floats; no numpy needed.  ``median_of`` takes the element-wise median of
+equally shaped measurements (nested dicts, lists and tuples of numbers and labels): ``autopar calibrate``'s
+passes.  ``spearman`` is the
 Pearson correlation of the average ranks (ties share their mean rank), as
 ``scipy.stats.spearmanr`` computes it.
 """
@@ -10,8 +12,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["median", "spread", "spearman", "ranks", "relative_error"]
+__all__ = ["median", "median_of", "spread", "spearman", "ranks", "relative_error"]
 
 
 def median(values: Sequence[float]) -> float:
@@ -19,6 +22,28 @@ def median(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("median of no values: measure at least once")
     return float(statistics.median(values))
+
+
+def median_of(samples: Sequence[Any]) -> Any:
+    """The element-wise median of equally shaped measurements: numbers the median (kept as they are where all
+    are equal: counts stay ints), dicts per key, lists and tuples per position, anything else (a label, a name)
+    kept, and a ``ValueError`` where the samples differ in shape or label."""
+    if not samples:
+        raise ValueError("median_of no samples: measure at least once")
+    first = samples[0]
+    if isinstance(first, dict):
+        if any(not isinstance(s, dict) or s.keys() != first.keys() for s in samples):
+            raise ValueError(f"median_of: samples with other keys than {sorted(first, key=str)}")
+        return {k: median_of([s[k] for s in samples]) for k in first}
+    if isinstance(first, (list, tuple)):
+        if any(not isinstance(s, (list, tuple)) or len(s) != len(first) for s in samples):
+            raise ValueError(f"median_of: samples of other lengths than {len(first)}")
+        return type(first)(median_of(list(column)) for column in zip(*samples))
+    if all(s == first for s in samples):
+        return first
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return median([float(s) for s in samples])
+    raise ValueError(f"median_of: labels differ between samples: {samples!r}")
 
 
 def spread(values: Sequence[float]) -> float:
