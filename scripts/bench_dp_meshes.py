@@ -53,16 +53,9 @@ def _describe(plan) -> str:
 
 def _step(module, args, kwargs, opt) -> list[float]:
     """Forward, backward and optimizer wall seconds of one training step."""
-    marks = [time.perf_counter()]
-    out = module(*args, **kwargs)
-    loss = out.loss if hasattr(out, "loss") else out
-    marks.append(time.perf_counter())
-    loss.backward()
-    marks.append(time.perf_counter())
-    opt.step()
-    opt.zero_grad()
-    marks.append(time.perf_counter())
-    return [b - a for a, b in zip(marks, marks[1:])]
+    from autopar.measure.step_phases import timed_step
+
+    return [wall for wall, _ in timed_step(module, args, kwargs, opt)[1]]
 
 
 def _one_model(name: str, a, rank: int, world: int) -> list[str]:

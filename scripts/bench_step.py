@@ -207,21 +207,16 @@ class _Phases:
         buckets._Round.finish = timed
 
     def step(self, name: str, module, inputs, opt) -> float:
-        marks = [(time.perf_counter(), time.process_time())]
+        from autopar.measure.step_phases import timed_step
+
         self._wait_s = 0.0
-        loss = module(*inputs)
-        marks.append((time.perf_counter(), time.process_time()))
-        loss.backward()
-        marks.append((time.perf_counter(), time.process_time()))
-        opt.step()
-        opt.zero_grad()
-        marks.append((time.perf_counter(), time.process_time()))
+        loss, phases = timed_step(module, inputs, {}, opt)
         if self.on:
             wall = self.wall.setdefault(name, {n: [] for n in self.NAMES})
             cpu = self.cpu.setdefault(name, {n: [] for n in self.NAMES})
-            for phase, (t0, c0), (t1, c1) in zip(self.NAMES, marks, marks[1:]):
-                wall[phase].append(t1 - t0)
-                cpu[phase].append(c1 - c0)
+            for phase, (w, c) in zip(self.NAMES, phases):
+                wall[phase].append(w)
+                cpu[phase].append(c)
             wall["bucket wait"].append(self._wait_s)
             cpu["bucket wait"].append(0.0)
         return float(loss.detach())

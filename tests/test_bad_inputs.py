@@ -418,6 +418,29 @@ def test_batch_split_is_labelled_data_parallel(tiny_model):
     assert plan.family == "data parallel", plan.family
 
 
+def test_forced_data_parallel_splits_the_batch_where_replicated_is_priced_faster(tiny_model):
+    """gpt2-tiny on 2 devices of the default profile: its fully replicated plan is priced faster than splitting
+    the batch (the gradients' all-reduce outweighs half of so small a step), and ``family="data parallel"``
+    returned it, labelled "replicated". The family splits the batch over the mesh where it divides; a batch of
+    1 on 2 devices stays whole (no data parallelism to force)."""
+    from autopar.placement import Shard
+
+    model, args, kwargs = tiny_model("gpt2-tiny", 4, 32)
+    mesh = autopar.Mesh(2, "dp")
+    ctx = autopar.prepare(model, mesh, example_inputs=args, example_kwargs=kwargs)
+    free = autopar.plan_from_context(ctx, compare_families=False)
+    assert free.family == "replicated", free.family  # what makes the forced family's choice a real one
+    plan = autopar.plan_from_context(ctx, family="data parallel", compare_families=False)
+    assert plan.family == "data parallel", plan.family
+    batch_inputs = [i for i in plan.inputs.values() if i.kind == "input" and i.shape[:1] == (4,)]
+    assert batch_inputs and all(i.placements == (Shard(0),) for i in batch_inputs), plan.inputs
+    assert plan.cost.total_s > free.cost.total_s
+    model1, args1, kwargs1 = tiny_model("gpt2-tiny", 1, 32)
+    one = autopar.prepare(model1, mesh, example_inputs=args1, example_kwargs=kwargs1)
+    whole = autopar.plan_from_context(one, family="data parallel", compare_families=False)
+    assert "data parallel" not in whole.family, whole.family
+
+
 def test_collectives_table_shows_the_overlapped_part(tiny_model):
     """A 16 MiB gradient reduce-scatter showed 0.007 ms beside a 32 MiB all-gather at 0.064 ms: the table now
     splits each collective's time into the exposed part and the part hidden behind backward compute."""

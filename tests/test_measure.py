@@ -305,6 +305,9 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     assert case["auto_over_fastest"] == pytest.approx(auto["measured_s"] / fastest)
     free = next(p for p in case["plans"] if "pipeline:auto" in p["variants"])  # planned with pipeline="auto"
     assert case["pipeline_auto_over_fastest"] == pytest.approx(free["measured_s"] / fastest)
+    # the machine probe ran before planning and at the start of each of the 4 rounds: its ratio is reported
+    assert case["machine_slowdown"] > 0 and figures["median_machine_slowdown"] == case["machine_slowdown"]
+    assert "machine probe (3 matmuls on every rank) while timing / before planning" in text
     for p in case["plans"]:
         assert len(p["round_s"]) == 2 + 2, p  # the rounds and the contest's
         assert p["measured_s"] == pytest.approx(stats.median(p["round_s"]))

@@ -64,7 +64,7 @@ from .lending_ring import LENGTHS_MS, measure_lending
 from .op_overhead import runtime_op_overhead
 from .stats import median_of
 
-__all__ = ["Calibration", "calibrate", "measure_rank", "COLLECTIVE_KINDS", "MAX_SPREAD", "SIZES_BYTES"]
+__all__ = ["Calibration", "calibrate", "compute_chunk", "measure_rank", "COLLECTIVE_KINDS", "MAX_SPREAD", "SIZES_BYTES"]
 
 #: The most the repeats of a point may spread, in the median over the points ((max - min) / median of each point's
 #: ``trials`` timings), for ``autopar calibrate`` to write its profile without ``--force``: a calibration measured
@@ -516,7 +516,7 @@ def _collective_points(kind: str, groups, axis: int, n: int, device: torch.devic
     as ``costmodel.comm`` defines them (the buffer each rank holds for an all-reduce
     and an all-to-all, the gathered output of an all-gather, the full input of a
     reduce-scatter).  It is timed as a training step issues it, between chunks of
-    compute (``_compute_chunk``): the time of chunk + collective, less the chunk's
+    compute (``compute_chunk``): the time of chunk + collective, less the chunk's
     own.  Back to back, collectives settle into the scheduler's rhythm and look
     cheaper than they are in a step (gloo with more ranks than cores: a group of 2
     all-reducing 16 KiB took 0.65 ms back to back, 2.4 ms between matmuls).
@@ -530,7 +530,7 @@ def _collective_points(kind: str, groups, axis: int, n: int, device: torch.devic
     ndim = len(groups.mesh.shape)
     src = tuple(src_p if a == axis else Replicate() for a in range(ndim))
     dst = tuple(dst_p if a == axis else Replicate() for a in range(ndim))
-    chunk = _compute_chunk(device)
+    chunk = compute_chunk(device)
     chunk_s = _slowest_median(chunk, device, max(trials, 5), budget_s=0.15)
     points = []
     for nbytes in message_sizes:
@@ -551,7 +551,7 @@ def _collective_points(kind: str, groups, axis: int, n: int, device: torch.devic
     return points
 
 
-def _compute_chunk(device: torch.device):
+def compute_chunk(device: torch.device):
     """A few milliseconds of matmuls (3 of 256 x 1024 x 256): what separates two collectives in a step."""
     a = torch.randn(256, 1024, device=device)
     b = torch.randn(1024, 256, device=device)

@@ -114,6 +114,16 @@ class CaseResult:
     plans: tuple[PlanResult, ...]
     infeasible: dict[str, str] = field(default_factory=dict)
     profile: str = ""  # the profile the case was planned with (``--calibrate``: its own, measured just before)
+    probe_before_s: float | None = None  # the machine probe (``_machine_probe``) just before planning
+    probe_s: tuple[float, ...] = ()  # and at the start of each timed round
+
+    @property
+    def machine_slowdown(self) -> float | None:
+        """How much slower the machine ran the probe while the plans were timed than when the case was planned
+        (its profile calibrated): 1.0 a steady machine; 1.2 every prediction 20% short for the machine alone."""
+        if self.probe_before_s is None or not self.probe_s:
+            return None
+        return stats.median(self.probe_s) / self.probe_before_s
 
     @property
     def key(self) -> str:
@@ -216,14 +226,40 @@ def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_
             if cal is not None:  # rank 0, the one that plans
                 write_profile(cal, priced)
                 _say(rank, f"{where}: calibrated (repeats spread {cal.spread:.1%} in the median): {priced}")
+        probe = _machine_probe()
+        before = stats.median([probe() for _ in range(5)])
         _say(rank, f"{where}: planning {len(bench.variants)} variants")
         plans, infeasible = _plans_from_rank0(rank, model, mesh, bench.variants, priced)
         _say(rank, f"[{k}/{len(cases)}] {len(plans)} distinct plans; compiling and timing")
-        result = _measure_case(rank, model, mesh, plans, bench)
-        out.append(CaseResult(model.name, mesh, result, infeasible, priced))
+        result, during = _measure_case(rank, model, mesh, plans, bench, probe)
+        out.append(CaseResult(model.name, mesh, result, infeasible, priced, before, during))
         _say(rank, f"[{k}/{len(cases)}] done in {time.perf_counter() - t0:.0f} s")
         gc.collect()
     return out if rank == 0 else None
+
+
+def _machine_probe():
+    """A fixed piece of work timed on every rank at once between barriers (calibrate's compute chunk: 3
+    matmuls of 256 x 1024 x 256, a few ms): run before a case is planned and at the start of each timed round,
+    its ratio says how the machine's speed moved between the calibration and the timing (``CaseResult``)."""
+    import torch.distributed as dist
+
+    from .calibrate import compute_chunk
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    chunk = compute_chunk(device or torch.device("cpu"))
+
+    def timed() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        chunk()
+        if device is not None:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    timed()  # warm
+    return timed
 
 
 def _plans_from_rank0(rank, model: BenchModel, mesh, variants: tuple[Variant, ...], profile: str):
@@ -288,7 +324,8 @@ def _plan_key(plan) -> str:
     return json.dumps([d["params"], d["inputs"], d["nodes"], d.get("pipeline"), d.get("microbatches")], sort_keys=True)
 
 
-def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -> tuple[PlanResult, ...]:
+def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark, probe) -> tuple[tuple, tuple]:
+    """(each plan's ``PlanResult``, the machine probe's seconds at the start of each timed round)."""
     import torch.distributed as dist
 
     from autopar import compiled
@@ -323,7 +360,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
     times: list[list[float]] = [[] for _ in runs]
     busy = [0.0] * len(runs)  # this rank's pipeline stages' compute over the timed rounds
     scheduled = [0.0] * len(runs)  # and its time in the schedule's steps
-    timed = _Rounds(runs, step, bench.steps_per_round, device, times, busy, scheduled)
+    timed = _Rounds(runs, step, bench.steps_per_round, device, times, busy, scheduled, probe)
     timed.run(range(len(runs)), bench.rounds)
     picked = _contenders_from_rank0(rank, plans, times, bench.contest_margin)
     if bench.contest_rounds and len(picked) > 1:  # more rounds where the report's "auto over fastest" is decided
@@ -359,7 +396,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark) -
                 bubble,
             )
         )
-    return tuple(out)
+    return tuple(out), tuple(timed.probe_s)
 
 
 @dataclass
@@ -367,7 +404,8 @@ class _Rounds:
     """Interleaved timed rounds over some of a case's compiled plans (``_measure_case``): each round runs every
     plan of the set once, in an order that rotates by one per round, for ``steps`` training steps between two
     barriers; each plan's seconds per step are appended to ``times[i]``, its pipeline stages' compute and
-    scheduled time added to ``busy[i]`` and ``scheduled[i]``."""
+    scheduled time added to ``busy[i]`` and ``scheduled[i]``; each round starts with the machine probe, its
+    seconds appended to ``probe_s``."""
 
     runs: list
     step: Any
@@ -376,12 +414,15 @@ class _Rounds:
     times: list[list[float]]
     busy: list[float]
     scheduled: list[float]
+    probe: Any
+    probe_s: list[float] = field(default_factory=list)
 
     def run(self, which, rounds: int) -> None:
         import torch.distributed as dist
 
         which = list(which)
         for r in range(rounds):
+            self.probe_s.append(self.probe())
             for j in range(len(which)):
                 i = which[(j + r) % len(which)]
                 sharded = self.runs[i][1]
@@ -450,6 +491,7 @@ def summarize(run: FidelityRun) -> dict[str, Any]:
             "plans": [_plan_json(p) for p in c.plans],
             "infeasible": dict(c.infeasible),
             "profile": c.profile,
+            "machine_slowdown": c.machine_slowdown,
         }
     models = {}
     for name in dict.fromkeys(c.model for c in run.cases):
@@ -458,8 +500,10 @@ def summarize(run: FidelityRun) -> dict[str, Any]:
     errors = [abs(p.time_error) for p in every]
     spreads = [p.spread for p in every]
     memory_spreads = [p.memory_spread for p in every]
+    slowdowns = [c.machine_slowdown for c in run.cases if c.machine_slowdown is not None]
     return {
         "spearman": _spearman(every),
+        "median_machine_slowdown": stats.median(slowdowns) if slowdowns else None,
         "median_abs_error": stats.median(errors),
         "worst_abs_error": max(errors),
         "memory_max_error": max(abs(p.memory_error) for p in every),

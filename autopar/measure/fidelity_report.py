@@ -64,6 +64,7 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
     cases = Table(title="per model x mesh")
     piped = any(c.get("pipeline_auto_over_fastest") is not None for c in figures["cases"].values())
     columns = ["model x mesh", "spearman", "median |time err|", "auto / fastest measured", "auto within 5%"]
+    columns.append("machine: timing / planning")
     for col in columns + (["pipeline:auto / fastest"] if piped else []):
         cases.add_column(col)
     for key, c in figures["cases"].items():
@@ -73,6 +74,7 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
             f"{c['median_abs_error'] * 100:.0f}%",
             _num(c["auto_over_fastest"], 3),
             "yes" if c["auto_is_fastest_within_5pct"] else "NO",
+            _num(c.get("machine_slowdown")),
         ]
         cases.add_row(*row, *([_num(c.get("pipeline_auto_over_fastest"), 3)] if piped else []))
     con.print(cases)
@@ -89,4 +91,10 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
         f"median {figures['memory_median_spread'] * 100:.0f}%, worst {figures['memory_worst_spread'] * 100:.0f}% "
         "of peak memory (over the measured steps)"
     )
+    if figures.get("median_machine_slowdown") is not None:
+        con.print(
+            f"machine probe (3 matmuls on every rank) while timing / before planning: median "
+            f"{figures['median_machine_slowdown']:.2f} over the cases (above 1: the machine ran slower than when "
+            "the cases were calibrated and planned)"
+        )
     return buf.getvalue()

@@ -26,6 +26,7 @@ from autopar.spec import local_shape
 from autopar.transitions import AxisTransition, transitions
 
 from .bucket_prices import BucketedReduction, buckets_as_filled
+from .families import batch_size
 from .kept import keeping
 from .plan_parts import (
     Collective,
@@ -502,7 +503,7 @@ def classify(ctx, choice: list[int]) -> str:
 def _features_by_parameter(ctx, choice: list[int]) -> dict[int, set[str]]:
     """Parameter node -> the features of :func:`classify` the plan gives it."""
     strategies, nodes = ctx.cand.strategies, ctx.graph.nodes
-    batch = _batch_size(ctx.graph)
+    batch = batch_size(ctx.graph)
     on: dict[int, set[str]] = {n.index: set() for n in nodes if n.kind == "param"}
     for node in nodes:
         s = strategies[node.index][choice[node.index]]
@@ -528,12 +529,6 @@ def _names(params: list[int], nodes) -> str:
     """The parameters' names, a layer index as ``*`` (``transformer.h.*.mlp.c_fc.weight``), the first three."""
     names = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", nodes[u].fqn or nodes[u].name) for u in params))
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _batch_size(graph) -> int | None:
-    """Dim 0 of the graph's tensor inputs (the most common one when they differ); None without inputs."""
-    sizes = [n.outputs[0].shape[0] for n in graph.nodes if n.kind == "input" and n.outputs and n.outputs[0].ndim]
-    return max(set(sizes), key=sizes.count) if sizes else None
 
 
 def _splits_batch(ctx, node, strategy, axis: int, batch: int | None) -> bool:

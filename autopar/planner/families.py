@@ -1,6 +1,8 @@
 """Plan families: data parallel, sharded parameters, tensor parallel, as restrictions of the one search space.
 
-* ``data parallel``: every parameter replicated, its gradient and optimizer state too;
+* ``data parallel``: every parameter replicated, its gradient and optimizer state too, and the batch split
+  over the whole mesh where it divides (``batch_split_inputs``: a model too small to gain from splitting would
+  otherwise come back fully replicated, which no one asking for data parallelism means);
 * ``sharded parameters``: every parameter that can be is stored sharded and read
   whole by its consumers, so it is all-gathered before use and its gradient
   reduce-scattered (ZeRO-3/FSDP);
@@ -17,6 +19,7 @@ one; the report compares them).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from autopar.placement import Replicate, Shard
@@ -26,7 +29,7 @@ from .schema import FAMILIES
 if TYPE_CHECKING:  # a type only: the context module the driver uses
     from .context import PlanningContext
 
-__all__ = ["family_restriction", "is_sharded", "param_nodes"]
+__all__ = ["batch_size", "batch_split_inputs", "family_restriction", "is_sharded", "param_nodes"]
 
 
 def param_nodes(ctx: PlanningContext) -> set[int]:
@@ -35,6 +38,31 @@ def param_nodes(ctx: PlanningContext) -> set[int]:
 
 def is_sharded(placement) -> bool:
     return any(isinstance(p, Shard) for p in placement)
+
+
+def batch_size(graph) -> int | None:
+    """Dim 0 of the graph's tensor inputs (the most common one when they differ); None without inputs."""
+    sizes = [n.outputs[0].shape[0] for n in graph.nodes if n.kind == "input" and n.outputs and n.outputs[0].ndim]
+    return max(set(sizes), key=sizes.count) if sizes else None
+
+
+def batch_split_inputs(ctx: PlanningContext) -> dict[int, tuple]:
+    """Input node -> its placement split on dim 0 over every mesh axis, for the inputs whose dim 0 is the batch
+    (``batch_size``), when the batch divides over the whole mesh and the node has that placement among its
+    candidates; empty otherwise (a batch of 1 on 2 devices stays as it is: no data parallelism to force)."""
+    batch = batch_size(ctx.graph)
+    if batch is None or batch % math.prod(ctx.mesh.shape):
+        return {}
+    split = tuple(Shard(0) for _ in ctx.mesh.shape)
+    return {
+        n.index: split
+        for n in ctx.graph.nodes
+        if n.kind == "input"
+        and n.outputs
+        and n.outputs[0].ndim
+        and n.outputs[0].shape[0] == batch
+        and any(st.placement == split for st in ctx.cand.strategies[n.index])
+    }
 
 
 def _read_sharded(ctx: PlanningContext, param: int, consumers: dict[int, list[tuple[int, int, int]]]) -> bool:
@@ -63,12 +91,13 @@ def family_restriction(ctx: PlanningContext, family: str):
         return all(strategies[v][b].inputs[pos] == full for pos, (u, _) in enumerate(node.inputs) if u in params)
 
     if family == "data parallel":
+        batch_split = batch_split_inputs(ctx)
 
         def allow_node(i: int, s: int) -> bool:
+            st = strategies[i][s]
             if i in params:
-                st = strategies[i][s]
                 return st.placement == full and st.state == full
-            return True
+            return i not in batch_split or st.placement == batch_split[i]
 
         return allow_node, None
     if family == "sharded parameters":
