@@ -64,7 +64,17 @@ from .lending_ring import LENGTHS_MS, measure_lending
 from .op_overhead import runtime_op_overhead
 from .stats import median_of
 
-__all__ = ["Calibration", "calibrate", "compute_chunk", "measure_rank", "COLLECTIVE_KINDS", "MAX_SPREAD", "SIZES_BYTES"]
+__all__ = [
+    "Calibration",
+    "calibrate",
+    "compute_chunk",
+    "measure_rank",
+    "rank_device",
+    "sync_device",
+    "COLLECTIVE_KINDS",
+    "MAX_SPREAD",
+    "SIZES_BYTES",
+]
 
 #: The most the repeats of a point may spread, in the median over the points ((max - min) / median of each point's
 #: ``trials`` timings), for ``autopar calibrate`` to write its profile without ``--force``: a calibration measured
@@ -301,8 +311,10 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False, passes
     calibrations a minute apart priced the same plans up to 30% apart (2026-11-30), and a pass's own repeats,
     seconds apart, do not see that.  Core lending, the longest, is measured once.
     """
+    import torch.distributed as dist
+
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    device = _device()
+    device = rank_device()
     if device.type == "cpu":
         torch.set_num_threads(1)  # as autopar run's ranks: they share the machine's cores
     from autopar.launch import TerminalProgress
@@ -318,8 +330,6 @@ def measure_rank(rank: int, world: int, trials: int, quick: bool = False, passes
         if bar is not None:
             bar(f"calibrate{label}: {stage}", done, steps)
         done += 1
-
-    import torch.distributed as dist
 
     out: dict[str, Any] = {"ranks": world, "backend": dist.get_backend(), "device": device.type, "cores": cores}
     out.update(
@@ -376,7 +386,8 @@ def _measure_pass(world: int, device: torch.device, trials: int, quick: bool, ti
     return out
 
 
-def _device() -> torch.device:
+def rank_device() -> torch.device:
+    """This rank's device: its GPU under nccl, else the CPU."""
     import torch.distributed as dist
 
     if dist.get_backend() == "nccl":
@@ -395,7 +406,8 @@ def _machine(device: torch.device) -> str:
     return f"{model}, {os.cpu_count()} logical CPUs"
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the kernels queued on ``device`` (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -408,10 +420,10 @@ def _slowest_median(fn, device: torch.device, trials: int, *, budget_s: float = 
     import torch.distributed as dist
 
     fn()  # warm up: allocations, communicators, caches
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    sync_device(device)
     once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)  # nccl: on the GPU
     dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs the same number of calls
     reps = max(1, min(200, int(budget_s / max(float(once), 1e-7))))
@@ -421,7 +433,7 @@ def _slowest_median(fn, device: torch.device, trials: int, *, budget_s: float = 
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-        _sync(device)
+        sync_device(device)
         t = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(float(t))

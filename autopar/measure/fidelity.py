@@ -244,17 +244,16 @@ def _machine_probe():
     its ratio says how the machine's speed moved between the calibration and the timing (``CaseResult``)."""
     import torch.distributed as dist
 
-    from .calibrate import compute_chunk
+    from .calibrate import compute_chunk, rank_device, sync_device
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    chunk = compute_chunk(device or torch.device("cpu"))
+    device = rank_device()
+    chunk = compute_chunk(device)
 
     def timed() -> float:
         dist.barrier()
         t0 = time.perf_counter()
         chunk()
-        if device is not None:
-            torch.cuda.synchronize(device)
+        sync_device(device)
         dist.barrier()
         return time.perf_counter() - t0
 
