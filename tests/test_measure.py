@@ -239,7 +239,7 @@ def test_calibrate_on_one_rank_keeps_the_base_profiles_links(tmp_path):
 
 
 def test_a_contest_retimes_the_plans_near_the_fastest_and_the_searchs_own():
-    from autopar.measure.fidelity import contenders
+    from autopar.measure.rounds import contenders
 
     labels = [("family:tensor parallel",), ("auto",), ("poor hint",), ("pipeline:auto", "pipeline:tp/1f1b/m4")]
     times = [[1.0, 1.2, 1.1], [2.0, 2.0, 2.0], [1.3, 1.4, 1.2], [5.0, 5.0, 5.0]]
@@ -290,6 +290,7 @@ def test_fidelity_runs_a_benchmark_and_writes_its_figures(tmp_path, capsys):
     figures = json.loads(out_json.read_text())
     for key in ("spearman", "median_abs_error", "memory_max_error", "cases"):
         assert key in figures, key
+    assert figures["complete"] is True and figures["cases_planned"] == 1
     case = figures["cases"]["gpt2-tiny 2"]
     labels = [v for p in case["plans"] for v in p["variants"]]
     # the least-memory cap fits; the pipeline runs its two stages over 2 micro-batches
@@ -365,3 +366,28 @@ def test_fidelity_refuses_bad_settings_before_any_rank_starts(tmp_path, capsys):
     assert "argument --contest-rounds: '-1': expected a whole number >= 0" in capsys.readouterr().err
     assert main(["calibrate", "--base", "no-such-profile"]) == 2
     assert "unknown device profile 'no-such-profile'" in capsys.readouterr().err
+
+
+def test_a_fidelity_run_that_stops_early_keeps_the_cases_it_finished(tmp_path, capsys):
+    """The second case fails on rank 0 (its model cannot be built: 5 heads do not divide a width of 64): the
+    first case is still printed and written, the JSON says the run is incomplete, the exit code is 1 and the
+    error names the failure and how many cases finished."""
+    from autopar.cli import main
+
+    bench = tmp_path / "bench.toml"
+    bench.write_text(
+        'meshes = [[2]]\nvariants = ["auto"]\n'
+        "warmup_steps = 1\nrounds = 1\nsteps_per_round = 1\nmemory_steps = 1\ncontest_rounds = 0\n"
+        '[[models]]\nname = "gpt2-tiny"\nbatch = 2\nseq = 8\n'
+        '[[models]]\nname = "gpt2-tiny"\nbatch = 2\nseq = 8\noverrides = { n_head = 5 }\n'
+    )
+    out_json = tmp_path / "f.json"
+    assert main(["fidelity", "--benchmark", str(bench), "--ranks", "2", "--json", str(out_json)]) == 1
+    captured = capsys.readouterr()
+    assert "1 cases on 2 ranks" in captured.out and "INCOMPLETE: the run stopped early; 2 cases" in captured.out
+    assert "the run stopped early" in captured.err and "(finished 1 of 2 cases)" in captured.err
+    assert "embed_dim` must be divisible by num_heads" in captured.err
+    figures = json.loads(out_json.read_text())
+    assert figures["complete"] is False and figures["cases_planned"] == 2 and list(figures["cases"]) == ["gpt2-tiny 2"]
+    (plan,) = figures["cases"]["gpt2-tiny 2"]["plans"]
+    assert plan["variants"] == ["auto"] and plan["measured_s"] > 0

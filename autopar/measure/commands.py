@@ -2,13 +2,14 @@
 
     autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3] [--passes 2] [--force] [--max-spread 0.10]
     autopar fidelity [--profile cpu|FILE.toml] [--ranks 4] [--json FILE] [--models a,b] [--mesh 2x2] [--rounds 5]
-        [--contest-rounds 10]
+        [--contest-rounds 10] [--timeout 1800]
 
 ``calibrate`` prints the measurements, the fits and their residuals and the noise of
 the repeats, and writes the profile (``-o``), unless the repeats spread more than
 ``--max-spread`` (``calibrate.MAX_SPREAD``) and ``--force`` is not given (exit 1);
 ``fidelity`` prints predicted vs measured per plan and the summary
-and writes the figures as JSON (``--json``).  Exit code 2 on bad input.
+and writes the figures as JSON (``--json``); a run that stops early (``--timeout`` per case, or a failing rank)
+prints and writes the cases it finished, marked incomplete, and exits 1.  Exit code 2 on bad input.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = ["add_parsers", "cmd_calibrate", "cmd_fidelity"]
 
 def add_parsers(sub, *, positive_int, mesh_shape) -> None:
     """The two subparsers, on ``sub`` (argparse subparsers) with the main CLI's argument types."""
-    from autopar.cli_types import whole_number
+    from autopar.cli_types import positive_float, whole_number
 
     c = sub.add_parser("calibrate", help="measure this machine into a device profile (--profile FILE.toml)")
     c.add_argument("-o", "--output", default=None, metavar="FILE", help="write the profile TOML here ('-': stdout)")
@@ -71,7 +72,13 @@ def add_parsers(sub, *, positive_int, mesh_shape) -> None:
         default=None,
         help="more rounds for the plans near the fastest and the search's own; 0: none (default: the benchmark's)",
     )
-    f.add_argument("--timeout", type=float, default=3600.0, help="stop the ranks after this many seconds")
+    f.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=1800.0,
+        help="seconds each case may take (default 1800): the run stops after cases x this, and keeps the cases "
+        "it finished",
+    )
     f.add_argument(
         "--calibrate",
         default=None,
@@ -136,8 +143,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_fidelity(args) -> int:
     from .benchmark import load_benchmark
-    from .fidelity import run_fidelity, summarize
-    from .fidelity_report import render_fidelity
+    from .fidelity import FidelityIncomplete, run_fidelity
 
     def measure():
         _writable(args.json, "--json")
@@ -158,11 +164,24 @@ def cmd_fidelity(args) -> int:
             calibrate_dir=args.calibrate,
         )
 
-    run, code = _run(measure)
+    try:
+        run, code = _run(measure)
+    except FidelityIncomplete as e:  # the finished cases, reported and written as a run, marked incomplete
+        _report_fidelity(e.run, args.json)
+        print(f"autopar: error: the run stopped early: {e}", file=sys.stderr)
+        return 1
     if run is None:  # bad input, or a torchrun rank other than 0
         return code or 0
-    sys.stdout.write(render_fidelity(run))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summarize(run), fh, indent=1, sort_keys=True)
+    _report_fidelity(run, args.json)
     return 0
+
+
+def _report_fidelity(run, json_path: str | None) -> None:
+    """Print ``run``'s report and write its figures to ``json_path`` (None: not written)."""
+    from .fidelity import summarize
+    from .fidelity_report import render_fidelity
+
+    sys.stdout.write(render_fidelity(run))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(summarize(run), fh, indent=1, sort_keys=True)

@@ -32,6 +32,10 @@ Spearman's rank correlation of predicted vs measured time per model x mesh,
 per model and over all plans; the median and worst ``|predicted/measured - 1|``;
 the worst memory error; and per model x mesh the measured time of the auto plan
 over that of the fastest plan.  ``measure.fidelity_report`` prints and writes them.
+
+A run that stops early (a rank failed, or the run passed its time: ``timeout_s`` seconds per case) keeps the
+cases it finished: rank 0 writes them to a file after each case, and ``run_fidelity`` raises
+``FidelityIncomplete`` holding them, which the CLI reports and writes like a whole run, marked incomplete.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ import json
 import logging
 import math
 import os
+import pickle
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +57,18 @@ from torch import nn
 
 from . import stats
 from .benchmark import PIPELINE_AUTO, Benchmark, BenchModel, Variant, load_benchmark, mesh_axis_names
+from .rounds import Rounds, contenders_from_rank0, machine_probe, measured_bubbles
 
-__all__ = ["PlanResult", "CaseResult", "FidelityRun", "loss_model", "plan_variants", "run_fidelity", "summarize"]
+__all__ = [
+    "PlanResult",
+    "CaseResult",
+    "FidelityRun",
+    "FidelityIncomplete",
+    "loss_model",
+    "plan_variants",
+    "run_fidelity",
+    "summarize",
+]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +130,7 @@ class CaseResult:
     plans: tuple[PlanResult, ...]
     infeasible: dict[str, str] = field(default_factory=dict)
     profile: str = ""  # the profile the case was planned with (``--calibrate``: its own, measured just before)
-    probe_before_s: float | None = None  # the machine probe (``_machine_probe``) just before planning
+    probe_before_s: float | None = None  # the machine probe (``rounds.machine_probe``) just before planning
     probe_s: tuple[float, ...] = ()  # and at the start of each timed round
 
     @property
@@ -142,6 +158,19 @@ class FidelityRun:
     ranks: int
     benchmark: str
     wall_s: float
+    planned: int = 0  # the cases the run was to measure (0: as many as it holds)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.cases) >= self.planned
+
+
+class FidelityIncomplete(RuntimeError):
+    """The run stopped before its last case (``cause``: why); ``run`` holds the cases it finished."""
+
+    def __init__(self, cause: Exception, run: FidelityRun) -> None:
+        super().__init__(f"{cause} (finished {len(run.cases)} of {run.planned} cases)")
+        self.run = run
 
 
 def run_fidelity(
@@ -149,7 +178,7 @@ def run_fidelity(
     profile: str,
     ranks: int,
     benchmark: Benchmark | None = None,
-    timeout_s: float = 3600.0,
+    timeout_s: float = 1800.0,
     calibrate_dir: str | None = None,
 ) -> FidelityRun:
     """Measure ``benchmark`` (default: the fixed one) on ``ranks`` local gloo ranks, planned under ``profile``.
@@ -157,6 +186,10 @@ def run_fidelity(
     ``calibrate_dir``: before each case the ranks calibrate the machine (``calibrate.calibrate_here``) and the
     case is planned with that profile (``profile`` its base), written to ``calibrate_dir/<model>-<mesh>.toml``: a
     machine whose speed drifts over the run's minutes is priced as it runs each case.
+
+    ``timeout_s``: what each case may take (a case's calibration, planning and timing; also the longest a rank
+    waits in one collective): the ranks are stopped once the run passes ``timeout_s`` per case.  A run stopped so,
+    or by a failing rank, raises ``FidelityIncomplete`` with the cases it finished (module docstring).
 
     Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is one rank and the
     job's world size must equal ``ranks``; rank 0 returns the run, the others None.
@@ -173,11 +206,48 @@ def run_fidelity(
     from costmodel import load_profile
 
     load_profile(profile)  # an unknown profile fails here, before any rank starts
+    planned = len(bench.models) * len(meshes)
     t0 = time.perf_counter()
-    cases = on_ranks(_rank_main, ranks, bench, profile, calibrate_dir, timeout_s=timeout_s)
+    fd, finished = tempfile.mkstemp(prefix="autopar-fidelity-", suffix=".pickle")
+    os.close(fd)
+    try:
+        cases = on_ranks(
+            _rank_main,
+            ranks,
+            bench,
+            profile,
+            calibrate_dir,
+            finished,
+            timeout_s=timeout_s * planned,
+            collective_timeout_s=timeout_s,
+        )
+    except Exception as e:
+        done = _finished_cases(finished)
+        if not done:
+            raise
+        run = FidelityRun(done, profile, ranks, bench.source, time.perf_counter() - t0, planned)
+        raise FidelityIncomplete(e, run) from e
+    finally:
+        os.unlink(finished)
     if cases is None:  # a torchrun rank other than 0
         return None
-    return FidelityRun(tuple(cases), profile, ranks, bench.source, time.perf_counter() - t0)
+    return FidelityRun(tuple(cases), profile, ranks, bench.source, time.perf_counter() - t0, planned)
+
+
+def _finished_cases(path: str) -> tuple[CaseResult, ...]:
+    """The cases rank 0 wrote to ``path`` as it finished them (``_rank_main``); none if it wrote none."""
+    try:
+        with open(path, "rb") as fh:
+            return tuple(pickle.load(fh))
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return ()
+
+
+def _keep_finished(out: list[CaseResult], path: str) -> None:
+    """Write the cases finished so far to ``path`` whole (a new file moved over the old one)."""
+    with open(path + ".new", "wb") as fh:
+        pickle.dump(out, fh)
+    os.replace(path + ".new", path)
 
 
 class _LossOnly(nn.Module):
@@ -207,8 +277,9 @@ def _say(rank: int, text: str) -> None:
         print(f"autopar fidelity: {text}", file=sys.stderr, flush=True)
 
 
-def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_dir: str | None):
-    """One rank's whole benchmark (every case whose mesh has ``world`` devices); rank 0 returns the results."""
+def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_dir: str | None, finished: str):
+    """One rank's whole benchmark (every case whose mesh has ``world`` devices); rank 0 returns the results, and
+    writes those finished so far to ``finished`` after each case (``_keep_finished``)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(1)
     cases = [(m, mesh) for m in bench.models for mesh in bench.meshes if math.prod(mesh) == world]
@@ -226,39 +297,18 @@ def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_
             if cal is not None:  # rank 0, the one that plans
                 write_profile(cal, priced)
                 _say(rank, f"{where}: calibrated (repeats spread {cal.spread:.1%} in the median): {priced}")
-        probe = _machine_probe()
+        probe = machine_probe()
         before = stats.median([probe() for _ in range(5)])
         _say(rank, f"{where}: planning {len(bench.variants)} variants")
         plans, infeasible = _plans_from_rank0(rank, model, mesh, bench.variants, priced)
         _say(rank, f"[{k}/{len(cases)}] {len(plans)} distinct plans; compiling and timing")
         result, during = _measure_case(rank, model, mesh, plans, bench, probe)
         out.append(CaseResult(model.name, mesh, result, infeasible, priced, before, during))
+        if rank == 0:
+            _keep_finished(out, finished)
         _say(rank, f"[{k}/{len(cases)}] done in {time.perf_counter() - t0:.0f} s")
         gc.collect()
     return out if rank == 0 else None
-
-
-def _machine_probe():
-    """A fixed piece of work timed on every rank at once between barriers (calibrate's compute chunk: 3
-    matmuls of 256 x 1024 x 256, a few ms): run before a case is planned and at the start of each timed round,
-    its ratio says how the machine's speed moved between the calibration and the timing (``CaseResult``)."""
-    import torch.distributed as dist
-
-    from .calibrate import compute_chunk, rank_device, sync_device
-
-    device = rank_device()
-    chunk = compute_chunk(device)
-
-    def timed() -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        chunk()
-        sync_device(device)
-        dist.barrier()
-        return time.perf_counter() - t0
-
-    timed()  # warm
-    return timed
 
 
 def _plans_from_rank0(rank, model: BenchModel, mesh, variants: tuple[Variant, ...], profile: str):
@@ -359,9 +409,9 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark, p
     times: list[list[float]] = [[] for _ in runs]
     busy = [0.0] * len(runs)  # this rank's pipeline stages' compute over the timed rounds
     scheduled = [0.0] * len(runs)  # and its time in the schedule's steps
-    timed = _Rounds(runs, step, bench.steps_per_round, device, times, busy, scheduled, probe)
+    timed = Rounds(runs, step, bench.steps_per_round, device, times, busy, scheduled, probe)
     timed.run(range(len(runs)), bench.rounds)
-    picked = _contenders_from_rank0(rank, plans, times, bench.contest_margin)
+    picked = contenders_from_rank0(rank, plans, times, bench.contest_margin)
     if bench.contest_rounds and len(picked) > 1:  # more rounds where the report's "auto over fastest" is decided
         _say(rank, f"contest: {bench.contest_rounds} more rounds of {len(picked)} plans near the fastest")
         timed.run(picked, bench.contest_rounds)
@@ -377,7 +427,7 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark, p
             top, held_by = max(every)
             steps.append(top)
         peaks.append((tuple(steps), held_by))
-    bubbles = _measured_bubbles(runs, busy, scheduled)
+    bubbles = measured_bubbles(runs, busy, scheduled)
     out = []
     for (labels, _), (plan, _, _), t, (peak, held), bubble in zip(plans, runs, times, peaks, bubbles):
         out.append(
@@ -396,82 +446,6 @@ def _measure_case(rank: int, model: BenchModel, mesh, plans, bench: Benchmark, p
             )
         )
     return tuple(out), tuple(timed.probe_s)
-
-
-@dataclass
-class _Rounds:
-    """Interleaved timed rounds over some of a case's compiled plans (``_measure_case``): each round runs every
-    plan of the set once, in an order that rotates by one per round, for ``steps`` training steps between two
-    barriers; each plan's seconds per step are appended to ``times[i]``, its pipeline stages' compute and
-    scheduled time added to ``busy[i]`` and ``scheduled[i]``; each round starts with the machine probe, its
-    seconds appended to ``probe_s``."""
-
-    runs: list
-    step: Any
-    steps: int
-    device: torch.device
-    times: list[list[float]]
-    busy: list[float]
-    scheduled: list[float]
-    probe: Any
-    probe_s: list[float] = field(default_factory=list)
-
-    def run(self, which, rounds: int) -> None:
-        import torch.distributed as dist
-
-        which = list(which)
-        for r in range(rounds):
-            self.probe_s.append(self.probe())
-            for j in range(len(which)):
-                i = which[(j + r) % len(which)]
-                sharded = self.runs[i][1]
-                dist.barrier()
-                t0, busy0, scheduled0 = time.perf_counter(), sharded.pipeline_busy_s, sharded.pipeline_schedule_s
-                for _ in range(self.steps):
-                    self.step(i)
-                if self.device.type == "cuda":  # the kernels queued, not only launched
-                    torch.cuda.synchronize(self.device)
-                dist.barrier()
-                self.times[i].append((time.perf_counter() - t0) / self.steps)
-                self.busy[i] += sharded.pipeline_busy_s - busy0
-                self.scheduled[i] += sharded.pipeline_schedule_s - scheduled0
-
-
-def contenders(labels: list[tuple[str, ...]], times: list[list[float]], margin: float) -> list[int]:
-    """The plans a contest re-times: those whose median step is within ``margin`` of the fastest's, and the
-    search's own (``auto``, ``pipeline:auto``), which the report compares with the fastest."""
-    medians = [stats.median(t) for t in times]
-    fastest = min(medians)
-    return [
-        i
-        for i, (lab, m) in enumerate(zip(labels, medians))
-        if m <= (1 + margin) * fastest or {"auto", PIPELINE_AUTO} & set(lab)
-    ]
-
-
-def _contenders_from_rank0(rank: int, plans, times: list[list[float]], margin: float) -> list[int]:
-    """``contenders`` of rank 0's times, the same on every rank (each rank timed the rounds itself)."""
-    import torch.distributed as dist
-
-    box: list = [contenders([labels for labels, _ in plans], times, margin) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _measured_bubbles(runs, busy: list[float], scheduled: list[float]) -> list[float | None]:
-    """Per plan: the share of its schedule's time a rank of its pipeline spent outside its stages' forward and
-    backward (sends, waits), averaged over the ranks: the bubble as ``cost.pipeline`` prices it, over the
-    schedule's time (the step less the optimizer and the reductions after the schedule); None without a
-    pipeline."""
-    import torch.distributed as dist
-
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (busy, scheduled))
-    out = []
-    for i, (plan, _, _) in enumerate(runs):
-        shares = [b[i] / s[i] for b, s in every if s[i] > 0]
-        out.append(1.0 - sum(shares) / len(shares) if plan.pipeline is not None and shares else None)
-    return out
 
 
 def summarize(run: FidelityRun) -> dict[str, Any]:
@@ -517,6 +491,8 @@ def summarize(run: FidelityRun) -> dict[str, Any]:
         "ranks": run.ranks,
         "benchmark": run.benchmark,
         "wall_s": run.wall_s,
+        "complete": run.complete,
+        "cases_planned": run.planned,
     }
 
 

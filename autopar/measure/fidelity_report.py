@@ -32,9 +32,10 @@ def render_fidelity(run: FidelityRun, *, width: int = 150) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
     figures = summarize(run)
+    stopped = "" if run.complete else f" (INCOMPLETE: the run stopped early; {run.planned} cases were planned)"
     con.print(
         f"autopar fidelity: {len(run.cases)} cases on {run.ranks} ranks, profile {run.profile}, "
-        f"benchmark {run.benchmark}, {run.wall_s:.0f} s"
+        f"benchmark {run.benchmark}, {run.wall_s:.0f} s{stopped}"
     )
     table = Table(title="predicted vs measured step time and peak memory per plan (memory: the largest rank)")
     for col in ("model x mesh", "variants", "family", "predicted", "measured", "spread", "time err"):

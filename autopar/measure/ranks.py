@@ -19,8 +19,11 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def on_ranks(fn: Callable, ranks: int, *args: Any, timeout_s: float) -> Any:
-    """Rank 0's result of ``fn(rank, world, *args)`` on ``ranks`` ranks (None on the other torchrun ranks)."""
+def on_ranks(fn: Callable, ranks: int, *args: Any, timeout_s: float, collective_timeout_s: float | None = None) -> Any:
+    """Rank 0's result of ``fn(rank, world, *args)`` on ``ranks`` ranks (None on the other torchrun ranks).
+
+    Local ranks are stopped after ``timeout_s`` seconds; one collective waits at most ``collective_timeout_s``
+    (None: ``timeout_s``)."""
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != ranks:
@@ -34,7 +37,6 @@ def on_ranks(fn: Callable, ranks: int, *args: Any, timeout_s: float) -> Any:
         return fn(int(os.environ["RANK"]), world, *args)
     from autopar.runtime import RankSettings, spawn_ranks
 
-    results, _ = spawn_ranks(
-        fn, ranks, *args, settings=RankSettings(timeout_s=timeout_s, collective_timeout_s=timeout_s)
-    )
+    settings = RankSettings(timeout_s=timeout_s, collective_timeout_s=collective_timeout_s or timeout_s)
+    results, _ = spawn_ranks(fn, ranks, *args, settings=settings)
     return results[0]
