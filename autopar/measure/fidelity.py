@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -228,7 +229,8 @@ def run_fidelity(
         run = FidelityRun(done, profile, ranks, bench.source, time.perf_counter() - t0, planned)
         raise FidelityIncomplete(e, run) from e
     finally:
-        os.unlink(finished)
+        for path in (finished, finished + ".new"):  # ``.new``: rank 0 stopped while writing (``_keep_finished``)
+            Path(path).unlink(missing_ok=True)
     if cases is None:  # a torchrun rank other than 0
         return None
     return FidelityRun(tuple(cases), profile, ranks, bench.source, time.perf_counter() - t0, planned)
