@@ -159,7 +159,7 @@ class FidelityRun:
     ranks: int
     benchmark: str
     wall_s: float
-    planned: int = 0  # the cases the run was to measure (0: as many as it holds)
+    planned: int  # the cases the run was to measure
 
     @property
     def complete(self) -> bool:

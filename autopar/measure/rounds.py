@@ -59,6 +59,8 @@ class Rounds:
     def run(self, which, rounds: int) -> None:
         import torch.distributed as dist
 
+        from .calibrate import sync_device
+
         which = list(which)
         for r in range(rounds):
             self.probe_s.append(self.probe())
@@ -69,8 +71,7 @@ class Rounds:
                 t0, busy0, scheduled0 = time.perf_counter(), sharded.pipeline_busy_s, sharded.pipeline_schedule_s
                 for _ in range(self.steps):
                     self.step(i)
-                if self.device.type == "cuda":  # the kernels queued, not only launched
-                    torch.cuda.synchronize(self.device)
+                sync_device(self.device)  # the kernels queued, not only launched
                 dist.barrier()
                 self.times[i].append((time.perf_counter() - t0) / self.steps)
                 self.busy[i] += sharded.pipeline_busy_s - busy0
