@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement import Partial, Placement, Replicate, Shard, shard_sizes
+from .placement import Partial, Placement, Replicate, Shard, shard_piece
 
 __all__ = [
     "Box",
@@ -84,9 +84,8 @@ def dim_index(size: int, entries: list[tuple[Shard, int, int]], *, where: str = 
                 f"multiple of {shard.blocks} blocks; use a block count that divides every rank's piece"
             )
         blk = n // shard.blocks
-        sizes = shard_sizes(blk, parts)
-        start = sum(sizes[:index])
-        sel = [torch.arange(b * blk + start, b * blk + start + sizes[index]) for b in range(shard.blocks)]
+        start, length = shard_piece(blk, parts, index)
+        sel = [torch.arange(b * blk + start, b * blk + start + length) for b in range(shard.blocks)]
         idx = idx[torch.cat(sel)]
     return idx
 
@@ -181,7 +180,7 @@ def _unlayable_blocks(
                         f"multiple of {shard.blocks} blocks; use a block count that divides every rank's piece "
                         f"(mesh coordinate {coord})"
                     )
-                n = shard_sizes(n // shard.blocks, parts)[index] * shard.blocks
+                n = shard_piece(n // shard.blocks, parts, index)[1] * shard.blocks
     return None
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement import Placement, Replicate, Shard, shard_sizes
+from .placement import Placement, Replicate, Shard, shard_piece
 
 __all__ = ["TensorMeta", "ShardingSpec", "local_shape", "local_meta"]
 
@@ -65,9 +65,8 @@ def _split_dim(size: int, placement: Shard, parts: int, index: int) -> tuple[int
     """
     blocks = placement.blocks
     block = size // blocks
-    sizes = shard_sizes(block, parts)
-    start = sum(sizes[:index])
-    return start, sizes[index] * blocks
+    start, length = shard_piece(block, parts, index)
+    return start, length * blocks
 
 
 def local_shape(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autopar.pieces import combine, coordinates, dim_ranges, shard_tensor, unlayable_reason
-from autopar.placement import Partial, Replicate, Shard, parse_placements, shard_sizes
+from autopar.placement import Partial, Replicate, Shard, parse_placements, shard_piece, shard_sizes
 from autopar.spec import local_shape
 
 MESHES = [(2,), (4,), (2, 2), (2, 3)]
@@ -191,3 +191,15 @@ def test_scalar_tensor_round_trip():
     for placements in [parse_placements(["R"]), parse_placements(["P(sum)"]), parse_placements(["P(max)"])]:
         got = combine(_pieces(x, placements, (3,), seed=4), placements, (3,), ())
         torch.testing.assert_close(got, x)
+
+
+def test_a_piece_of_a_split_dim_is_the_tensor_split_rule_at_any_size():
+    """``shard_piece`` (O(1), what local shapes use on meshes of thousands of devices) is piece ``index`` of
+    ``shard_sizes``, which is ``torch.tensor_split``'s split, for dims smaller and larger than the parts."""
+    for size in range(0, 30):
+        for parts in range(1, 10):
+            split = [len(p) for p in torch.arange(size).tensor_split(parts)]
+            assert shard_sizes(size, parts) == split
+            for index in range(parts):
+                assert shard_piece(size, parts, index) == (sum(split[:index]), split[index])
+    assert shard_piece(128256, 4096, 4095) == (128256 - 31, 31)  # 128256 = 31 * 4096 + 1280: the last pieces short
