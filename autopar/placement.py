@@ -111,9 +111,8 @@ def format_placements(placements) -> list[str]:
 
 
 def shard_sizes(size: int, parts: int) -> list[int]:
-    """Sizes of the ``parts`` pieces of a dim of ``size`` (``torch.tensor_split`` rule)."""
-    base, extra = divmod(size, parts)
-    return [base + 1 if i < extra else base for i in range(parts)]
+    """Sizes of the ``parts`` pieces of a dim of ``size`` (``torch.tensor_split`` rule, ``shard_piece``)."""
+    return [shard_piece(size, parts, i)[1] for i in range(parts)]
 
 
 def shard_piece(size: int, parts: int, index: int) -> tuple[int, int]:
