@@ -253,8 +253,8 @@ def test_a_free_stage_search_stops_once_every_run_of_its_count_is_beaten(monkeyp
         )
         return x
 
-    def free(self, ctx, p, runs, charges, forced):
-        got = real_free(self, ctx, p, runs, charges, forced)
+    def free(self, ctx, p, runs, charges, forced, *shared):
+        got = real_free(self, ctx, p, runs, charges, forced, *shared)
         if got[0] is None:
             stopped.add(ctx.coster.settings.microbatches)
         return got

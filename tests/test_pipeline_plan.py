@@ -241,6 +241,32 @@ def test_stages_recompute_and_shard_their_state_to_fit_the_cap(schedule, virtual
     assert _plan(model, args, kwargs, mesh, mem_cap=least, **options).memory.per_device_bytes <= least
 
 
+def test_the_searches_of_one_stage_context_share_their_peak_checks(monkeypatch):
+    """The free stage search and the weighted searches of its stage fitting meet the same plans again
+    (``solving.CheckedPlans``): each (choice, recompute regions) is walked once, and the plan is the one each search
+    checking its plans alone gives."""
+    from autopar.planner import solving
+
+    model, args, kwargs = _gpt2(layers=2)
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
+    options = dict(pipeline="pp", microbatches=4, schedule="1f1b")
+    cap = int(_plan(model, args, kwargs, mesh, **options).memory.per_device_bytes * 0.6)
+    checks, walks = [], []
+    real_check, real_walk = solving.CheckedPlans.breakdown, solving.breakdown
+    monkeypatch.setattr(solving.CheckedPlans, "breakdown", lambda *a: checks.append(1) or real_check(*a))
+    monkeypatch.setattr(solving, "breakdown", lambda *a: walks.append(1) or real_walk(*a))
+    shared = _plan(model, args, kwargs, mesh, mem_cap=cap, **options)
+    assert 0 < len(walks) < len(checks)
+    monkeypatch.setattr(solving.CheckedPlans, "breakdown", lambda self, here, choice: real_walk(here, choice))
+    alone = _plan(model, args, kwargs, mesh, mem_cap=cap, **options)
+    assert (shared.cost, shared.memory, shared.pipeline, shared.nodes) == (
+        alone.cost,
+        alone.memory,
+        alone.pipeline,
+        alone.nodes,
+    )
+
+
 def test_weighted_tables_count_each_saved_byte_w_times_and_the_state_once():
     """The stage search's weighted memory row (``problem_tables.weighted``): an op's and an edge's bytes (what is
     saved for backward) ``w`` times, a parameter's state once; the evaluated memory of one choice is then

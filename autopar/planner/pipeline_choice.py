@@ -87,7 +87,7 @@ from .plan_table import describe_candidate, describe_schedule
 from .problem_tables import PS_PER_S
 from .recompute_modes import search_modes
 from .schema import Plan
-from .solving import SearchRun
+from .solving import CheckedPlans, SearchRun
 from .stage_assignment import chain_layers
 from .stage_fitting import StageFit, fit_stages, held_at_most
 from .throughput import with_throughput
@@ -287,7 +287,8 @@ class PipelineChoice:
             if not runs:
                 continue
             charges = costliest_other_charges(ctx)
-            free, proven_ps = self._free_search(ctx, p, runs, charges, forced)
+            checked = CheckedPlans()  # the free search and every weighted one meet the same plans
+            free, proven_ps = self._free_search(ctx, p, runs, charges, forced, checked)
             fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
             seen: dict = {}  # what each stage plan priced gives whatever the schedule (``pipelined``), likewise
             for run in runs:
@@ -302,11 +303,18 @@ class PipelineChoice:
                 weight = held_at_most(run.name, p, m, run.v)
                 if weight not in fits:
                     weighted = dataclasses.replace(ctx, activation_weight=weight)
-                    fits[weight] = StageFit(functools.partial(self._search, weighted), free, weight)
+                    search = functools.partial(self._search, weighted, checked=checked)
+                    fits[weight] = StageFit(search, free, weight)
                 self._priced_pipeline(fits[weight], ctx, axis, run, layers, seen)
 
     def _free_search(
-        self, ctx: PlanningContext, p: int, runs: list[PipelineSchedule], charges: tuple[int, int], forced: bool
+        self,
+        ctx: PlanningContext,
+        p: int,
+        runs: list[PipelineSchedule],
+        charges: tuple[int, int],
+        forced: bool,
+        checked: CheckedPlans,
     ) -> tuple[Plan | None, int | None]:
         """The free stage search of ``ctx`` (one micro-batch on the stage mesh, no cap), ``(plan, None)``; or, where
         a fastest candidate bounds it (``objective_beaten_above``: not for a forced axis), ``(None, lower bound on
@@ -316,7 +324,7 @@ class PipelineChoice:
         above = None if fastest is None else objective_beaten_above(ctx, self.mesh, p, runs, charges, fastest)
         with self._timing("search_s"):
             try:
-                return self._search(ctx, above=above), None
+                return self._search(ctx, above=above, checked=checked), None
             except BeatenError as e:
                 return None, int(e.lower_bound_ps)
 
@@ -352,11 +360,18 @@ class PipelineChoice:
         if self.found is None or step < self.found[0].cost.total_s or ties_win and step == self.found[0].cost.total_s:
             self.found = (plan, graph)
 
-    def _search(self, ctx: PlanningContext, mem_cap: int | None = None, above: int | None = None) -> Plan:
+    def _search(
+        self,
+        ctx: PlanningContext,
+        mem_cap: int | None = None,
+        above: int | None = None,
+        checked: CheckedPlans | None = None,
+    ) -> Plan:
         """The plan of one micro-batch on ``ctx`` under ``mem_cap`` where given (a pipeline's stage plan,
-        ``stage_fitting``: the stage context has no cap of its own); ``above``: ``SearchRun.above``."""
+        ``stage_fitting``: the stage context has no cap of its own); ``above``: ``SearchRun.above``; ``checked``:
+        ``SearchRun.checked``, the peak checks shared by the searches of ``ctx``."""
         hinted_ctx, resolved = hinted_context(ctx, None)
-        run = dataclasses.replace(self.run, above=above)
+        run = dataclasses.replace(self.run, above=above, checked=checked)
         options = ctx.options if mem_cap is None else dataclasses.replace(ctx.options, mem_cap=mem_cap)
         return search_modes(ctx, hinted_ctx, resolved, options, run).plan
 

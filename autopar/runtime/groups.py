@@ -328,7 +328,9 @@ class MeshGroups:
         return f"MeshGroups({self._mesh}, rank={self._rank}, coordinate={self._coordinate}, backend={self._backend})"
 
 
-def release_all(reason: str) -> None:
-    """``MeshGroups.release`` on every mesh of this process (``autopar.runtime.at_exit``)."""
-    for groups in list(_LIVE):
+def release_all(reason: str) -> int:
+    """``MeshGroups.release`` on every mesh of this process (``autopar.runtime.at_exit``); how many there were."""
+    meshes = list(_LIVE)
+    for groups in meshes:
         groups.release(reason)
+    return len(meshes)
