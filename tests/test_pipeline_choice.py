@@ -284,3 +284,27 @@ def test_a_free_stage_search_stops_once_every_run_of_its_count_is_beaten(monkeyp
     monkeypatch.setattr(choice, "objective_beaten_above", lambda *_: None)  # no stop: the same choice
     unstopped = _plan(model, args, kwargs, mesh, pipeline="auto", profile="h100")
     assert (unstopped.cost.total_s, unstopped.pipeline) == (chosen.cost.total_s, chosen.pipeline)
+
+
+def test_micro_batches_captured_statically_plan_as_those_specialized_from_the_symbolic_capture(monkeypatch):
+    """A large graph's micro-batch sizes are captured statically, a small one's specialized from one symbolic capture
+    (``SYMBOLIC_CAPTURE_NODES``): the two give the same plan."""
+    import autopar.planner.pipeline_choice as choice
+
+    templates = []
+    real = choice.capture_template
+    monkeypatch.setattr(choice, "capture_template", lambda *a: templates.append(1) or real(*a))
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 4})
+    mesh = autopar.Mesh((2,), axis_names=("pp",))
+    symbolic = _plan(model, args, kwargs, mesh, pipeline="auto")
+    assert templates == [1]
+    monkeypatch.setattr(choice, "SYMBOLIC_CAPTURE_NODES", 0)  # every graph counts as large
+    static = _plan(model, args, kwargs, mesh, pipeline="auto")
+    assert templates == [1]  # no second symbolic capture
+    assert len(symbolic.candidates) > 1  # micro-batched candidates were priced on the captures compared
+    assert (static.cost, static.pipeline, static.nodes, static.candidates) == (
+        symbolic.cost,
+        symbolic.pipeline,
+        symbolic.nodes,
+        symbolic.candidates,
+    )

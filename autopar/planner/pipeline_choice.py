@@ -13,13 +13,14 @@ The candidates are every combination the options leave open:
   ``m`` micro-batches (``pipeline_planning.schedule_runs``) with enough layers; interleaved with each count of
   stages per rank ``virtual_choices`` gives (``virtual_stages``: as given, or 2, 4, 8, ...).
 
-Each pipelined candidate is priced exactly as a forced one (``pipeline_planning.pipelined``).  Work is shared:
-one capture per micro-batch size (a symbolic capture specialized per size, ``capture.batch``, when several are
-needed), one stage-mesh search per (axis, ``m``) whose prices every schedule splits (``stage_prices``: no
-search per schedule), and where the cap needs weighted searches, one walk per weight (schedules holding as many
-micro-batches in flight share it).  Chosen: the fastest step (``Plan.cost.total_s``) among the candidates that fit
-the cap; a tie keeps no pipeline, else the earlier (the axes in mesh order, fewer micro-batches, 1F1B, GPipe,
-interleaved).  When none fits, ``MemoryCapError`` names the least memory any candidate needed.
+Each pipelined candidate is priced exactly as a forced one (``pipeline_planning.pipelined``).  Work is shared: one
+capture per micro-batch size (a small graph's sizes specialized from one symbolic capture, ``capture.batch``, when
+several are needed: ``SYMBOLIC_CAPTURE_NODES``), one stage-mesh search per (axis, ``m``) whose prices every schedule
+splits (``stage_prices``: no search per schedule), and where the cap needs weighted searches, one walk per weight
+(schedules holding as many micro-batches in flight share it).  Chosen: the fastest step (``Plan.cost.total_s``)
+among the candidates that fit the cap; a tie keeps no pipeline, else the earlier (the axes in mesh order, fewer
+micro-batches, 1F1B, GPipe, interleaved).  When none fits, ``MemoryCapError`` names the least memory any candidate
+needed.
 
 The plan without a pipeline is searched last, bounded by the fastest pipelined step ``s`` (``SearchRun.above``):
 its searches stop where a lower bound on their objective (first the optimum without the cap) is above ``s``,
@@ -101,6 +102,14 @@ SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")
 
 #: the most accumulated micro-batch counts tried when one micro-batch of the whole batch does not fit
 ACCUMULATION_TRIES = 6
+
+#: The largest graph whose smaller micro-batches are specialized from one symbolic capture (``PipelineChoice._graph``)
+#: instead of captured statically per size.  A symbolic export costs more per node than a static one, and more so the
+#: larger the graph; a specialization costs little on a small graph.  Measured (this 2-core machine, torch 2.13,
+#: seconds for one static capture / the symbolic one / one specialization): gpt2-tiny, 144 nodes: 0.6 / 0.7 / 0.03;
+#: llama-tiny, 183: 0.8 / 1.0 / 0.07; GPT-2 small, 644: 0.8-1.3 / 2.9 / 0.08; Llama 3 405B, 7,995: 3.0 / 33 / 2.2, so
+#: its 3 sizes of a forced 16-stage pipeline took 40 s through the symbolic capture and take 9 s statically.
+SYMBOLIC_CAPTURE_NODES = 1000
 
 
 def plan_model(
@@ -406,13 +415,12 @@ class PipelineChoice:
         return ctx
 
     def _graph(self, m: int) -> OpGraph:
-        """The model captured at one of ``m`` micro-batches: statically for the batch as given (``m = 1``), where the
-        options need one size or the inputs share no batch dim; else specialized from one symbolic capture (a
-        symbolic export takes several times a static one: built only once a smaller batch is needed)."""
+        """The model captured at one of ``m`` micro-batches: statically, or specialized from one symbolic capture
+        where that is cheaper (``_symbolic``)."""
         graphs = self.shared.captures.graphs
         if m not in graphs:
             with self._timing("capture_s"):
-                if self.batch is None or m == 1 or self._one_size():
+                if self.batch is None or m == 1 or not self._symbolic():
                     (args, kwargs), *_ = (
                         split_microbatches(self.args, self.kwargs, m) if m > 1 else [(self.args, self.kwargs)]
                     )
@@ -424,8 +432,14 @@ class PipelineChoice:
             self.shared.heap.keep()
         return graphs[m]
 
-    def _one_size(self) -> bool:
-        return self.options.pipeline != "auto" and self.options.microbatches != "auto"
+    def _symbolic(self) -> bool:
+        """Whether a smaller micro-batch is specialized from one symbolic capture of the model rather than captured
+        statically: only where the options need several sizes and a capture made so far has at most
+        ``SYMBOLIC_CAPTURE_NODES`` nodes (none made yet: statically, so the first tells the size)."""
+        if self.options.pipeline != "auto" and self.options.microbatches != "auto":
+            return False
+        made = self.shared.captures.graphs
+        return bool(made) and min(len(g.nodes) for g in made.values()) <= SYMBOLIC_CAPTURE_NODES
 
 
 @dataclasses.dataclass
