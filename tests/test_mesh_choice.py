@@ -82,6 +82,32 @@ def test_no_mesh_fitting_the_cap_names_what_each_needs():
     assert e.value.min_mem_bytes > 64 * 2**10
 
 
+def test_a_pipeline_mesh_with_more_stages_than_layers_is_listed_as_unable_to_run():
+    """``pipeline="auto"`` over a device count enumerates meshes whose pipeline axis outnumbers the model's layers:
+    those are listed with why they cannot run, not raised (as a pipeline the user forced would be), and the plan is
+    chosen among the rest."""
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 1})
+    plan = autopar.plan(
+        model, devices=8, example_inputs=args, example_kwargs=kwargs, pipeline="auto", profile="h100",
+        devices_per_node=8, compare_families=False,
+    )  # fmt: skip
+    listed = {c.shape: c for c in plan.meshes}
+    assert set(listed) == {(8,), (2, 4), (4, 2), (2, 2, 2)}
+    unable = listed[(2, 2, 2)]
+    assert unable.step_s is None and unable.at_least_s is None
+    assert unable.note.startswith("cannot run") and "layers to split over 2 stages along 'pp'" in unable.note
+    assert plan.mesh.shape != (2, 2, 2) and plan.meshes[0].note == "chosen"
+    assert autopar.Plan.from_json(plan.to_json()).meshes == plan.meshes
+    assert "cannot run" in plan.table()
+    with pytest.raises(
+        ValueError, match="has no layers .* to split into stages"
+    ):  # the same pipeline asked for by the user
+        autopar.plan(
+            model, autopar.Mesh((2, 2, 2), axis_names=("pp", "dp", "tp")), example_inputs=args,
+            example_kwargs=kwargs, pipeline="pp", profile="h100", compare_families=False,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -241,6 +241,28 @@ def test_stages_recompute_and_shard_their_state_to_fit_the_cap(schedule, virtual
     assert _plan(model, args, kwargs, mesh, mem_cap=least, **options).memory.per_device_bytes <= least
 
 
+def test_stage_fitting_past_the_search_budget_keeps_the_fastest_split_that_fits(monkeypatch):
+    """Past ``search_budget_s`` the stage fitting starts no bisection (``stage_fitting.fit_stages``): the plan still
+    fits the cap, is marked ``budget_hit``, and is no faster than the plan the whole walk finds."""
+    from autopar.planner import stage_fitting
+
+    model, args, kwargs = _gpt2(layers=2)
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
+    options = dict(pipeline="pp", microbatches=4, schedule="1f1b")
+    cap = int(_plan(model, args, kwargs, mesh, **options).memory.per_device_bytes * 0.6)
+    searched, real_under = [], stage_fitting.StageFit.under
+    monkeypatch.setattr(
+        stage_fitting.StageFit, "under", lambda self, bound: searched.append(bound) or real_under(self, bound)
+    )
+    whole = _plan(model, args, kwargs, mesh, mem_cap=cap, **options)
+    whole_bounds, searched[:] = list(searched), []
+    late = _plan(model, args, kwargs, mesh, mem_cap=cap, search_budget_s=1e-6, **options)
+    assert late.search.budget_hit and not whole.search.budget_hit
+    assert max(s.memory_bytes for s in late.pipeline.stages) <= cap
+    assert late.cost.total_s >= whole.cost.total_s
+    assert 0 < len(searched) < len(whole_bounds)  # lowered to a split that fits, not bisected
+
+
 def test_the_searches_of_one_stage_context_share_their_peak_checks(monkeypatch):
     """The free stage search and the weighted searches of its stage fitting meet the same plans again
     (``solving.CheckedPlans``): each (choice, recompute regions) is walked once, and the plan is the one each search

@@ -8,7 +8,10 @@ groups use: inside a node, or across nodes when any group spans two):
 * ``(N,)``, named ``("dp",)``;
 * ``(a, b)`` with ``a b = N``, ``a, b >= 2``, named ``("dp", "tp")``;
 * with ``pipeline="auto"`` also ``(p, a, b)``, named ``("pp", "dp", "tp")``, pipelined on ``pp`` (and each
-  two-axis mesh may pipeline either axis, as ``pipeline="auto"`` does on a given mesh).
+  two-axis mesh may pipeline either axis, as ``pipeline="auto"`` does on a given mesh).  That pipeline is the
+  enumeration's, not the user's (``SharedPlanning.placed``): its candidates are bounded by the fastest step so far
+  and skipped where they cannot run, and a mesh none of whose candidates can run (more stages than layers) is
+  listed with why (``NoCandidateError``), as ``pipeline="auto"`` does, not raised as a pipeline the user forced.
 
 The names are labels: the search chooses what each axis does (data, sharded-parameter, tensor or sequence
 parallel) and the plan's table says what it chose.  A third axis without a pipeline (a second data axis,
@@ -39,7 +42,7 @@ from costmodel import load_profile
 from .errors import MemoryCapError
 from .heap import FrozenHeap
 from .options import HintOptions, PlanOptions
-from .pipeline_choice import PipelineChoice, SharedPlanning, plan_model
+from .pipeline_choice import NoCandidateError, PipelineChoice, SharedPlanning, plan_model
 from .plan_parts import MeshCandidate
 from .problem_tables import PS_PER_S
 from .schema import Plan
@@ -138,7 +141,7 @@ def plan_devices(
     tried, timings = [], {}
     best: tuple[Plan, OpGraph] | None = None
     with FrozenHeap() as heap:
-        shared = SharedPlanning(heap)
+        shared = SharedPlanning(heap, placed=True)
         for mesh in logical_meshes(devices, options.pipeline):
             mesh_options = options
             if mesh.ndim == 3:  # the third axis is there for a pipeline: on the outermost
@@ -156,6 +159,9 @@ def plan_devices(
             except BeatenError as e:
                 at_least = e.lower_bound_ps / PS_PER_S
                 tried.append(MeshCandidate(mesh.shape, mesh.axis_names, None, None, at_least_s=at_least))
+                continue
+            except NoCandidateError as e:  # a pipeline mesh whose stages outnumber the layers or the rows
+                tried.append(MeshCandidate(mesh.shape, mesh.axis_names, None, None, note=f"cannot run: {e}"))
                 continue
             finally:
                 for key, value in spent.items():
@@ -200,6 +206,8 @@ def _with_notes(ranked: tuple[MeshCandidate, ...], chosen: Plan) -> tuple[MeshCa
             note = f"{c.step_s / best:.2f}x slower"
         elif c.at_least_s is not None:
             note = f"at least {c.at_least_s / best:.2f}x slower (search bounded)"
+        elif c.note:
+            note = c.note
         else:
             note = f"does not fit: needs {format_bytes(c.memory_bytes)}"
         out.append(dataclasses.replace(c, note=note))
@@ -207,6 +215,7 @@ def _with_notes(ranked: tuple[MeshCandidate, ...], chosen: Plan) -> tuple[MeshCa
 
 
 def _none_fit(devices: int, options: PlanOptions, tried: list[MeshCandidate]) -> MemoryCapError:
+    tried = [c for c in tried if c.memory_bytes is not None]  # (a mesh where nothing can run needs nothing)
     least = min(tried, key=lambda c: c.memory_bytes or 0)
     each = "; ".join(f"{'x'.join(map(str, c.shape))}: {format_bytes(c.memory_bytes)}" for c in tried)
     cap = format_bytes(options.mem_cap) if options.mem_cap else "none"

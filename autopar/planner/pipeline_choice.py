@@ -93,7 +93,7 @@ from .stage_assignment import chain_layers
 from .stage_fitting import StageFit, fit_stages, held_at_most
 from .throughput import with_throughput
 
-__all__ = ["Captures", "PipelineChoice", "SharedPlanning", "plan_model"]
+__all__ = ["Captures", "NoCandidateError", "PipelineChoice", "SharedPlanning", "plan_model"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,7 @@ class PipelineChoice:
         self.found: tuple[Plan, OpGraph] | None = None
         self.priced: list[Candidate] = []
         self.missed: list[MemoryCapError] = []
+        self.skipped: list[str] = []  # why a pipeline axis or micro-batch count was not tried (not forced)
         self.timings = {"capture_s": 0.0, "strategies_s": 0.0, "search_s": 0.0, "candidates": 0.0}
 
     def best(self, compare_families: bool) -> tuple[Plan, OpGraph]:
@@ -177,9 +178,11 @@ class PipelineChoice:
         asked = self.options.pipeline
         axes = [] if asked == "none" else [pipeline_axis(self.mesh, asked)] if asked != "auto" else self._auto_axes()
         for axis in axes:
-            self._pipelines(axis, forced=asked != "auto")
+            self._pipelines(axis, forced=asked != "auto" and not self.shared.placed)
         if asked in ("none", "auto"):  # last: the pipelines' fastest bounds its search (a tie still goes to it)
             self._no_pipeline(compare_families)
+        if self.found is None and not self.priced:
+            raise NoCandidateError(f"mesh {self.mesh.shape}: nothing can run: " + "; ".join(self.skipped))
         if self.found is None:
             beaten = [c.at_least_s for c in self.priced if c.at_least_s is not None]
             if beaten and self.shared.beat is not None:  # every candidate that may fit: slower than another mesh's
@@ -279,6 +282,7 @@ class PipelineChoice:
             if forced:
                 raise
             log.info("pipeline='auto': no pipeline along %r: %s", name, e)
+            self.skipped.append(f"no pipeline along {name!r}: {e}")
             return
         for m in counts:
             if forced and len(schedules) == 1:
@@ -294,6 +298,9 @@ class PipelineChoice:
             if forced and not runs:
                 check_layers(name, model, layers, p, min(fewest_virtual(s, virtual) for s in schedules))
             if not runs:
+                self.skipped.append(
+                    f"the model has {len(layers)} repeated layers to split over {p} stages along {name!r}"
+                )
                 continue
             charges = costliest_other_charges(ctx)
             checked = CheckedPlans()  # the free search and every weighted one meet the same plans
@@ -313,7 +320,7 @@ class PipelineChoice:
                 if weight not in fits:
                     weighted = dataclasses.replace(ctx, activation_weight=weight)
                     search = functools.partial(self._search, weighted, checked=checked)
-                    fits[weight] = StageFit(search, free, weight)
+                    fits[weight] = StageFit(search, free, weight, self.run.deadline)
                 self._priced_pipeline(fits[weight], ctx, axis, run, layers, seen)
 
     def _free_search(
@@ -456,11 +463,20 @@ class SharedPlanning:
     """What the plans of one model share, on one mesh or on each mesh of a device count (``mesh_choice``): the
     collector kept off each capture and its strategies once built (``heap``, ``FrozenHeap.keep``), the captures
     per micro-batch count (``captures``), and the fastest step met on a mesh planned before (``beat``: this
-    mesh's searches bounded by it; None: none yet)."""
+    mesh's searches bounded by it; None: none yet).  ``placed``: a named pipeline axis was put there by the mesh
+    enumeration (``plan_devices``' ``pp``), not asked for by the user: where it cannot run it is skipped, and its
+    searches are bounded by the fastest step, as ``pipeline="auto"``'s are."""
 
     heap: FrozenHeap
     captures: Captures = dataclasses.field(default_factory=Captures)
     beat: float | None = None
+    placed: bool = False
+
+
+class NoCandidateError(ValueError):
+    """No candidate of a mesh can run: its pipelines are skipped (too few layers or rows for its stages) and no plan
+    without one is asked for (``SharedPlanning.placed``: a mesh the enumeration made for a pipeline).  The message
+    says why each was skipped."""
 
 
 def _rank(c: Candidate) -> tuple:

@@ -23,7 +23,10 @@ op's saved bytes ``w`` times, a parameter's state once), bounded by ``C``.  For 
    when its split does not fit either, no stage plan does, and the error names the least
    its fullest rank needs.
 3. A fitting bound found below a failing one: bisect between them ``BISECT_TRIES`` times for
-   a faster plan that fits (a higher bound allows the same plans and more).
+   a faster plan that fits (a higher bound allows the same plans and more), until the search
+   budget has passed (``StageFit.deadline``: the plan is then marked ``budget_hit``).  Measured
+   (Llama 3 405B forced to 128 x 16 x 8 of 16,384 H100s, 30 s budget): the bisection was 65 of
+   the plan's 158 s, for a plan 0.3% faster.
 
 The result is the fastest fitting plan met.  It is a walk along the weighted search's
 (time, memory) frontier, not the optimum of the split and the stage plan together: the
@@ -34,9 +37,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.cost import in_flight
+from autopar.search import Deadline
 
 from .errors import MemoryCapError
 from .schema import Plan
@@ -55,11 +59,13 @@ BISECT_TRIES = 4
 class StageFit:
     """One walk's searches: ``search(C)`` the stage plan with activations weighted ``weight`` times under bound
     ``C`` (``MemoryCapError`` when none), kept per bound (the schedules of one micro-batch count and weight share
-    them); ``free``: the fastest plan, searched without a bound."""
+    them); ``free``: the fastest plan, searched without a bound; ``deadline``: the plan's search budget (None:
+    none), past which no bisection starts."""
 
     search: Callable[[int], Plan]
     free: Plan
     weight: int
+    deadline: Deadline | None = None
     found: dict[int, Plan | MemoryCapError] = field(default_factory=dict)
 
     def under(self, bound: int) -> Plan:
@@ -115,6 +121,9 @@ def fit_stages(fit: StageFit, price: Callable[[Plan], Plan], cap: int | None) ->
     if best is None:
         raise missed
     for _ in range(BISECT_TRIES):
+        if fit.deadline is not None and fit.deadline.passed():  # out of time: the fastest split that fits so far
+            best = replace(best, search=replace(best.search, budget_hit=True, budget_s=fit.deadline.budget_s))
+            break
         middle = (fits_at + fails_at) // 2
         if middle in (fits_at, fails_at):
             break
