@@ -12,7 +12,10 @@ and the planning time and peak RSS of this process.  The model is built on the m
 Measured 2026-11-28 (this 2-core machine): 8,192 GPUs 384 TFLOP/s predicted (0.89x of 430; interleaved, 4 stages
 per rank, 32 micro-batches, bubble 10%), planned in 104 s; 16,384 GPUs 337 (0.84x of 400; 16 micro-batches, bubble
 22%), 88 s; peak RSS 2.24 GiB.  Measured 2026-11-30: 8,192 GPUs 387 TFLOP/s (0.90x; interleaved, 4 stages per rank,
-32 micro-batches, bubble 12%), planned in 164 s, peak RSS 2.37 GiB.
+32 micro-batches, bubble 12%), planned in 164 s, peak RSS 2.37 GiB.  Measured 2026-11-30 (stop 58: static captures
+of a large graph's micro-batches, peak checks shared, no bisection past the search budget): 8,192 GPUs 384 TFLOP/s
+(0.89x), planned in 94 s; 16,384 GPUs 347 (0.87x; interleaved, 4 stages per rank, 16 micro-batches, bubble 20%),
+96 s; peak RSS 2.03 GiB.
 
 Not yet here: autopar's free choice on the same devices (``plan(devices=N, pipeline="auto")`` enumerates too many
 three-axis meshes at this size to finish in minutes).

@@ -30,6 +30,19 @@ def test_the_meshes_are_the_factorizations_of_the_count_innermost_last():
     assert all(m.size == 16 for m in with_pipeline)
 
 
+def test_the_meshes_are_planned_one_axis_first_then_the_most_balanced():
+    """``planning_order``: a search order over ``logical_meshes`` (each once, with its index there)."""
+    from autopar.planner import planning_order
+
+    meshes = logical_meshes(64, "auto")
+    order = planning_order(meshes)
+    assert sorted(i for i, _ in order) == list(range(len(meshes))) and all(meshes[i] is m for i, m in order)
+    shapes = [m.shape for _, m in order]
+    assert shapes[0] == (64,)
+    assert [max(s) for s in shapes[1:]] == sorted(max(s) for s in shapes[1:])
+    assert shapes[1:4] == [(4, 4, 4), (8, 8), (2, 4, 8)]  # largest axis 4, then 8: two axes before three
+
+
 @pytest.mark.parametrize(
     "devices,per_node,match",
     [

@@ -19,7 +19,7 @@ from .errors import MemoryCapError
 from .explain import render_explanation
 from .hint_forms import Layout, hint_from_text, hints_from_file
 from .hints import UnmatchedHintError
-from .mesh_choice import check_devices, logical_meshes, plan_devices, plan_on
+from .mesh_choice import check_devices, logical_meshes, plan_devices, plan_on, planning_order
 from .options import (
     PLAN_KEYWORDS,
     SEARCH_BUDGET_S,
@@ -110,6 +110,7 @@ __all__ = [
     "plan_model",
     "plan_devices",
     "plan_on",
+    "planning_order",
     "check_devices",
     "logical_meshes",
     "prepare",
