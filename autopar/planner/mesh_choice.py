@@ -175,7 +175,7 @@ def plan_devices(
                 tried.append((index, MeshCandidate(mesh.shape, mesh.axis_names, None, None, at_least_s=at_least)))
                 continue
             except NoCandidateError as e:  # a pipeline mesh whose stages outnumber the layers or the rows
-                note = f"cannot run: {e}"
+                note = f"cannot run: {e.why}"
                 tried.append((index, MeshCandidate(mesh.shape, mesh.axis_names, None, None, note=note)))
                 continue
             finally:

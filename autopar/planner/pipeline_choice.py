@@ -182,7 +182,7 @@ class PipelineChoice:
         if asked in ("none", "auto"):  # last: the pipelines' fastest bounds its search (a tie still goes to it)
             self._no_pipeline(compare_families)
         if self.found is None and not self.priced:
-            raise NoCandidateError(f"mesh {self.mesh.shape}: nothing can run: " + "; ".join(self.skipped))
+            raise NoCandidateError(self.mesh.shape, "; ".join(self.skipped))
         if self.found is None:
             beaten = [c.at_least_s for c in self.priced if c.at_least_s is not None]
             if beaten and self.shared.beat is not None:  # every candidate that may fit: slower than another mesh's
@@ -475,8 +475,12 @@ class SharedPlanning:
 
 class NoCandidateError(ValueError):
     """No candidate of a mesh can run: its pipelines are skipped (too few layers or rows for its stages) and no plan
-    without one is asked for (``SharedPlanning.placed``: a mesh the enumeration made for a pipeline).  The message
-    says why each was skipped."""
+    without one is asked for (``SharedPlanning.placed``: a mesh the enumeration made for a pipeline).  ``why``: why
+    each was skipped."""
+
+    def __init__(self, shape: tuple[int, ...], why: str) -> None:
+        super().__init__(f"mesh {shape}: nothing can run: {why}")
+        self.why = why
 
 
 def _rank(c: Candidate) -> tuple:
