@@ -8,6 +8,7 @@ and the planning time and peak RSS of this process.  The model is built on the m
 
     python scripts/llama3_anchors.py            # both rows (several minutes each on a 2-core machine)
     python scripts/llama3_anchors.py --gpus 8192
+    python scripts/llama3_anchors.py --gpus 8192 --free --layers 16   # autopar's choice of mesh (see below)
 
 Measured 2026-11-28 (this 2-core machine): 8,192 GPUs 384 TFLOP/s predicted (0.89x of 430; interleaved, 4 stages
 per rank, 32 micro-batches, bubble 10%), planned in 104 s; 16,384 GPUs 337 (0.84x of 400; 16 micro-batches, bubble
@@ -17,8 +18,10 @@ of a large graph's micro-batches, peak checks shared, no bisection past the sear
 (0.89x), planned in 94 s; 16,384 GPUs 347 (0.87x; interleaved, 4 stages per rank, 16 micro-batches, bubble 20%),
 96 s; peak RSS 2.03 GiB.
 
-Not yet here: autopar's free choice on the same devices (``plan(devices=N, pipeline="auto")`` enumerates too many
-three-axis meshes at this size to finish in minutes).
+``--free`` plans the same model for the device count instead (``plan(devices=N, pipeline="auto")``: autopar chooses
+the mesh) and prints its choice, then every mesh with its step (or why it lost), the seconds planning it took and the
+captures it made.  At 8,192 GPUs that is not yet done in minutes (2026-11-30: a mesh close to the fastest plans in
+about 100 s; ``docs/measurements/llama3-anchors-2026-11-28.md``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,33 @@ def forced(gpus: int, tp: int, pp: int, dp: int, layers: int, budget: float = 30
     return plan, time.perf_counter() - start
 
 
+def free(gpus: int, layers: int, budget: float = 30.0) -> tuple[autopar.Plan, float]:
+    model = llama3_405b(layers)
+    ids = torch.zeros(SEQUENCES, 8192, dtype=torch.long, device="meta")
+    start = time.perf_counter()
+    plan = autopar.plan(
+        model, devices=gpus, example_inputs=(ids,), example_kwargs={"labels": ids}, profile="h100", dtype="bf16",
+        mem_cap="80GB", devices_per_node=8, pipeline="auto", compare_families=False, search_budget_s=budget,
+    )  # fmt: skip
+    return plan, time.perf_counter() - start
+
+
+def print_free(gpus: int, tflops: float, plan: autopar.Plan, took: float) -> None:
+    f, pipe = plan.throughput, plan.pipeline
+    mesh = " x ".join(f"{n} {k}" for n, k in zip(plan.mesh.axis_names, plan.mesh.shape))
+    how = f"{pipe.schedule}, {pipe.virtual} per rank, m {plan.microbatches}" if pipe else "no pipeline"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(
+        f"{gpus} GPUs, autopar's choice: {mesh} ({how}); {f.flops_per_device_s / 1e12:.0f} TFLOP/s per GPU "
+        f"({f.flops_per_device_s / 1e12 / tflops:.2f}x of the published {tflops}), step {plan.cost.total_s:.2f} s; "
+        f"planned in {took:.0f} s, peak RSS {rss:.2f} GiB"
+    )
+    for c in plan.meshes:
+        step = f"{c.step_s:.2f} s" if c.step_s is not None else f">= {c.at_least_s:.2f} s" if c.at_least_s else "-"
+        shape = "x".join(map(str, c.shape))
+        print(f"  {shape:>14}: {step:>11}, planned in {c.planning_s:6.1f} s, {c.new_captures} new captures; {c.note}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, choices=[r[0] for r in ROWS], help="one row (default: both)")
@@ -73,9 +103,13 @@ def main() -> None:
     parser.add_argument(
         "--search-budget", type=float, default=30.0, help="the plan's search budget in seconds (default 30, autopar's)"
     )
+    parser.add_argument("--free", action="store_true", help="autopar's choice of mesh for the device count")
     args = parser.parse_args()
     for gpus, tp, _cp, pp, dp, tflops, mfu in ROWS:
         if args.gpus not in (None, gpus):
+            continue
+        if args.free:
+            print_free(gpus, tflops, *free(gpus, args.layers, args.search_budget))
             continue
         try:
             plan, took = forced(gpus, tp, pp, dp, args.layers, args.search_budget)

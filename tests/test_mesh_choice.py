@@ -83,6 +83,8 @@ def test_gpt2_small_on_one_node_of_eight_is_data_parallel(gpt2_small):
     assert autopar.Plan.from_json(plan.to_json()).meshes == plan.meshes
     assert "meshes of 8 devices, fastest first" in plan.table()
     assert plan.timings["meshes"] == 3
+    assert all(c.planning_s > 0 for c in plan.meshes)
+    assert sorted(c.new_captures for c in plan.meshes) == [0, 0, 1]  # captured once, shared by the other meshes
 
 
 def test_no_mesh_fitting_the_cap_names_what_each_needs():
@@ -108,7 +110,8 @@ def test_a_pipeline_mesh_with_more_stages_than_layers_is_listed_as_unable_to_run
     assert set(listed) == {(8,), (2, 4), (4, 2), (2, 2, 2)}
     unable = listed[(2, 2, 2)]
     assert unable.step_s is None and unable.at_least_s is None
-    assert unable.note.startswith("cannot run") and "layers to split over 2 stages along 'pp'" in unable.note
+    assert unable.note.startswith("cannot run") and unable.note.count("layers to split over 2 stages along 'pp'") == 1
+    assert unable.new_captures == 0  # the layers are known from the capture before it: no size captured for it
     assert plan.mesh.shape != (2, 2, 2) and plan.meshes[0].note == "chosen"
     assert autopar.Plan.from_json(plan.to_json()).meshes == plan.meshes
     assert "cannot run" in plan.table()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -164,26 +165,19 @@ def plan_devices(
             choice = PipelineChoice(
                 model, mesh, example_inputs, example_kwargs, mesh_options, hint_options, progress, shared
             )
-            spent = choice.timings
+            start, captured = time.perf_counter(), len(shared.captures.graphs)
             try:
-                plan, graph = choice.best(False)
-            except MemoryCapError as e:
-                tried.append((index, MeshCandidate(mesh.shape, mesh.axis_names, None, e.min_mem_bytes)))
-                continue
-            except BeatenError as e:
-                at_least = e.lower_bound_ps / PS_PER_S
-                tried.append((index, MeshCandidate(mesh.shape, mesh.axis_names, None, None, at_least_s=at_least)))
-                continue
-            except NoCandidateError as e:  # a pipeline mesh whose stages outnumber the layers or the rows
-                note = f"cannot run: {e.why}"
-                tried.append((index, MeshCandidate(mesh.shape, mesh.axis_names, None, None, note=note)))
-                continue
+                row, found = _try_mesh(choice)
             finally:
-                for key, value in spent.items():
+                for key, value in choice.timings.items():
                     timings[key] = timings.get(key, 0.0) + value
-            tried.append((index, _candidate(plan)))
-            if best is None or (plan.cost.total_s, index) < (best[0].cost.total_s, best_index):
-                best, best_index = (plan, graph), index
+            took, new = time.perf_counter() - start, len(shared.captures.graphs) - captured
+            tried.append((index, dataclasses.replace(row, planning_s=took, new_captures=new)))
+            faster = found is not None and (
+                best is None or (found[0].cost.total_s, index) < (best[0].cost.total_s, best_index)
+            )
+            if faster:
+                best, best_index = found, index
     listed = [c for _, c in sorted(tried, key=lambda item: item[0])]  # as logical_meshes lists them
     if best is None:
         raise _none_fit(devices, options, listed)
@@ -191,6 +185,21 @@ def plan_devices(
     ranked = tuple(sorted(listed, key=_rank))
     timings["meshes"] = float(len(tried))
     return dataclasses.replace(plan, meshes=_with_notes(ranked, plan), timings=dict(plan.timings, **timings)), graph
+
+
+def _try_mesh(choice: PipelineChoice) -> tuple[MeshCandidate, tuple[Plan, OpGraph] | None]:
+    """The row of ``choice``'s mesh in ``Plan.meshes`` and its plan with its graph (None where no plan fits, every
+    plan is proven slower than a mesh planned before, or nothing can run on it)."""
+    shape, names = choice.mesh.shape, choice.mesh.axis_names
+    try:
+        plan, graph = choice.best(False)
+    except MemoryCapError as e:
+        return MeshCandidate(shape, names, None, e.min_mem_bytes), None
+    except BeatenError as e:
+        return MeshCandidate(shape, names, None, None, at_least_s=e.lower_bound_ps / PS_PER_S), None
+    except NoCandidateError as e:  # a pipeline mesh whose stages outnumber the layers or the rows
+        return MeshCandidate(shape, names, None, None, note=f"cannot run: {e.why}"), None
+    return _candidate(plan), (plan, graph)
 
 
 def _candidate(plan: Plan) -> MeshCandidate:

@@ -284,6 +284,10 @@ class PipelineChoice:
             log.info("pipeline='auto': no pipeline along %r: %s", name, e)
             self.skipped.append(f"no pipeline along {name!r}: {e}")
             return
+        captured = next(iter(self.shared.captures.graphs.values()), None)  # every size has the same layers
+        if not forced and captured is not None and not self._fills(p, len(chain_layers(captured)), schedules):
+            self._too_few_layers(len(chain_layers(captured)), p, name)  # known before any capture at a new size
+            return
         for m in counts:
             if forced and len(schedules) == 1:
                 check_schedule(schedules[0], p, m)
@@ -298,9 +302,7 @@ class PipelineChoice:
             if forced and not runs:
                 check_layers(name, model, layers, p, min(fewest_virtual(s, virtual) for s in schedules))
             if not runs:
-                self.skipped.append(
-                    f"the model has {len(layers)} repeated layers to split over {p} stages along {name!r}"
-                )
+                self._too_few_layers(len(layers), p, name)
                 continue
             charges = costliest_other_charges(ctx)
             checked = CheckedPlans()  # the free search and every weighted one meet the same plans
@@ -322,6 +324,15 @@ class PipelineChoice:
                     search = functools.partial(self._search, weighted, checked=checked)
                     fits[weight] = StageFit(search, free, weight, self.run.deadline)
                 self._priced_pipeline(fits[weight], ctx, axis, run, layers, seen)
+
+    def _fills(self, p: int, layers: int, schedules) -> bool:
+        """Whether ``layers`` repeated layers fill ``p`` stages under some schedule of ``schedules``."""
+        return any(virtual_choices(s, self.options.virtual_stages, p, layers) for s in schedules)
+
+    def _too_few_layers(self, layers: int, p: int, name: str) -> None:
+        why = f"the model has {layers} repeated layers to split over {p} stages along {name!r}"
+        if why not in self.skipped:  # once, not per micro-batch count
+            self.skipped.append(why)
 
     def _free_search(
         self,

@@ -241,7 +241,9 @@ class MeshCandidate:
     """One logical mesh a plan for a device count was chosen among (``planner.mesh_choice``): its shape and
     axis names; its plan's step, memory per device, model FLOP/s per device and MFU, and the plan in a few words
     (step None: it did not fit, memory then the least it needs; or its search stopped at ``at_least_s``, a bound
-    slower than a mesh already planned); ``note``: why it lost, or ``chosen``."""
+    slower than a mesh already planned); ``note``: why it lost, or ``chosen``; ``planning_s``: the seconds planning
+    it took, ``new_captures``: the captures of the model it made (0: every micro-batch size it needed had been
+    captured for a mesh planned before)."""
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
@@ -252,6 +254,8 @@ class MeshCandidate:
     mfu: float | None = None
     plan: str = ""
     note: str = ""
+    planning_s: float = 0.0
+    new_captures: int = 0
 
 
 @dataclass(frozen=True, slots=True)
