@@ -285,8 +285,9 @@ class PipelineChoice:
             self.skipped.append(f"no pipeline along {name!r}: {e}")
             return
         captured = next(iter(self.shared.captures.graphs.values()), None)  # every size has the same layers
-        if not forced and captured is not None and not self._fills(p, len(chain_layers(captured)), schedules):
-            self._too_few_layers(len(chain_layers(captured)), p, name)  # known before any capture at a new size
+        known = len(chain_layers(captured)) if captured is not None and not forced else None
+        if known is not None and not self._fills(p, known, schedules):  # before any capture at a new size
+            self._too_few_layers(known, p, name)
             return
         for m in counts:
             if forced and len(schedules) == 1:
