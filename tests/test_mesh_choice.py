@@ -221,3 +221,15 @@ def test_cli_plan_and_run_take_a_device_count(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "check: PASS" in out, out
     assert "(chosen for 4 devices), 4 ranks" in out
+
+
+def test_a_pipeline_mesh_whose_schedule_cannot_run_says_so_not_too_few_layers():
+    """Where the layers fill the stages but the schedule asked for does not run (1F1B needs at least ``p``
+    micro-batches), the mesh's row says that, not that the layers are too few."""
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 2})
+    plan = autopar.plan(
+        model, devices=8, example_inputs=args, example_kwargs=kwargs, pipeline="auto", schedule="1f1b",
+        microbatches=1, profile="h100", devices_per_node=8, compare_families=False,
+    )  # fmt: skip
+    note = {c.shape: c.note for c in plan.meshes}[(2, 2, 2)]
+    assert note == "cannot run: no schedule of 1f1b runs 2 stages along 'pp' with 1 micro-batches", note

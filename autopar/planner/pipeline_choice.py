@@ -302,8 +302,8 @@ class PipelineChoice:
             ]
             if forced and not runs:
                 check_layers(name, model, layers, p, min(fewest_virtual(s, virtual) for s in schedules))
-            if not runs:
-                self._too_few_layers(len(layers), p, name)
+            if not runs:  # too few layers, or (a given schedule or count) no schedule runs p ranks with m
+                self._none_run(len(layers), p, m, name, schedules)
                 continue
             charges = costliest_other_charges(ctx)
             checked = CheckedPlans()  # the free search and every weighted one meet the same plans
@@ -334,6 +334,16 @@ class PipelineChoice:
         why = f"the model has {layers} repeated layers to split over {p} stages along {name!r}"
         if why not in self.skipped:  # once, not per micro-batch count
             self.skipped.append(why)
+
+    def _none_run(self, layers: int, p: int, m: int, name: str, schedules) -> None:
+        """Why no run of ``m`` micro-batches along ``name`` is tried: the layers do not fill ``p`` stages, else no
+        schedule of ``schedules`` runs ``p`` ranks with ``m`` micro-batches (``schedule_runs``)."""
+        if not self._fills(p, layers, schedules):
+            self._too_few_layers(layers, p, name)
+        else:
+            self.skipped.append(
+                f"no schedule of {', '.join(schedules)} runs {p} stages along {name!r} with {m} micro-batches"
+            )
 
     def _free_search(
         self,
