@@ -254,7 +254,7 @@ def test_stage_fitting_past_the_search_budget_keeps_the_fastest_split_that_fits(
     monkeypatch.setattr(
         stage_fitting.StageFit, "under", lambda self, bound: searched.append(bound) or real_under(self, bound)
     )
-    whole = _plan(model, args, kwargs, mesh, mem_cap=cap, **options)
+    whole = _plan(model, args, kwargs, mesh, mem_cap=cap, search_budget_s=None, **options)  # no budget, any load
     whole_bounds, searched[:] = list(searched), []
     late = _plan(model, args, kwargs, mesh, mem_cap=cap, search_budget_s=1e-6, **options)
     assert late.search.budget_hit and not whole.search.budget_hit
