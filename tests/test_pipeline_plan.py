@@ -358,3 +358,63 @@ def test_the_search_weighs_more_stages_per_rank():
     small = {v: _plan(tiny, targs, tkwargs, mesh, virtual_stages=v, **on_cpu) for v in (2, 4)}
     cheaper = min(small, key=lambda v: small[v].cost.total_s)
     assert _plan(tiny, targs, tkwargs, mesh, **on_cpu).pipeline.virtual == cheaper == 2
+
+
+def _toy_walk(fits, beaten_above=None):
+    """``fit_stages`` on a toy stage search (``stage_fitting``): the plan under a bound ``C`` uses all of it and
+    takes ``1e6 / C`` s; its split fits where ``fits(C)``; searches whose plan is slower than ``beaten_above``
+    raise ``BeatenError`` instead.  The plan (or the error) and the bounds searched."""
+    from types import SimpleNamespace
+
+    from autopar.planner.errors import MemoryCapError
+    from autopar.planner.stage_fitting import StageFit, fit_stages
+    from autopar.search import BeatenError
+
+    def plan_under(bound):
+        memory = SimpleNamespace(params_bytes=0, grads_bytes=0, optimizer_bytes=0, activations_bytes=bound)
+        return SimpleNamespace(memory=memory, cost=SimpleNamespace(total_s=1e6 / bound), search=None)
+
+    searched = []
+
+    def search(bound):
+        searched.append(bound)
+        if beaten_above is not None and 1e6 / bound > beaten_above:
+            raise BeatenError(1e6 / bound, beaten_above)
+        return plan_under(bound)
+
+    def price(plan):
+        bound = plan.memory.activations_bytes
+        if not fits(bound):
+            raise MemoryCapError("the split is over the cap", bound * 3 // 2)
+        return plan
+
+    try:
+        return fit_stages(StageFit(search, plan_under(5000), 1), price, 1000), searched
+    except (BeatenError, MemoryCapError) as e:
+        return e, searched
+
+
+def test_a_bounded_stage_fitting_keeps_every_plan_that_beats_the_fastest():
+    """Weighted searches bounded by the fastest candidate (``stage_fitting``, Bounded): where the walk's plan is
+    faster than that candidate the bounded walk finds the same plan; where it is slower the walk raises
+    ``BeatenError`` with a bound above the fastest, and searches no bound below the first proven one; a bound proven
+    beaten is taken as fitting, so the bisection above it still finds a faster plan that fits there."""
+    from autopar.search import BeatenError
+
+    def under_the_cap(bound):  # the fullest rank holds 1.5 times the weighted bytes
+        return bound * 3 // 2 <= 1000
+
+    whole, whole_searched = _toy_walk(under_the_cap)
+    assert whole.cost.total_s == pytest.approx(1e6 / 666)  # lowered to 5000 x 1000 / 7500, then bisected in vain
+    kept, _ = _toy_walk(under_the_cap, beaten_above=whole.cost.total_s * 1.01)
+    assert kept.cost.total_s == whole.cost.total_s
+    lost, searched = _toy_walk(under_the_cap, beaten_above=whole.cost.total_s * 0.99)
+    assert isinstance(lost, BeatenError) and lost.lower_bound_ps > whole.cost.total_s * 0.99
+    assert min(searched) == 666 and len(searched) == len(whole_searched)
+
+    def also_in_a_band(bound):  # a second band that fits (the ends of a split can): met by the bisection
+        return under_the_cap(bound) or 1700 <= bound <= 1800
+
+    band, _ = _toy_walk(also_in_a_band)
+    beaten_band, _ = _toy_walk(also_in_a_band, beaten_above=1e6 / 1000)  # the lowered bound's plan is proven slower
+    assert band.cost.total_s == beaten_band.cost.total_s == pytest.approx(1e6 / 1749)

@@ -28,6 +28,13 @@ op's saved bytes ``w`` times, a parameter's state once), bounded by ``C``.  For 
    (Llama 3 405B forced to 128 x 16 x 8 of 16,384 H100s, 30 s budget): the bisection was 65 of
    the plan's 158 s, for a plan 0.3% faster.
 
+Bounded (``StageFit.search`` given the objective past which the fastest candidate so far beats every run of this
+weight, ``SearchRun.above``): a search that proves every plan under its bound ``C`` beyond it (``BeatenError``)
+proves every plan under any bound ``<= C`` beaten too, so the walk goes on as if that bound fitted: the plans a
+walk without the proof would meet below ``C`` lose anyway, and it bisects above ``C`` as it would where ``C``'s plan
+fits.  Whatever it skips is slower than the fastest; when nothing it meets is left, ``fit_stages`` raises the
+``BeatenError`` with the least bound proven (``StageFit.beaten``).
+
 The result is the fastest fitting plan met.  It is a walk along the weighted search's
 (time, memory) frontier, not the optimum of the split and the stage plan together: the
 weight is the fullest rank's, and the stages' state and activations are not spread evenly.
@@ -40,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from autopar.cost import in_flight
-from autopar.search import Deadline
+from autopar.search import BeatenError, Deadline
 
 from .errors import MemoryCapError
 from .schema import Plan
@@ -58,7 +65,8 @@ BISECT_TRIES = 4
 @dataclass
 class StageFit:
     """One walk's searches: ``search(C)`` the stage plan with activations weighted ``weight`` times under bound
-    ``C`` (``MemoryCapError`` when none), kept per bound (the schedules of one micro-batch count and weight share
+    ``C`` (``MemoryCapError`` when none; ``BeatenError`` where it is bounded and proves every plan under ``C``
+    slower than the fastest candidate), kept per bound (the schedules of one micro-batch count and weight share
     them); ``free``: the fastest plan, searched without a bound; ``deadline``: the plan's search budget (None:
     none), past which no bisection starts."""
 
@@ -66,18 +74,23 @@ class StageFit:
     free: Plan
     weight: int
     deadline: Deadline | None = None
-    found: dict[int, Plan | MemoryCapError] = field(default_factory=dict)
+    found: dict[int, Plan | MemoryCapError | BeatenError] = field(default_factory=dict)
 
     def under(self, bound: int) -> Plan:
         if bound not in self.found:
             try:
                 self.found[bound] = self.search(bound)
-            except MemoryCapError as e:
+            except (MemoryCapError, BeatenError) as e:
                 self.found[bound] = e
         hit = self.found[bound]
-        if isinstance(hit, MemoryCapError):
+        if isinstance(hit, Exception):
             raise hit
         return hit
+
+    def beaten(self) -> BeatenError:
+        """The proof with the least bound among the searches that proved their plans slower (the walk met one)."""
+        proofs = [e for e in self.found.values() if isinstance(e, BeatenError)]
+        return min(proofs, key=lambda e: e.lower_bound_ps)
 
     def weighted_bytes(self, plan: Plan) -> int:
         """``S + w A`` of ``plan``: its state and ``weight`` times its activations."""
@@ -94,35 +107,56 @@ def held_at_most(schedule: str, p: int, m: int, v: int = 1) -> int:
 def fit_stages(fit: StageFit, price: Callable[[Plan], Plan], cap: int | None) -> Plan:
     """The fastest pipelined plan ``price(stage_plan)`` whose split fits ``cap`` along the walk of the module
     docstring.  ``price`` raises ``MemoryCapError`` (its ``min_mem_bytes``: the least need of the fullest rank
-    any split reached) when a stage plan's split does not fit; the last such error is raised when none fits."""
+    any split reached) when a stage plan's split does not fit; the last such error is raised when none fits, and
+    ``BeatenError`` (``StageFit.beaten``) where every plan the walk met that fits is proven slower than the fastest."""
     try:
         return price(fit.free)
     except MemoryCapError as e:
         if cap is None:
             raise
-        missed, plan = e, fit.free
-    best: Plan | None = None
-    fits_at = None
-    bound = fit.weighted_bytes(plan) + 1  # the fastest plan's: any bound above finds it again
+        missed = e
+    best, fits_at, fails_at = _lowered(fit, price, cap, missed)
+    best = _bisected(fit, price, best, fits_at, fails_at)
+    if best is None:
+        raise fit.beaten()
+    log.info("stage plan under a weighted bound of %d bytes fits the cap of %d", fits_at, cap)
+    return best
+
+
+def _lowered(fit: StageFit, price: Callable[[Plan], Plan], cap: int, missed: MemoryCapError) -> tuple:
+    """Step 2: ``(plan, fits_at, fails_at)``: the first bound ``fits_at`` lowered from the fastest plan's whose
+    plan's split fits (``plan`` priced; None where the search proved the bound's plans slower than the fastest,
+    ``BeatenError``: taken as fitting), and the bound tried before it.  The last ``MemoryCapError`` when none does."""
+    plan, bound = fit.free, fit.weighted_bytes(fit.free) + 1  # the fastest plan's: any bound above finds it again
     for _ in range(LOWERING_TRIES):
         fails_at, bound = bound, min(fit.weighted_bytes(plan) * cap // max(missed.min_mem_bytes, 1), bound - 1)
         try:
-            plan = fit.under(bound)
-        except MemoryCapError as e:  # no stage plan under the bound: its least-memory one is the last to try
-            if e.min_mem_bytes >= fails_at:
-                break
-            bound = e.min_mem_bytes
-            plan = fit.under(bound)
+            try:
+                plan = fit.under(bound)
+            except MemoryCapError as e:  # no stage plan under the bound: its least-memory one is the last to try
+                if e.min_mem_bytes >= fails_at:
+                    break
+                bound = e.min_mem_bytes
+                plan = fit.under(bound)
+        except BeatenError:  # every plan under the bound loses: as if its split fitted (module docstring)
+            return None, bound, fails_at
         try:
-            best, fits_at = price(plan), bound
-            break
+            return price(plan), bound, fails_at
         except MemoryCapError as e:
             missed = e
-    if best is None:
-        raise missed
+    raise missed
+
+
+def _bisected(
+    fit: StageFit, price: Callable[[Plan], Plan], best: Plan | None, fits_at: int, fails_at: int
+) -> Plan | None:
+    """Step 3: the fastest plan that fits met bisecting between ``fits_at`` and ``fails_at`` (``best``: the one
+    found at ``fits_at``), ``BISECT_TRIES`` times or until the deadline.  A bound whose plans are proven slower
+    than the fastest (``BeatenError``) is taken as fitting (module docstring)."""
     for _ in range(BISECT_TRIES):
         if fit.deadline is not None and fit.deadline.passed():  # out of time: the fastest split that fits so far
-            best = replace(best, search=replace(best.search, budget_hit=True, budget_s=fit.deadline.budget_s))
+            if best is not None:
+                best = replace(best, search=replace(best.search, budget_hit=True, budget_s=fit.deadline.budget_s))
             break
         middle = (fits_at + fails_at) // 2
         if middle in (fits_at, fails_at):
@@ -132,8 +166,10 @@ def fit_stages(fit: StageFit, price: Callable[[Plan], Plan], cap: int | None) ->
         except MemoryCapError:
             fails_at = middle
             continue
+        except BeatenError:
+            fits_at = middle
+            continue
         fits_at = middle
-        if priced.cost.total_s < best.cost.total_s:
+        if best is None or priced.cost.total_s < best.cost.total_s:
             best = priced
-    log.info("stage plan under a weighted bound of %d bytes fits the cap of %d", fits_at, cap)
     return best
