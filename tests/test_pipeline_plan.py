@@ -418,3 +418,34 @@ def test_a_bounded_stage_fitting_keeps_every_plan_that_beats_the_fastest():
     band, _ = _toy_walk(also_in_a_band)
     beaten_band, _ = _toy_walk(also_in_a_band, beaten_above=1e6 / 1000)  # the lowered bound's plan is proven slower
     assert band.cost.total_s == beaten_band.cost.total_s == pytest.approx(1e6 / 1749)
+
+
+def test_the_stage_fittings_searches_keep_their_probes(monkeypatch):
+    """The weighted searches of the stage fitting keep their peak loops' probes (``SearchRun.refine`` False;
+    ``stage_fitting``, Probes): none is searched again at ``PLAN_GAP`` where refining each would (here: ``PLAN_GAP``
+    0, so every inexact probe would be), and the plan fits the cap within the walk's tolerance of the one whose walk
+    refines every search."""
+    from autopar.planner import pipeline_choice, solving
+
+    monkeypatch.setattr(solving, "PLAN_GAP", 0.0)
+    refined, real_refine = [], solving.PeakLoop.refine
+    monkeypatch.setattr(
+        solving.PeakLoop,
+        "refine",
+        lambda self, probe: refined.append(self.space.base.activation_weight) or real_refine(self, probe),
+    )
+    model, args, kwargs = _gpt2(layers=4)
+    mesh = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
+    options = dict(pipeline="pp", microbatches=4, schedule="gpipe", search_budget_s=None)
+    cap = int(_plan(model, args, kwargs, mesh, **options).memory.per_device_bytes * 0.5)
+    probes = _plan(model, args, kwargs, mesh, mem_cap=cap, **options)
+    assert not [w for w in refined if w > 1] and max(s.memory_bytes for s in probes.pipeline.stages) <= cap
+    real_search = pipeline_choice.PipelineChoice._search
+
+    def refining(self, ctx, mem_cap=None, above=None, checked=None, refine=True):
+        return real_search(self, ctx, mem_cap, above, checked, True)
+
+    monkeypatch.setattr(pipeline_choice.PipelineChoice, "_search", refining)
+    whole = _plan(model, args, kwargs, mesh, mem_cap=cap, **options)
+    assert [w for w in refined if w > 1]  # the walk's searches, refined
+    assert probes.cost.total_s == pytest.approx(whole.cost.total_s, rel=2.0**-8)

@@ -13,7 +13,7 @@ import pytest
 from chain_cases import mixed, variant
 from search_problems import chain_problem
 
-from autopar.planner.solving import PLAN_GAP, PROBE_GAP, PeakLoop, Probe
+from autopar.planner.solving import PLAN_GAP, PROBE_GAP, PeakLoop, Probe, SearchRun
 from autopar.search import Deadline, InfeasibleError, Start, min_memory, solve_dp
 from autopar.search.chain import solve_chain
 from autopar.search.problem import SearchProblem, Solution
@@ -190,8 +190,9 @@ class _Space:
     options = SimpleNamespace(solver="dp")
     above = None
 
-    def __init__(self, plans: list[tuple[int, int, int]]) -> None:
+    def __init__(self, plans: list[tuple[int, int, int]], run: SearchRun | None = None) -> None:
         self.plans, self.searches, self.peaks = plans, [], {}
+        self.run = run or SearchRun()
 
     def search(self, bound, gap, seed=None, at_cap=True):
         self.searches.append((bound, gap))
@@ -209,7 +210,8 @@ def test_the_peak_loop_refines_a_plan_found_at_the_cap_and_keeps_a_bisected_ones
     """``PeakLoop``: where the first plan (at the cap) fits, it is searched again at ``PLAN_GAP`` (its proven gap
     closes to it); where its peak is over the cap, the loop tightens the bound until a plan fits, and that plan,
     a tightened bound's optimum known to the loop's tolerance only, keeps its probe's gap (no search at
-    ``PLAN_GAP``)."""
+    ``PLAN_GAP``); and where the caller keeps probes (``SearchRun.refine`` False: the stage fitting's walk), the
+    first plan keeps its probe's gap too."""
     cap = 1000
     t = 10**9  # picoseconds: 1 ms
     fits_first = _Space([(t, 900, 950), (2 * t, 500, 600)])
@@ -220,3 +222,7 @@ def test_the_peak_loop_refines_a_plan_found_at_the_cap_and_keeps_a_bisected_ones
     got = PeakLoop(bisected, cap, None).run()
     assert got.sol.time == 2 * t and all(g == PROBE_GAP for _, g in bisected.searches) and len(bisected.searches) >= 2
     assert got.sol.time - got.sol.time_lower_bound == pytest.approx(2 * t * PROBE_GAP, abs=1)
+    probing = _Space([(t, 900, 950), (2 * t, 500, 600)], SearchRun(refine=False))  # a caller that bisects itself
+    got = PeakLoop(probing, cap, None).run()
+    assert [g for _, g in probing.searches] == [PROBE_GAP] and got.sol.time == t
+    assert got.sol.time - got.sol.time_lower_bound == pytest.approx(t * PROBE_GAP, abs=1)

@@ -382,9 +382,11 @@ class PipelineChoice:
         """The walk of the searches of ``ctx`` with activations weighted ``weight`` times, bounded by ``above``
         (``_objective_above`` of the runs that hold ``weight``; None: unbounded, as for a forced axis): a search
         that proves every plan under its bound past it proves each of those runs slower (``stage_fitting``,
-        Bounded)."""
+        Bounded).  Its searches keep their probes' plans, within ``PROBE_GAP`` of each bound's optimum (``refine``
+        False): the walk bisects bounds itself, as the peak loop does, and a plan it keeps is known to its own
+        tolerance only (``stage_fitting``, Probes)."""
         weighted = dataclasses.replace(ctx, activation_weight=weight)
-        search = functools.partial(self._search, weighted, checked=checked, above=above)
+        search = functools.partial(self._search, weighted, checked=checked, above=above, refine=False)
         return StageFit(search, free, weight, self.run.deadline)
 
     def _priced_pipeline(
@@ -437,12 +439,13 @@ class PipelineChoice:
         mem_cap: int | None = None,
         above: int | None = None,
         checked: CheckedPlans | None = None,
+        refine: bool = True,
     ) -> Plan:
         """The plan of one micro-batch on ``ctx`` under ``mem_cap`` where given (a pipeline's stage plan,
         ``stage_fitting``: the stage context has no cap of its own); ``above``: ``SearchRun.above``; ``checked``:
-        ``SearchRun.checked``, the peak checks shared by the searches of ``ctx``."""
+        ``SearchRun.checked``, the peak checks shared by the searches of ``ctx``; ``refine``: ``SearchRun.refine``."""
         hinted_ctx, resolved = hinted_context(ctx, None)
-        run = dataclasses.replace(self.run, above=above, checked=checked)
+        run = dataclasses.replace(self.run, above=above, checked=checked, refine=refine)
         options = ctx.options if mem_cap is None else dataclasses.replace(ctx.options, mem_cap=mem_cap)
         return search_modes(ctx, hinted_ctx, resolved, options, run).plan
 

@@ -69,12 +69,16 @@ class SearchRun:
     picoseconds of the searched objective, of a plan the caller has already (another candidate's,
     ``pipeline_choice``): the recompute modes' searches stop with ``BeatenError`` where a bound proves every plan
     slower (None: search to the plan).  ``checked``: the plans whose step peak was checked, shared by every search
-    of one context (``CheckedPlans``; None: each ``plan_under`` keeps its own)."""
+    of one context (``CheckedPlans``; None: each ``plan_under`` keeps its own).  ``refine``: the peak loop searches
+    its plan again at ``PLAN_GAP`` (``PeakLoop.refine``); False: it keeps its probe's plan (within ``PROBE_GAP``,
+    its proven gap in its stats), as a loop that bisected does, for a caller that bisects bounds itself (the stage
+    fitting's weighted searches)."""
 
     deadline: Deadline | None = None
     progress: Callable[[str, int, int], None] | None = None
     above: int | None = None
     checked: CheckedPlans | None = None
+    refine: bool = True
 
 
 class CheckedPlans:
@@ -340,7 +344,8 @@ class PeakLoop:
         sol = self.best.sol
         coarse = sol.time - sol.time_lower_bound > sol.time * PLAN_GAP
         bisected = self.over is not None  # the plan is a tightened bound's: known to the loop's tolerance only
-        if self.best_bound is not None and not self.late and coarse and not bisected and not self.beaten(sol):
+        settled = not self.space.run.refine or self.late or bisected or self.beaten(sol)
+        if self.best_bound is not None and coarse and not settled:
             self.best = self.refine(self.best)
         return self.best
 
