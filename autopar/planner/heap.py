@@ -6,7 +6,10 @@ traverses every one of them at each full collection: measured on a 96-layer GPT-
 :class:`FrozenHeap` moves what is alive at each :meth:`FrozenHeap.keep` (after a capture and its strategies) into
 the collector's permanent generation (``gc.freeze``), so later collections traverse only what planning makes after
 it, and hands it all back at exit (``gc.unfreeze``): cyclic garbage made while frozen is collected after the plan,
-not during it.  A process that froze objects itself (``gc.get_freeze_count() > 0`` at entry, a pre-fork server
+not during it.  A plan that makes and drops much such garbage in parts (each mesh of a device count,
+``mesh_choice.plan_devices``) hands it back after each part (:meth:`FrozenHeap.release`): planning Llama 3 405B for
+8,192 devices kept every mesh's contexts and searches until the end, and was killed at 24 GB after 20 of its 79
+meshes.  A process that froze objects itself (``gc.get_freeze_count() > 0`` at entry, a pre-fork server
 say) or turned the collector off is left as it is.
 """
 
@@ -31,6 +34,14 @@ class FrozenHeap:
     def keep(self) -> None:
         """Everything alive now is kept out of the collections until exit."""
         if self.active:
+            gc.freeze()
+
+    def release(self) -> None:
+        """The cyclic garbage made since entry collected now: everything frozen handed back, one full collection,
+        and what is still alive kept again."""
+        if self.active:
+            gc.unfreeze()
+            gc.collect()
             gc.freeze()
 
     def __exit__(self, *exc) -> None:

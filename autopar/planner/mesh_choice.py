@@ -171,6 +171,8 @@ def plan_devices(
             finally:
                 for key, value in choice.timings.items():
                     timings[key] = timings.get(key, 0.0) + value
+            del choice
+            heap.release()  # this mesh's contexts and searches: garbage unless its plan is the best so far
             took, new = time.perf_counter() - start, len(shared.captures.graphs) - captured
             tried.append((index, dataclasses.replace(row, planning_s=took, new_captures=new)))
             faster = found is not None and (
