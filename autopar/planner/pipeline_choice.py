@@ -40,7 +40,8 @@ itself is given the objective past which every run of its ``m`` is beaten (``obj
 ``SearchRun.above``): where it proves its optimum above that, it stops (``BeatenError``) before its plan is
 assembled, and each run is listed as at least the bound from the proof (4 of the 9 free searches there).  The
 weighted searches of a run's stage fitting are bounded the same way (``_stage_fit``; ``stage_fitting``, Bounded):
-measured on Llama 3 405B at (32, 32, 8) of 8,192 H100s planned after a mesh of 14.6 s, 92 -> 76 s, the same plan.
+measured on Llama 3 405B at (32, 32, 8) of 8,192 H100s planned after a mesh of 14.6 s, 92 -> 76 s (two runs side
+by side), the same plan.
 
 ``Plan.timings`` of the chosen plan adds up the whole choice: ``capture_s``, ``strategies_s`` and ``search_s``
 over every candidate, and ``candidates``, how many were priced.
