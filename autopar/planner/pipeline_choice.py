@@ -361,8 +361,7 @@ class PipelineChoice:
         a fastest candidate bounds it (``objective_beaten_above``: not for a forced axis), ``(None, lower bound on
         its objective)`` once the search proves every run of ``runs`` slower than that candidate (``BeatenError``):
         the plan is not assembled, and the bound stands for each run's (``step_at_least_of``)."""
-        fastest = None if forced else self._fastest_s()
-        above = None if fastest is None else objective_beaten_above(ctx, self.mesh, p, runs, charges, fastest)
+        above = None if forced else self._objective_above(ctx, p, runs, charges)
         with self._timing("search_s"):
             try:
                 return self._search(ctx, above=above, checked=checked), None
