@@ -5,6 +5,8 @@
 #   3. scripts/peak_composition.py: GPT-2 small's peak taken apart, saving everything and recomputing whole
 #      layers (the plan whose measured peak was furthest above the plan's on the H200, 2026-11-26)
 #   4. `autopar fidelity` on one GPU (configs/benchmarks/fidelity_gpu.toml) with the calibrated profile
+#   5. scripts/kernel_shapes.py: Llama 3 405B's layer kernels (GEMMs by shape, fused attention) at tp 8 and 4,
+#      measured against the h100 profile's prices (issue 32: where the profiles over-predict large runs)
 # Every step's output goes to $OUT (default ./gpu-check); a failing step does not stop the others.
 # Python packages autopar needs that the machine lacks can be put in .whl/ (installed to /tmp/site).
 set -u
@@ -30,5 +32,7 @@ for mode in full none; do
   TAIL=30 step "peak-$mode" timeout 150 python3 -m torch.distributed.run --nproc-per-node 1 \
     scripts/peak_composition.py gpt2 --batch 8 --seq 1024 --recompute "$mode" --profile "$OUT/gpu.toml"
 done
+TAIL=70 step kernel-shapes timeout 120 python3 scripts/kernel_shapes.py --profile h100
+TAIL=35 step kernel-shapes-calibrated timeout 90 python3 scripts/kernel_shapes.py --profile "$OUT/gpu.toml" --tp 8
 TAIL=20 step fidelity timeout "${FIDELITY_TIMEOUT:-300}" bash -c \
   "$(declare -f run1); run1 fidelity --ranks 1 --profile $OUT/gpu.toml --benchmark configs/benchmarks/fidelity_gpu.toml --json $OUT/fidelity.json ${FIDELITY_ARGS:-}"
