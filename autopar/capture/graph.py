@@ -10,6 +10,7 @@ capture changes it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,10 +46,16 @@ class OpCall:
     outputs: tuple[TensorMeta, ...]
     block_hints: frozenset = frozenset()
 
+    @functools.cached_property
+    def flat_args(self) -> tuple[list, pytree.TreeSpec]:
+        """``pytree.tree_flatten((args, kwargs))``, flattened once per call: every context built on a graph (one per
+        mesh of a device count's plan) reads it for each op.  The list is shared: copy it to change it."""
+        return pytree.tree_flatten((self.args, self.kwargs))
+
     def with_metas(self, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> OpCall:
         """The same call with other tensor metas (used to descend to local shapes)."""
         it = iter(inputs)
-        flat, spec = pytree.tree_flatten((self.args, self.kwargs))
+        flat, spec = self.flat_args
         flat = [next(it) if isinstance(a, TensorMeta) else a for a in flat]
         args, kwargs = pytree.tree_unflatten(flat, spec)
         return OpCall(self.target, tuple(args), dict(kwargs), tuple(inputs), tuple(outputs), self.block_hints)

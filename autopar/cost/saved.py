@@ -91,7 +91,7 @@ def saved_for_backward(
         return NOTHING_SAVED
     if attention == "flash" and call.target in _ATTENTION and kernel is None:
         return _flash_attention(call)
-    flat, spec = pytree.tree_flatten((call.args, call.kwargs))
+    flat, spec = call.flat_args
     leaves = tuple(_leaf_key(a) for a in flat)
     layouts = tuple(layouts) if layouts is not None else (None,) * len(call.inputs)
     key = (call.target, leaves, spec, rg, layouts, kernel)
@@ -162,7 +162,7 @@ def _trace(call: OpCall, rg: tuple[bool, ...], layouts: tuple, kernel) -> SavedF
                 return torch.device("cpu")
             return a
 
-        flat, spec = pytree.tree_flatten((call.args, call.kwargs))
+        flat, spec = call.flat_args
         args, kwargs = pytree.tree_unflatten([make(a) for a in flat], spec)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if kernel is not None:
