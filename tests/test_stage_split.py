@@ -147,3 +147,38 @@ def test_a_weight_two_positions_read_is_held_once_by_a_stage_that_runs_both() ->
     assert step_of_split(layers, (0, 1, 3), [1, 1], 1, ends, shared=[tied]).memory_bytes == (19, 22)
     assert step_of_split(layers, (0, 2, 3), [1, 1], 1, ends).memory_bytes == (30, 11)  # not said: counted twice
     assert tied.copies(0, 3, True, True) == 1 and tied.copies(2, 3, False, True) == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_runs_prices_at_once_are_the_one_run_prices(seed: int) -> None:
+    """The split prices every stage over every run at once (``_StageGrids``, array operations): the same values,
+    float for float and byte for byte, as ``_Pipeline.stage`` gives one run at a time (with ends, the step's end
+    and parameters read in several positions); and a cap no split fits names the least fullest stage of every
+    split, brute force."""
+    from autopar.search.stages import _Pipeline, _Prefix, _StageGrids
+
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(2, 9))
+    p = int(rng.integers(1, min(4, n) + 1))
+    layers, ends = _random_layers(rng, n), (_one(rng), _one(rng))
+    end = EndOfStep(int(rng.integers(0, 30)), int(rng.integers(0, 3)))
+    shared = [
+        SharedState(
+            int(rng.integers(1, 20)), 2, int(rng.integers(0, 5)), 0.0,
+            layers=tuple(sorted(set(rng.integers(0, n, 2).tolist()))), prelude=bool(rng.random() < 0.5),
+            postlude=bool(rng.random() < 0.5),
+        )
+        for _ in range(int(rng.integers(0, 3)))
+    ]  # fmt: skip
+    held = [in_flight("1f1b", p, 4, j) for j in range(p)]
+    pipe = _Pipeline(_Prefix(layers), *ends, tuple(held), (), end, tuple(shared))
+    grids = _StageGrids(pipe, n)
+    for j in range(p):
+        f, b, mem = grids.stage(j)
+        for i in range(n):
+            for k in range(i + 1, n + 1):
+                assert (f[i, k].item(), b[i, k].item(), mem[i, k].item()) == pipe.stage(j, i, k)
+    every = [step_of_split(layers, bounds, held, 4, ends, end=end, shared=shared) for bounds in _splits(n, p)]
+    least = min(max(s.memory_bytes) for s in every)
+    with pytest.raises(ValueError, match=f"needs on its fullest stage is {least} bytes"):
+        split_stages(layers, held, 4, least - 1, ends, end=end, shared=shared)
