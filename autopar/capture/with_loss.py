@@ -3,7 +3,7 @@
 ``with_loss(model, fn)`` is an ``nn.Module`` whose call ``(*args, target=t, **kwargs)`` returns
 ``fn(model(*args, **kwargs), t)``, so the loss is traced into the graph like a model's own: the planner prices
 it, ``train_step`` runs its backward, and micro-batches weigh it as one device does (a mean over the batch, or
-over the labels not ignored, ``compiled/pipeline_runner.loss_weights``).
+over the labels not ignored, ``compiled/pipeline_runner.LossWeights``).
 
 It is the model under another call, not a parent of it: it shares the model's tables of submodules, parameters
 and buffers, so every name (a plan's, a hint's, a checkpoint's, ``named_parameters``) is the model's own, and a

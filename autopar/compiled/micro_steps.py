@@ -4,19 +4,20 @@
 (``Plan.microbatches``): through its pipeline's stages (``pipeline_runner.py``: the stage programs cut from the
 whole local program, ``lower.split_program``, driven by ``torch.distributed.pipelining``), or, without a
 pipeline, one after another with the gradients accumulating.  Either way each micro-batch's loss is weighted
-(``loss_weights``) so the step's loss and gradients are the whole batch's as one device computes them.
+(``LossWeights``) so the step's loss and gradients are the whole batch's as one device computes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from autopar.capture import split_microbatches
 from autopar.lower import split_program
 
-from .pipeline_runner import PipelineRunner, loss_weights, stage_owners, train_step_only
+from .pipeline_runner import LossWeights, PipelineRunner, stage_owners, train_step_only
 
 __all__ = ["MicroBatchSteps"]
 
@@ -24,13 +25,18 @@ __all__ = ["MicroBatchSteps"]
 class MicroBatchSteps:
     """``train_step`` and the pipelined plans' runners, mixed into ``ShardedModule`` (the module docstring)."""
 
+    @functools.cached_property
+    def _loss_weights(self) -> LossWeights:
+        """The micro-batches' loss weights of this module's graph (its denominator program cut once)."""
+        return LossWeights(self._graph)
+
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the whole batch: the gradients are left in the parameters' ``.grad``
         (accumulated, as ``loss.backward()`` does) and the loss is returned (detached) on every rank.
 
         A pipelined plan runs its micro-batches through the stages with its schedule
         (``compiled/pipeline_runner.py``); a plan of ``m`` micro-batches without a pipeline runs them one after
-        another, each loss scaled by its weight (``loss_weights``) before its backward, so the gradients
+        another, each loss scaled by its weight (``LossWeights``) before its backward, so the gradients
         accumulate to the whole batch's; any other plan runs ``self(*args, **kwargs)`` and its backward.
         The loss is the model's output when it returns a scalar, else its ``.loss`` (a ``ModelOutput``)."""
         if self._build is not None:
@@ -84,7 +90,7 @@ class MicroBatchSteps:
         """``train_step`` without a pipeline: each micro-batch's forward and its weighted backward in turn."""
         m = self._plan.microbatches
         micro = split_microbatches(args, kwargs, m) if m > 1 else [(args, kwargs)]
-        weights = loss_weights(self._graph, [self._graph.call.match(a, k) for a, k in micro]) if m > 1 else None
+        weights = self._loss_weights([self._graph.call.match(a, k) for a, k in micro]) if m > 1 else None
         with self._reducing_once() if m > 1 else contextlib.nullcontext():
             return self._accumulate(micro, weights)
 
@@ -113,7 +119,7 @@ class MicroBatchSteps:
         calls = [self._graph.call.match(a, k, self._expected_micro) for a, k in micro]
         inputs = [n for n in self._graph.nodes if n.kind == "input"]
         pieces = [[self._local_input(n, call[n.fqn]) for n in inputs] for call in calls]
-        weights = loss_weights(self._graph, calls).to(self._groups.device, torch.float32)
+        weights = self._loss_weights(calls).to(self._groups.device, torch.float32)
         self._values = [value for _, value in self._sources]
         st = self._state
         st.counter, st.step, st.trace, st.saved, st.training = self.collective_counter, self._step, None, None, training
