@@ -7,6 +7,8 @@
 #   4. `autopar fidelity` on one GPU (configs/benchmarks/fidelity_gpu.toml) with the calibrated profile
 #   5. scripts/kernel_shapes.py: Llama 3 405B's layer kernels (GEMMs by shape, fused attention) at tp 8 and 4,
 #      measured against the h100 profile's prices (issue 32: where the profiles over-predict large runs)
+#   6. scripts/phase_prices.py: GPT-2 small's step phase by phase (forward, backward, optimizer), eager PyTorch
+#      against the calibrated profile's prices (what the prices get right before autopar's runtime runs the plan)
 # Every step's output goes to $OUT (default ./gpu-check); a failing step does not stop the others.
 # Python packages autopar needs that the machine lacks can be put in .whl/ (installed to /tmp/site).
 set -u
@@ -34,5 +36,6 @@ for mode in full none; do
 done
 TAIL=70 step kernel-shapes timeout 120 python3 scripts/kernel_shapes.py --profile h100
 TAIL=35 step kernel-shapes-calibrated timeout 90 python3 scripts/kernel_shapes.py --profile "$OUT/gpu.toml" --tp 8
+TAIL=14 step phases timeout 120 python3 scripts/phase_prices.py gpt2 --batch 8 --seq 1024 --profile "$OUT/gpu.toml"
 TAIL=20 step fidelity timeout "${FIDELITY_TIMEOUT:-300}" bash -c \
   "$(declare -f run1); run1 fidelity --ranks 1 --profile $OUT/gpu.toml --benchmark configs/benchmarks/fidelity_gpu.toml --json $OUT/fidelity.json ${FIDELITY_ARGS:-}"
