@@ -61,8 +61,8 @@ a pair dominated at (j, k) stays dominated after any completion, since max is mo
 sets' sizes (at most the distinct stage times), exact, with no floats compared past their own values.
 Every stage's ``(F, B, M)`` over every run ``[i, k)`` is computed at once per stage as ``(L + 1) x (L + 1)`` arrays
 (``_StageGrids``: the prefix sums' differences, the same float and integer operations ``_Pipeline.stage`` does one
-run at a time, so the same values): Llama 3 405B's 126 layers on 64 stages took 625,905 calls of ``stage`` in one
-mesh of a device count's plan (about 5 s).
+run at a time, so the same values): one mesh of Llama 3 405B's device-count plan, 126 layers on 64 stages, made
+625,905 calls of ``stage``; its splits took 2.06 s in 8 calls one run at a time, 0.93 s in 10 with the arrays.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class _StageGrids:
         self.s, self.a, self.flat = (diff(x, np.int64) for x in (pre.s, pre.a, pre.flat))
         self.work, self.largest = ranged(pre.work), ranged(pre.largest)
         # per shared parameter: how many of its layers each run holds
-        self.counts = [diff(np.cumsum([0] + [k in set(one.layers) for k in range(n)]), np.int64) for one in pipe.shared]
+        self.counts = [diff(np.cumsum([0] + [k in one.layers for k in range(n)]), np.int64) for one in pipe.shared]
         self._ends: dict[tuple[bool, bool], tuple] = {}
 
     def _with_ends(self, first: bool, last: bool) -> tuple:
