@@ -9,28 +9,15 @@ it, and hands it all back at exit (``gc.unfreeze``): cyclic garbage made while f
 not during it.  A plan that makes and drops much such garbage in parts (each mesh of a device count,
 ``mesh_choice.plan_devices``) hands it back after each part (:meth:`FrozenHeap.release`): planning Llama 3 405B for
 8,192 devices kept every mesh's contexts and searches until the end, and was killed at 24 GB after 20 of its 79
-meshes.  A release walks every object, frozen or not (1.2-2.5 s a mesh there), so it may be asked to collect only
-once the resident set has grown by a given amount since the last collection (``after_growth``): memory the last
-collection freed is used again before the process grows, so a part whose garbage fits in it costs no walk.
-A process that froze objects itself (``gc.get_freeze_count() > 0`` at entry, a pre-fork server say) or turned the
-collector off is left as it is.
+meshes.  A process that froze objects itself (``gc.get_freeze_count() > 0`` at entry, a pre-fork server
+say) or turned the collector off is left as it is.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 
-__all__ = ["FrozenHeap", "resident_bytes"]
-
-
-def resident_bytes() -> int | None:
-    """The process's resident set now, in bytes (``/proc/self/statm``); None where the system does not say."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+__all__ = ["FrozenHeap"]
 
 
 class FrozenHeap:
@@ -39,11 +26,9 @@ class FrozenHeap:
 
     def __init__(self) -> None:
         self.active = False
-        self.collected_at: int | None = None  # resident bytes after the last collection (None: none yet)
 
     def __enter__(self) -> FrozenHeap:
         self.active = gc.isenabled() and gc.get_freeze_count() == 0
-        self.collected_at = resident_bytes()
         return self
 
     def keep(self) -> None:
@@ -51,26 +36,13 @@ class FrozenHeap:
         if self.active:
             gc.freeze()
 
-    def release(self, after_growth: int = 0) -> bool:
+    def release(self) -> None:
         """The cyclic garbage made since entry collected now: everything frozen handed back, one full collection,
-        and what is still alive kept again; with ``after_growth``, only if the resident set grew by at least that
-        many bytes since the last collection (or entry), or the system does not say how large it is.  Whether it
-        collected."""
-        if not self.active:
-            return False
-        now = resident_bytes()
-        if (
-            after_growth
-            and now is not None
-            and self.collected_at is not None
-            and now - self.collected_at < after_growth
-        ):
-            return False
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
-        self.collected_at = resident_bytes()
-        return True
+        and what is still alive kept again."""
+        if self.active:
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
 
     def __exit__(self, *exc) -> None:
         if self.active:

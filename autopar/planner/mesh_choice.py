@@ -57,11 +57,6 @@ __all__ = ["check_devices", "logical_meshes", "plan_devices", "plan_on", "planni
 
 log = logging.getLogger(__name__)
 
-#: How much the process grows on the meshes' dropped contexts and searches before they are collected
-#: (``FrozenHeap.release``): a collection walks every object (1.2-2.5 s a mesh on Llama 3 405B), growth by what one
-#: mesh of it leaves (a few hundred MiB) is what a collection would have freed.
-RELEASE_GROWTH_BYTES = 256 * 2**20
-
 
 def check_devices(devices, devices_per_node: int) -> None:
     """ValueError with the fix unless ``devices`` is an int >= 1 that whole nodes of ``devices_per_node`` hold
@@ -177,9 +172,7 @@ def plan_devices(
                 for key, value in choice.timings.items():
                     timings[key] = timings.get(key, 0.0) + value
             del choice
-            # this mesh's contexts and searches are garbage unless its plan is the best so far: collected once
-            # they have grown the process by RELEASE_GROWTH_BYTES
-            heap.release(after_growth=RELEASE_GROWTH_BYTES)
+            heap.release()  # this mesh's contexts and searches: garbage unless its plan is the best so far
             took, new = time.perf_counter() - start, len(shared.captures.graphs) - captured
             tried.append((index, dataclasses.replace(row, planning_s=took, new_captures=new)))
             faster = found is not None and (
