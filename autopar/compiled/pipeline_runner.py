@@ -304,18 +304,15 @@ def _shared_sources(programs: list[StageProgram], p: int) -> list[tuple[int, tup
 class LossWeights:
     """``w_i`` of each micro-batch of one graph's step (module docstring): ``LossWeights(graph)(micro_calls)``,
     ``micro_calls[i]``: graph input name -> micro-batch ``i``'s tensor (whole, not this rank's piece).  The program
-    of the loss's denominator is cut from the graph once, when the weights are first asked for (built every step,
-    it took 3 ms of a 51 ms step of GPT-2 tiny on one CPU rank)."""
+    of the loss's denominator is cut from the graph once, when this is built (``ShardedModule`` builds it at its
+    first micro-batched step; cut every step, it took 3 ms of a 51 ms step of GPT-2 tiny on one CPU rank)."""
 
     def __init__(self, graph: OpGraph) -> None:
         self.graph = graph
-        self._denominator: tuple | None = None
-        self._cut = False
+        self._denominator = _denominator_program(graph)
 
     def __call__(self, micro_calls: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         m = len(micro_calls)
-        if not self._cut:
-            self._denominator, self._cut = _denominator_program(self.graph), True
         if self._denominator is None:
             return torch.full((m,), 1.0 / m, dtype=torch.float64)
         program, names = self._denominator
