@@ -100,12 +100,38 @@ def test_release_collects_the_cycles_dropped_since_and_keeps_the_rest_frozen() -
     assert gc.get_freeze_count() == 0
 
 
-def test_a_device_count_plan_releases_each_meshs_garbage(monkeypatch) -> None:
-    """``plan(devices=N)`` hands each mesh's cyclic garbage back before the next mesh (``mesh_choice.plan_devices``:
-    the contexts and searches of meshes that lost were kept to the end, and 8,192 devices ran out of memory)."""
-    released = []
-    real = FrozenHeap.release
-    monkeypatch.setattr(FrozenHeap, "release", lambda self: released.append(1) or real(self))
+def test_a_part_collects_its_cycles_at_its_end_and_freezes_only_what_the_parts_share() -> None:
+    """``FrozenHeap.part`` (each mesh of a device count's plan): ``keep()`` inside it freezes nothing, so the part's
+    cyclic garbage goes at its end; a shared ``keep`` freezes at once, and the part's garbage frozen with it goes at
+    its end too (a full collection)."""
+    with FrozenHeap() as heap:
+        before = gc.get_freeze_count()
+        with heap.part():
+            dropped, kept = _Node(), _Node()
+            heap.keep()
+            assert gc.get_freeze_count() == before  # the part's own: not frozen
+            gone, alive = weakref.ref(dropped), weakref.ref(kept)
+            del dropped
+        assert gone() is None and alive() is kept
+        with heap.part():
+            own, shared = _Node(), _Node()
+            heap.keep(shared=True)
+            assert gc.get_freeze_count() > before  # frozen when made, with what was alive
+            gone, alive = weakref.ref(own), weakref.ref(shared)
+            del own
+            gc.collect()
+            assert gone() is not None  # frozen with the shared object
+        assert gone() is None and alive() is shared and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_device_count_plan_collects_each_meshs_garbage(monkeypatch) -> None:
+    """``plan(devices=N)`` plans each mesh in a part of the heap, so its cyclic garbage goes before the next mesh
+    (``mesh_choice.plan_devices``: the contexts and searches of meshes that lost were kept to the end, and 8,192
+    devices ran out of memory)."""
+    parts = []
+    real = FrozenHeap.part
+    monkeypatch.setattr(FrozenHeap, "part", lambda self: parts.append(1) or real(self))
     model, args, kwargs = load_model("gpt2-tiny", batch=4, seq=16, overrides={"n_layer": 2})
     plan = autopar.plan(model, devices=4, example_inputs=args, example_kwargs=kwargs, profile="cpu")
-    assert len(released) == len(plan.meshes) >= 2 and gc.get_freeze_count() == 0
+    assert len(parts) == len(plan.meshes) >= 2 and gc.get_freeze_count() == 0

@@ -166,13 +166,13 @@ def plan_devices(
                 model, mesh, example_inputs, example_kwargs, mesh_options, hint_options, progress, shared
             )
             start, captured = time.perf_counter(), len(shared.captures.graphs)
-            try:
-                row, found = _try_mesh(choice)
-            finally:
-                for key, value in choice.timings.items():
-                    timings[key] = timings.get(key, 0.0) + value
-            del choice
-            heap.release()  # this mesh's contexts and searches: garbage unless its plan is the best so far
+            with heap.part():  # this mesh's contexts and searches: garbage at its end unless its plan is the best
+                try:
+                    row, found = _try_mesh(choice)
+                finally:
+                    for key, value in choice.timings.items():
+                        timings[key] = timings.get(key, 0.0) + value
+                del choice
             took, new = time.perf_counter() - start, len(shared.captures.graphs) - captured
             tried.append((index, dataclasses.replace(row, planning_s=took, new_captures=new)))
             faster = found is not None and (

@@ -494,7 +494,7 @@ class PipelineChoice:
                     if self.shared.captures.template is None:
                         self.shared.captures.template = capture_template(self.model, self.args, self.kwargs)
                     graphs[m] = specialize(self.shared.captures.template, self._micro(m))[0]
-            self.shared.heap.keep()
+            self.shared.heap.keep(shared=True)  # every mesh of a device count's plan reads it
         return graphs[m]
 
     def _symbolic(self) -> bool:
