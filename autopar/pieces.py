@@ -169,10 +169,17 @@ def unlayable_reason(
 def _unlayable_blocks(
     shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]
 ) -> str | None:
-    for coord in coordinates(mesh_shape):
+    """``unlayable_reason`` where some placement cuts blocks.  A dim's pieces at each shard of it take at most two
+    sizes (``shard_piece``: the first ``size % parts`` one more), so the sizes every coordinate reaches are followed
+    as a set, a few per level, not per coordinate; only where one is not a multiple of its blocks are the
+    coordinates walked, to name the first in row-major order (a mesh of thousands of ranks has thousands)."""
+    if all(_blocks_divide(size, d, placements, mesh_shape) for d, size in enumerate(shape)):
+        return None
+    sharding = {a for a, p in enumerate(placements) if isinstance(p, Shard)}
+    # the reason depends only on the sharding axes' indices: the first failing coordinate has 0 on the others
+    for coord in coordinates(tuple(s if a in sharding else 1 for a, s in enumerate(mesh_shape))):
         for d, size in enumerate(shape):
-            # dim_index's piece sizes, without building index tensors (this runs per transition priced)
-            n = size
+            n = size  # dim_index's piece sizes, without building index tensors
             for shard, parts, index in _entries(d, placements, mesh_shape, coord):
                 if n % shard.blocks:
                     return (
@@ -181,7 +188,20 @@ def _unlayable_blocks(
                         f"(mesh coordinate {coord})"
                     )
                 n = shard_piece(n // shard.blocks, parts, index)[1] * shard.blocks
-    return None
+    raise AssertionError("a block count failed on the sizes but on no coordinate")  # the two walks disagree
+
+
+def _blocks_divide(size: int, d: int, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Whether every piece size of dim ``d`` that any coordinate reaches is a multiple of each shard's blocks."""
+    sizes = {size}
+    for a, p in enumerate(placements):
+        if not (isinstance(p, Shard) and p.dim == d):
+            continue
+        if any(n % p.blocks for n in sizes):
+            return False
+        parts = mesh_shape[a]
+        sizes = {shard_piece(n // p.blocks, parts, i)[1] * p.blocks for n in sizes for i in {0, parts - 1}}
+    return True
 
 
 def _dim_indices(shape, placements, mesh_shape, coordinate) -> list[torch.Tensor | None]:

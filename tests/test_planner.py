@@ -284,3 +284,43 @@ def test_a_family_with_no_plan_at_all_is_a_clear_error(monkeypatch):
     plan = plan_from_context(ctx)  # the unrestricted search still plans; each family row says why not
     assert [a.min_per_device_bytes for a in plan.alternatives] == [None] * len(planner.FAMILIES)
     assert render_table(plan).count("no plan") == len(planner.FAMILIES)
+
+
+def test_contexts_on_one_graph_price_as_on_a_fresh_capture() -> None:
+    """What the planner derives from a graph alone (blocks, saved-for-backward, strategies' keys:
+    ``OpGraph.derived``) is made once and read by every context on it: the tables of a mesh priced after others on
+    the same graph equal those of a fresh capture, and a graph made from it derives its own."""
+    import dataclasses
+
+    from autopar.capture import capture
+    from autopar.models import load_model
+    from autopar.planner.context import graph_context
+    from autopar.planner.options import HintOptions, PlanOptions
+
+    model, args, kwargs = load_model("llama-tiny", batch=4, seq=16)
+    options = PlanOptions(profile="cpu").resolved(model)
+
+    def tables(graph, shape):
+        mesh = autopar.Mesh(shape)
+        ctx = graph_context(graph, mesh, mesh, None, options, HintOptions())
+        return ctx.tables, ctx.blocks, ctx.coster.saved_outputs
+
+    shared = capture(model, args, kwargs)
+    for shape in ((4,), (2, 2), (2,)):
+        tables(shared, shape)
+    assert "blocks" in shared._derived and "candidate keys" in shared._derived
+    fresh_tables, fresh_blocks, fresh_saved = tables(capture(model, args, kwargs), (2, 2))
+    got_tables, got_blocks, got_saved = tables(shared, (2, 2))
+    assert got_blocks == fresh_blocks and got_saved == fresh_saved
+    assert got_tables.names == fresh_tables.names and got_tables.edge_keys == fresh_tables.edge_keys
+    for got, fresh in (
+        (got_tables.node_time_ps, fresh_tables.node_time_ps),
+        (got_tables.node_mem, fresh_tables.node_mem),
+    ):
+        assert all(np.array_equal(a, b) for a, b in zip(got, fresh, strict=True))
+    for got, fresh in (
+        (got_tables.edge_time_ps, fresh_tables.edge_time_ps),
+        (got_tables.edge_mem, fresh_tables.edge_mem),
+    ):
+        assert all(np.array_equal(a, b) for a, b in zip(got, fresh, strict=True))
+    assert dataclasses.replace(shared)._derived == {}

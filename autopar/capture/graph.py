@@ -11,6 +11,7 @@ capture changes it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,17 @@ class OpGraph:
     # nodes whose ``fqn`` names them here, not in the model's buffers
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     call: CallSpec | None = None
+    # what is derived from the graph alone, made once (``derived``); not copied by ``dataclasses.replace``
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per ``key`` for this graph: what the planner derives from the graph alone (its
+        blocks, what each op saves for backward, the strategies' cache keys) is the same for every mesh and every
+        context planned on it (a device count's plan prices one capture on dozens of meshes).  A captured graph
+        does not change; a graph made from it (``dataclasses.replace``) starts with none."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def params(self) -> list[OpNode]:
         return [n for n in self.nodes if n.kind == "param"]

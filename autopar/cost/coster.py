@@ -130,12 +130,21 @@ class Coster:
         self._comm_s: dict = {}  # (kind, bytes, axis) -> comm_time_s
         self._ids: dict = {}  # meta or placements -> small int (edge_matrices' cache keys)
         self._pair_tables: dict = {}  # (meta id, kind of move, ...) -> PairTable (edge_matrices)
-        self._layouts = memory_layouts(self.graph)
         self._bytes_cache: dict = {}  # (meta, placements) -> local bytes at compute precision
         self._internal_cache: dict = {}  # (id(strategy), node_mem_key) -> internal bytes (strategies outlive it)
+        # what the ops save for backward on the global metas: the graph's and the profile's attention kernel's
+        # alone, so the same for every mesh the graph is priced on (``OpGraph.derived``)
+        key = ("saved for backward", settings.profile.attention_saves)
+        self._layouts, self._saved, self._root, self.saved_outputs, self.edge_shares = self.graph.derived(
+            key, self._graph_saved
+        )
+
+    def _graph_saved(self) -> tuple:
+        """``(layouts, saved, roots, saved_outputs, edge_shares)`` of the graph (``__init__``)."""
+        self._layouts = memory_layouts(self.graph)
         self._saved = {n.index: self._saved_by(n, n.call, None) for n in self.graph.nodes if n.kind == "op"}
         self._root = storage_roots(self.graph)
-        self.saved_outputs, self.edge_shares = self._kept_for_backward()
+        return (self._layouts, self._saved, self._root, *self._kept_for_backward())
 
     def _kept_for_backward(self):
         """Where each storage kept for backward is paid: (roots paid as node terms, edge shares).

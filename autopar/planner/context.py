@@ -208,7 +208,7 @@ def _price(
     tables = build_tables(cand, coster)
     tables.problem(None)  # the SearchProblem, checked once: each cap and re-plan shares it
     timings["strategies_s"] = time.perf_counter() - t1
-    blocks = find_blocks(graph)
+    blocks = graph.derived("blocks", lambda: find_blocks(graph))
     return PlanningContext(
         graph, mesh, cand, coster, tables, options, timings, resolved, blocks, template, hint_options
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from autopar.capture import OpGraph, OpNode, block_hints
+from autopar.capture import OpCall, OpGraph, OpNode, block_hints
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.spec import TensorMeta
 from autopar.transitions import partial_on
@@ -77,35 +77,19 @@ class CandidateGraph:
 
 def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGraph:
     """Enumerate strategies for every node (ops first, then sources, which read their consumers)."""
-    hints = block_hints(graph)
-    constant = constant_nodes(graph)
+    constant, op_keys = graph.derived("candidate keys", lambda: _op_keys(graph))
     strategies: list[list] = [[] for _ in graph.nodes]
     cache: dict[str, list[OpStrategy]] = {}
-    for node in graph.nodes:
-        if node.kind != "op":
-            continue
-        call = replace(node.call, block_hints=frozenset(hints.get(node.index, ())))
-        key = repr(
-            (
-                call.target,
-                call.args,
-                call.kwargs,
-                call.inputs,
-                call.outputs,
-                sorted(call.block_hints),
-                node.index in constant,
-                node.requires_grad,
-            )
-        )
+    for index, call, key in op_keys:
         if key not in cache:
             options = expand_to_mesh(call, mesh_shape, rule_for(call.target))
-            if node.index in constant:
+            if index in constant:
                 options = [s for s in options if _all_replicated(s)] or options[-1:]
-            elif node.requires_grad:
+            elif graph.nodes[index].requires_grad:
                 options = with_partial_grads(options, mesh_shape)
             cache[key] = options
-        strategies[node.index] = cache[key]
-    consumers = graph.consumers()
+        strategies[index] = cache[key]
+    consumers = graph.derived("consumers", graph.consumers)
     sources: dict[tuple, list[SourceStrategy]] = {}  # equal sources share one list (a layer's weights)
     for node in graph.nodes:
         if node.kind == "op":
@@ -125,6 +109,33 @@ def build_candidates(graph: OpGraph, mesh_shape: tuple[int, ...]) -> CandidateGr
                 sources[key] = _with_accumulation(sources[key], mesh_shape)
         strategies[node.index] = sources[key]
     return CandidateGraph(graph, mesh_shape, strategies)
+
+
+def _op_keys(graph: OpGraph) -> tuple[set[int], list[tuple[int, OpCall, str]]]:
+    """The graph's constant nodes, and per op ``(index, call with its block hints, key)``: ops with equal keys
+    (a layer's ops in every layer) take one strategy list.  The graph's alone, so made once per graph
+    (``OpGraph.derived``) for every mesh it is planned on."""
+    hints = block_hints(graph)
+    constant = constant_nodes(graph)
+    keys = []
+    for node in graph.nodes:
+        if node.kind != "op":
+            continue
+        call = replace(node.call, block_hints=frozenset(hints.get(node.index, ())))
+        key = repr(
+            (
+                call.target,
+                call.args,
+                call.kwargs,
+                call.inputs,
+                call.outputs,
+                sorted(call.block_hints),
+                node.index in constant,
+                node.requires_grad,
+            )
+        )
+        keys.append((node.index, call, key))
+    return constant, keys
 
 
 def constant_nodes(graph: OpGraph) -> set[int]:
