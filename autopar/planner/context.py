@@ -10,8 +10,6 @@ adds the candidates new hints need.  The searches are the driver's (``driver.py`
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -34,6 +32,7 @@ from autopar.mesh import Mesh
 from autopar.strategies import CandidateGraph, SourceStrategy, build_candidates
 from costmodel import check_devices_per_node, load_profile, optimizer_spec, precision
 
+from .heap import no_full_collections
 from .hints import ResolvedHints, resolve_hints
 from .options import HintOptions, PlanOptions
 from .problem_tables import ProblemTables, build_tables
@@ -110,7 +109,7 @@ def prepare_context(
     if options.devices_per_node is not None:
         check_devices_per_node(mesh.shape, options.devices_per_node)  # before the capture
     timings: dict[str, float] = {}
-    with _no_full_collections():
+    with no_full_collections():
         t0 = time.perf_counter()
         if reuse_batch:
             template = capture_template(model, example_inputs, example_kwargs)
@@ -143,7 +142,7 @@ def rebatch(ctx: PlanningContext, batch: int) -> PlanningContext:
             "build it with autopar.planner.prepare(..., reuse_batch=True)"
         )
     timings: dict[str, float] = {}
-    with _no_full_collections():
+    with no_full_collections():
         t0 = time.perf_counter()
         graph, why = specialize(ctx.template, batch)
         took = time.perf_counter() - t0
@@ -172,7 +171,7 @@ def graph_context(
     if axis is not None and job_mesh.ndim > 1:
         profile = _profile(options)
         links = tuple(profile.link_for_axis(job_mesh.shape, k) for k in range(job_mesh.ndim) if k != axis)
-    with _no_full_collections():
+    with no_full_collections():
         return _price(graph, mesh, options, hint_options, {"capture_s": 0.0}, None, links, microbatches)
 
 
@@ -225,23 +224,6 @@ def _resolve(graph: OpGraph, mesh: Mesh, hint_options: HintOptions) -> ResolvedH
     )
 
 
-@contextlib.contextmanager
-def _no_full_collections():
-    """Python's cyclic GC without automatic full collections (young generations still collected).
-
-    Tracing and pricing a deep model make millions of long-lived objects, and each
-    automatic full collection walks every object in the process: six of them came
-    in a 96-layer prepare, about 2 s of its 8.  The thresholds are restored on the
-    way out, so the collector runs as before afterwards.
-    """
-    before = gc.get_threshold()
-    gc.set_threshold(before[0], before[1], 1 << 30)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-
-
 def _with_sources(cand: CandidateGraph, extra: dict[int, tuple]) -> CandidateGraph:
     """The candidates plus, per source node, one more placement (stored with its state)."""
     if not extra:
@@ -258,7 +240,7 @@ def repriced(ctx: PlanningContext, options: PlanOptions) -> PlanningContext:
     if options.devices_per_node is not None:
         check_devices_per_node(ctx.mesh.shape, options.devices_per_node)
     timings = {"capture_s": 0.0}
-    with _no_full_collections():
+    with no_full_collections():
         out = _price(ctx.graph, ctx.mesh, options, ctx.hint_options, timings, ctx.template)
     return out
 
