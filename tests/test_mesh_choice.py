@@ -31,7 +31,8 @@ def test_the_meshes_are_the_factorizations_of_the_count_innermost_last():
 
 
 def test_the_meshes_are_planned_one_axis_first_then_the_most_balanced():
-    """``planning_order``: a search order over ``logical_meshes`` (each once, with its index there)."""
+    """``planning_order``: a search order over ``logical_meshes`` (each once, with its index there); on several
+    nodes, the meshes whose innermost axis is one node come first, each group in the same order."""
     from autopar.planner import planning_order
 
     meshes = logical_meshes(64, "auto")
@@ -41,6 +42,11 @@ def test_the_meshes_are_planned_one_axis_first_then_the_most_balanced():
     assert shapes[0] == (64,)
     assert [max(s) for s in shapes[1:]] == sorted(max(s) for s in shapes[1:])
     assert shapes[1:4] == [(4, 4, 4), (8, 8), (2, 4, 8)]  # largest axis 4, then 8: two axes before three
+    assert [m.shape for _, m in planning_order(meshes, devices_per_node=64)] == shapes  # one node: as before
+    on_nodes = [m.shape for _, m in planning_order(meshes, devices_per_node=4)]  # 16 nodes of 4
+    inside = [s for s in shapes[1:] if s[-1] == 4]
+    assert on_nodes[0] == (64,) and on_nodes[1 : 1 + len(inside)] == inside  # a node's devices innermost first
+    assert on_nodes[1 + len(inside) :] == [s for s in shapes[1:] if s[-1] != 4] and sorted(on_nodes) == sorted(shapes)
 
 
 @pytest.mark.parametrize(

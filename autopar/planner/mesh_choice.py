@@ -21,10 +21,13 @@ Work is shared (``SharedPlanning``): the model is captured once per micro-batch 
 searches are bounded by the fastest step found so far (``SearchRun.above``), so a mesh proven slower stops at its
 bound and is listed as at least that.  How much that saves depends on how soon a fast plan is met, so the meshes are
 planned in ``planning_order``: the one-axis mesh first (cheap to plan, and the fastest for a model data parallelism
-suits), then the others by their largest axis, smallest first (a collective's latency and the share of its bytes
-each rank sends grow with its group, so the most balanced meshes are the likeliest fast for a model that needs
-several axes; measured on Llama 3 405B at 8,192 GPUs, the one-axis plan's step was 72 times the published
-configuration's).  The order is a search order only: every mesh is planned or proven slower.  Chosen: the fastest
+suits), then, on several nodes, the meshes whose innermost axis is one node's devices (its collectives, the most
+frequent where it carries tensor parallelism, ride the node's link with all of its devices, and only the outer
+axes cross nodes: how Megatron-LM and torchtitan lay out their largest runs), then the others; within each, by
+their largest axis, smallest first (a collective's latency and the share of its bytes each rank sends grow with its
+group, so the most balanced meshes are the likeliest fast for a model that needs several axes; measured on Llama 3
+405B at 8,192 GPUs, the one-axis plan's step was 72 times the published configuration's).  The order is a search
+order only: every mesh is planned or proven slower.  Chosen: the fastest
 plan that fits the cap (the earlier mesh of ``logical_meshes`` on a tie, whatever the planning order).
 ``Plan.meshes`` lists every mesh tried, fastest first, with its step, memory, model FLOP/s per device and MFU, or
 why it lost.  When no mesh fits, ``MemoryCapError`` names the least memory each mesh needs.
@@ -89,11 +92,19 @@ def logical_meshes(devices: int, pipeline: str = "none") -> list[Mesh]:
     return meshes
 
 
-def planning_order(meshes: list[Mesh]) -> list[tuple[int, Mesh]]:
+def planning_order(meshes: list[Mesh], devices_per_node: int | None = None) -> list[tuple[int, Mesh]]:
     """``(index in meshes, mesh)`` in the order ``plan_devices`` plans them (module docstring): the first mesh (the
-    one-axis one), then by the largest axis, then by fewer axes, then as listed."""
+    one-axis one), then where the meshes span several nodes of ``devices_per_node`` those whose innermost axis is
+    one node, then by the largest axis, then by fewer axes, then as listed."""
     first, *rest = list(enumerate(meshes))
-    return [first, *sorted(rest, key=lambda item: (max(item[1].shape), item[1].ndim, item[0]))]
+
+    def key(item: tuple[int, Mesh]) -> tuple:
+        mesh = item[1]
+        spans_nodes = devices_per_node is not None and mesh.size > devices_per_node
+        one_node_inside = spans_nodes and mesh.shape[-1] == devices_per_node
+        return (not one_node_inside, max(mesh.shape), mesh.ndim, item[0])
+
+    return [first, *sorted(rest, key=key)]
 
 
 def plan_on(
@@ -157,7 +168,7 @@ def plan_devices(
     best_index = 0
     with FrozenHeap() as heap:
         shared = SharedPlanning(heap, placed=True)
-        for index, mesh in planning_order(logical_meshes(devices, options.pipeline)):
+        for index, mesh in planning_order(logical_meshes(devices, options.pipeline), profile.devices_per_node):
             mesh_options = options
             if mesh.ndim == 3:  # the third axis is there for a pipeline: on the outermost
                 mesh_options = dataclasses.replace(options, pipeline="pp")
