@@ -19,19 +19,19 @@ hybrid sharding) is not enumerated yet: the two-axis meshes carry every placemen
 
 Work is shared (``SharedPlanning``): the model is captured once per micro-batch size for every mesh, and each mesh's
 searches are bounded by the fastest step found so far (``SearchRun.above``), so a mesh proven slower stops at its
-bound and is listed as at least that.  How much that saves depends on how soon a fast plan is met, so the meshes are
+bound and is listed as at least that. How much that saves depends on how soon a fast plan is met, so the meshes are
 planned in ``planning_order``: the one-axis mesh first (cheap to plan, and the fastest for a model data parallelism
 suits), then, on several nodes, the meshes whose innermost axis is one node's devices (its collectives, the most
-frequent where it carries tensor parallelism, ride the node's link with all of its devices, and only the outer
-axes cross nodes: how Megatron-LM and torchtitan lay out their largest runs), then the others; within each, by
-their largest axis, smallest first (a collective's latency and the share of its bytes each rank sends grow with its
-group, so the most balanced meshes are the likeliest fast for a model that needs several axes; measured on Llama 3
-405B at 8,192 GPUs, the one-axis plan's step was 72 times the published configuration's; at 16,384 GPUs the
-fastest plan, 64 x 32 x 8, was met fifteenth, and third once the node's devices went innermost first: the plan
-1,497 -> 1,356 s).  The order is a search order only: every mesh is planned or proven slower.  Chosen: the fastest
-plan that fits the cap (the earlier mesh of ``logical_meshes`` on a tie, whatever the planning order).
-``Plan.meshes`` lists every mesh tried, fastest first, with its step, memory, model FLOP/s per device and MFU, or
-why it lost.  When no mesh fits, ``MemoryCapError`` names the least memory each mesh needs.
+frequent where it carries tensor parallelism, ride the node's link with all of its devices, and only the outer axes
+cross nodes: how Megatron-LM and torchtitan lay out their largest runs), then the others; within each, by their
+largest axis, smallest first (a collective's latency and the share of its bytes each rank sends grow with its group,
+so the most balanced meshes are the likeliest fast for a model that needs several axes; measured on Llama 3 405B at
+8,192 GPUs, the one-axis plan's step was 72 times the published configuration's; at 16,384 GPUs the fastest plan, 64
+x 32 x 8, was met fifteenth, and third once the node's devices went innermost first: with the collections left to
+each mesh's end, ``heap``, the plan 1,497 -> 1,356 s). The order is a search order only: every mesh is planned or
+proven slower. Chosen: the fastest plan that fits the cap (the earlier mesh of ``logical_meshes`` on a tie, whatever
+the planning order). ``Plan.meshes`` lists every mesh tried, fastest first, with its step, memory, model FLOP/s per
+device and MFU, or why it lost. When no mesh fits, ``MemoryCapError`` names the least memory each mesh needs.
 """
 
 from __future__ import annotations
