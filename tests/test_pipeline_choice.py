@@ -105,6 +105,46 @@ def test_a_pipelines_bound_holds_for_every_stage_plan(monkeypatch):
                 seen.clear()
 
 
+def test_gpipe_is_not_priced_where_the_flow_shop_prices_1f1b_alike():
+    """``pipeline_planning.dominated_runs``: on devices of their own (h100) GPipe and 1F1B of the same stage plan
+    are priced by one formula and 1F1B holds fewer micro-batches, so ``schedule="auto"`` does not price GPipe where
+    it prices 1F1B, and lists it with why; forced, each GPipe run is no faster than 1F1B's, under no cap and under
+    one the stage plans are walked down to.  Where ranks share cores (cpu) the schedules are simulated and both
+    priced."""
+    from autopar.planner.explain import render_explanation
+    from autopar.planner.pipeline_choice import DOMINATED_BY_1F1B
+    from autopar.planner.plan_table import describe_schedule
+
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 4})
+    mesh = autopar.Mesh((2,), axis_names=("pp",))
+    auto = _plan(model, args, kwargs, mesh, profile="h100", pipeline="pp")
+    noted = {c.what for c in auto.candidates if c.note == DOMINATED_BY_1F1B}
+    counts = (2, 4, 8)  # microbatch_choices: the fewest of at least p, 2p and 4p
+    assert noted == {f"a pipeline along 'pp', {describe_schedule('gpipe', m, 1)}" for m in counts}
+    assert DOMINATED_BY_1F1B in render_explanation(auto)
+    free = _plan(model, args, kwargs, mesh, profile="h100", pipeline="pp", microbatches=8, schedule="gpipe")
+    for cap in (None, int(free.memory.per_device_bytes * 0.8)):
+        for m in counts:
+            forced = {
+                schedule: _plan(
+                    model,
+                    args,
+                    kwargs,
+                    mesh,
+                    profile="h100",
+                    pipeline="pp",
+                    microbatches=m,
+                    schedule=schedule,
+                    mem_cap=cap,
+                )
+                for schedule in ("1f1b", "gpipe")
+            }
+            assert forced["1f1b"].cost.total_s <= forced["gpipe"].cost.total_s * (1 + 1e-12), (cap, m)
+    cpu = _plan(model, args, kwargs, mesh, profile="cpu", pipeline="pp")
+    assert not any(c.note for c in cpu.candidates)
+    assert any("gpipe" in c.what and (c.step_s or c.at_least_s) for c in cpu.candidates)
+
+
 def test_auto_tries_no_pipeline_for_a_model_without_a_loss_or_with_hints():
     model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=16, overrides={"n_layer": 4})
     mesh = autopar.Mesh((2,), axis_names=("a",))

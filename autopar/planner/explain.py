@@ -49,6 +49,9 @@ def _candidates_table(plan: Plan) -> Table:
             ratio = c.at_least_s / plan.cost.total_s
             table.add_row(c.what, f">= {_ms(c.at_least_s)}", f">= {ratio:.2f}x (bound)", "")
             continue
+        if c.note:  # not priced (a schedule another dominates)
+            table.add_row(c.what, "-", c.note, "")
+            continue
         if c.step_s is None:
             table.add_row(c.what, "does not fit", "", f"needs {format_bytes(c.memory_bytes)}")
             continue

@@ -11,7 +11,9 @@ The candidates are every combination the options leave open:
   ``pipeline_planning.microbatch_choices`` (the fewest of at least ``p``, ``2 p``, ``4 p``);
 * the schedule: as given, or ``"auto"``: each of 1F1B, GPipe and interleaved 1F1B that runs ``p`` ranks and
   ``m`` micro-batches (``pipeline_planning.schedule_runs``) with enough layers; interleaved with each count of
-  stages per rank ``virtual_choices`` gives (``virtual_stages``: as given, or 2, 4, 8, ...).
+  stages per rank ``virtual_choices`` gives (``virtual_stages``: as given, or 2, 4, 8, ...).  GPipe is not priced
+  where the flow shop's formula prices it as 1F1B (``pipeline_planning.dominated_runs``: 1F1B is then as fast for
+  every stage plan and holds less), and is listed with why (``Candidate.note``).
 
 Each pipelined candidate is priced exactly as a forced one (``pipeline_planning.pipelined``).  Work is shared: one
 capture per micro-batch size (a small graph's sizes specialized from one symbolic capture, ``capture.batch``, when
@@ -74,6 +76,7 @@ from .pipeline_planning import (
     check_layers,
     check_schedule,
     costliest_other_charges,
+    dominated_runs,
     fewest_virtual,
     microbatch_choices,
     objective_beaten_above,
@@ -102,6 +105,9 @@ log = logging.getLogger(__name__)
 
 #: ``schedule="auto"``'s candidates, in the order a tie keeps (1F1B holds fewer micro-batches than GPipe)
 SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved")
+
+#: why a GPipe candidate is not priced where 1F1B is (``pipeline_planning.dominated_runs``)
+DOMINATED_BY_1F1B = "not priced: 1F1B is no slower, holds less"
 
 #: the most accumulated micro-batch counts tried when one micro-batch of the whole batch does not fit
 ACCUMULATION_TRIES = 6
@@ -192,7 +198,8 @@ class PipelineChoice:
                 raise BeatenError(min(beaten) * PS_PER_S, int(self.shared.beat * PS_PER_S))
             if len(self.missed) == 1:  # one candidate: its own words
                 raise self.missed[0]
-            least = min(self.priced, key=lambda c: c.memory_bytes)  # none fitted: every one missed
+            missed = [c for c in self.priced if c.memory_bytes is not None]  # (a dominated one was not tried)
+            least = min(missed, key=lambda c: c.memory_bytes)  # none fitted: every one tried missed
             cap = format_bytes(self.options.mem_cap) if self.options.mem_cap else "none"
             raise MemoryCapError(
                 f"no plan fits the memory cap of {cap} per device: of the {len(self.missed)} candidates tried "
@@ -308,6 +315,10 @@ class PipelineChoice:
             if not runs:  # too few layers, or (a given schedule or count) no schedule runs p ranks with m
                 self._none_run(len(layers), p, m, name, schedules)
                 continue
+            for run in dominated_runs(runs, ctx.coster.settings.profile, self.mesh, p):  # 1F1B's at least as good
+                runs.remove(run)
+                what = f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}"
+                self.priced.append(Candidate(what, None, None, note=DOMINATED_BY_1F1B))
             charges = costliest_other_charges(ctx)
             checked = CheckedPlans()  # the free search and every weighted one meet the same plans
             free, proven_ps = self._free_search(ctx, p, runs, charges, forced, checked)

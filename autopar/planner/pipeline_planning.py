@@ -54,6 +54,7 @@ __all__ = [
     "check_layers",
     "check_schedule",
     "costliest_other_charges",
+    "dominated_runs",
     "fewest_virtual",
     "microbatch_choices",
     "objective_beaten_above",
@@ -260,6 +261,22 @@ def max_lending(profile: DeviceProfile, mesh: Mesh) -> float:
     if table is not None and table.ranks == ranks:
         figures += [s for row in table.speed for s in row]
     return max(1.0, *figures)
+
+
+def dominated_runs(runs: list[PipelineSchedule], profile: DeviceProfile, mesh: Mesh, p: int) -> list[PipelineSchedule]:
+    """The GPipe runs of ``runs`` that 1F1B beats or ties whatever the stage plan: those with a 1F1B run of the
+    same ``m`` among ``runs`` where the split is priced by the flow shop's formula (``flow_shop_priced``).
+
+    For one stage plan both are priced by the same formula over the same stage times (``search.stages``: GPipe's
+    step exactly, 1F1B's bounded from above by it and priced so), and stage ``j`` holds ``h_j`` micro-batches'
+    activations, ``m`` under GPipe and ``min(m, p - j) <= m`` under 1F1B, so every split that fits under GPipe fits
+    under 1F1B with the same step: 1F1B's best split is at least as fast and fits where GPipe's does, and a tie
+    keeps 1F1B (``pipeline_choice.SCHEDULE_ORDER``).  Where the schedule is simulated (ranks that share cores, a
+    host that is its device) the two differ, and both are priced."""
+    if not flow_shop_priced(1, *_schedule_pricing(profile, mesh, p)):
+        return []
+    one_f_one_b = {run.m for run in runs if run.name == "1f1b"}
+    return [run for run in runs if run.name == "gpipe" and run.m in one_f_one_b]
 
 
 def _schedule_pricing(profile: DeviceProfile, mesh: Mesh, p: int) -> tuple[Speed | None, bool]:

@@ -228,12 +228,14 @@ class Candidate:
     what it is (``no pipeline``, ``pipeline pp, 1f1b, 8 micro-batches``), its step (None: it did not fit the
     cap, or was not searched to its plan) and its memory per device (where it did not fit: the least it needs;
     None: not searched to a plan).  ``at_least_s``: a candidate not searched to its plan because a bound proved
-    its step at least this, slower than a candidate already priced."""
+    its step at least this, slower than a candidate already priced; ``note``: why a candidate was not priced at all
+    (a GPipe run 1F1B dominates, ``pipeline_planning.dominated_runs``)."""
 
     what: str
     step_s: float | None
     memory_bytes: int | None
     at_least_s: float | None = None
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
