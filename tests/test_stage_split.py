@@ -149,12 +149,32 @@ def test_a_weight_two_positions_read_is_held_once_by_a_stage_that_runs_both() ->
     assert tied.copies(0, 3, True, True) == 1 and tied.copies(2, 3, False, True) == 0
 
 
+def _one_run(layers, ends, held, end, shared, j: int, i: int, k: int) -> tuple[float, float, int]:
+    """(F, B, M) of stage ``j`` of ``len(held)`` on layers ``[i, k)`` by the module docstring's formulas, summed
+    layer by layer: the referee of the prices ``_StageGrids`` takes from prefix sums."""
+    p, run = len(held), range(i, k)
+    f, b = sum(layers.forward_s[x] for x in run), sum(layers.backward_s[x] for x in run)
+    s, a = sum(layers.state_bytes[x] for x in run), sum(layers.act_bytes[x] for x in run)
+    work, flat = max(layers.at("work_bytes", x) for x in run), sum(layers.at("flat_bytes", x) for x in run)
+    largest = max(layers.at("largest_grad_bytes", x) for x in run)
+    for one, here in ((ends[0], j == 0), (ends[1], j == p - 1)):
+        if here:
+            f, b, s, a = f + one.forward_s[0], b + one.backward_s[0], s + one.state_bytes[0], a + one.act_bytes[0]
+            work, flat = max(work, one.at("work_bytes", 0)), flat + one.at("flat_bytes", 0)
+            largest = max(largest, one.at("largest_grad_bytes", 0))
+    for one in shared:  # held once on the stage however many of its positions read it
+        extra = one.copies(i, k, j == 0, j == p - 1)
+        s, flat = s - extra * one.state_bytes, flat - extra * one.flat_bytes
+    return f, b, s + max(held[j] * a + work, end.bytes(flat, largest))
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_every_runs_prices_at_once_are_the_one_run_prices(seed: int) -> None:
-    """The split prices every stage over every run at once (``_StageGrids``, array operations): the same values,
-    float for float and byte for byte, as ``_Pipeline.stage`` gives one run at a time (with ends, the step's end
-    and parameters read in several positions); and a cap no split fits names the least fullest stage of every
-    split, brute force."""
+    """The split prices every stage over every run at once (``_StageGrids``, array operations from prefix sums):
+    the module docstring's ``F``, ``B`` and ``M_j`` of each run summed layer by layer (with ends, the step's end
+    and parameters read in several positions), byte for byte and to float rounding; ``step_of_split`` reports one
+    split's runs from the same arrays; and a cap no split fits names the least fullest stage of every split,
+    brute force."""
     from autopar.search.stages import _Pipeline, _Prefix, _StageGrids
 
     rng = np.random.default_rng(100 + seed)
@@ -177,7 +197,9 @@ def test_every_runs_prices_at_once_are_the_one_run_prices(seed: int) -> None:
         f, b, mem = grids.stage(j)
         for i in range(n):
             for k in range(i + 1, n + 1):
-                assert (f[i, k].item(), b[i, k].item(), mem[i, k].item()) == pipe.stage(j, i, k)
+                want_f, want_b, want_mem = _one_run(layers, ends, held, end, shared, j, i, k)
+                assert mem[i, k].item() == want_mem
+                assert (f[i, k].item(), b[i, k].item()) == pytest.approx((want_f, want_b), rel=1e-12, abs=1e-15)
     every = [step_of_split(layers, bounds, held, 4, ends, end=end, shared=shared) for bounds in _splits(n, p)]
     least = min(max(s.memory_bytes) for s in every)
     with pytest.raises(ValueError, match=f"needs on its fullest stage is {least} bytes"):

@@ -60,9 +60,9 @@ with ``P(0, 0) = {(0, 0)}``; the answer is the least ``f + b`` in ``P(p, L)``.  
 a pair dominated at (j, k) stays dominated after any completion, since max is monotone.  Work O(p L^2) times the
 sets' sizes (at most the distinct stage times), exact, with no floats compared past their own values.
 Every stage's ``(F, B, M)`` over every run ``[i, k)`` is computed at once per stage as ``(L + 1) x (L + 1)`` arrays
-(``_StageGrids``: the prefix sums' differences, the same float and integer operations ``_Pipeline.stage`` does one
-run at a time, so the same values): one mesh of Llama 3 405B's device-count plan, 126 layers on 64 stages, made
-625,905 calls of ``stage``; its splits took 2.06 s in 8 calls one run at a time, 0.93 s in 10 with the arrays.
+(``_StageGrids``: the prefix sums' differences; ``step_of_split`` reads one split's runs from them, so both price
+a stage by the same operations): one mesh of Llama 3 405B's device-count plan, 126 layers on 64 stages, made
+625,905 calls pricing one run at a time; its splits took 2.06 s in 8 calls so, 0.93 s in 10 with the arrays.
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ class StageSplit:
 
 
 class _Prefix:
-    """Prefix sums of the layers' costs, and the largest of their moments over every run, so that a stage's
-    totals over ``[i, k)`` are O(1)."""
+    """Prefix sums of the layers' costs, and the largest of their moments over every run (``_StageGrids`` takes
+    a stage's totals over every ``[i, k)`` from them)."""
 
     def __init__(self, layers: StageCosts) -> None:
         n = layers.count
@@ -172,13 +172,6 @@ class _Prefix:
                 acc.append(acc[-1] + x)
         self.work = _range_max([layers.at("work_bytes", k) for k in range(n)])
         self.largest = _range_max([layers.at("largest_grad_bytes", k) for k in range(n)])
-
-    def run(self, i: int, k: int) -> tuple[float, float, int, int]:
-        return self.f[k] - self.f[i], self.b[k] - self.b[i], self.s[k] - self.s[i], self.a[k] - self.a[i]
-
-    def moments(self, i: int, k: int) -> tuple[int, int, int]:
-        """(largest working set, bucketed gradient bytes, largest gradient) of the layers ``[i, k)``."""
-        return self.work[i][k - i - 1], self.flat[k] - self.flat[i], self.largest[i][k - i - 1]
 
 
 def _range_max(values: list[int]) -> list[list[int]]:
@@ -210,22 +203,6 @@ class _Pipeline:
     def p(self) -> int:
         return len(self.held)
 
-    def stage(self, j: int, i: int, k: int) -> tuple[float, float, int]:
-        """(forward s, backward s, memory bytes) of stage j on layers ``[i, k)``, its compute (the sends are the
-        links', ``cut``)."""
-        f, b, s, a = self.prefix.run(i, k)
-        work, flat, largest = self.prefix.moments(i, k)
-        for end, here in ((self.prelude, j == 0), (self.postlude, j == self.p - 1)):
-            if here:
-                f, b = f + end.forward_s[0], b + end.backward_s[0]
-                s, a = s + end.state_bytes[0], a + end.act_bytes[0]
-                work, flat = max(work, end.at("work_bytes", 0)), flat + end.at("flat_bytes", 0)
-                largest = max(largest, end.at("largest_grad_bytes", 0))
-        for one in self.shared:  # held once on this stage however many of its positions read it
-            extra = one.copies(i, k, j == 0, j == self.p - 1)
-            s, flat = s - extra * one.state_bytes, flat - extra * one.flat_bytes
-        return f, b, s + max(self.held[j] * a + work, self.end.bytes(flat, largest))
-
     def cut(self, k: int, n: int) -> float:
         """Seconds to send what crosses the cut before layer ``k`` of ``n`` (0 at the chain's ends)."""
         return self.cuts[k - 1] if 0 < k < n and k - 1 < len(self.cuts) else 0.0
@@ -233,7 +210,8 @@ class _Pipeline:
 
 class _StageGrids:
     """``(F, B, M)`` of stage j over every run ``[i, k)`` as ``(n + 1) x (n + 1)`` arrays indexed ``[i, k]`` (only
-    ``k > i`` meaningful): the values ``_Pipeline.stage(j, i, k)`` gives, by the same operations on arrays."""
+    ``k > i`` meaningful): its layers' sums and largest moments, plus its ends on the first and last stage, its
+    shared parameters held once, and its micro-batches in flight (the module docstring's ``M_j``)."""
 
     def __init__(self, pipe: _Pipeline, n: int) -> None:
         self.pipe = pipe
@@ -258,7 +236,7 @@ class _StageGrids:
 
     def _with_ends(self, first: bool, last: bool) -> tuple:
         """(f, b, s, a, work, flat, largest) of every run with the ends a stage holds (``first``, ``last``) and the
-        shared parameters held once: ``_Pipeline.stage`` before its last line."""
+        shared parameters held once (``SharedState.copies``, over every run at once)."""
         if (first, last) not in self._ends:
             pipe = self.pipe
             f, b, s, a, work, flat, largest = self.f, self.b, self.s, self.a, self.work, self.flat, self.largest
@@ -410,7 +388,8 @@ def step_of_split(
     nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
     prelude, postlude = ends or (nothing, nothing)
     pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts), end, tuple(shared))
-    stages = [pipe.stage(j, bounds[j], bounds[j + 1]) for j in range(p)]
+    grids = _StageGrids(pipe, bounds[-1])
+    stages = [[x[bounds[j], bounds[j + 1]].item() for x in grids.stage(j)] for j in range(p)]
     fs, bs, mems = (tuple(x[i] for x in stages) for i in range(3))
     sends = [pipe.cut(k, bounds[-1]) for k in bounds[1:-1]]
     pace_f, pace_b = max([*fs, *sends]), max([*bs, *sends])
