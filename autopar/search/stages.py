@@ -252,10 +252,12 @@ class _StageGrids:
             self._ends[first, last] = (f, b, s, a, work, flat, largest)
         return self._ends[first, last]
 
-    def stage(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(F, B, M) of stage j over every run."""
+    def stage(self, j: int, at: tuple[int, int] | None = None) -> tuple:
+        """(F, B, M) of stage j over every run, or on the run ``at = (i, k)`` alone (numpy scalars)."""
         pipe = self.pipe
         f, b, s, a, work, flat, largest = self._with_ends(j == 0, j == pipe.p - 1)
+        if at is not None:
+            f, b, s, a, work, flat, largest = (x[at] for x in (f, b, s, a, work, flat, largest))
         end = pipe.end
         bucket = np.minimum(flat, np.maximum(end.bucket_bytes, largest)) if end.bucket_bytes else 0
         at_end = np.maximum(bucket, end.temporaries * largest)
@@ -291,10 +293,11 @@ def split_stages(
     nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
     prelude, postlude = ends or (nothing, nothing)
     pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts), end, tuple(shared))
-    fronts = _fronts(pipe, layers.count, cap_bytes)
+    grids = _StageGrids(pipe, layers.count)
+    fronts = _fronts(pipe, grids, layers.count, cap_bytes)
     final = fronts[p].get(layers.count, {})
     if not final:
-        least = _least_memory(pipe, layers.count)
+        least = _least_memory(pipe, grids, layers.count)
         raise NoSplitFits(
             f"no split of {layers.count} layers into {p} stages fits {cap_bytes} bytes per stage (micro-batches "
             f"in flight per stage {tuple(in_flight)}): the least any split needs on its fullest stage is {least} "
@@ -304,14 +307,15 @@ def split_stages(
         )
     pace = min(final, key=lambda fb: fb[0] + fb[1])
     bounds = _walk_back(fronts, final[pace], p, layers.count)
-    return step_of_split(layers, bounds, in_flight, m, ends, cuts, end, shared)
+    return _priced_split(pipe, grids, bounds, m)
 
 
-def _fronts(pipe: _Pipeline, n: int, cap: int | None) -> list[dict[int, dict[tuple[float, float], tuple]]]:
+def _fronts(
+    pipe: _Pipeline, grids: _StageGrids, n: int, cap: int | None
+) -> list[dict[int, dict[tuple[float, float], tuple]]]:
     """``fronts[j][k]``: the Pareto pairs ``(max F, max B)`` of the fitting splits of layers ``[0, k)`` into j
     stages, each with its back-pointer ``(k_prev, pair_prev)`` (module docstring, Search)."""
     fronts: list[dict[int, dict[tuple[float, float], tuple]]] = [{0: {(0.0, 0.0): ()}}]
-    grids = _StageGrids(pipe, n)
     for j in range(pipe.p):
         nxt: dict[int, dict[tuple[float, float], tuple]] = {}
         fs, bs, mems = (x.tolist() for x in grids.stage(j))
@@ -355,13 +359,13 @@ def _walk_back(fronts: list, pointer: tuple, p: int, n: int) -> tuple[int, ...]:
     return tuple(reversed(bounds))
 
 
-def _least_memory(pipe: _Pipeline, n: int) -> int:
+def _least_memory(pipe: _Pipeline, grids: _StageGrids, n: int) -> int:
     """The least, over the splits, of the fullest stage's memory: the DP of min-max over the same runs,
 
         W(j + 1, k') = min over k < k' (stage j may end at k') of max(W(j, k), M_j(k, k')),   W(0, 0) = 0,
 
     one array operation per stage (an unreached ``k`` holds the int64 maximum, which no max lowers)."""
-    grids, never = _StageGrids(pipe, n), np.iinfo(np.int64).max
+    never = np.iinfo(np.int64).max
     best = np.full(n + 1, never, dtype=np.int64)
     best[0] = 0
     starts, ends = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
@@ -384,12 +388,16 @@ def step_of_split(
 ) -> StageSplit:
     """The step time over ``m`` micro-batches (module docstring's ``T``), stage times and stage memory of one
     split (stage j on layers ``[bounds[j], bounds[j + 1])``, holding ``in_flight[j]`` micro-batches)."""
-    p = len(bounds) - 1
     nothing = StageCosts((0.0,), (0.0,), (0,), (0,))
     prelude, postlude = ends or (nothing, nothing)
     pipe = _Pipeline(_Prefix(layers), prelude, postlude, tuple(in_flight), tuple(cuts), end, tuple(shared))
-    grids = _StageGrids(pipe, bounds[-1])
-    stages = [[x[bounds[j], bounds[j + 1]].item() for x in grids.stage(j)] for j in range(p)]
+    return _priced_split(pipe, _StageGrids(pipe, bounds[-1]), bounds, m)
+
+
+def _priced_split(pipe: _Pipeline, grids: _StageGrids, bounds: Sequence[int], m: int) -> StageSplit:
+    """``step_of_split``'s split priced from its pipeline's grids (``split_stages`` passes those it searched)."""
+    p = len(bounds) - 1
+    stages = [[x.item() for x in grids.stage(j, (bounds[j], bounds[j + 1]))] for j in range(p)]
     fs, bs, mems = (tuple(x[i] for x in stages) for i in range(3))
     sends = [pipe.cut(k, bounds[-1]) for k in bounds[1:-1]]
     pace_f, pace_b = max([*fs, *sends]), max([*bs, *sends])
