@@ -124,6 +124,28 @@ def test_no_split_of_the_work_runs_faster_than_the_least_schedule_time():
     assert step_time("gpipe", [x / 3 for x in t], [2 * x / 3 for x in t], m) >= bound * (1 - 1e-12)
 
 
+def test_no_interleaved_split_whose_stages_each_take_at_least_c_beats_the_bound_with_c():
+    """``least_schedule_time``'s interleaved bound with ``stage_least_s = c``: over random stages each of at least
+    ``c`` (the first chunk's at exactly ``c``, the worst case the bound assumes, or random), the list schedule, sped
+    up or not while ranks idle, is at least ``m W / p + c (p - 1) / 2`` (over the speed-up); and the bound is tight
+    to within the first chunk: stages equal at ``c`` reach ``m W / p + (p - 1) c`` at most."""
+    rng = random.Random(11)
+    for p, v, m in INTERLEAVED + [(8, 2, 8), (8, 4, 16), (6, 2, 12)]:
+        for skewed in (False, True):
+            c = rng.uniform(0.5, 1.5)
+            t = [c if skewed and j < p else c + rng.uniform(0.0, 3.0) for j in range(p * v)]
+            f = [x / 3 for x in t]
+            b = [2 * x / 3 for x in t]
+            bound = least_schedule_time(sum(t), p, m, v, stage_least_s=c)
+            assert bound >= m * sum(t) / p + c * (p - 1) / 2 * (1 - 1e-12)
+            assert step_time("interleaved", f, b, m, v=v) >= bound * (1 - 1e-12)
+            lent = schedule_run("interleaved", f, b, m, v=v, speed=lambda k, w, p=p: 1 + (p - k) / max(p, 1))
+            assert lent.step_s >= bound / 2 * (1 - 1e-12)
+        equal = [c] * (p * v)
+        step = step_time("interleaved", [x / 3 for x in equal], [2 * x / 3 for x in equal], m, v=v)
+        assert step <= m * sum(equal) / p + (p - 1) * c * (1 + 1e-12)
+
+
 def test_one_f_one_b_is_never_slower_than_gpipe_and_transfers_add_per_hop():
     rng = random.Random(7)
     for _ in range(50):

@@ -360,10 +360,11 @@ def test_the_search_weighs_more_stages_per_rank():
     assert _plan(tiny, targs, tkwargs, mesh, **on_cpu).pipeline.virtual == cheaper == 2
 
 
-def _toy_walk(fits, beaten_above=None):
+def _toy_walk(fits, beaten_above=None, loses=None):
     """``fit_stages`` on a toy stage search (``stage_fitting``): the plan under a bound ``C`` uses all of it and
-    takes ``1e6 / C`` s; its split fits where ``fits(C)``; searches whose plan is slower than ``beaten_above``
-    raise ``BeatenError`` instead.  The plan (or the error) and the bounds searched."""
+    takes ``1e6 / C`` s (its objective, exact); its split fits where ``fits(C)``; searches whose plan is slower than
+    ``beaten_above`` raise ``BeatenError`` instead; ``loses``: ``fit_stages``'.  The plan (or the error) and the
+    bounds searched."""
     from types import SimpleNamespace
 
     from autopar.planner.errors import MemoryCapError
@@ -372,7 +373,8 @@ def _toy_walk(fits, beaten_above=None):
 
     def plan_under(bound):
         memory = SimpleNamespace(params_bytes=0, grads_bytes=0, optimizer_bytes=0, activations_bytes=bound)
-        return SimpleNamespace(memory=memory, cost=SimpleNamespace(total_s=1e6 / bound), search=None)
+        search = SimpleNamespace(objective_ps=1e6 / bound, optimal=True, lower_bound_ps=None)
+        return SimpleNamespace(memory=memory, cost=SimpleNamespace(total_s=1e6 / bound), search=search)
 
     searched = []
 
@@ -389,9 +391,30 @@ def _toy_walk(fits, beaten_above=None):
         return plan
 
     try:
-        return fit_stages(StageFit(search, plan_under(5000), 1), price, 1000), searched
+        return fit_stages(StageFit(search, plan_under(5000), 1), price, 1000, loses), searched
     except (BeatenError, MemoryCapError) as e:
         return e, searched
+
+
+def test_a_losing_run_walks_no_bound_whose_plans_all_lose():
+    """``fit_stages``' ``loses`` (``stage_fitting``, Losing runs): a bound is not searched, and the bisection stops,
+    once the objective the searches above it proved makes every plan under it lose; the plan is the one the
+    whole walk finds where that one wins, and every bound skipped is one whose plan loses."""
+    from autopar.search import BeatenError
+
+    def under_the_cap(bound):
+        return bound * 3 // 2 <= 1000
+
+    whole, whole_searched = _toy_walk(under_the_cap)  # the free plan at 5000 misses; 666 fits; bisected in vain
+    assert whole_searched == [666, 2833, 1749, 1207, 936]
+    kept, kept_searched = _toy_walk(under_the_cap, loses=lambda x: x > whole.cost.total_s * 1.01)
+    assert kept.cost.total_s == whole.cost.total_s and kept_searched == whole_searched
+    fastest = 300.0  # faster than every plan the bisection meets: it stops once the failing end's plan loses
+    lost, searched = _toy_walk(under_the_cap, loses=lambda x: x > fastest)
+    assert lost.cost.total_s == whole.cost.total_s and searched == [666, 2833]
+    assert all(1e6 / bound > fastest for bound in whole_searched if bound not in searched)
+    nothing, none_searched = _toy_walk(under_the_cap, loses=lambda x: x > 150.0)  # the free plan's 200 s loses
+    assert isinstance(nothing, BeatenError) and nothing.lower_bound_ps == 200.0 and none_searched == []
 
 
 def test_a_bounded_stage_fitting_keeps_every_plan_that_beats_the_fastest():

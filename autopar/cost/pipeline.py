@@ -259,7 +259,9 @@ def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float, p
     return start
 
 
-def least_schedule_time(work_s: float, p: int, m: int, v: int = 1, *, flow_shop: bool = False) -> float:
+def least_schedule_time(
+    work_s: float, p: int, m: int, v: int = 1, *, flow_shop: bool = False, stage_least_s: float = 0.0
+) -> float:
     """The least time any split of ``work_s`` (one micro-batch's forward and backward over every stage) into a
     ``p``-rank schedule of ``m`` micro-batches takes, transfers free, each action at full speed:
 
@@ -270,12 +272,17 @@ def least_schedule_time(work_s: float, p: int, m: int, v: int = 1, *, flow_shop:
       for every r.  Least over the splits where every rank's is the same ``T``: ``T - sum_(i<=r) t_i = (T -
       sum_(i<r) t_i)(1 - 1/m)``, so ``sum_(i<p) t_i = W = T (1 - (1 - 1/m)^p)``: ``T = W / (1 - (1 - 1/m)^p)``
       (a split under ``T`` everywhere would sum to less than ``W``, by induction on r);
-    * interleaved (``v > 1``): ``m W / p``, the busiest rank's share (the stages of its first chunk, which the
-      others wait for, may be small).
+    * interleaved (``v > 1``), every stage taking at least ``c = stage_least_s``: ``m W / p + c (p - 1) / 2``.
+      Rank r's first action, stage r's forward of the first micro-batch, waits for the forwards of stages
+      ``0 .. r - 1`` (ranks ``0 .. r - 1``' first chunks); its last action is a backward of stage r (each
+      backward of its later stages ``r + k p`` leads down to stage r on the same rank), which the backwards of
+      stages ``r - 1 .. 0`` follow.  So the step is at least ``m R_r + sum_(i<r) t_i >= m R_r + r c``, ``R_r``
+      its stages' work per micro-batch, for every r; the mean over the ranks, with ``sum_r R_r = W``, is the
+      bound.  (``c = 0``: the busiest rank's share, where the first chunk's stages may be small.)
 
     A rank sped up by at most ``s`` while others idle (``schedule_run``'s ``speed``) takes at least this over ``s``."""
     if v > 1:
-        return m * work_s / p
+        return m * work_s / p + stage_least_s * (p - 1) / 2
     if flow_shop:
         return (m + p - 1) * work_s / p
     return work_s / (1 - (1 - 1 / m) ** p)

@@ -73,15 +73,16 @@ from .heap import FrozenHeap
 from .options import HintOptions, PlanOptions
 from .pipeline_planning import (
     PipelineSchedule,
+    RunBoundTerms,
     check_layers,
     check_schedule,
-    costliest_other_charges,
     dominated_runs,
     fewest_virtual,
     microbatch_choices,
     objective_beaten_above,
     pipeline_axis,
     pipelined,
+    run_bound_terms,
     schedule_runs,
     stage_mesh,
     step_at_least,
@@ -319,26 +320,26 @@ class PipelineChoice:
                 runs.remove(run)
                 what = f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}"
                 self.priced.append(Candidate(what, None, None, note=DOMINATED_BY_1F1B))
-            charges = costliest_other_charges(ctx)
+            terms = run_bound_terms(ctx)
             checked = CheckedPlans()  # the free search and every weighted one meet the same plans
-            free, proven_ps = self._free_search(ctx, p, runs, charges, forced, checked)
+            free, proven_ps = self._free_search(ctx, p, runs, terms, forced, checked)
             fits: dict[int, StageFit] = {}  # the weighted searches of one weight, shared by the runs that hold it
             seen: dict = {}  # what each stage plan priced gives whatever the schedule (``pipelined``), likewise
             for run in runs:
                 what = f"a pipeline along {name!r}, {describe_schedule(run.name, m, run.v)}"
                 if free is None:  # its free search proved every run slower than the fastest: bounded by the proof
-                    self._beaten(what, step_at_least_of(proven_ps, ctx, self.mesh, p, run, charges))
+                    self._beaten(what, step_at_least_of(proven_ps, ctx, self.mesh, p, run, terms))
                     continue
-                at_least = step_at_least(free, ctx, self.mesh, p, run, charges)
+                at_least = step_at_least(free, ctx, self.mesh, p, run, terms)
                 if not forced and self._proven_slower(at_least):  # no stage plan of this run can beat the fastest
                     self._beaten(what, at_least)
                     continue
                 weight = held_at_most(run.name, p, m, run.v)
                 if weight not in fits:
                     held = [r for r in runs if held_at_most(r.name, p, m, r.v) == weight]
-                    above = None if forced else self._objective_above(ctx, p, held, charges)
+                    above = None if forced else self._objective_above(ctx, p, held, terms)
                     fits[weight] = self._stage_fit(ctx, free, weight, above, checked)
-                self._priced_pipeline(fits[weight], ctx, axis, run, layers, seen, charges)
+                self._priced_pipeline(fits[weight], ctx, axis, run, layers, seen, terms)
 
     def _fills(self, p: int, layers: int, schedules) -> bool:
         """Whether ``layers`` repeated layers fill ``p`` stages under some schedule of ``schedules``."""
@@ -364,7 +365,7 @@ class PipelineChoice:
         ctx: PlanningContext,
         p: int,
         runs: list[PipelineSchedule],
-        charges: tuple[int, int],
+        terms: RunBoundTerms,
         forced: bool,
         checked: CheckedPlans,
     ) -> tuple[Plan | None, int | None]:
@@ -372,7 +373,7 @@ class PipelineChoice:
         a fastest candidate bounds it (``objective_beaten_above``: not for a forced axis), ``(None, lower bound on
         its objective)`` once the search proves every run of ``runs`` slower than that candidate (``BeatenError``):
         the plan is not assembled, and the bound stands for each run's (``step_at_least_of``)."""
-        above = None if forced else self._objective_above(ctx, p, runs, charges)
+        above = None if forced else self._objective_above(ctx, p, runs, terms)
         with self._timing("search_s"):
             try:
                 return self._search(ctx, above=above, checked=checked), None
@@ -380,12 +381,12 @@ class PipelineChoice:
                 return None, int(e.lower_bound_ps)
 
     def _objective_above(
-        self, ctx: PlanningContext, p: int, runs: list[PipelineSchedule], charges: tuple[int, int]
+        self, ctx: PlanningContext, p: int, runs: list[PipelineSchedule], terms: RunBoundTerms
     ) -> int | None:
         """The stage objective past which the fastest candidate so far beats every run of ``runs`` over ``p``
         stages (``objective_beaten_above``; None: no candidate yet)."""
         fastest = self._fastest_s()
-        return None if fastest is None else objective_beaten_above(ctx, self.mesh, p, runs, charges, fastest)
+        return None if fastest is None else objective_beaten_above(ctx, self.mesh, p, runs, terms, fastest)
 
     def _stage_fit(
         self, ctx: PlanningContext, free: Plan, weight: int, above: int | None, checked: CheckedPlans
@@ -408,25 +409,28 @@ class PipelineChoice:
         run: PipelineSchedule,
         layers,
         seen: dict,
-        charges: tuple[int, int],
+        terms: RunBoundTerms,
     ) -> None:
         """The pipeline along ``axis`` run as ``run``, its stage plan the fastest of ``fit``'s walk whose split fits
         the cap (``stage_fitting``): offered, kept as a miss, or listed as at least the bound its walk proved
-        (``charges``: ``step_at_least``'s) where every plan it met is slower than the fastest candidate."""
+        (``terms``: ``step_at_least``'s) where every plan it met is slower than the fastest candidate; not forced, its
+        walk skips the bounds whose plans all lose (``stage_fitting``, Losing runs)."""
         cap, name = self.options.mem_cap, self.mesh.axis_names[axis]
         what = f"a pipeline along {name!r}, {describe_schedule(run.name, run.m, run.v)}"
         price = functools.partial(
             pipelined, ctx, mesh=self.mesh, axis=axis, schedule=run, cap=cap, layers=layers, seen=seen
         )
+        p = self.mesh.shape[axis]
+        forced = self.options.pipeline != "auto" and not self.shared.placed  # as ``best`` decides it
+        loses = None if forced else lambda x: self._proven_slower(step_at_least_of(x, ctx, self.mesh, p, run, terms))
         try:
             with self._timing("search_s"):
-                plan = fit_stages(fit, price, cap)
+                plan = fit_stages(fit, price, cap, loses)
         except MemoryCapError as e:
             self._missed(e, what)
             return
         except BeatenError as e:
-            p = self.mesh.shape[axis]
-            self._beaten(what, step_at_least_of(int(e.lower_bound_ps), ctx, self.mesh, p, run, charges))
+            self._beaten(what, step_at_least_of(int(e.lower_bound_ps), ctx, self.mesh, p, run, terms))
             return
         self._offer(plan, ctx.graph)
 

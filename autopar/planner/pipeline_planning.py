@@ -53,7 +53,7 @@ __all__ = [
     "PipelineSchedule",
     "check_layers",
     "check_schedule",
-    "costliest_other_charges",
+    "RunBoundTerms",
     "dominated_runs",
     "fewest_virtual",
     "microbatch_choices",
@@ -63,6 +63,7 @@ __all__ = [
     "schedule_runs",
     "stage_mesh",
     "step_at_least",
+    "run_bound_terms",
     "step_at_least_of",
     "step_cost",
     "virtual_choices",
@@ -162,12 +163,12 @@ class StagePlanWork:
 
 
 def step_at_least(
-    micro_plan: Plan, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule, charges: tuple[int, int]
+    micro_plan: Plan, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule, terms: RunBoundTerms
 ) -> float | None:
     """A lower bound on the step of every pipeline ``run`` (``m`` micro-batches, ``v`` stages per rank) over ``p``
     ranks of ``mesh`` whose stages run a plan searched on ``ctx`` (one micro-batch on the stage mesh), under a
-    memory bound or not (``stage_fitting``); ``micro_plan``: its free search; ``charges``: ``(P, O)`` below,
-    ``costliest_other_charges(ctx)`` (one per context, shared by its runs).  None where the search proved none.
+    memory bound or not (``stage_fitting``); ``micro_plan``: its free search; ``terms``: ``P``, ``O`` and ``l``
+    below, ``run_bound_terms(ctx)`` (one per context, shared by its runs).  None where the search proved none.
 
     A stage plan's objective per micro-batch is ``X = W + R``: ``W`` its ops' forward and backward with the moves
     into them (what the stages run per micro-batch, ``stage_prices.chain_prices``) and ``R`` what its other nodes
@@ -179,8 +180,10 @@ def step_at_least(
 
     * the schedule's time is at least ``c W`` (``cost.least_schedule_time``): ``c = (m + p - 1) / p`` for GPipe and
       1F1B priced by the flow shop's formula (``search.stages``), ``1 / (1 - (1 - 1/m)^p)`` where the step is a
-      simulated list schedule (ranks that share cores, a host that posts each receive when free), ``m / p``
-      interleaved;
+      simulated list schedule (ranks that share cores, a host that posts each receive when free), and
+      interleaved ``m / p`` plus ``(p - 1) / 2`` times the least stage: the stages split the ``n`` layers evenly,
+      so each holds at least ``n // (p v)`` of them, each layer at least ``l`` (its ops at their cheapest
+      strategies, no move, no recomputation: what any stage plan charges it at least);
     * the slowest rank's optimizer step is at least the ranks' mean, ``m R_p / p`` (every parameter is held by
       at least one stage);
     * ``s``: the most a rank computes faster while others idle (``max_lending``; 1 on devices of their own).
@@ -192,25 +195,25 @@ def step_at_least(
         step >= (c (X* - O - r) + m r / p) / s,    r = min(P, max(X* - O, 0)),  X* - O - r >= 0 else 0"""
     stats = micro_plan.search
     least_ps = stats.objective_ps if stats.optimal else stats.lower_bound_ps
-    return None if least_ps is None else step_at_least_of(least_ps, ctx, mesh, p, run, charges)
+    return None if least_ps is None else step_at_least_of(least_ps, ctx, mesh, p, run, terms)
 
 
 def step_at_least_of(
-    least_ps: int, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule, charges: tuple[int, int]
+    least_ps: int, ctx: PlanningContext, mesh: Mesh, p: int, run: PipelineSchedule, terms: RunBoundTerms
 ) -> float:
     """``step_at_least`` from ``X*`` itself (``least_ps``, or any lower bound on it: the bound does not decrease
     with ``X*``, so one from a lower bound on ``X*`` is a lower bound too)."""
-    params_ps, others_ps = charges
     m, profile = run.m, ctx.coster.settings.profile
-    r = min(params_ps, max(least_ps - others_ps, 0))
-    work = max(least_ps - others_ps - r, 0)
+    r = min(terms.params_ps, max(least_ps - terms.others_ps, 0))
+    work = max(least_ps - terms.others_ps - r, 0)
     flow_shop = flow_shop_priced(run.v, *_schedule_pricing(profile, mesh, p))  # as pipelined prices the run
-    schedule_ps = least_schedule_time(work, p, m, run.v, flow_shop=flow_shop)
+    stage_least = terms.layers // (p * run.v) * terms.layer_ps
+    schedule_ps = least_schedule_time(work, p, m, run.v, flow_shop=flow_shop, stage_least_s=stage_least)
     return (schedule_ps + m * r / p) / PS_PER_S / max_lending(profile, mesh)
 
 
 def objective_beaten_above(
-    ctx: PlanningContext, mesh: Mesh, p: int, runs: list[PipelineSchedule], charges: tuple[int, int], fastest_s: float
+    ctx: PlanningContext, mesh: Mesh, p: int, runs: list[PipelineSchedule], terms: RunBoundTerms, fastest_s: float
 ) -> int:
     """The stage objective ``X`` (ps) past which every run's ``step_at_least_of`` is above ``fastest_s``: a free
     stage search of ``ctx`` that proves its optimum above it (``SearchRun.above``, ``BeatenError``) proves every
@@ -220,7 +223,7 @@ def objective_beaten_above(
 
     def beaten_from(run: PipelineSchedule) -> int:
         def beats(x: int) -> bool:
-            return step_at_least_of(x, ctx, mesh, p, run, charges) > fastest_s
+            return step_at_least_of(x, ctx, mesh, p, run, terms) > fastest_s
 
         lo, hi = -1, 1 << 20  # beats(lo) false (or lo = -1), beats(hi) true once hi is large enough
         while not beats(hi):
@@ -233,9 +236,24 @@ def objective_beaten_above(
     return max(beaten_from(run) for run in runs) - 1
 
 
-def costliest_other_charges(ctx: PlanningContext) -> tuple[int, int]:
-    """``(P, O)`` of ``step_at_least``, picoseconds: the most any stage plan of ``ctx`` charges its parameter nodes,
-    and its other nodes that are not ops (inputs, buffers, output sinks), each node at its costliest strategy."""
+@dataclass(frozen=True, slots=True)
+class RunBoundTerms:
+    """What ``step_at_least`` reads of a stage context besides the objective, picoseconds: ``params_ps`` (``P``)
+    the most any stage plan charges its parameter nodes and ``others_ps`` (``O``) its other nodes that are not
+    ops (inputs, buffers, output sinks), each node at its costliest strategy; ``layer_ps`` (``l``) the least any
+    stage plan charges one layer's ops (the layer whose ops cost least at their cheapest strategies) and
+    ``layers`` (``n``) the layers a pipeline splits."""
+
+    params_ps: int
+    others_ps: int
+    layer_ps: int = 0
+    layers: int = 0
+
+
+def run_bound_terms(ctx: PlanningContext) -> RunBoundTerms:
+    """``ctx``'s ``RunBoundTerms``.  ``l`` is a lower bound on what a stage plan charges each layer: an op's charge
+    is its time at its strategy plus the moves into it (never negative), and recomputation only adds a forward
+    (``recompute_tables``), so each op charges at least its cheapest strategy's time in ``ctx``'s tables."""
     tables, nodes = ctx.tables, ctx.graph.nodes
     params = others = 0
     for i, row in enumerate(tables.node_time_ps):
@@ -247,7 +265,15 @@ def costliest_other_charges(ctx: PlanningContext) -> tuple[int, int]:
             params += most
         else:
             others += most
-    return params, others
+    layers = chain_layers(ctx.graph)
+
+    def least(i: int) -> int:
+        row = tables.node_time_ps[i]
+        finite = row[row < INF]
+        return int(finite.min()) if finite.size else 0
+
+    layer_ps = min((sum(least(i) for i in ops) for _, ops in layers), default=0)
+    return RunBoundTerms(params, others, layer_ps, len(layers))
 
 
 def max_lending(profile: DeviceProfile, mesh: Mesh) -> float:

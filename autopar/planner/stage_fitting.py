@@ -26,7 +26,11 @@ op's saved bytes ``w`` times, a parameter's state once), bounded by ``C``.  For 
    a faster plan that fits (a higher bound allows the same plans and more), until the search
    budget has passed (``StageFit.deadline``: the plan is then marked ``budget_hit``).  Measured
    (Llama 3 405B forced to 128 x 16 x 8 of 16,384 H100s, 30 s budget): the bisection was 65 of
-   the plan's 158 s, for a plan 0.3% faster.
+   the plan's 158 s, for a plan 0.3% faster.  It stops, as the peak loop does (``solving.PeakLoop``),
+   once the stage objective can gain at most ``BISECT_GAP`` of the best plan's: every bound between
+   the ends gives a plan no faster than the failing end's optimum (``StageFit.least_objective``).
+   That is a tolerance on the stage plan, not on the step (a plan as fast may split better), as the
+   peak loop's is on the plan and not on its peak.
 
 Bounded (``StageFit.search`` given the objective past which the fastest candidate so far beats every run of this
 weight, ``SearchRun.above``): a search that proves every plan under its bound ``C`` beyond it (``BeatenError``)
@@ -42,6 +46,16 @@ keeps a bisected plan unrefined.  Measured (Llama 3 405B at (32, 32, 8) of 8,192
 search's plan was 47% of the mesh's planning (one refinement ran 50 s, to the search budget); without it the mesh
 planned in 61 s instead of 111 s, the same plan, and the forced 8,192-GPU row (dp 64 x pp 16 x tp 8) plans the
 same plan in the same 94 s.
+
+Losing runs (``fit_stages``' ``loses``, per run: whether every stage plan of objective at least ``X`` makes the run
+slower than the fastest candidate, ``pipeline_planning.step_at_least_of``).  The optimum under a bound does not
+decrease as the bound falls, so every plan the walk can still meet under a bound ``C`` has an objective of at least
+what the searches above ``C`` proved (``StageFit.least_objective``: the free plan's, and each search's proven lower
+bound at a bound ``>= C``).  A search whose bound ``loses`` by that is not run: it is taken as a proof that every
+plan under it loses (``BeatenError``, as a bounded search's); and once the failing end of the bisection loses so,
+every bound between the ends does, and the bisection stops.  Exact: only plans slower than the fastest are skipped.
+The capped plans' objectives are what make this bite: the run's bound from the free plan cannot see the cost of
+the cap (20-40% of the step on Llama 3 405B's meshes of 16,384 H100s), the failing plans' objectives can.
 
 The result is the fastest fitting plan met.  It is a walk along the weighted search's
 (time, memory) frontier, not the optimum of the split and the stage plan together: the
@@ -60,7 +74,15 @@ from autopar.search import BeatenError, Deadline
 from .errors import MemoryCapError
 from .schema import Plan
 
-__all__ = ["BISECT_TRIES", "LOWERING_TRIES", "StageFit", "fit_stages", "held_at_most"]
+__all__ = [
+    "BISECT_GAP",
+    "BISECT_TRIES",
+    "LOWERING_TRIES",
+    "StageFit",
+    "fit_stages",
+    "held_at_most",
+    "objective_at_least",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +90,8 @@ log = logging.getLogger(__name__)
 LOWERING_TRIES = 5
 #: the searches bisecting between a fitting bound and a failing one (step 3)
 BISECT_TRIES = 4
+#: the bisection stops once the stage objective can gain at most this share of the best plan's (step 3)
+BISECT_GAP = 2.0**-8
 
 
 @dataclass
@@ -95,15 +119,60 @@ class StageFit:
             raise hit
         return hit
 
-    def beaten(self) -> BeatenError:
-        """The proof with the least bound among the searches that proved their plans slower (the walk met one)."""
-        proofs = [e for e in self.found.values() if isinstance(e, BeatenError)]
+    def beaten(self, more: list[BeatenError] = ()) -> BeatenError:
+        """The proof with the least bound among the searches that proved their plans slower and ``more`` (a walk's
+        own, ``fit_stages``' ``loses``; the walk met one)."""
+        proofs = [e for e in self.found.values() if isinstance(e, BeatenError)] + list(more)
         return min(proofs, key=lambda e: e.lower_bound_ps)
+
+    def least_objective(self, bound: int) -> int:
+        """A lower bound on the objective of every stage plan under ``bound``: the most of the free plan's and of
+        what each search at a bound ``>= bound`` proved (its plan's objective where exact, else its proven lower
+        bound; a bounded search's proof)."""
+        least = [objective_at_least(self.free)]
+        for at, hit in self.found.items():
+            if at >= bound and isinstance(hit, BeatenError):
+                least.append(int(hit.lower_bound_ps))
+            elif at >= bound and not isinstance(hit, MemoryCapError):  # a plan
+                least.append(objective_at_least(hit))
+        return max(least)
 
     def weighted_bytes(self, plan: Plan) -> int:
         """``S + w A`` of ``plan``: its state and ``weight`` times its activations."""
         mem = plan.memory
         return mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + self.weight * mem.activations_bytes
+
+
+def objective_at_least(plan: Plan) -> int:
+    """The least objective (ps) of any plan under the bound ``plan`` was searched under: its own where the search was
+    exact, else the lower bound it proved (``pipeline_planning.step_at_least`` reads it so)."""
+    stats = plan.search
+    least = stats.objective_ps if stats.optimal else stats.lower_bound_ps
+    return int(least) if least is not None else 0
+
+
+@dataclass
+class _Walk:
+    """One run's walk over ``fit``: ``price`` its split, ``loses`` its bound (``fit_stages``), ``proofs`` the bounds
+    it skipped as losing."""
+
+    fit: StageFit
+    price: Callable[[Plan], Plan]
+    loses: Callable[[int], bool] | None
+    proofs: list[BeatenError] = field(default_factory=list)
+
+    def under(self, bound: int) -> Plan:
+        """``fit.under(bound)``, or ``BeatenError`` without a search where ``loses`` says every plan under it loses."""
+        if self.loses is not None:
+            least = self.fit.least_objective(bound)
+            if self.loses(least):
+                self.proofs.append(BeatenError(least, 0))
+                raise self.proofs[-1]
+        return self.fit.under(bound)
+
+    def lost_above(self, bound: int) -> bool:
+        """Whether every plan under ``bound`` (hence under any bound below it) loses."""
+        return self.loses is not None and self.loses(self.fit.least_objective(bound))
 
 
 def held_at_most(schedule: str, p: int, m: int, v: int = 1) -> int:
@@ -112,65 +181,72 @@ def held_at_most(schedule: str, p: int, m: int, v: int = 1) -> int:
     return max(-(-in_flight(schedule, p, m, r, v) // v) for r in range(p))
 
 
-def fit_stages(fit: StageFit, price: Callable[[Plan], Plan], cap: int | None) -> Plan:
+def fit_stages(
+    fit: StageFit, price: Callable[[Plan], Plan], cap: int | None, loses: Callable[[int], bool] | None = None
+) -> Plan:
     """The fastest pipelined plan ``price(stage_plan)`` whose split fits ``cap`` along the walk of the module
     docstring.  ``price`` raises ``MemoryCapError`` (its ``min_mem_bytes``: the least need of the fullest rank
     any split reached) when a stage plan's split does not fit; the last such error is raised when none fits, and
-    ``BeatenError`` (``StageFit.beaten``) where every plan the walk met that fits is proven slower than the fastest."""
+    ``BeatenError`` (``StageFit.beaten``) where every plan the walk met that fits is proven slower than the fastest.
+    ``loses(X)``: whether every stage plan of objective ``>= X`` makes this run slower than the fastest candidate
+    (None: never; module docstring, Losing runs)."""
     try:
         return price(fit.free)
     except MemoryCapError as e:
         if cap is None:
             raise
         missed = e
-    best, fits_at, fails_at = _lowered(fit, price, cap, missed)
-    best = _bisected(fit, price, best, fits_at, fails_at)
+    walk = _Walk(fit, price, loses)
+    best, fits_at, fails_at = _lowered(walk, cap, missed)
+    best = _bisected(walk, best, fits_at, fails_at)
     if best is None:
-        raise fit.beaten()
+        raise fit.beaten(walk.proofs)
     log.info("stage plan under a weighted bound of %d bytes fits the cap of %d", fits_at, cap)
     return best
 
 
-def _lowered(fit: StageFit, price: Callable[[Plan], Plan], cap: int, missed: MemoryCapError) -> tuple:
+def _lowered(walk: _Walk, cap: int, missed: MemoryCapError) -> tuple:
     """Step 2: ``(plan, fits_at, fails_at)``: the first bound ``fits_at`` lowered from the fastest plan's whose
     plan's split fits (``plan`` priced; None where the search proved the bound's plans slower than the fastest,
     ``BeatenError``: taken as fitting), and the bound tried before it.  The last ``MemoryCapError`` when none does."""
+    fit = walk.fit
     plan, bound = fit.free, fit.weighted_bytes(fit.free) + 1  # the fastest plan's: any bound above finds it again
     for _ in range(LOWERING_TRIES):
         fails_at, bound = bound, min(fit.weighted_bytes(plan) * cap // max(missed.min_mem_bytes, 1), bound - 1)
         try:
             try:
-                plan = fit.under(bound)
+                plan = walk.under(bound)
             except MemoryCapError as e:  # no stage plan under the bound: its least-memory one is the last to try
                 if e.min_mem_bytes >= fails_at:
                     break
                 bound = e.min_mem_bytes
-                plan = fit.under(bound)
+                plan = walk.under(bound)
         except BeatenError:  # every plan under the bound loses: as if its split fitted (module docstring)
             return None, bound, fails_at
         try:
-            return price(plan), bound, fails_at
+            return walk.price(plan), bound, fails_at
         except MemoryCapError as e:
             missed = e
     raise missed
 
 
-def _bisected(
-    fit: StageFit, price: Callable[[Plan], Plan], best: Plan | None, fits_at: int, fails_at: int
-) -> Plan | None:
+def _bisected(walk: _Walk, best: Plan | None, fits_at: int, fails_at: int) -> Plan | None:
     """Step 3: the fastest plan that fits met bisecting between ``fits_at`` and ``fails_at`` (``best``: the one
-    found at ``fits_at``), ``BISECT_TRIES`` times or until the deadline.  A bound whose plans are proven slower
-    than the fastest (``BeatenError``) is taken as fitting (module docstring)."""
+    found at ``fits_at``), ``BISECT_TRIES`` times or until the deadline, or until every plan under ``fails_at``
+    loses (module docstring, Losing runs).  A bound whose plans are proven slower than the fastest
+    (``BeatenError``) is taken as fitting (module docstring)."""
+    fit = walk.fit
+    best_at = fits_at if best is not None else None  # the bound whose stage plan ``best`` is
     for _ in range(BISECT_TRIES):
         if fit.deadline is not None and fit.deadline.passed():  # out of time: the fastest split that fits so far
             if best is not None:
                 best = replace(best, search=replace(best.search, budget_hit=True, budget_s=fit.deadline.budget_s))
             break
         middle = (fits_at + fails_at) // 2
-        if middle in (fits_at, fails_at):
+        if middle in (fits_at, fails_at) or walk.lost_above(fails_at) or _settled(fit, best_at, fails_at):
             break
         try:
-            priced = price(fit.under(middle))
+            priced = walk.price(walk.under(middle))
         except MemoryCapError:
             fails_at = middle
             continue
@@ -179,5 +255,15 @@ def _bisected(
             continue
         fits_at = middle
         if best is None or priced.cost.total_s < best.cost.total_s:
-            best = priced
+            best, best_at = priced, middle
     return best
+
+
+def _settled(fit: StageFit, best_at: int | None, fails_at: int) -> bool:
+    """Whether the stage plan found under ``best_at`` is within ``BISECT_GAP`` of every plan a bound below
+    ``fails_at`` can give (step 3)."""
+    found = fit.found.get(best_at) if best_at is not None else None
+    if found is None or isinstance(found, Exception) or found.search.objective_ps is None:
+        return False
+    top = found.search.objective_ps
+    return top - fit.least_objective(fails_at) <= top * BISECT_GAP
