@@ -16,7 +16,8 @@ per rank, 32 micro-batches, bubble 10%), planned in 104 s; 16,384 GPUs 337 (0.84
 32 micro-batches, bubble 12%), planned in 164 s, peak RSS 2.37 GiB.  Measured 2026-11-30 (stop 58: static captures
 of a large graph's micro-batches, peak checks shared, no bisection past the search budget): 8,192 GPUs 384 TFLOP/s
 (0.89x), planned in 94 s; 16,384 GPUs 347 (0.87x; interleaved, 4 stages per rank, 16 micro-batches, bubble 20%),
-96 s; peak RSS 2.03 GiB.
+96 s; peak RSS 2.03 GiB.  Measured 2026-12-01 (stop 63: walks that cannot win stop, ``stage_fitting``): the same
+predictions, planned in 53 and 57 s, peak RSS 2.03 GiB.
 
 ``--free`` plans the same model for the device count instead (``plan(devices=N, pipeline="auto")``: autopar chooses
 the mesh) and prints its choice, then every mesh with its step (or why it lost), the seconds planning it took and the

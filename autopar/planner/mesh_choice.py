@@ -28,11 +28,12 @@ largest axis, smallest first (a collective's latency and the share of its bytes 
 so the most balanced meshes are the likeliest fast for a model that needs several axes; measured on Llama 3 405B at
 8,192 GPUs, the one-axis plan's step was 72 times the published configuration's; at 16,384 GPUs the fastest plan, 64
 x 32 x 8, was met fifteenth, and third once the node's devices went innermost first: with the collections left to
-each mesh's end, ``heap``, the plan 1,497 -> 1,356 s; 1,225 s once GPipe is not priced where 1F1B dominates it). The
-order is a search order only: every mesh is planned or proven slower. Chosen: the fastest plan that fits the cap
-(the earlier mesh of ``logical_meshes`` on a tie, whatever the planning order). ``Plan.meshes`` lists every mesh
-tried, fastest first, with its step, memory, model FLOP/s per device and MFU, or why it lost. When no mesh fits,
-``MemoryCapError`` names the least memory each mesh needs.
+each mesh's end, ``heap``, the plan 1,497 -> 1,356 s; 1,225 s once GPipe is not priced where 1F1B dominates it;
+1,115 s once walks that cannot win stop, ``stage_fitting``). The order is a search order only: every mesh is planned
+or proven slower. Chosen: the fastest plan that fits the cap (the earlier mesh of ``logical_meshes`` on a tie,
+whatever the planning order). ``Plan.meshes`` lists every mesh tried, fastest first, with its step, memory, model
+FLOP/s per device and MFU, or why it lost. When no mesh fits, ``MemoryCapError`` names the least memory each mesh
+needs.
 """
 
 from __future__ import annotations
