@@ -53,7 +53,8 @@ decrease as the bound falls, so every plan the walk can still meet under a bound
 what the searches above ``C`` proved (``StageFit.least_objective``: the free plan's, and each search's proven lower
 bound at a bound ``>= C``).  A search whose bound ``loses`` by that is not run: it is taken as a proof that every
 plan under it loses (``BeatenError``, as a bounded search's); and once the failing end of the bisection loses so,
-every bound between the ends does, and the bisection stops.  Exact: only plans slower than the fastest are skipped.
+every bound between the ends does, and the bisection stops.  Nothing that could win is skipped: a winning plan
+lies under no bound proven so.
 The capped plans' objectives are what make this bite: the run's bound from the free plan cannot see the cost of
 the cap (20-40% of the step on Llama 3 405B's meshes of 16,384 H100s), the failing plans' objectives can.
 
@@ -65,7 +66,7 @@ weight is the fullest rank's, and the stages' state and activations are not spre
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from autopar.cost import in_flight
@@ -119,7 +120,7 @@ class StageFit:
             raise hit
         return hit
 
-    def beaten(self, more: list[BeatenError] = ()) -> BeatenError:
+    def beaten(self, more: Sequence[BeatenError] = ()) -> BeatenError:
         """The proof with the least bound among the searches that proved their plans slower and ``more`` (a walk's
         own, ``fit_stages``' ``loses``; the walk met one)."""
         proofs = [e for e in self.found.values() if isinstance(e, BeatenError)] + list(more)
