@@ -185,8 +185,14 @@ class Coster:
         return kept, shares
 
     def edge_mem_key(self, v: OpNode, pos: int) -> tuple:
-        """What ``edge_matrices`` depends on beyond the tensor, the two strategy lists and the nodes' kinds."""
-        return (self.edge_shares.get((v.index, pos)), pos in self.saved_inputs(v), prices_as_fused(v.fx_node, pos))
+        """What ``edge_matrices`` depends on beyond the tensor, the two strategy lists and the nodes' kinds.  Of the
+        edge's share (``_kept_for_backward``) only whether it is the root's first saving edge counts (it pays the
+        remainder, ``edge_saved_bytes``): the 2 L edges of a rotary table L layers read share two keys, not 2 L."""
+        share = self.edge_shares.get((v.index, pos))
+        if share is not None:
+            root_kept, k, n, numel = share
+            share = (root_kept, k == 0, n, numel)
+        return (share, pos in self.saved_inputs(v), prices_as_fused(v.fx_node, pos))
 
     def node_mem_key(self, node: OpNode) -> tuple:
         """What ``node_mem_bytes`` depends on beyond the call, the strategies and ``saved_outputs``."""
