@@ -101,14 +101,7 @@ class StageFit:
     ``C`` (``MemoryCapError`` when none; ``BeatenError`` where it is bounded and proves every plan under ``C``
     slower than the fastest candidate), kept per bound (the schedules of one micro-batch count and weight share
     them); ``free``: the fastest plan, searched without a bound; ``deadline``: the plan's search budget (None:
-    none), past which no bisection starts.
-
-    A bound is not searched where a search at a bound above it answers it (``implied``): no plan under the higher
-    bound (``MemoryCapError``) or every one of them slower than the fastest (``BeatenError``) holds under the lower
-    one, and the higher bound's plan, where it is under the lower one too, is the lower one's (the optimum of a
-    set, within the search's gap, in a subset).  The runs of one weight ask for bounds a hair apart (each run's
-    split needs a little more or less): measured on Llama 3 405B at (2, 512, 16) of 16,384 H100s, two of its six
-    walks were answered so whole."""
+    none), past which no bisection starts."""
 
     search: Callable[[int], Plan]
     free: Plan
@@ -118,29 +111,14 @@ class StageFit:
 
     def under(self, bound: int) -> Plan:
         if bound not in self.found:
-            implied = self.implied(bound)
-            if implied is not None:
-                self.found[bound] = implied
-            else:
-                try:
-                    self.found[bound] = self.search(bound)
-                except (MemoryCapError, BeatenError) as e:
-                    self.found[bound] = e
+            try:
+                self.found[bound] = self.search(bound)
+            except (MemoryCapError, BeatenError) as e:
+                self.found[bound] = e
         hit = self.found[bound]
         if isinstance(hit, Exception):
             raise hit
         return hit
-
-    def implied(self, bound: int) -> Plan | MemoryCapError | BeatenError | None:
-        """What a search under ``bound`` would give, from the search at the least bound above it whose answer holds
-        under ``bound`` too (class docstring); None where none does."""
-        for at in sorted(b for b in self.found if b > bound):
-            hit = self.found[at]
-            if isinstance(hit, Exception):
-                return hit
-            if self.weighted_bytes(hit) <= bound and hit.memory.per_device_bytes <= bound:
-                return hit
-        return None
 
     def beaten(self, more: Sequence[BeatenError] = ()) -> BeatenError:
         """The proof with the least bound among the searches that proved their plans slower and ``more`` (a walk's
