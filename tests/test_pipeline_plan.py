@@ -373,7 +373,7 @@ def _toy_walk(fits, beaten_above=None, loses=None):
 
     def plan_under(bound):
         memory = SimpleNamespace(params_bytes=0, grads_bytes=0, optimizer_bytes=0, activations_bytes=bound)
-        search = SimpleNamespace(objective_ps=1e6 / bound, optimal=True, lower_bound_ps=None)
+        search = SimpleNamespace(objective_ps=1e6 / bound, optimal=True, least_objective_ps=1e6 / bound)
         return SimpleNamespace(memory=memory, cost=SimpleNamespace(total_s=1e6 / bound), search=search)
 
     searched = []

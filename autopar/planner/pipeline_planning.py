@@ -193,8 +193,7 @@ def step_at_least(
     least where ``R_p`` takes the most of ``X* - O`` it can::
 
         step >= (c (X* - O - r) + m r / p) / s,    r = min(P, max(X* - O, 0)),  X* - O - r >= 0 else 0"""
-    stats = micro_plan.search
-    least_ps = stats.objective_ps if stats.optimal else stats.lower_bound_ps
+    least_ps = micro_plan.search.least_objective_ps
     return None if least_ps is None else step_at_least_of(least_ps, ctx, mesh, p, run, terms)
 
 

@@ -355,6 +355,12 @@ class SearchStats:
     recompute_rest: tuple[str, ...] = ()
     recompute_modes: tuple[RecomputeTrial, ...] = ()
 
+    @property
+    def least_objective_ps(self) -> int | None:
+        """The least objective of any plan under the search's bound: the plan's own where the search was exact,
+        else the lower bound it proved (None: none proved)."""
+        return self.objective_ps if self.optimal else self.lower_bound_ps
+
 
 @dataclass(frozen=True, slots=True)
 class OpHints:

@@ -82,7 +82,6 @@ __all__ = [
     "StageFit",
     "fit_stages",
     "held_at_most",
-    "objective_at_least",
 ]
 
 log = logging.getLogger(__name__)
@@ -130,26 +129,18 @@ class StageFit:
         """A lower bound on the objective of every stage plan under ``bound``: the most of the free plan's and of
         what each search at a bound ``>= bound`` proved (its plan's objective where exact, else its proven lower
         bound; a bounded search's proof)."""
-        least = [objective_at_least(self.free)]
+        least = [self.free.search.least_objective_ps or 0]
         for at, hit in self.found.items():
             if at >= bound and isinstance(hit, BeatenError):
                 least.append(int(hit.lower_bound_ps))
             elif at >= bound and not isinstance(hit, MemoryCapError):  # a plan
-                least.append(objective_at_least(hit))
+                least.append(hit.search.least_objective_ps or 0)
         return max(least)
 
     def weighted_bytes(self, plan: Plan) -> int:
         """``S + w A`` of ``plan``: its state and ``weight`` times its activations."""
         mem = plan.memory
         return mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + self.weight * mem.activations_bytes
-
-
-def objective_at_least(plan: Plan) -> int:
-    """The least objective (ps) of any plan under the bound ``plan`` was searched under: its own where the search was
-    exact, else the lower bound it proved (``pipeline_planning.step_at_least`` reads it so)."""
-    stats = plan.search
-    least = stats.objective_ps if stats.optimal else stats.lower_bound_ps
-    return int(least) if least is not None else 0
 
 
 @dataclass
@@ -264,7 +255,7 @@ def _settled(fit: StageFit, best_at: int | None, fails_at: int) -> bool:
     """Whether the stage plan found under ``best_at`` is within ``BISECT_GAP`` of every plan a bound below
     ``fails_at`` can give (step 3)."""
     found = fit.found.get(best_at) if best_at is not None else None
-    if found is None or isinstance(found, Exception) or found.search.objective_ps is None:
+    if found is None or isinstance(found, Exception):
         return False
     top = found.search.objective_ps
     return top - fit.least_objective(fails_at) <= top * BISECT_GAP
