@@ -400,18 +400,19 @@ def test_a_losing_run_walks_no_bound_whose_plans_all_lose():
     """``fit_stages``' ``loses`` (``stage_fitting``, Losing runs): a bound is not searched, and the bisection stops,
     once the objective the searches above it proved makes every plan under it lose; the plan is the one the
     whole walk finds where that one wins, and every bound skipped is one whose plan loses."""
+    from autopar.planner.stage_fitting import StageFit
     from autopar.search import BeatenError
 
     def under_the_cap(bound):
         return bound * 3 // 2 <= 1000
 
     whole, whole_searched = _toy_walk(under_the_cap)  # the free plan at 5000 misses; 666 fits; bisected in vain
-    assert whole_searched == [666, 2833, 1749, 1207, 936]
+    assert whole_searched == [StageFit.snapped(b) for b in (666, 2833, 1749, 1207, 936)]  # searched on the grid
     kept, kept_searched = _toy_walk(under_the_cap, loses=lambda x: x > whole.cost.total_s * 1.01)
     assert kept.cost.total_s == whole.cost.total_s and kept_searched == whole_searched
     fastest = 300.0  # faster than every plan the bisection meets: it stops once the failing end's plan loses
     lost, searched = _toy_walk(under_the_cap, loses=lambda x: x > fastest)
-    assert lost.cost.total_s == whole.cost.total_s and searched == [666, 2833]
+    assert lost.cost.total_s == whole.cost.total_s and searched == whole_searched[:2]
     assert all(1e6 / bound > fastest for bound in whole_searched if bound not in searched)
     nothing, none_searched = _toy_walk(under_the_cap, loses=lambda x: x > 150.0)  # the free plan's 200 s loses
     assert isinstance(nothing, BeatenError) and nothing.lower_bound_ps == 200.0 and none_searched == []
@@ -422,6 +423,7 @@ def test_a_bounded_stage_fitting_keeps_every_plan_that_beats_the_fastest():
     faster than that candidate the bounded walk finds the same plan; where it is slower the walk raises
     ``BeatenError`` with a bound above the fastest, and searches no bound below the first proven one; a bound proven
     beaten is taken as fitting, so the bisection above it still finds a faster plan that fits there."""
+    from autopar.planner.stage_fitting import StageFit
     from autopar.search import BeatenError
 
     def under_the_cap(bound):  # the fullest rank holds 1.5 times the weighted bytes
@@ -440,7 +442,45 @@ def test_a_bounded_stage_fitting_keeps_every_plan_that_beats_the_fastest():
 
     band, _ = _toy_walk(also_in_a_band)
     beaten_band, _ = _toy_walk(also_in_a_band, beaten_above=1e6 / 1000)  # the lowered bound's plan is proven slower
-    assert band.cost.total_s == beaten_band.cost.total_s == pytest.approx(1e6 / 1749)
+    assert band.cost.total_s == beaten_band.cost.total_s == pytest.approx(1e6 / StageFit.snapped(1749))
+
+
+def test_walks_of_one_weight_asking_bounds_a_hair_apart_share_their_searches():
+    """Bounds on a grid (``stage_fitting``): two runs of one weight whose splits need a hair more or less than each
+    other ask bounds a hair apart; searched rounded up to ``BOUND_BITS`` significant bits, the second walk makes no
+    search of its own and finds the first's plan, whose split fits the cap for each; every bound searched is at
+    least the bound asked and at most ``2^-8`` above it."""
+    from types import SimpleNamespace
+
+    from autopar.planner.errors import MemoryCapError
+    from autopar.planner.stage_fitting import StageFit, fit_stages
+
+    def plan_under(bound):  # uses all of its bound, takes 1e9 / bound s
+        memory = SimpleNamespace(params_bytes=0, grads_bytes=0, optimizer_bytes=0, activations_bytes=bound)
+        search = SimpleNamespace(objective_ps=1e9 / bound, optimal=True, least_objective_ps=1e9 / bound)
+        return SimpleNamespace(memory=memory, cost=SimpleNamespace(total_s=1e9 / bound), search=search)
+
+    searched, asked = [], []
+    fit = StageFit(lambda bound: searched.append(bound) or plan_under(bound), plan_under(5_000_000), 1)
+    real_snapped = fit.snapped
+    fit.snapped = lambda bound: asked.append(bound) or real_snapped(bound)
+
+    def split_needing(share):  # the fullest rank: ``share`` times the weighted bytes, and the ends
+        def price(plan):
+            need = int(plan.memory.activations_bytes * share) + 200_000
+            if need > 1_000_000:
+                raise MemoryCapError("the split is over the cap", need)
+            return plan
+
+        return price
+
+    first = fit_stages(fit, split_needing(3.0), 1_000_000)
+    alone = list(searched)
+    second = fit_stages(fit, split_needing(3.0003), 1_000_000)
+    assert searched == alone and len(alone) >= 3  # the second walk searched nothing of its own
+    assert first.cost.total_s == second.cost.total_s
+    assert first.memory.activations_bytes * 3.0003 + 200_000 <= 1_000_000  # its split fits the cap for both
+    assert all(b <= StageFit.snapped(b) <= b * (1 + 2**-8) for b in asked)
 
 
 def test_the_stage_fittings_searches_keep_their_probes(monkeypatch):
