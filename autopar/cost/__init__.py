@@ -2,8 +2,9 @@
 
 ``Coster`` (``coster``) prices a ``CandidateGraph`` on a device profile with the
 formulas of the top-level ``costmodel`` package: each op strategy's compute time,
-collectives and saved activations (``saved``: what an op keeps for backward), each
-edge's redistribution, each parameter's model state.  ``peak_memory`` (``peak``)
+collectives and saved activations (``saved``: what an op keeps for backward;
+``saved_shares``: which node or edge pays each storage kept), each edge's
+redistribution, each parameter's model state.  ``peak_memory`` (``peak``)
 follows one training step's memory through backward for a chosen plan, which the
 search's additive bound only approximates.  ``count_model_flops`` (``model_flops``) counts a step's model
 FLOPs, what MFU is measured by.

@@ -24,7 +24,7 @@ strategy (all on local shapes):
   ``attention_saves`` form, a dropout mask at its ``dropout_mask_bytes``).  A kept
   tensor costs its storage root's bytes once (a view keeps its base), as a node
   term (the op's own tensors, an output its op keeps) or on the input edges of
-  the ops that keep it (``Coster._kept_for_backward``), so the total stays a sum
+  the ops that keep it (``autopar.cost.saved_shares``), so the total stays a sum
   of node and edge terms.
 
 For each edge ``u -> v`` and strategy pair: the forward transitions of the tensor
@@ -78,7 +78,8 @@ from costmodel import (
 
 from .moves import MoveSteps
 from .pair_tables import PairTable
-from .saved import NOTHING_SAVED, SavedForBackward, memory_layouts, saved_for_backward, storage_roots
+from .saved import NOTHING_SAVED, SavedForBackward
+from .saved_shares import graph_saved, saved_by
 
 __all__ = ["TrainingSettings", "Coster"]
 
@@ -133,60 +134,15 @@ class Coster:
         self._bytes_cache: dict = {}  # (meta, placements) -> local bytes at compute precision
         self._internal_cache: dict = {}  # (id(strategy), node_mem_key) -> internal bytes (strategies outlive it)
         # what the ops save for backward on the global metas: the graph's and the profile's attention kernel's
-        # alone, so the same for every mesh the graph is priced on (``OpGraph.derived``)
-        key = ("saved for backward", settings.profile.attention_saves)
-        self._layouts, self._saved, self._root, self.saved_outputs, self.edge_shares = self.graph.derived(
-            key, self._graph_saved
-        )
-
-    def _graph_saved(self) -> tuple:
-        """``(layouts, saved, roots, saved_outputs, edge_shares)`` of the graph (``__init__``)."""
-        self._layouts = memory_layouts(self.graph)
-        self._saved = {n.index: self._saved_by(n, n.call, None) for n in self.graph.nodes if n.kind == "op"}
-        self._root = storage_roots(self.graph)
-        return (self._layouts, self._saved, self._root, *self._kept_for_backward())
-
-    def _kept_for_backward(self):
-        """Where each storage kept for backward is paid: (roots paid as node terms, edge shares).
-
-        Every saved tensor refers to a storage root (``saved.storage_roots``: a view
-        keeps its base).  A root its own op keeps (an output saved by the op that
-        makes it) is paid once as a node term (``saved_outputs``).  Any other root is
-        paid on the input edges of the ops that keep it (or a view of it): the
-        executor hands an op a new tensor when its edge moves (``runtime.redistribute``
-        never aliases), which that op then keeps instead; when the edge does not move,
-        the op keeps the storage its input views.  So each of the root's ``k`` saving
-        edges pays, when it does not move, ``1/k`` of the storage under the input it
-        reads (its tensor's local bytes scaled by root numel / tensor numel: the whole
-        base a view keeps, assuming the view is split across ranks like its base),
-        and when it moves, the copy.  Exact when all or none of the ``k`` edges move;
-        when some do, the root is under-paid by their shares; a copy made higher up a
-        view chain is priced as the root scaled to the view.  Parameters (and views
-        of them) are model state.
-        """
-        by_root: dict[tuple[int, int], set] = {}
-        for v in self.graph.nodes:
-            saved = self._saved.get(v.index)
-            if saved is None:
-                continue
-            refs = [(v.inputs[pos], (v.index, pos)) for pos in saved.inputs]
-            refs += [((v.index, o), None) for o in saved.outputs]
-            for ref, edge in refs:
-                root = self._root.get(ref, ref)
-                if self.graph.nodes[root[0]].kind != "param":
-                    by_root.setdefault(root, set()).add(edge)
-        kept = {root for root, edges in by_root.items() if None in edges}
-        shares = {}
-        for root, edges in by_root.items():
-            real = sorted(e for e in edges if e is not None)
-            rnode = self.graph.nodes[root[0]]
-            for k, edge in enumerate(real):
-                shares[edge] = (root in kept, k, len(real), rnode.outputs[root[1]].numel)
-        return kept, shares
+        # alone, so the same for every mesh the graph is priced on (``OpGraph.derived``, ``saved_shares``)
+        attention = settings.profile.attention_saves
+        kept = self.graph.derived(("saved for backward", attention), lambda: graph_saved(self.graph, attention))
+        self._layouts, self._saved, self._root = kept.layouts, kept.saved, kept.roots
+        self.saved_outputs, self.edge_shares = kept.saved_outputs, kept.edge_shares
 
     def edge_mem_key(self, v: OpNode, pos: int) -> tuple:
         """What ``edge_matrices`` depends on beyond the tensor, the two strategy lists and the nodes' kinds.  Of the
-        edge's share (``_kept_for_backward``) only whether it is the root's first saving edge counts (it pays the
+        edge's share (``GraphSaved.edge_shares``) only whether it is the root's first saving edge counts (it pays the
         remainder, ``edge_saved_bytes``): the 2 L edges of a rotary table L layers read share two keys, not 2 L."""
         share = self.edge_shares.get((v.index, pos))
         if share is not None:
@@ -422,18 +378,6 @@ class Coster:
         return model_state_bytes(p_local, st_local, self.settings.precision, self.settings.optimizer)
 
     # ---- saved for backward -------------------------------------------------------------
-    def _saved_by(self, node: OpNode, call, strategy) -> SavedForBackward:
-        """What ``node`` keeps for backward on ``call``'s metas (global, or one rank's local under ``strategy``)."""
-        if node.kind != "op" or not node.requires_grad:
-            return NOTHING_SAVED
-        nodes = self.graph.nodes
-        rg = tuple(nodes[u].requires_grad and nodes[u].outputs[o].is_float for u, o in node.inputs)
-        kernel = self._kernel(node, strategy) if strategy is not None else None
-        layouts = tuple(self._layouts.get(i) for i in node.inputs)
-        return saved_for_backward(
-            call, rg, layouts=layouts, attention=self.settings.profile.attention_saves, kernel=kernel
-        )
-
     def _kernel(self, node: OpNode, strategy):
         """(fn, ctx) of the local kernel ``strategy`` runs instead of the op, at coordinate 0; None: the op."""
         names = {k for k in strategy.kernels if k}
@@ -497,7 +441,8 @@ class Coster:
         local = call.with_metas(ins, outs)
         args, kwargs = localize_size_args(local.target, local.args, local.kwargs, [o.shape for o in outs])
         local = replace(local, args=tuple(args), kwargs=dict(kwargs))
-        return self._saved_by(node, local, strategy).internal_bytes
+        attention = self.settings.profile.attention_saves
+        return saved_by(self.graph, self._layouts, attention, node, local, self._kernel(node, strategy)).internal_bytes
 
     def activation_bytes(self, node: OpNode, strategy) -> int:
         """Bytes this node keeps alive for backward under ``strategy``.
@@ -515,7 +460,7 @@ class Coster:
         return total + self.internal_bytes(node, strategy)
 
     def edge_saved_bytes(self, u: OpNode, out_idx: int, v: OpNode, pos: int, src, dst, grad_moves: bool = False) -> int:
-        """Bytes kept for backward that the edge ``u.out_idx -> v.input[pos]`` pays (see ``_kept_for_backward``).
+        """Bytes kept for backward that the edge ``u.out_idx -> v.input[pos]`` pays (``autopar.cost.saved_shares``).
 
         The edge moves when it has a transition in either direction (``src != dst``,
         or ``grad_moves``: the gradient's placement changes, e.g. Megatron's f, an
