@@ -18,16 +18,15 @@ the script runs anywhere.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
 import torch
-from torch.utils.flop_counter import flop_registry
 
+from autopar.measure.kernel_rates import attention_times
 from costmodel import load_profile
 from costmodel.compute import op_time_s
-
-_aten = torch.ops.aten
 
 
 def _timed_s(fn, device: torch.device, trials: int) -> float:
@@ -79,41 +78,18 @@ def _gemm_rows(name, m, k, n, profile, device, dtype, trials):
 
 
 def _attention_rows(args, tp, profile, device, dtype, trials):
-    """Causal fused attention of one rank's heads: forward, and backward (forward + backward less forward)."""
+    """Causal fused attention of one rank's heads: forward, and backward (forward + backward less forward), timed
+    as ``autopar calibrate`` times it (``kernel_rates.attention_times``)."""
     shape = (1, max(args.heads // tp, 1), args.tokens, 128)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(shape, device=device, dtype=dtype)
-    fwd_flops = flop_registry[_aten._scaled_dot_product_efficient_attention](shape, shape, shape, out_val=None)
-    bwd_flops = flop_registry[_aten._scaled_dot_product_efficient_attention_backward](
-        shape, shape, shape, shape, out_val=None
-    )
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def forward():
-        with torch.no_grad():
-            sdpa(q, k, v, is_causal=True)
-
-    def both():
-        torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad)
-
-    fwd_s = _timed_s(forward, device, trials)
-    bwd_s = max(_timed_s(both, device, trials) - fwd_s, 1e-9)
+    t = attention_times(shape, True, device, dtype, lambda fn, dev, n, budget_s=None: _timed_s(fn, dev, n), trials)
     size = torch.tensor([], dtype=dtype).element_size()
-    io = 4 * q.numel() * size
+    io = 4 * math.prod(shape) * size
     label = "x".join(map(str, shape))
+    fwd = op_time_s(t.forward_flops, io, profile, dtype, matmul=True, attention=True)
+    bwd = op_time_s(t.backward_flops, 2 * io, profile, dtype, matmul=True, attention=True, backward=True)
     return [
-        (
-            f"attention fwd {label}",
-            fwd_flops,
-            fwd_s,
-            op_time_s(fwd_flops, io, profile, dtype, matmul=True, attention=True),
-        ),
-        (
-            f"attention bwd {label}",
-            bwd_flops,
-            bwd_s,
-            op_time_s(bwd_flops, 2 * io, profile, dtype, matmul=True, attention=True, backward=True),
-        ),
+        (f"attention fwd {label}", t.forward_flops, t.forward_s, fwd),
+        (f"attention bwd {label}", t.backward_flops, t.backward_s, bwd),
     ]
 
 

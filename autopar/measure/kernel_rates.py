@@ -20,13 +20,14 @@ optimizer's step.  Both run on every rank at once, timed by the caller's ``timer
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import flop_registry
 
 from costmodel import optimizer_spec
 
-__all__ = ["attention_points", "optimizer_rates"]
+__all__ = ["AttentionTimes", "attention_points", "attention_times", "optimizer_rates"]
 
 Timer = Callable[..., float]  # timer(fn, device, trials, budget_s=...) -> seconds per call, the slowest rank's
 
@@ -44,15 +45,30 @@ def attention_points(device: torch.device, dtype: torch.dtype, timer: Timer, tri
     for shape in shapes:
         for causal in (True, False):
             label = f"{'x'.join(map(str, shape))}{' causal' if causal else ''}"
-            forward, backward = _attention_rates(shape, causal, device, dtype, timer, trials)
-            out["forward"].append((label, forward))
-            out["backward"].append((label, backward))
+            t = attention_times(shape, causal, device, dtype, timer, trials)
+            out["forward"].append((label, t.forward_flops / t.forward_s))
+            out["backward"].append((label, t.backward_flops / t.backward_s))
     return out
 
 
-def _attention_rates(shape, causal: bool, device: torch.device, dtype: torch.dtype, timer: Timer, trials: int):
-    """(forward, backward) flop/s of attention on q, k, v of ``shape``; backward's time is forward +
-    backward's less forward's."""
+@dataclass(frozen=True, slots=True)
+class AttentionTimes:
+    """scaled_dot_product_attention on q, k, v of one shape: the flops ``costmodel.flops`` counts for its forward
+    and its backward, and their seconds per call; ``backward_s`` is forward + backward less forward, at least
+    ``BACKWARD_FLOOR`` of forward + backward (a difference of two noisy times never reads as free)."""
+
+    forward_flops: int
+    backward_flops: int
+    forward_s: float
+    backward_s: float
+
+
+#: the least share of forward + backward an attention's backward is taken to be (``AttentionTimes``)
+BACKWARD_FLOOR = 0.05
+
+
+def attention_times(shape, causal: bool, device: torch.device, dtype: torch.dtype, timer: Timer, trials: int):
+    """``AttentionTimes`` of attention on q, k, v of ``shape`` (``is_causal=causal``), timed by ``timer``."""
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
     forward_flops = flop_registry[_aten._scaled_dot_product_efficient_attention](shape, shape, shape, out_val=None)
@@ -70,7 +86,7 @@ def _attention_rates(shape, causal: bool, device: torch.device, dtype: torch.dty
 
     forward_s = timer(forward, device, trials, budget_s=0.05)
     both_s = timer(both, device, trials, budget_s=0.1)
-    return forward_flops / forward_s, backward_flops / max(both_s - forward_s, 0.05 * both_s)
+    return AttentionTimes(forward_flops, backward_flops, forward_s, max(both_s - forward_s, BACKWARD_FLOOR * both_s))
 
 
 def _layer_shapes(d: int) -> list[tuple[int, ...]]:
