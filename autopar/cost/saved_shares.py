@@ -31,7 +31,7 @@ class GraphSaved:
     (``saved.memory_layouts``), ``saved`` what each op keeps (by node index), ``roots`` the storage root of each
     view's output; ``saved_outputs`` the roots paid as node terms (kept by the op that makes them) and
     ``edge_shares`` the share of each saving edge ``(node, input position)``: ``(root kept by its op, k, n,
-    root numel)``, the edge the ``k``-th of the root's ``n`` saving edges."""
+    root numel)``, where the edge is the ``k``-th (from 0) of the root's ``n`` saving edges."""
 
     layouts: dict[tuple[int, int], tuple[int, ...]]
     saved: dict[int, SavedForBackward]

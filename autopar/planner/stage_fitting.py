@@ -86,8 +86,8 @@ from .schema import Plan
 
 __all__ = [
     "BISECT_GAP",
-    "BOUND_BITS",
     "BISECT_TRIES",
+    "BOUND_BITS",
     "LOWERING_TRIES",
     "StageFit",
     "fit_stages",
@@ -269,7 +269,7 @@ def _bisected(walk: _Walk, best: Plan | None, fits_at: int, fails_at: int) -> Pl
                 best = replace(best, search=replace(best.search, budget_hit=True, budget_s=fit.deadline.budget_s))
             break
         middle = (fits_at + fails_at) // 2
-        on_grid = fit.snapped(middle) in (fit.snapped(fits_at), fit.snapped(fails_at))  # searched already
+        on_grid = fit.snapped(middle) in (fit.snapped(fits_at), fit.snapped(fails_at))  # its answer is known already
         if on_grid or walk.lost_above(fails_at) or _settled(fit, best_at, fails_at):
             break
         try:
