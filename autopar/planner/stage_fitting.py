@@ -124,16 +124,15 @@ class StageFit:
     def snapped(bound: int) -> int:
         """``bound`` rounded up to ``BOUND_BITS`` significant bits: the bound ``under`` searches (module docstring,
         Bounds on a grid)."""
-        shift = max(bound.bit_length() - BOUND_BITS, 0)
-        return -(-bound >> shift) << shift
+        step = _grid_step(bound)
+        return -(-bound // step) * step
 
     @classmethod
     def below(cls, bound: int) -> int:
         """The greatest bound on the grid under ``snapped(bound)``: every bound at most it is searched below
         ``bound``'s search, so a walk lowering its bound to it makes progress."""
         top = cls.snapped(bound) - 1
-        shift = max(top.bit_length() - BOUND_BITS, 0)
-        return top >> shift << shift
+        return top // _grid_step(top) * _grid_step(top)
 
     def under(self, bound: int) -> Plan:
         """The plan of the search under ``snapped(bound)`` (searched once per snapped bound)."""
@@ -174,6 +173,11 @@ class StageFit:
         """``S + w A`` of ``plan``: its state and ``weight`` times its activations."""
         mem = plan.memory
         return mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + self.weight * mem.activations_bytes
+
+
+def _grid_step(bound: int) -> int:
+    """The grid's spacing at ``bound``: bounds of one bit length keep ``BOUND_BITS`` significant bits."""
+    return 1 << max(bound.bit_length() - BOUND_BITS, 0)
 
 
 @dataclass
