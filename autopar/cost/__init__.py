@@ -24,6 +24,7 @@ from .pipeline import (
     least_schedule_time,
     rank_orders,
     schedule_run,
+    stage_counts,
     step_time,
 )
 
@@ -45,5 +46,6 @@ __all__ = [
     "StepPeak",
     "Transfer",
     "schedule_run",
+    "stage_counts",
     "step_time",
 ]

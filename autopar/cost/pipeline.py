@@ -97,6 +97,24 @@ def in_flight(schedule: str, p: int, m: int, rank: int, v: int = 1) -> int:
     return w if schedule != "interleaved" else min(w + 1, m * v)
 
 
+def stage_counts(schedule: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Per stage ``j`` (on rank ``j mod p``): its micro-batches in flight at its rank's fullest moment by count, the
+    first boundary between the rank's actions (``rank_orders``) where it holds the most stage-micro-batches.  A rank
+    holds at least the activations of those at that moment (at any moment: its peak is the most over them), which is
+    what a bound on its memory over all splits and stage plans may count (``planner.stage_floor``)."""
+    counts = [0] * (p * v)
+    for order in rank_orders(schedule, p, m, v):
+        held: dict[int, int] = {}
+        most, at_most = -1, {}
+        for act in order:
+            held[act.stage] = held.get(act.stage, 0) + (1 if act.kind == "F" else -1)
+            if sum(held.values()) > most:
+                most, at_most = sum(held.values()), dict(held)
+        for stage, count in at_most.items():
+            counts[stage] = count
+    return tuple(counts)
+
+
 def rank_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Each rank's actions in the order it runs them (module docstring)."""
     _check(schedule, p, m, v)

@@ -62,7 +62,7 @@ import torch
 
 from autopar.capture import OpGraph, batch_of, capture, capture_template, specialize, split_microbatches
 from autopar.mesh import Mesh
-from autopar.search import BeatenError, Deadline
+from autopar.search import BeatenError, ChainError, Deadline
 from autopar.units import format_bytes
 from costmodel import check_devices_per_node
 
@@ -98,6 +98,7 @@ from .schema import Plan
 from .solving import CheckedPlans, SearchRun
 from .stage_assignment import chain_layers
 from .stage_fitting import StageFit, fit_stages, held_at_most
+from .stage_floor import StageFloors
 from .throughput import with_throughput
 
 __all__ = ["Captures", "NoCandidateError", "PipelineChoice", "SharedPlanning", "plan_model"]
@@ -181,6 +182,7 @@ class PipelineChoice:
         self.priced: list[Candidate] = []
         self.missed: list[MemoryCapError] = []
         self.skipped: list[str] = []  # why a pipeline axis or micro-batch count was not tried (not forced)
+        self.floors: dict[tuple[int, int], StageFloors | None] = {}  # per (axis, m): the interleaved runs' floors
         self.timings = {"capture_s": 0.0, "strategies_s": 0.0, "search_s": 0.0, "candidates": 0.0}
 
     def best(self, compare_families: bool) -> tuple[Plan, OpGraph]:
@@ -423,9 +425,12 @@ class PipelineChoice:
         p = self.mesh.shape[axis]
         forced = self.options.pipeline != "auto" and not self.shared.placed  # as ``best`` decides it
         loses = None if forced else lambda x: self._proven_slower(step_at_least_of(x, ctx, self.mesh, p, run, terms))
+        floor = None  # an interleaved split is known before its stage plan: its floor (``stage_floor``)
+        if not forced and run.name == "interleaved":
+            floor = functools.partial(self._floor_ps, ctx, axis, run, terms, fit.free.search.objective_ps)
         try:
             with self._timing("search_s"):
-                plan = fit_stages(fit, price, cap, loses)
+                plan = fit_stages(fit, price, cap, loses, floor)
         except MemoryCapError as e:
             self._missed(e, what)
             return
@@ -433,6 +438,29 @@ class PipelineChoice:
             self._beaten(what, step_at_least_of(int(e.lower_bound_ps), ctx, self.mesh, p, run, terms))
             return
         self._offer(plan, ctx.graph)
+
+    def _floor_ps(
+        self, ctx: PlanningContext, axis: int, run: PipelineSchedule, terms: RunBoundTerms, free_ps: int
+    ) -> int:
+        """A lower bound on the stage objective of every plan of ``ctx`` whose even interleaved split as ``run`` along
+        ``axis`` fits the cap (``stage_floor``; 0 where it gives none), searched only as far as beating the fastest
+        candidate needs; ``terms``: ``run_bound_terms(ctx)``; ``free_ps``: the free stage plan's objective (the
+        Lagrange slope's scale).  The floors of one context share their tables (``floors``)."""
+        key = (axis, run.m)
+        if key not in self.floors:
+            try:
+                self.floors[key] = StageFloors.of(ctx)
+            except ChainError:
+                self.floors[key] = None
+        floors, p, fastest = self.floors[key], self.mesh.shape[axis], self._fastest_s()
+        if floors is None or fastest is None or self.options.mem_cap is None:
+            return 0
+        enough = objective_beaten_above(ctx, self.mesh, p, [run], terms, fastest)
+        scale = max(free_ps, 1) / (p * self.options.mem_cap)
+        try:
+            return floors.floor_ps(p, run.m, run.v, self.options.mem_cap, scale, enough)
+        except ChainError:
+            return 0
 
     # ---- shared work ---------------------------------------------------------------------------------------
     def _missed(self, error: MemoryCapError, what: str) -> None:

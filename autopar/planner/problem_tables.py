@@ -23,7 +23,16 @@ from autopar.placement import Replicate
 from autopar.search import INF, SearchProblem
 from autopar.strategies import CandidateGraph
 
-__all__ = ["PS_PER_S", "ProblemTables", "build_tables", "read_only", "seconds_to_ps", "to_problem", "weighted"]
+__all__ = [
+    "PS_PER_S",
+    "ProblemTables",
+    "build_tables",
+    "read_only",
+    "reweighted",
+    "seconds_to_ps",
+    "to_problem",
+    "weighted",
+]
 
 PS_PER_S = 10**12
 
@@ -168,17 +177,41 @@ def weighted(tables: ProblemTables, weight: int, params: set[int]) -> ProblemTab
         node_mem = [m if i in params else read_only(m * weight) for i, m in enumerate(tables.node_mem)]
         shared: dict[int, np.ndarray] = {}  # equal edges share one array: so do their weighted copies
         edge_mem = [shared.setdefault(id(m), read_only(m * weight)) for m in tables.edge_mem]
-        tables.weighted_copies[weight] = ProblemTables(
-            tables.names,
-            tables.node_time_ps,
-            node_mem,
-            tables.edge_keys,
-            tables.edge_time_ps,
-            edge_mem,
-            tables.edge_refs,
-            tables.sinks,
-        )
+        tables.weighted_copies[weight] = _with_memory(tables, node_mem, edge_mem)
     return tables.weighted_copies[weight]
+
+
+def reweighted(tables: ProblemTables, weight: list[int], replaced: dict[int, np.ndarray]) -> ProblemTables:
+    """``tables`` with node ``i``'s memory ``weight[i]`` times (and every edge's into it: an edge's bytes are its
+    reader's), or ``replaced[i]`` instead where given (its edges still ``weight[i]`` times).  Equal arrays weighted
+    alike stay one array (the repeated layers', so the chained search still sees equal blocks).  Every weight is an
+    int >= 0: a row of memory a bound sums by where each op runs (``stage_floor``)."""
+    memo: dict[tuple[int, int], np.ndarray] = {}
+
+    def times(m: np.ndarray, w: int) -> np.ndarray:
+        if w == 1:
+            return m
+        if (id(m), w) not in memo:
+            memo[id(m), w] = read_only(m * w)
+        return memo[id(m), w]
+
+    node_mem = [replaced[i] if i in replaced else times(m, weight[i]) for i, m in enumerate(tables.node_mem)]
+    edge_mem = [times(m, weight[v]) for m, (_, v) in zip(tables.edge_mem, tables.edge_keys)]
+    return _with_memory(tables, node_mem, edge_mem)
+
+
+def _with_memory(tables: ProblemTables, node_mem: list[np.ndarray], edge_mem: list[np.ndarray]) -> ProblemTables:
+    """``tables`` with these memory arrays (the times, edges and sinks its own)."""
+    return ProblemTables(
+        tables.names,
+        tables.node_time_ps,
+        node_mem,
+        tables.edge_keys,
+        tables.edge_time_ps,
+        edge_mem,
+        tables.edge_refs,
+        tables.sinks,
+    )
 
 
 def to_problem(

@@ -127,14 +127,6 @@ class ModeSearch:
         peak made the search tighten its bound (a heuristic): then one mode for all layers may do better, and
         None says to search them."""
         hinted_ctx, forced, cap = self.hinted_ctx, self.forced, self.options.mem_cap
-        # the repeated layers choose; a layer beside them keeps one map in every variant (the hints'), as the
-        # chained search needs (only the blocks' terms differ between variants)
-        regions = {**self.regions, **forced}
-        selective = {i: r for i, r in self.selective.items() if i in regions}
-        layers = (forced, selective, regions) if selective != forced else (forced, regions)
-        # the rest of the graph at block granularity (its parts recomputed together: one more choice, made with
-        # the first layer's, each crossing costs the chain a rest table)
-        rests = tuple({**layer, **self.rest} for layer in layers) if self.rest else ()
         uncapped, above = replace(self.options, mem_cap=None), self.run.above  # BeatenError: the caller's is faster
         free = plan_under(
             hinted_ctx, self.resolved, Recomputed(forced), uncapped, self.run, above=above, unless_over=cap
@@ -145,8 +137,7 @@ class ModeSearch:
             memory = replace(free.memory, cap_bytes=cap)
             return Searched(replace(free, settings=settings, search=search, memory=memory), forced)
         try:
-            recomputed = Recomputed(forced, layers, rests)
-            found = plan_under(hinted_ctx, self.resolved, recomputed, self.options, self.run, above=above)
+            found = plan_under(hinted_ctx, self.resolved, self.per_layer_choices(), self.options, self.run, above=above)
         except ChainError as e:  # the layers do not chain (hinted layers differ, say): one mode for all
             log.info("recompute per layer needs the chained search (%s): one mode for every layer", e)
             return None
@@ -165,6 +156,28 @@ class ModeSearch:
         self.best, self.best_mode = found, "per layer"
         self.tried.append(_tried("per layer", found))
         return None
+
+    def per_layer_choices(self) -> Recomputed:
+        """What ``per_layer``'s capped search lets each repeated layer choose: saved (the hints' regions), selective
+        and whole, and the rest of the graph recomputed with the first layer's choice where that may pay.  Every
+        plan of one mode for all layers is among them."""
+        forced = self.forced
+        # the repeated layers choose; a layer beside them keeps one map in every variant (the hints'), as the
+        # chained search needs (only the blocks' terms differ between variants)
+        regions = {**self.regions, **forced}
+        selective = {i: r for i, r in self.selective.items() if i in regions}
+        layers = (forced, selective, regions) if selective != forced else (forced, regions)
+        # the rest of the graph at block granularity (its parts recomputed together: one more choice, made with
+        # the first layer's, each crossing costs the chain a rest table)
+        rests = tuple({**layer, **self.rest} for layer in layers) if self.rest else ()
+        return Recomputed(forced, layers, rests)
+
+    def covers_every_mode(self) -> bool:
+        """Whether every plan the modes' searches can give (whichever ``recompute`` asks) is among
+        ``per_layer_choices``' plans: the layers chain, and every layer the modes recompute is a repeated one (a layer
+        beside them, T5's first, recomputed in one mode's plan, is no choice of ``per_layer_choices``)."""
+        chained = self.options.solver == "dp" and self.hinted_ctx.blocks is not None
+        return chained and set(self.layers) <= {**self.regions, **self.forced}.keys()
 
     def one_mode(self, mode: str) -> None:
         """Search ``mode`` for every layer alike; kept where it is the fastest plan so far."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from autopar.capture import OpGraph, find_layers
 
-from .plan_parts import PipelinePlan
+from .plan_parts import PipelinePlan, StagePart
 from .regions import convex_layers
 
-__all__ = ["chain_layers", "even_stages", "layer_span", "stage_of_nodes"]
+__all__ = ["chain_layers", "chain_slots", "even_stages", "layer_span", "stage_of_nodes"]
 
 
 def chain_layers(graph: OpGraph) -> list[tuple[str, tuple[int, ...]]]:
@@ -72,6 +72,20 @@ def stage_of_nodes(graph: OpGraph, pipeline: PipelinePlan) -> dict[str, int]:
                     f"later stage {stage[u]}: the layers do not form a chain"
                 )
     return {graph.nodes[i].name: j for i, j in stage.items()}
+
+
+def chain_slots(graph: OpGraph, layers: list) -> tuple[dict[int, int], dict[int, int]]:
+    """``(position, slot)`` of every op node (by index) in the chain of ``layers`` (``chain_layers(graph)``, ``n`` of
+    them): ``position`` the stage ``stage_of_nodes`` runs it on where each layer is a stage of its own, ``slot`` where
+    a split's stages count it (``stage_prices``): a layer's op, or one placed strictly inside the chain, at its
+    position; any other at ``n`` (the prelude, on the first stage) or ``n + 1`` (the postlude, on the last)."""
+    n = len(layers)
+    one_each = PipelinePlan("", "gpipe", tuple(StagePart(k, k + 1) for k in range(n)))
+    index = {node.name: node.index for node in graph.nodes}
+    position = {index[name]: k for name, k in stage_of_nodes(graph, one_each).items()}
+    in_layer = {i for _, ops in layers for i in ops}
+    slot = {i: k if i in in_layer or 0 < k < n - 1 else (n if k == 0 else n + 1) for i, k in position.items()}
+    return position, slot
 
 
 def layer_span(names: list[str]) -> str:

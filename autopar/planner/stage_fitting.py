@@ -211,20 +211,30 @@ def held_at_most(schedule: str, p: int, m: int, v: int = 1) -> int:
 
 
 def fit_stages(
-    fit: StageFit, price: Callable[[Plan], Plan], cap: int | None, loses: Callable[[int], bool] | None = None
+    fit: StageFit,
+    price: Callable[[Plan], Plan],
+    cap: int | None,
+    loses: Callable[[int], bool] | None = None,
+    floor: Callable[[], int] | None = None,
 ) -> Plan:
     """The fastest pipelined plan ``price(stage_plan)`` whose split fits ``cap`` along the walk of the module
     docstring.  ``price`` raises ``MemoryCapError`` (its ``min_mem_bytes``: the least need of the fullest rank
     any split reached) when a stage plan's split does not fit; the last such error is raised when none fits, and
     ``BeatenError`` (``StageFit.beaten``) where every plan the walk met that fits is proven slower than the fastest.
     ``loses(X)``: whether every stage plan of objective ``>= X`` makes this run slower than the fastest candidate
-    (None: never; module docstring, Losing runs)."""
+    (None: never; module docstring, Losing runs).  ``floor()``: a lower bound on the stage objective of every plan of
+    this run whose split fits the cap (``stage_floor``), asked only where the fastest plan's split misses it: where
+    that loses, no plan of the run can win and nothing is walked (``BeatenError`` with the floor)."""
     try:
         return price(fit.free)
     except MemoryCapError as e:
         if cap is None:
             raise
         missed = e
+    if loses is not None and floor is not None:
+        least = floor()
+        if loses(least):
+            raise BeatenError(least, 0)
     walk = _Walk(fit, price, loses)
     best, fits_at, fails_at = _lowered(walk, cap, missed)
     best = _bisected(walk, best, fits_at, fails_at)

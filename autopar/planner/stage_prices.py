@@ -55,10 +55,10 @@ from autopar.spec import local_shape
 from autopar.units import format_bytes
 from costmodel import LinkProfile, model_state_bytes, optimizer_spec, p2p_time_s, precision
 
-from .plan_parts import PipelinePlan, StagePart
+from .plan_parts import StagePart
 from .problem_tables import PS_PER_S
 from .schema import Plan
-from .stage_assignment import stage_of_nodes
+from .stage_assignment import chain_slots
 
 __all__ = ["ChainPrices", "PricedPipeline", "Speed", "chain_prices", "priced_stages"]
 
@@ -112,32 +112,23 @@ def chain_prices(graph: OpGraph, plan: Plan, layers: list, link: LinkProfile, m:
     of ``m``: a parameter's charge, its optimizer step and once-per-step reductions, is ``1 / m`` of them,
     ``cost.coster``; module docstring); ``layers``: ``chain_layers(graph)``; ``link``: the pipeline axis's."""
     n = len(layers)
-    one_each = PipelinePlan("", "gpipe", tuple(StagePart(k, k + 1) for k in range(n)))
-    index = {node.name: node.index for node in graph.nodes}
-    position = {index[name]: k for name, k in stage_of_nodes(graph, one_each).items()}
+    position, slot_of = chain_slots(graph, layers)
     consumers = graph.consumers()
-    in_layer = {i for _, ops in layers for i in ops}
     prelude, postlude = n, n + 1  # the ends' slots after the layers'
     time, step, compute = [0.0] * (n + 2), [0.0] * (n + 2), [0.0] * (n + 2)
     saved, state, grads = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
     work, flat, largest = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
     shared: list[SharedState] = []
 
-    def slot(i: int) -> int:
-        k = position[i]
-        if i in in_layer or 0 < k < n - 1:
-            return k
-        return prelude if k == 0 else postlude
-
     for node in graph.nodes:
         t_ps, nbytes, own_ps, moment = plan.node_costs.get(node.name, (0, 0, 0, 0))
         if node.kind == "op":
-            time[slot(node.index)] += t_ps / PS_PER_S
-            compute[slot(node.index)] += own_ps / PS_PER_S
-            saved[slot(node.index)] += nbytes
-            work[slot(node.index)] = max(work[slot(node.index)], moment)
+            time[slot_of[node.index]] += t_ps / PS_PER_S
+            compute[slot_of[node.index]] += own_ps / PS_PER_S
+            saved[slot_of[node.index]] += nbytes
+            work[slot_of[node.index]] = max(work[slot_of[node.index]], moment)
         elif node.kind == "param":
-            readers = {slot(v) for v, _, _ in consumers.get(node.index, ()) if v in position}
+            readers = {slot_of[v] for v, _, _ in consumers.get(node.index, ()) if v in position}
             layers_reading = [s for s in readers if s < n]
             holders = {s for s in readers if s >= n} | ({min(layers_reading)} if layers_reading else set())
             grad = _grad_bytes(node, plan)

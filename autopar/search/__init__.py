@@ -18,7 +18,8 @@ Modules, each importing only modules listed before it:
   under a target;  ``chain``: ``solve_chain``;
 * ``cpsat``: the referee;  ``generate``: synthetic problems for tests and benchmarks;
 * ``stages``: the split of a chain of layers into pipeline stages under a memory cap (the planner's
-  ``pipeline_planning`` calls it).
+  ``pipeline_planning`` calls it);  ``weighted_chain``: a Lagrange lower bound on a chain whose parts weigh their
+  memory on their own (the planner's ``stage_floor``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .deadline import Deadline
 from .dp import min_memory, solve_dp
 from .problem import INF, BeatenError, InfeasibleError, SearchProblem, Solution, Start, solve_brute_force
 from .stages import EndOfStep, NoSplitFits, SharedState, StageCosts, StageSplit, split_stages, step_of_split
+from .weighted_chain import WeightedChain, lagrange_floor
 
 __all__ = [
     "INF",
@@ -48,6 +50,8 @@ __all__ = [
     "NoSplitFits",
     "SharedState",
     "StageCosts",
+    "WeightedChain",
+    "lagrange_floor",
     "StageSplit",
     "split_stages",
     "step_of_split",
