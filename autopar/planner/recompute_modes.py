@@ -159,8 +159,8 @@ class ModeSearch:
 
     def per_layer_choices(self) -> Recomputed:
         """What ``per_layer``'s capped search lets each repeated layer choose: saved (the hints' regions), selective
-        and whole, and the rest of the graph recomputed with the first layer's choice where that may pay.  Every
-        plan of one mode for all layers is among them."""
+        and whole, and the rest of the graph recomputed with the first layer's choice where that may pay (where
+        ``covers_every_mode``, every plan of one mode for all layers is among them)."""
         forced = self.forced
         # the repeated layers choose; a layer beside them keeps one map in every variant (the hints'), as the
         # chained search needs (only the blocks' terms differ between variants)
