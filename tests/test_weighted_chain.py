@@ -8,7 +8,7 @@ import pytest
 from search_problems import chain_problem
 
 from autopar.search import INF, InfeasibleError, SearchProblem, min_memory, solve_chain, solve_dp
-from autopar.search.weighted_chain import WeightedChain, lagrange_floor
+from autopar.search.weighted_chain import WeightedChain, concave_peak_at_most, lagrange_floor
 
 
 def _weighted(problem: SearchProblem, weight: list[int], cap: int | None = None) -> SearchProblem:
@@ -121,3 +121,32 @@ def _some_choices(problem: SearchProblem, count: int):
         c = [int(rng.integers(0, k)) for k in problem.num_choices]
         if not problem.forbidden_in(c):
             yield c
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_concave_peak_bound_is_at_least_the_peak(seed: int) -> None:
+    """A concave function (the least of random lines, as ``L`` is) sampled at a few increasing points: the bound is at
+    least its maximum over a dense grid from the first point on, and not below the best sample."""
+    rng = np.random.default_rng(seed)
+    slopes, offsets = rng.normal(0, 1, 6), rng.normal(0, 1, 6)
+    slopes[0] = -abs(slopes[0]) - 0.1  # falls at last: a maximum exists
+
+    def f(x):
+        return np.min(slopes[:, None] * np.atleast_1d(x)[None, :] + offsets[:, None], axis=0)
+
+    xs = np.sort(rng.uniform(0, 10, int(rng.integers(3, 12))))
+    ys = f(xs)
+    bound = concave_peak_at_most(list(xs), list(ys))
+    dense = f(np.linspace(xs[0], 100, 200001)).max()
+    assert bound >= dense - 1e-9 and bound >= ys.max()
+
+
+def test_the_floor_skips_the_fine_steps_only_where_they_cannot_reach_what_is_asked() -> None:
+    """Asked for more than the peak can be: the floor stops at the coarse grid, at the coarse best; asked for less than
+    the full floor: it still passes what was asked."""
+    problem, blocks, order, chain, whole = _case(5)
+    free = solve_dp(_weighted(problem, whole))
+    budget, ref = free.mem_bytes // 2, free.time / free.mem_bytes
+    full = lagrange_floor(chain, "rest", order, budget, ref)
+    assert lagrange_floor(_case(5)[3], "rest", order, budget, ref, full * 10) <= full
+    assert lagrange_floor(_case(5)[3], "rest", order, budget, ref, full * 0.999) > full * 0.999

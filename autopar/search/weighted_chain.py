@@ -25,6 +25,7 @@ sums: less :func:`.pareto.tol` (the chain's own slack).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ from .problem import SearchProblem
 from .split import split_blocks
 from .tables import PortTable
 
-__all__ = ["COARSE_STEPS", "RISE_STEPS", "WeightedChain", "lagrange_floor"]
+__all__ = ["COARSE_STEPS", "RISE_STEPS", "WeightedChain", "concave_peak_at_most", "lagrange_floor"]
 
 #: The grid's coarse steps (``i`` in steps of 8 around ``lam_ref``: factors of 4 from ``4^-COARSE_STEPS``)
 COARSE_STEPS = 6
@@ -115,26 +116,62 @@ def lagrange_floor(
     enough: float | None = None,
 ) -> float:
     """A lower bound on the least time of the plans whose weighted memory is at most ``budget`` (module docstring):
-    the best ``L(lam)`` met on the grid ``lam_ref 2^(i / 4)``: coarse (``lam = 0`` and every 8th ``i`` within
-    ``COARSE_STEPS``; where ``L`` still rises at the top, on up by factors of 4, ``RISE_STEPS`` at most: the least
-    weighted memory is then over ``budget`` or near it), then the seven steps on each side of the coarse best.
-    ``enough``: stop once ``L`` passes it (the caller needs no more)."""
-    lams = [0.0] + [lam_ref * 4.0**j for j in range(-COARSE_STEPS, COARSE_STEPS + 1)]
+    the best ``L(lam)`` met on the grid ``lam_ref 2^(i / 4)``: first ``lam = 0`` and the coarse grid's least
+    (where ``L`` does not rise between them it rises nowhere further: ``L(0)``, the fastest plan's time, is the
+    bound); then the rest of the coarse grid (every 8th ``i`` within ``COARSE_STEPS``; where ``L`` still rises at
+    the top, on up by factors of 4, ``RISE_STEPS`` at most: the least weighted memory is then over ``budget`` or
+    near it), then the seven steps on each side of the coarse best, unless concavity already bounds ``L`` under
+    ``enough`` (:func:`concave_peak_at_most`: no step can give what the caller needs).  ``enough``: stop once ``L``
+    passes it (the caller needs no more)."""
+    lams = [0.0, lam_ref * 4.0**-COARSE_STEPS]
     values = [float(x) for x in chain.floor(rest, order, budget, lams)]
+    if values[1] <= values[0]:  # concave: L falls from here on
+        return values[0]
 
     def passed() -> bool:
         return enough is not None and max(values) > enough
 
+    grid = [lam_ref * 4.0**j for j in range(-COARSE_STEPS + 1, COARSE_STEPS + 1)]
+    lams += grid
+    values += [float(x) for x in chain.floor(rest, order, budget, grid)]
     for _ in range(RISE_STEPS):
         if passed() or values[-1] <= values[-2]:
             break
         lams.append(lams[-1] * 4.0)
         values.append(float(chain.floor(rest, order, budget, lams[-1:])[0]))
     best = int(np.argmax(values))
-    if passed() or best == 0:
+    if passed() or best == 0 or enough is not None and concave_peak_at_most(lams, values) <= enough:
         return values[best]
     fine = [lams[best] * 2.0 ** (i / 4) for i in range(-7, 8) if i]
     return max(values[best], float(chain.floor(rest, order, budget, fine).max()))
+
+
+def concave_peak_at_most(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """An upper bound on the maximum over ``x >= xs[0]`` of a concave function that takes the values ``ys`` at the
+    increasing points ``xs``: on each gap ``[x_a, x_(a+1)]`` the function is at most the line through the two points
+    left of the gap (extended right) and the line through the two right of it (extended left), so at most the
+    higher end of the lower of the two, or where they cross; past the last point, at most the line through the last
+    two (unbounded where that still rises).  ``inf`` where nothing bounds a gap (fewer than three points)."""
+
+    def line(a: int, b: int) -> tuple[float, float]:
+        slope = (ys[b] - ys[a]) / (xs[b] - xs[a])
+        return slope, ys[a] - slope * xs[a]
+
+    n, top = len(xs), max(ys)
+    if n < 2 or line(n - 2, n - 1)[0] > 0:
+        return math.inf
+    for a in range(n - 1):
+        lines = [line(a - 1, a)] if a >= 1 else []
+        lines += [line(a + 1, a + 2)] if a + 2 < n else []
+        if not lines:
+            return math.inf
+        ends = [xs[a], xs[a + 1]]
+        if len(lines) == 2 and lines[0][0] != lines[1][0]:
+            cross = (lines[1][1] - lines[0][1]) / (lines[0][0] - lines[1][0])
+            if xs[a] < cross < xs[a + 1]:
+                ends.append(cross)
+        top = max(top, max(min(k * x + c for k, c in lines) for x in ends))
+    return top
 
 
 def _runs(order: Sequence[Hashable]) -> list[tuple[Hashable, int]]:
