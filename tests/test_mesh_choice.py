@@ -31,8 +31,10 @@ def test_the_meshes_are_the_factorizations_of_the_count_innermost_last():
 
 
 def test_the_meshes_are_planned_one_axis_first_then_the_most_balanced():
-    """``planning_order``: a search order over ``logical_meshes`` (each once, with its index there); on several
-    nodes, the meshes whose innermost axis is one node come first, each group in the same order."""
+    """``planning_order``: a search order over ``logical_meshes`` (each once, with its index there): on one node the
+    one-axis mesh first, then by the largest axis, fewer axes, the largest axis carrying collectives; on several
+    nodes, the meshes whose innermost axis is one node come first, each group in that order, the one-axis mesh
+    among the others."""
     from autopar.planner import planning_order
 
     meshes = logical_meshes(64, "auto")
@@ -41,12 +43,16 @@ def test_the_meshes_are_planned_one_axis_first_then_the_most_balanced():
     shapes = [m.shape for _, m in order]
     assert shapes[0] == (64,)
     assert [max(s) for s in shapes[1:]] == sorted(max(s) for s in shapes[1:])
-    assert shapes[1:4] == [(4, 4, 4), (8, 8), (2, 4, 8)]  # largest axis 4, then 8: two axes before three
+    # largest axis 4, then 8: two axes before three, then the pipeline's (the outermost) largest
+    assert shapes[1:5] == [(4, 4, 4), (8, 8), (8, 2, 4), (8, 4, 2)]
+    eights = [s for s in shapes if len(s) == 3 and max(s) == 8]
+    assert [max(s[1:]) for s in eights] == sorted(max(s[1:]) for s in eights)
     assert [m.shape for _, m in planning_order(meshes, devices_per_node=64)] == shapes  # one node: as before
     on_nodes = [m.shape for _, m in planning_order(meshes, devices_per_node=4)]  # 16 nodes of 4
     inside = [s for s in shapes[1:] if s[-1] == 4]
-    assert on_nodes[0] == (64,) and on_nodes[1 : 1 + len(inside)] == inside  # a node's devices innermost first
-    assert on_nodes[1 + len(inside) :] == [s for s in shapes[1:] if s[-1] != 4] and sorted(on_nodes) == sorted(shapes)
+    assert on_nodes[: len(inside)] == inside  # a node's devices innermost first
+    assert on_nodes[len(inside) :] == [s for s in shapes[1:] if s[-1] != 4] + [(64,)]  # the one-axis mesh: largest
+    assert on_nodes[-1] == (64,) and sorted(on_nodes) == sorted(shapes)
 
 
 @pytest.mark.parametrize(

@@ -20,16 +20,21 @@ hybrid sharding) is not enumerated yet: the two-axis meshes carry every placemen
 Work is shared (``SharedPlanning``): the model is captured once per micro-batch size for every mesh, and each mesh's
 searches are bounded by the fastest step found so far (``SearchRun.above``), so a mesh proven slower stops at its
 bound and is listed as at least that. How much that saves depends on how soon a fast plan is met, so the meshes are
-planned in ``planning_order``: the one-axis mesh first (cheap to plan, and the fastest for a model data parallelism
-suits), then, on several nodes, the meshes whose innermost axis is one node's devices (its collectives, the most
-frequent where it carries tensor parallelism, ride the node's link with all of its devices, and only the outer axes
-cross nodes: how Megatron-LM and torchtitan lay out their largest runs), then the others; within each, by their
-largest axis, smallest first (a collective's latency and the share of its bytes each rank sends grow with its group,
-so the most balanced meshes are the likeliest fast for a model that needs several axes; measured on Llama 3 405B at
-8,192 GPUs, the one-axis plan's step was 72 times the published configuration's; at 16,384 GPUs the fastest plan, 64
-x 32 x 8, was met fifteenth, and third once the node's devices went innermost first: with the collections left to
-each mesh's end, ``heap``, the plan 1,497 -> 1,356 s; 1,225 s once GPipe is not priced where 1F1B dominates it;
-1,115 s once walks that cannot win stop, ``stage_fitting``). The order is a search order only: every mesh is planned
+planned in ``planning_order``. On one node: the one-axis mesh first (cheap to plan, and the fastest for a model
+data parallelism suits). On several nodes: the meshes whose innermost axis is one node's devices (its collectives,
+the most frequent where it carries tensor parallelism, ride the node's link with all of its devices, and only the
+outer axes cross nodes: how Megatron-LM and torchtitan lay out their largest runs), then the others, the one-axis
+mesh among them: across nodes it is rarely the fastest, and planned first it is planned unbounded (Llama 3 405B at
+16,384 GPUs: 42 s to find that it does not fit, against about 2 s to prove it slower once bounded). Within each
+group, by their largest axis, smallest first (a collective's latency and the share of its bytes each rank sends grow
+with its group, so the most balanced meshes are the likeliest fast for a model that needs several axes), then by
+fewer axes, then by the largest axis that carries collectives (a pipeline axis sends only the stage boundaries, so
+of (32, 64, 8) and (64, 32, 8), pipelined on the first axis, the second is the likelier fast).  Measured on Llama 3
+405B at 8,192 GPUs, the one-axis plan's step was 72 times the published configuration's; at 16,384 GPUs the fastest
+plan, 64 x 32 x 8, was met fifteenth, third once the node's devices went innermost first (with the collections left
+to each mesh's end, ``heap``, the plan 1,497 -> 1,356 s; 1,225 s once GPipe is not priced where 1F1B dominates it;
+1,115 s once walks that cannot win stop, ``stage_fitting``), and first once the one-axis mesh and the pipeline axis
+were placed as above. The order is a search order only: every mesh is planned
 or proven slower. Chosen: the fastest plan that fits the cap (the earlier mesh of ``logical_meshes`` on a tie,
 whatever the planning order). ``Plan.meshes`` lists every mesh tried, fastest first, with its step, memory, model
 FLOP/s per device and MFU, or why it lost. When no mesh fits, ``MemoryCapError`` names the least memory each mesh
@@ -96,17 +101,23 @@ def logical_meshes(devices: int, pipeline: str = "none") -> list[Mesh]:
 
 
 def planning_order(meshes: list[Mesh], devices_per_node: int | None = None) -> list[tuple[int, Mesh]]:
-    """``(index in meshes, mesh)`` in the order ``plan_devices`` plans them (module docstring): the first mesh (the
-    one-axis one), then where the meshes span several nodes of ``devices_per_node`` those whose innermost axis is
-    one node, then by the largest axis, then by fewer axes, then as listed."""
-    first, *rest = list(enumerate(meshes))
+    """``(index in meshes, mesh)`` in the order ``plan_devices`` plans them (module docstring).  On one node (or
+    ``devices_per_node`` None): the first mesh (the one-axis one), then the rest by the largest axis, then by fewer
+    axes, then by the largest axis that carries collectives (a three-axis mesh's pipeline axis carries none), then as
+    listed.  Where the meshes span several nodes of ``devices_per_node``: those whose innermost axis is one node
+    first, then the others, each group in that order, the one-axis mesh among the others."""
+    spans_nodes = devices_per_node is not None and bool(meshes) and meshes[0].size > devices_per_node
 
     def key(item: tuple[int, Mesh]) -> tuple:
         mesh = item[1]
-        spans_nodes = devices_per_node is not None and mesh.size > devices_per_node
         one_node_inside = spans_nodes and mesh.shape[-1] == devices_per_node
-        return (not one_node_inside, max(mesh.shape), mesh.ndim, item[0])
+        collectives = mesh.shape[1:] if mesh.ndim == 3 else mesh.shape  # ``logical_meshes``: ``pp`` outermost
+        return (spans_nodes and not one_node_inside, max(mesh.shape), mesh.ndim, max(collectives), item[0])
 
+    items = list(enumerate(meshes))
+    if spans_nodes:
+        return sorted(items, key=key)
+    first, *rest = items
     return [first, *sorted(rest, key=key)]
 
 
