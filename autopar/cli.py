@@ -476,9 +476,10 @@ def _run_plan(args, mesh: Mesh | int, options, hint_options, seq: int):
     except UnmatchedHintError as e:
         raise ValueError(f"{e.problem}. Fix: correct the pattern, or drop --strict-hints to only warn.") from None
     except MemoryCapError as e:
+        micro = "run the batch in micro-batches (--microbatches N, or --pipeline auto), " if e.whole_batch else ""
         raise ValueError(
-            f"{e.problem}\n  Fix: raise --mem-cap to at least that, use more devices (--mesh), a smaller --batch or "
-            "--seq, or bf16 (--dtype bf16)."
+            f"{e.problem}\n  Fix: {micro}raise --mem-cap to at least that, use more devices (--mesh), a smaller "
+            "--batch or --seq, or bf16 (--dtype bf16)."
         ) from None
     finally:
         bar.close()

@@ -100,6 +100,35 @@ def test_infeasible_cap_names_smallest_reachable_memory(gpt2_tp4):
     assert plan.memory.per_device_bytes <= smallest
 
 
+def test_a_cap_the_whole_batch_misses_offers_micro_batches_and_they_fit(capsys):
+    """Where the least plan of the whole batch misses the cap on its activations, the error's fix offers
+    micro-batches first (API and CLI words), and micro-batches fit a cap under that least; once micro-batched, the
+    fix no longer offers them."""
+    from autopar.cli import main
+    from autopar.models import load_model
+
+    model, args, kwargs = load_model("gpt2-tiny", batch=8, seq=128)
+    mesh = autopar.Mesh((2,), axis_names=("dp",))
+    run = dict(example_inputs=args, example_kwargs=kwargs, compare_families=False)
+    with pytest.raises(MemoryCapError, match=r"activations dominate") as whole:
+        autopar.plan(model, mesh, mem_cap="1KiB", **run)
+    assert whole.value.whole_batch and 'Fix: run the batch in micro-batches (microbatches=N, or pipeline="auto"' in str(
+        whole.value
+    )
+    least = whole.value.min_mem_bytes
+    plan = autopar.plan(model, mesh, mem_cap=least - 1, microbatches=4, **run)
+    assert plan.microbatches == 4 and plan.memory.per_device_bytes < least
+    with pytest.raises(MemoryCapError) as micro:
+        autopar.plan(model, mesh, mem_cap="1KiB", microbatches=4, **run)
+    assert not micro.value.whole_batch and "micro-batches" not in str(micro.value)
+    cli = ["plan", "gpt2-tiny", "--mesh", "2", "--batch", "8", "--seq", "128", "--mem-cap", "1KiB", "--no-compare"]
+    assert main(cli) == 2
+    err = capsys.readouterr().err
+    fix = err[err.index("Fix:") :]
+    assert fix.startswith("Fix: run the batch in micro-batches (--microbatches N, or --pipeline auto)")
+    assert "=" not in fix  # the CLI's words
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "bert-tiny"])
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
 def test_llama_and_bert_plan_every_op_covered_or_listed(tiny_model, name, mesh_shape):

@@ -16,18 +16,23 @@ class MemoryCapError(ValueError):
     ``problem`` is the message without the fix and ``min_mem_bytes`` the smallest
     per-device memory found, so a front end (the CLI) can word the fix in its own
     terms (``--mem-cap``, ``--dtype``) instead of the API's (``mem_cap=``, ``dtype=``).
+    ``whole_batch``: the plans searched ran the batch whole and activations dominate the
+    least one, so micro-batches (gradient accumulation, or a pipeline) are the first fix
+    to offer: they divide the activations by their count for the same batch.
     """
 
-    def __init__(self, problem: str, min_mem_bytes: int) -> None:
+    def __init__(self, problem: str, min_mem_bytes: int, whole_batch: bool = False) -> None:
+        micro = 'run the batch in micro-batches (microbatches=N, or pipeline="auto" to let the search choose), '
         super().__init__(
-            f"{problem}\n  Fix: raise mem_cap= to at least that, use more devices, a smaller batch or sequence, "
-            'or bf16 (dtype="bf16").'
+            f"{problem}\n  Fix: {micro if whole_batch else ''}raise mem_cap= to at least that, use more devices, "
+            'a smaller batch or sequence, or bf16 (dtype="bf16").'
         )
         self.problem = problem
         self.min_mem_bytes = min_mem_bytes
+        self.whole_batch = whole_batch
 
     def __reduce__(self):  # pickles (to another rank) as it was built
-        return type(self), (self.problem, self.min_mem_bytes)
+        return type(self), (self.problem, self.min_mem_bytes, self.whole_batch)
 
 
 def no_plan_error(ctx, family: str | None, allow_state_sharding: bool) -> ValueError:
@@ -57,7 +62,7 @@ def cap_error(ctx, cap: int | None, err: InfeasibleError, keep) -> MemoryCapErro
             f"no plan of {ctx.graph.model_name} on {ctx.mesh} fits the memory cap of {format_bytes(cap)} per device."
         ]
         reaches = "the smallest per-device memory any plan reaches is"
-    smallest = err.min_mem_bytes
+    smallest, whole_batch = err.min_mem_bytes, False
     if sol is not None:
         choice = [int(keep[i][c]) for i, c in enumerate(sol.choice)]
         mem = breakdown(ctx, choice).memory
@@ -69,11 +74,12 @@ def cap_error(ctx, cap: int | None, err: InfeasibleError, keep) -> MemoryCapErro
             "activations": mem.activations_bytes,
         }
         top = max(parts, key=parts.get)
+        whole_batch = top == "activations" and not ctx.options.micro_batched
         lines.append(
             f"  {reaches} {format_bytes(smallest)}: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-            + f" ({top} dominate)."
+            + f" ({top} {'dominates' if top == 'optimizer' else 'dominate'})."
         )
     else:
         lines.append(f"  {reaches} {format_bytes(smallest)}.")
-    return MemoryCapError("\n".join(lines), int(smallest))
+    return MemoryCapError("\n".join(lines), int(smallest), whole_batch)

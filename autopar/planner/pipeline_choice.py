@@ -199,8 +199,9 @@ class PipelineChoice:
             beaten = [c.at_least_s for c in self.priced if c.at_least_s is not None]
             if beaten and self.shared.beat is not None:  # every candidate that may fit: slower than another mesh's
                 raise BeatenError(min(beaten) * PS_PER_S, int(self.shared.beat * PS_PER_S))
-            if len(self.missed) == 1:  # one candidate: its own words
-                raise self.missed[0]
+            if len(self.missed) == 1:  # one candidate: its own words (micro-batched already: not offered as a fix)
+                missed = self.missed[0]
+                raise MemoryCapError(missed.problem, missed.min_mem_bytes) from None
             missed = [c for c in self.priced if c.memory_bytes is not None]  # (a dominated one was not tried)
             least = min(missed, key=lambda c: c.memory_bytes)  # none fitted: every one tried missed
             cap = format_bytes(self.options.mem_cap) if self.options.mem_cap else "none"

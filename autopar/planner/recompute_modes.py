@@ -217,6 +217,7 @@ class ModeSearch:
                     f"{failed.problem}\n  (recompute 'none': recomputing the {self.ctx.graph.model_name} layers in "
                     "backward was not tried; recompute 'auto' tries it)",
                     failed.min_mem_bytes,
+                    failed.whole_batch,
                 ) from None
             raise failed
         search = replace(best.search, **_layer_modes(best, regions, self.hinted_ctx.graph)) if regions else best.search
