@@ -74,7 +74,10 @@ def cap_error(ctx, cap: int | None, err: InfeasibleError, keep) -> MemoryCapErro
             "activations": mem.activations_bytes,
         }
         top = max(parts, key=parts.get)
-        whole_batch = top == "activations" and not ctx.options.micro_batched
+        # a context plans its batch whole (``check_no_pipeline``; ``PipelineChoice`` plans each micro-batch count
+        # in a context of its own), so where activations dominate, micro-batches are the fix; a caller that ran
+        # micro-batches already (``PipelineChoice``) raises its misses without it
+        whole_batch = top == "activations"
         lines.append(
             f"  {reaches} {format_bytes(smallest)}: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
