@@ -217,7 +217,7 @@ def test_fidelity_calibrates_on_its_own_ranks_before_a_case(tmp_path):
     assert prof.peak_flops["float32"] > 0 and prof.memory_bytes == load_profile("cpu").memory_bytes
     args = SimpleNamespace(
         json=None, benchmark=None, models=None, mesh=None, rounds=None, contest_rounds=None, profile="cpu", ranks=2,
-        timeout=60.0, calibrate=str(tmp_path / "missing"),
+        timeout=60.0, calibrate=str(tmp_path / "missing"), calibrate_passes=3,
     )  # fmt: skip
     assert cmd_fidelity(args) == 2
 
@@ -364,6 +364,9 @@ def test_fidelity_refuses_bad_settings_before_any_rank_starts(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["fidelity", "--contest-rounds", "-1"])
     assert "argument --contest-rounds: '-1': expected a whole number >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fidelity", "--calibrate-passes", "0"])
+    assert "argument --calibrate-passes: '0'" in capsys.readouterr().err
     assert main(["calibrate", "--base", "no-such-profile"]) == 2
     assert "unknown device profile 'no-such-profile'" in capsys.readouterr().err
 

@@ -2,7 +2,7 @@
 
     autopar calibrate [-o FILE.toml] [--ranks 4] [--base cpu] [--trials 3] [--passes 2] [--force] [--max-spread 0.10]
     autopar fidelity [--profile cpu|FILE.toml] [--ranks 4] [--json FILE] [--models a,b] [--mesh 2x2] [--rounds 5]
-        [--contest-rounds 10] [--timeout 1800]
+        [--contest-rounds 10] [--timeout 1800] [--calibrate DIR [--calibrate-passes 3]]
 
 ``calibrate`` prints the measurements, the fits and their residuals and the noise of
 the repeats, and writes the profile (``-o``), unless the repeats spread more than
@@ -20,6 +20,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from .fidelity import CALIBRATE_PASSES
 
 __all__ = ["add_parsers", "cmd_calibrate", "cmd_fidelity"]
 
@@ -85,6 +87,13 @@ def add_parsers(sub, *, positive_int, mesh_shape) -> None:
         metavar="DIR",
         help="calibrate the machine before each case and plan that case with it (--profile: its base), writing "
         "DIR/<model>-<mesh>.toml",
+    )
+    f.add_argument(
+        "--calibrate-passes",
+        type=positive_int,
+        default=CALIBRATE_PASSES,
+        help=f"with --calibrate: the passes of each case's calibration, each number their median (default "
+        f"{CALIBRATE_PASSES}: one pass slowed by the machine is outvoted)",
     )
 
 
@@ -162,6 +171,7 @@ def cmd_fidelity(args) -> int:
             benchmark=bench,
             timeout_s=args.timeout,
             calibrate_dir=args.calibrate,
+            calibrate_passes=args.calibrate_passes,
         )
 
     try:

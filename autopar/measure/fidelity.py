@@ -61,6 +61,7 @@ from .benchmark import PIPELINE_AUTO, Benchmark, BenchModel, Variant, load_bench
 from .rounds import Rounds, contenders_from_rank0, machine_probe, measured_bubbles
 
 __all__ = [
+    "CALIBRATE_PASSES",
     "PlanResult",
     "CaseResult",
     "FidelityRun",
@@ -72,6 +73,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: passes of each case's calibration under ``--calibrate`` (``calibrate.measure_rank``: each number the median over
+#: them). Three, not calibrate's two: the median of two is their mean, so one pass the machine slowed moves every
+#: number of the case's profile by half its slowdown; of three it is outvoted.
+CALIBRATE_PASSES = 3
 
 
 @dataclass(frozen=True)
@@ -181,12 +187,14 @@ def run_fidelity(
     benchmark: Benchmark | None = None,
     timeout_s: float = 1800.0,
     calibrate_dir: str | None = None,
+    calibrate_passes: int = CALIBRATE_PASSES,
 ) -> FidelityRun:
     """Measure ``benchmark`` (default: the fixed one) on ``ranks`` local gloo ranks, planned under ``profile``.
 
     ``calibrate_dir``: before each case the ranks calibrate the machine (``calibrate.calibrate_here``) and the
     case is planned with that profile (``profile`` its base), written to ``calibrate_dir/<model>-<mesh>.toml``: a
-    machine whose speed drifts over the run's minutes is priced as it runs each case.
+    machine whose speed drifts over the run's minutes is priced as it runs each case; ``calibrate_passes``: the
+    passes of each such calibration (``CALIBRATE_PASSES``).
 
     ``timeout_s``: what each case may take (a case's calibration, planning and timing; also the longest a rank
     waits in one collective): the ranks are stopped once the run passes ``timeout_s`` per case.  A run stopped so,
@@ -218,6 +226,7 @@ def run_fidelity(
             bench,
             profile,
             calibrate_dir,
+            calibrate_passes,
             finished,
             timeout_s=timeout_s * planned,
             collective_timeout_s=timeout_s,
@@ -279,7 +288,9 @@ def _say(rank: int, text: str) -> None:
         print(f"autopar fidelity: {text}", file=sys.stderr, flush=True)
 
 
-def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_dir: str | None, finished: str):
+def _rank_main(
+    rank: int, world: int, bench: Benchmark, profile: str, calibrate_dir: str | None, passes: int, finished: str
+):
     """One rank's whole benchmark (every case whose mesh has ``world`` devices); rank 0 returns the results, and
     writes those finished so far to ``finished`` after each case (``_keep_finished``)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -295,7 +306,7 @@ def _rank_main(rank: int, world: int, bench: Benchmark, profile: str, calibrate_
             from .calibration_report import write_profile
 
             priced = os.path.join(calibrate_dir, f"{model.name}-{'x'.join(map(str, mesh))}.toml")
-            cal = calibrate_here(rank, world, profile)
+            cal = calibrate_here(rank, world, profile, passes=passes)
             if cal is not None:  # rank 0, the one that plans
                 write_profile(cal, priced)
                 _say(rank, f"{where}: calibrated (repeats spread {cal.spread:.1%} in the median): {priced}")
