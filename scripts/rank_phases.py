@@ -27,12 +27,14 @@ Printed figures only; the cost model is not changed by it.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
 
 import torch
 
+from autopar.cli_types import mesh_shape
 from autopar.measure import fidelity
 from autopar.measure.benchmark import load_benchmark, mesh_axis_names
 from autopar.measure.ranks import on_ranks
@@ -84,7 +86,7 @@ def _rank(rank: int, world: int, model_name: str, mesh: tuple, labels: list[str]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a model of the fixed benchmark, e.g. llama-bench")
-    ap.add_argument("mesh", help="its mesh, e.g. 4 or 2x2 (the ranks are its size)")
+    ap.add_argument("mesh", type=mesh_shape, help="its mesh, e.g. 4 or 2x2 (the ranks are its size)")
     ap.add_argument(
         "--variants",
         default="auto,family:data parallel,family:sharded parameters,family:tensor parallel",
@@ -93,12 +95,17 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu", help="the profile to plan and price with (a calibrated TOML)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per plan")
     a = ap.parse_args()
-    mesh = tuple(int(x) for x in a.mesh.split("x"))
-    ranks = 1
-    for size in mesh:
-        ranks *= size
+    ranks = math.prod(a.mesh)
     rows = on_ranks(
-        _rank, ranks, a.model, mesh, a.variants.split(","), a.profile, a.steps, timeout_s=1800, collective_timeout_s=600
+        _rank,
+        ranks,
+        a.model,
+        a.mesh,
+        a.variants.split(","),
+        a.profile,
+        a.steps,
+        timeout_s=1800,
+        collective_timeout_s=600,
     )
     cores = min(len(os.sched_getaffinity(0)), ranks)  # one thread per rank
     for names, plan, wall, phase_walls, summed in rows:
