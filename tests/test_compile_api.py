@@ -285,8 +285,16 @@ def _one_rank_bad_input_fn(rank, world):
 
     dist.barrier()  # rank 1 captured the graph after rank 0 planned it: start the calls together, as training does
     out = {"everyone_bad": step(bad), "then_good": step(good)}
+    twin = autopar.compile(model, mesh, example_inputs=args, example_kwargs=kwargs, input_mode="local", plan=plan)
+    out["twin_shares"] = twin._groups.axis_group(0) is sharded._groups.axis_group(0)
     out["one_bad"] = step(bad if rank == 1 else good)
     out["after"] = step(good)
+    # the twin shared the groups the failure destroyed: it says so too
+    out["twin_after"] = _errors(lambda: twin(**good)[0].backward())
+    # compiling again makes new groups on every rank (the ranks agree: rank 1 destroyed them, rank 0 may not have)
+    sharded = autopar.compile(model, mesh, example_inputs=args, example_kwargs=kwargs, input_mode="local", plan=plan)
+    out["recompiled"] = step(good)
+    out["recompiled_loss"] = float(sharded(**good)[0])
     return out
 
 
@@ -314,3 +322,10 @@ def test_bad_input_on_one_rank_fails_every_rank_fast():
             assert "on rank 0 (mesh coordinate (0,)) stopped: rank 1: InputMismatchError" in msg, msg
         # the module is shut down on every rank: a further call says so instead of hanging
         assert "process groups were shut down" in out["after"][0] and "compile the model again" in out["after"][0]
+        # a second compile on the same mesh shares the first's process groups (runtime.shared_groups), so the
+        # failure shut it down too; a compile after it makes new groups on every rank, and trains
+        assert out["twin_shares"], rank
+        assert "process groups were shut down" in out["twin_after"], (rank, out["twin_after"])
+        assert "sharing its process groups" in out["twin_after"] or "InputMismatchError" in out["twin_after"]
+        assert out["recompiled"][0] == "no error", (rank, out["recompiled"])
+    assert outs[0]["recompiled_loss"] == pytest.approx(outs[1]["recompiled_loss"], rel=1e-6)

@@ -423,3 +423,27 @@ def test_mesh_groups_errors_and_init_distributed():
         assert o["sum"] == [3.0, 3.0, 3.0]
         assert o["summary"] == {("all_reduce", 0, "forward"): 1}
         assert "local piece has shape (5,)" in o["bad_shape"] and "(4,)" in o["bad_shape"]
+
+
+# ---- process groups shared between meshes --------------------------------------------
+def _shared_groups_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    first = MeshGroups(Mesh((world,)))
+    second = MeshGroups(Mesh((world,), ("dp",)))  # the same line of ranks under another name
+    out = {"shared": first.axis_group(0) is second.axis_group(0)}
+    if rank == 1:  # one rank loses the group (as a mesh shut down after a failure on some ranks only)
+        dist.destroy_process_group(first.axis_group(0))
+    third = MeshGroups(Mesh((world,)))  # every rank makes a new one: rank 0 alone reusing its own would hang rank 1
+    out["fresh"] = third.axis_group(0) is not first.axis_group(0)
+    x = torch.full((2,), float(rank + 1))
+    dist.all_reduce(x, group=third.axis_group(0))
+    out["sum"] = x.tolist()
+    return out
+
+
+def test_meshes_share_process_groups_and_remake_the_ones_a_rank_lost():
+    """Two meshes over the same lines of ranks share their groups (each gloo group keeps a thread polling every
+    10 ms: groups made per compile slowed every later step); a group one rank destroyed is made again on all."""
+    for o in run_ranks(_shared_groups_worker, 2, init=True):
+        assert o == {"shared": True, "fresh": True, "sum": [3.0, 3.0]}, o

@@ -34,7 +34,7 @@ from torch import fx, nn
 
 from autopar.capture import OpGraph
 from autopar.lower import StageProgram
-from autopar.runtime import hold_until_exit
+from autopar.runtime import hold_until_exit, shared_groups
 
 __all__ = ["LossWeights", "PipelineRunner", "from_owner", "stage_owners", "train_step_only"]
 
@@ -105,7 +105,7 @@ class PipelineRunner:
         else:
             self.schedule = kinds[schedule](self.stages[0], **common)
         # the shared weights' groups (a forward-only pipeline has no gradients to sum)
-        self.shared = self._shared_groups(programs, p, rank) if outputs is None else []
+        self.shared = self._shared_groups(programs, p) if outputs is None else []
         self.busy_s = 0.0  # time this rank's stages spent in forward and backward (the rest of a step: the bubble)
         self.schedule_s = 0.0  # time this rank spent in the schedule's steps (busy, its sends and its waits)
         hold_until_exit(self)  # its stages, schedule and groups dropped while the interpreter is whole
@@ -195,18 +195,15 @@ class PipelineRunner:
             out.append(value)
         return out
 
-    def _shared_groups(self, programs: list[StageProgram], p: int, rank: int) -> list[tuple[int, object]]:
+    def _shared_groups(self, programs: list[StageProgram], p: int) -> list[tuple[int, object]]:
         """(argument position, process group) of each parameter stages on two or more pipeline ranks read, this
         rank among them: the group of its line's ranks holding it (Megatron's embedding group).  Every rank
-        creates every line's group, in the same order (``dist.new_group`` is collective over the world)."""
-        out = []
+        asks for every line's group, in the same order (``runtime.shared_groups``: collective over the world)."""
         lines = self.groups.mesh.axis_groups(self.axis)
-        for position, holders in _shared_sources(programs, p):
-            for line in lines:
-                group = dist.new_group([line[h] for h in holders])
-                if rank in holders and dist.get_rank() in line:
-                    out.append((position, group))
-        return out
+        sources = _shared_sources(programs, p)
+        sets = [[[line[h] for h in holders] for line in lines] for _, holders in sources]
+        made = shared_groups(sets, getattr(self.groups, "device", torch.device("cpu")))
+        return [(position, group) for (position, _), group in zip(sources, made) if group is not None]
 
     def release(self) -> None:
         """Drop the stages, the schedule and the groups (``runtime.at_exit``: at interpreter exit, so that gloo's

@@ -48,6 +48,10 @@ import torch.distributed as dist
 
 from autopar.mesh import Mesh
 
+from .shared_groups import clear as clear_shared_groups
+from .shared_groups import forget as forget_shared_groups
+from .shared_groups import shared_groups
+
 __all__ = ["MeshGroups", "init_distributed", "ranks_per_node", "release_all"]
 
 logger = logging.getLogger(__name__)
@@ -155,17 +159,12 @@ class MeshGroups:
         self._members: list[tuple[int, ...]] = []
         self._order: list[tuple[int, ...]] = []
         self._flat: dict[tuple[int, ...], dist.ProcessGroup] = {}  # axes -> this rank's group over them flattened
-        for axis in range(mesh.ndim):
-            mine = None
-            for ranks in mesh.axis_groups(axis):  # every rank creates every group, same order
-                pg = dist.new_group(ranks=list(ranks))
-                if self._rank in ranks:
-                    mine = (pg, tuple(ranks))
-            if mine is None:
+        lines = [mesh.axis_groups(axis) for axis in range(mesh.ndim)]
+        for axis, pg in enumerate(shared_groups(lines, self.device)):  # made once per process (shared_groups)
+            if pg is None:
                 raise AssertionError(f"rank {self._rank} is in no group of mesh axis {axis} of {mesh}")
-            pg, ranks = mine
             self._groups.append(pg)
-            self._members.append(ranks)
+            self._members.append(next(tuple(r) for r in lines[axis] if self._rank in r))
             group_ranks = dist.get_process_group_ranks(pg)  # global ranks in group-rank order
             self._order.append(tuple(mesh.coordinate(r)[axis] for r in group_ranks))
         _LIVE.add(self)
@@ -265,6 +264,10 @@ class MeshGroups:
         self._shut_down = reason
         groups, self._groups = [*self._groups, *self._flat.values()], []
         self._flat = {}
+        for other in list(_LIVE):  # meshes sharing these groups (shared_groups) cannot run on them either
+            if other is not self and any(g in groups for g in (*other._groups, *other._flat.values())):
+                other.release(f"{reason} (on a mesh sharing its process groups)")
+        forget_shared_groups(groups)
         while groups:  # popped: this frame keeps no reference, so the connections close as each one goes
             with contextlib.suppress(Exception):  # a group a peer already broke may refuse a clean destroy
                 dist.destroy_process_group(groups.pop())
@@ -287,16 +290,13 @@ class MeshGroups:
         """Create the process groups of each set of axes in ``axis_sets`` (tuples of axis indices) flattened into
         one (``flat_group``).  Collective: every rank calls it with the same sets in the same order (the plan's
         ``flat_grad_axes``, at compile)."""
+        wanted = []
         for axes in axis_sets:
             axes = tuple(sorted(self._mesh.axis_index(a) for a in axes))
-            if axes in self._flat:
-                continue
-            mine = None
-            for ranks in self._mesh.axis_groups(axes):  # every rank creates every group, same order
-                pg = dist.new_group(ranks=list(ranks))
-                if self._rank in ranks:
-                    mine = pg
-            self._flat[axes] = mine
+            if axes not in self._flat and axes not in wanted:
+                wanted.append(axes)
+        made = shared_groups([self._mesh.axis_groups(axes) for axes in wanted], self.device)
+        self._flat.update(zip(wanted, made))
 
     def flat_group(self, axes: tuple[int, ...]) -> dist.ProcessGroup:
         """This rank's process group over ``axes`` flattened into one: the ranks that differ from it on those axes
@@ -333,4 +333,5 @@ def release_all(reason: str) -> int:
     meshes = list(_LIVE)
     for groups in meshes:
         groups.release(reason)
+    clear_shared_groups()
     return len(meshes)
