@@ -2,7 +2,7 @@
 
 - ``groups``: ``MeshGroups`` (one process group per mesh axis line) and
   ``init_distributed`` (torchrun environment -> default process group).
-- ``shared_groups``: the process groups of a set of rank lines, made once per process
+- ``group_cache``: ``shared_groups``, the process groups of a set of rank lines, made once per process
   and shared by every mesh (groups made per compile pile up: gloo's each wake every 10 ms).
 - ``redistribute``: ``redistribute_local`` runs ``transitions()``'s steps as
   collectives; ``Move`` is one edge's move resolved once (forward and gradient
@@ -29,10 +29,10 @@ from .buckets import DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES, GradBucke
 from .clip import clip_grad_norm_, replication
 from .counter import CollectiveCounter, CollectiveRecord
 from .deferred import PendingLoss, defer_loss_tail, wait_pending
+from .group_cache import shared_groups
 from .groups import MeshGroups, init_distributed, ranks_per_node
 from .redistribute import Move, Redistribute, nesting_conflict, nesting_steps, redistribute, redistribute_local
 from .resharding import ReshardCost, TransferPlan, plan_transfers, reshard, reshard_cost
-from .shared_groups import shared_groups
 from .spawn import RankError, RankSettings, spawn_ranks
 from .zero import StateShards, from_state_shard
 

@@ -48,9 +48,9 @@ import torch.distributed as dist
 
 from autopar.mesh import Mesh
 
-from .shared_groups import clear as clear_shared_groups
-from .shared_groups import forget as forget_shared_groups
-from .shared_groups import shared_groups
+from .group_cache import clear as clear_shared_groups
+from .group_cache import forget as forget_shared_groups
+from .group_cache import shared_groups
 
 __all__ = ["MeshGroups", "init_distributed", "ranks_per_node", "release_all"]
 
