@@ -105,7 +105,7 @@ class PipelineRunner:
         else:
             self.schedule = kinds[schedule](self.stages[0], **common)
         # the shared weights' groups (a forward-only pipeline has no gradients to sum)
-        self.shared = self._shared_groups(programs, p) if outputs is None else []
+        self.shared = self._shared_groups(programs, p, device) if outputs is None else []
         self.busy_s = 0.0  # time this rank's stages spent in forward and backward (the rest of a step: the bubble)
         self.schedule_s = 0.0  # time this rank spent in the schedule's steps (busy, its sends and its waits)
         hold_until_exit(self)  # its stages, schedule and groups dropped while the interpreter is whole
@@ -195,14 +195,14 @@ class PipelineRunner:
             out.append(value)
         return out
 
-    def _shared_groups(self, programs: list[StageProgram], p: int) -> list[tuple[int, object]]:
+    def _shared_groups(self, programs: list[StageProgram], p: int, device: torch.device) -> list[tuple[int, object]]:
         """(argument position, process group) of each parameter stages on two or more pipeline ranks read, this
         rank among them: the group of its line's ranks holding it (Megatron's embedding group).  Every rank
         asks for every line's group, in the same order (``runtime.shared_groups``: collective over the world)."""
         lines = self.groups.mesh.axis_groups(self.axis)
         sources = _shared_sources(programs, p)
         sets = [[[line[h] for h in holders] for line in lines] for _, holders in sources]
-        made = shared_groups(sets, getattr(self.groups, "device", torch.device("cpu")))
+        made = shared_groups(sets, device)
         return [(position, group) for (position, _), group in zip(sources, made) if group is not None]
 
     def release(self) -> None:

@@ -45,7 +45,7 @@ def shared_groups(sets: Sequence[Sequence[Sequence[int]]], device: torch.device)
         _WORLD[0] = dist.group.WORLD
     held = torch.tensor([int(key in _GROUPS and _alive(_GROUPS[key])) for key in keys], dtype=torch.int32)
     held = held.to(device)
-    if len(keys):
+    if keys:
         dist.all_reduce(held, op=dist.ReduceOp.MIN)
     rank = dist.get_rank()
     out = []
