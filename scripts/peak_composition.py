@@ -5,6 +5,9 @@
     python -m torch.distributed.run --nproc-per-node 1 scripts/peak_composition.py gpt2-tiny --recompute full
     python -m torch.distributed.run --nproc-per-node 4 scripts/peak_composition.py t5-tiny --mesh 4 \
         --benchmark configs/benchmarks/fidelity_unseen.toml --variant "family:sharded parameters"
+    python -m torch.distributed.run --nproc-per-node 4 scripts/peak_composition.py bert-bench --mesh 2x2 \
+        --benchmark configs/benchmarks/fidelity.toml --variant pipeline:tp/gpipe/m8 \
+        --profile docs/measurements/cpu4-2026-12-02-shared-groups-profiles/bert-bench-2x2.toml
 
 For finding which term of the peak model (``autopar/cost/peak.py``) is off where
 ``autopar fidelity`` reports a memory error: the model (trained as the fidelity benchmark
@@ -59,13 +62,16 @@ def main() -> None:
     shape = tuple(int(x) for x in a.mesh.split("x"))
     mesh = autopar.Mesh(shape, axis_names=mesh_axis_names(shape))
     ctx = autopar.prepare(net, mesh, example_inputs=inputs, profile=profile, dtype="fp32", optimizer="adamw")
-    plan = _variant_plan(ctx, model, a.variant) if a.variant else None
+    plan = _variant_plan(ctx, model, a.variant, net, inputs, profile) if a.variant else None
     plan = plan or autopar.plan_from_context(ctx, compare_families=False, recompute=a.recompute)
     sharded = autopar.compile(net, mesh, example_inputs=inputs, plan=plan)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
 
-    def step() -> None:
-        sharded(*inputs).backward()
+    def step() -> None:  # as autopar fidelity steps it
+        if sharded.plan.microbatches > 1:
+            sharded.train_step(*inputs)  # the micro-batches, through the stages
+        else:
+            sharded(*inputs).backward()
         opt.step()
         opt.zero_grad()
 
@@ -88,7 +94,14 @@ def main() -> None:
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "transient_bytes"):
         print(f"  {key:18s} {format_bytes(getattr(m, key)):>12}")
     print(f"  per_device_bytes   {format_bytes(m.per_device_bytes):>12}")
-    print(f"  peak phase         {m.peak_phase:>12}")
+    if m.peak_phase is not None:
+        print(f"  peak phase         {m.peak_phase:>12}")
+    if plan.pipeline is not None:  # each stage's rank: its state plus its micro-batches in flight
+        for j, stage in enumerate(plan.pipeline.stages):
+            print(
+                f"  stage {j} ({stage.layers or f'layers {stage.first_layer}-{stage.stop_layer - 1}'}): "
+                f"{format_bytes(stage.memory_bytes)}"
+            )
     print("measured:")
     print(f"  held before step   {format_bytes(held_bytes(held)):>12}")
     print(
@@ -106,8 +119,9 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
-def _variant_plan(ctx, model: BenchModel, label: str):
-    """The plan ``autopar fidelity`` measures for ``label`` (caps placed as it places them)."""
+def _variant_plan(ctx, model: BenchModel, label: str, net, inputs: tuple, profile: str):
+    """The plan ``autopar fidelity`` measures for ``label`` (caps placed as it places them; a pipeline or
+    accumulation variant planned by ``autopar.plan``, as the harness plans it)."""
     variant = Variant(label)
     variant.validate("--variant")
     auto = autopar.plan_from_context(ctx, compare_families=False)
@@ -117,6 +131,10 @@ def _variant_plan(ctx, model: BenchModel, label: str):
     except autopar.MemoryCapError as e:
         least = e.min_mem_bytes
     options = variant.plan_options(model, auto.memory.per_device_bytes, least)
+    if variant.micro_batched:
+        return autopar.plan(
+            net, ctx.mesh, example_inputs=inputs, profile=profile, dtype="fp32", compare_families=False, **options
+        )
     return autopar.plan_from_context(ctx, compare_families=False, **options) if options else auto
 
 

@@ -105,7 +105,9 @@ def peak_composition(step: Callable[[], object], device: torch.device, top: int 
 
     For finding which term of the cost model's peak (``autopar.cost.peak``) is off where
     ``autopar fidelity``'s measured peak and the plan's differ; it uses the profiler's own
-    tensor categories, not the cost model."""
+    tensor categories, not the cost model.  Where a process group is up, ``step`` is taken to be collective (every
+    rank calls this together): a rank whose profile must be taken again without shapes makes every rank step again,
+    so that none waits in a step the others do not run."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action, MemoryProfile
 
@@ -116,11 +118,13 @@ def peak_composition(step: Callable[[], object], device: torch.device, top: int 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         try:
-            mem = MemoryProfile(prof.profiler.kineto_results)
-            break
+            mem, refused = MemoryProfile(prof.profiler.kineto_results), False
         except AssertionError:  # "version mismatch": an in-place collective on a recorded input
             if not shapes:
                 raise
+            refused = True
+        if not _any_rank(refused):  # every rank steps again if one must: the step is collective
+            break
     made_by = {
         key: node._event.name
         for node in mem._data_flow_graph.flow_nodes
@@ -153,6 +157,17 @@ def peak_composition(step: Callable[[], object], device: torch.device, top: int 
         rows.append((size, name, made_by.get(key, "?")))
     rows.sort(reverse=True)
     return PeakComposition(peak, dict(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]))
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` or'd over the world's ranks where a process group is up (the ranks step together), else ``flag``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, flag)
+    return any(every)
 
 
 @contextlib.contextmanager

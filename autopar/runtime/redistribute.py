@@ -519,12 +519,18 @@ class Move:
 class Redistribute(torch.autograd.Function):
     """Autograd redistribution by a ``Move``: forward ``src -> dst``, backward ``grad_src -> grad_dst``.
 
-    Both phases are recorded in ``counter`` (``"forward"`` / ``"backward"``).
+    Both phases are recorded in ``counter`` (``"forward"`` / ``"backward"``).  A move whose forward keeps the
+    placement (only the gradient moves: Megatron's ``f``, a tied or data-parallel weight's gradient reduced where
+    one of its readers reads it) gives a view of ``x``, not a copy: the op reading it then keeps ``x``'s own
+    storage for backward, as the cost model prices it (``cost.saved_shares``: an edge that does not move pays
+    no copy), instead of a copy per call (per micro-batch in flight, under a pipeline or accumulation).
     """
 
     @staticmethod
     def forward(ctx, x, move: Move, counter):  # noqa: D102
         ctx.move, ctx.counter = move, counter
+        if not move.moves_value:
+            return x.view_as(x)
         out = move.local(x, counter)
         if not (out.is_floating_point() or out.is_complex()):
             ctx.mark_non_differentiable(out)
