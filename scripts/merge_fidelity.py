@@ -63,9 +63,9 @@ def main() -> None:
         sum(r["wall_s"] for r in reports),
         len(cases),
     )
-    with open(a.out, "w") as fh:
-        json.dump(summarize(run), fh, indent=2)
     merged = summarize(run)
+    with open(a.out, "w") as fh:
+        json.dump(merged, fh, indent=2)
     print(
         f"{len(cases)} cases: Spearman {merged['spearman']:.2f}, median time error "
         f"{merged['median_abs_error']:.1%}, memory median {merged['memory_median_abs_error']:.1%} "

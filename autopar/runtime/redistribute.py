@@ -493,6 +493,13 @@ class Move:
         steps = _checked_steps(x, self.shape, self.src, self.dst, self.groups, self._want[0])
         return _run_steps(x, steps, self.shape, self.src, self.groups, phase, counter)
 
+    def forward_value(self, x: torch.Tensor, counter: CollectiveCounter | None = None) -> torch.Tensor:
+        """The value an autograd function's forward gives for ``x``: ``local(x)`` where the placement changes, else a
+        view of ``x`` (only the gradient moves): the reader then keeps ``x``'s own storage for backward, as the cost
+        model prices an edge that does not move (``cost.saved_shares``), not a copy per call (per micro-batch in
+        flight, under a pipeline or accumulation)."""
+        return self.local(x, counter) if self.moves_value else x.view_as(x)
+
     def local_grad(self, grad: torch.Tensor, counter: CollectiveCounter | None = None) -> torch.Tensor:
         """The gradient moved ``grad_src -> grad_dst`` (phase ``"backward"``)."""
         steps = _checked_steps(grad, self.shape, self.grad_src, self.grad_dst, self.groups, self._want[1])
@@ -521,17 +528,13 @@ class Redistribute(torch.autograd.Function):
 
     Both phases are recorded in ``counter`` (``"forward"`` / ``"backward"``).  A move whose forward keeps the
     placement (only the gradient moves: Megatron's ``f``, a tied or data-parallel weight's gradient reduced where
-    one of its readers reads it) gives a view of ``x``, not a copy: the op reading it then keeps ``x``'s own
-    storage for backward, as the cost model prices it (``cost.saved_shares``: an edge that does not move pays
-    no copy), instead of a copy per call (per micro-batch in flight, under a pipeline or accumulation).
+    one of its readers reads it) gives a view of ``x``, not a copy (``Move.forward_value``).
     """
 
     @staticmethod
     def forward(ctx, x, move: Move, counter):  # noqa: D102
         ctx.move, ctx.counter = move, counter
-        if not move.moves_value:
-            return x.view_as(x)
-        out = move.local(x, counter)
+        out = move.forward_value(x, counter)
         if not (out.is_floating_point() or out.is_complex()):
             ctx.mark_non_differentiable(out)
         return out

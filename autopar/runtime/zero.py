@@ -110,7 +110,7 @@ class _FromStateShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, buffer, move: Move, counter):  # noqa: D102
         ctx.move, ctx.counter = move, counter
-        return move.local(buffer, counter) if move.moves_value else buffer.view_as(buffer)
+        return move.forward_value(buffer, counter)
 
     @staticmethod
     @once_differentiable
