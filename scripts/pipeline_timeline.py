@@ -14,9 +14,11 @@ timed on its rank (``time.perf_counter``: one clock for the processes of a host)
 * per rank: its actions in order with start, length, and the *gap* before each: the time from the moment the
   action could start (the rank free and, for an action that reads another rank's value, that action ended) to its
   start: a transfer, the schedule's own work (posting sends and receives), or a rank not scheduled on a core;
-* the measured schedule time and bubble, the plan's predicted ones, and a *replay*: the list schedule
+* the measured schedule time and bubble, the plan's predicted ones, a *replay*: the list schedule
   (``cost.pipeline.schedule_run``) of the measured action lengths with no transfer time, so that measured minus
-  replay is what the gaps cost on the critical path.
+  replay is what the gaps cost on the critical path;
+* per rank: the median time of the schedule's steps, of the rest of ``train_step`` (splitting the batch, the
+  loss's sum over the pipeline, a shared weight's gradient sum) and of the optimizer's step with ``zero_grad``.
 
 Printed figures only; the cost model is not changed by it.
 """
@@ -72,13 +74,15 @@ def main() -> None:
     for i in range(a.warmup + a.steps):
         log.clear()
         dist.barrier()
+        before = runner.schedule_s
         t0 = time.perf_counter()
         sharded.train_step(*inputs)
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        t2 = time.perf_counter()
         if i >= a.warmup:
-            steps.append((t0, t1, list(log)))
+            steps.append((t0, t1, list(log), runner.schedule_s - before, t2 - t1))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, steps)
     if dist.get_rank() == 0:
@@ -140,6 +144,12 @@ def _report(plan, every: list, a) -> None:
     replay = schedule_run(pipe.schedule, fwd, bwd, m, v=pipe.virtual)
     print(f"measured schedule {wall * 1e3:.1f} ms, bubble {1 - statistics.mean(busy) / wall:.2f}")
     print(f"replay of the measured lengths, no transfer time: {replay.step_s * 1e3:.1f} ms")
+    for r, steps in enumerate(every):  # the step's parts on each rank, medians over the steps
+        inside = statistics.median(s[3] for s in steps)
+        around = statistics.median(s[1] - s[0] - s[3] for s in steps)
+        opt = statistics.median(s[4] for s in steps)
+        parts = f"schedule {inside * 1e3:.1f} ms, rest of train_step {around * 1e3:.1f} ms"
+        print(f"rank {r}: {parts}, optimizer {opt * 1e3:.1f} ms")
     print(f"plan: step {plan.cost.total_s * 1e3:.1f} ms (with the optimizer), bubble {pipe.bubble_fraction:.2f}")
     for key, value in plan.cost.terms.items():
         print(f"  {key}: {value * 1e3:.1f} ms")
