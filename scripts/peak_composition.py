@@ -58,10 +58,7 @@ def main() -> None:
         model = next((m for m in load_benchmark(a.benchmark).models if m.name == a.model), None)
         if model is None:
             raise SystemExit(f"{a.model} is not a model of {a.benchmark}")
-    net, inputs = loss_model(model, "cpu")
-    shape = tuple(int(x) for x in a.mesh.split("x"))
-    mesh = autopar.Mesh(shape, axis_names=mesh_axis_names(shape))
-    ctx = autopar.prepare(net, mesh, example_inputs=inputs, profile=profile, dtype="fp32", optimizer="adamw")
+    net, inputs, mesh, ctx = prepared(model, a.mesh, profile)
     plan = _variant_plan(ctx, model, a.variant, net, inputs, profile) if a.variant else None
     plan = plan or autopar.plan_from_context(ctx, compare_families=False, recompute=a.recompute)
     sharded = autopar.compile(net, mesh, example_inputs=inputs, plan=plan)
@@ -117,6 +114,16 @@ def main() -> None:
     for nbytes, category, op in parts.largest:
         print(f"    {format_bytes(nbytes):>12}  {category:16s} {op}")
     torch.distributed.destroy_process_group()
+
+
+def prepared(model: BenchModel, mesh_text: str, profile: str):
+    """``model`` as the fidelity benchmark trains it (its loss only), the mesh ``mesh_text`` names (``4``, ``2x2``;
+    axes named as the benchmark names them) and the planning context on it: (net, inputs, mesh, context)."""
+    net, inputs = loss_model(model, "cpu")
+    shape = tuple(int(x) for x in mesh_text.split("x"))
+    mesh = autopar.Mesh(shape, axis_names=mesh_axis_names(shape))
+    ctx = autopar.prepare(net, mesh, example_inputs=inputs, profile=profile, dtype="fp32", optimizer="adamw")
+    return net, inputs, mesh, ctx
 
 
 def _variant_plan(ctx, model: BenchModel, label: str, net, inputs: tuple, profile: str):

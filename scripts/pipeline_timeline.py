@@ -31,12 +31,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from peak_composition import _variant_plan  # scripts/ is on the path when run as a script
+from peak_composition import _variant_plan, prepared  # scripts/ is on the path when run as a script
 
 import autopar
-from autopar.cost import schedule_run
-from autopar.measure.benchmark import load_benchmark, mesh_axis_names
-from autopar.measure.fidelity import loss_model
+from autopar.cost.pipeline import Action, dependencies, schedule_run
+from autopar.measure.benchmark import load_benchmark
 from autopar.runtime import init_distributed
 
 
@@ -55,10 +54,7 @@ def main() -> None:
     model = next((m for m in load_benchmark(a.benchmark).models if m.name == a.model), None)
     if model is None:
         raise SystemExit(f"{a.model} is not a model of the benchmark")
-    net, inputs = loss_model(model, "cpu")
-    shape = tuple(int(x) for x in a.mesh.split("x"))
-    mesh = autopar.Mesh(shape, axis_names=mesh_axis_names(shape))
-    ctx = autopar.prepare(net, mesh, example_inputs=inputs, profile=a.profile, dtype="fp32", optimizer="adamw")
+    net, inputs, mesh, ctx = prepared(model, a.mesh, a.profile)
     plan = _variant_plan(ctx, model, a.variant, net, inputs, a.profile)
     if plan.pipeline is None:
         raise SystemExit(f"variant {a.variant}: the plan has no pipeline ({plan.family})")
@@ -108,12 +104,12 @@ def _record(stage, method: str, kind: str, log: list) -> None:
 def _report(plan, every: list, a) -> None:
     """Print the median step's timeline (module docstring)."""
     pipe, m = plan.pipeline, plan.microbatches
-    stages, p = len(pipe.stages), len(every)
+    stages = len(pipe.stages)
     world_p = stages // pipe.virtual
     walls = [max(e[i][1] for e in every) - min(e[i][0] for e in every) for i in range(len(every[0]))]
     i = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]
     t0 = min(e[i][0] for e in every)
-    acts = {(k, s, mb): (b - t0, e - t0) for rank in every for k, s, mb, b, e in rank[i][2]}
+    acts = {Action(k, s, mb): (b - t0, e - t0) for rank in every for k, s, mb, b, e in rank[i][2]}
     head = f"{a.model} mesh {a.mesh} {a.variant}: {plan.family}"
     print(f"{head}, {stages} stages over {world_p} ranks, {m} micro-batches")
     print(f"profile {a.profile}; median of {len(walls)} steps (train_step, without the optimizer)")
@@ -126,18 +122,14 @@ def _report(plan, every: list, a) -> None:
         bwd.append(g)
         print(f"{j:5d}  {part.time_s * 1e3:9.1f} ms  {f * 1e3:8.1f} ms {g * 1e3:8.1f} ms")
     busy = []
-    for r in range(p):
-        mine = sorted((v[0], v[1], key) for key, v in acts.items() if key[1] % world_p == r)
-        if not mine:
-            continue
+    for r in range(world_p):
+        mine = sorted((v[0], v[1], act) for act, v in acts.items() if act.stage % world_p == r)
         busy.append(sum(e - b for b, e, _ in mine))
         free, line = 0.0, []
-        for b, e, (k, s, mb) in mine:
-            deps = [("F", s - 1, mb)] if k == "F" and s > 0 else []
-            if k == "B":
-                deps = [("F", s, mb)] + ([("B", s + 1, mb)] if s < stages - 1 else [])
-            ready = max([free] + [acts[d][1] for d in deps if d in acts])
-            line.append(f"{k}{s}.{mb} @{b * 1e3:.0f} +{(e - b) * 1e3:.1f} gap {(b - ready) * 1e3:.1f}")
+        for b, e, act in mine:
+            ready = max([free] + [acts[d][1] for d in dependencies(act, stages) if d in acts])
+            name = f"{act.kind}{act.stage}.{act.micro}"
+            line.append(f"{name} @{b * 1e3:.0f} +{(e - b) * 1e3:.1f} gap {(b - ready) * 1e3:.1f}")
             free = e
         print(f"rank {r}: " + "; ".join(line))
     wall = walls[i]

@@ -50,6 +50,7 @@ __all__ = [
     "ScheduleRun",
     "Transfer",
     "bubble_fraction",
+    "dependencies",
     "in_flight",
     "least_schedule_time",
     "rank_orders",
@@ -258,18 +259,20 @@ def _rate(act: Action, work: dict, share: list[float], speed: Callable[[int, flo
     return 1.0 / (c / s + 1.0 - c)
 
 
+def dependencies(act: Action, stages: int) -> list[Action]:
+    """The actions ``act`` reads the output of (module docstring): the previous stage's forward of its micro-batch;
+    for a backward, its own stage's forward and the next stage's backward of that micro-batch."""
+    if act.kind == "F":
+        return [Action("F", act.stage - 1, act.micro)] if act.stage > 0 else []
+    deps = [Action("F", act.stage, act.micro)]
+    return deps + [Action("B", act.stage + 1, act.micro)] if act.stage < stages - 1 else deps
+
+
 def _ready_at(act: Action, done: dict, stages: int, p: int, transfer_s: float, posted_s: float) -> float | None:
     """When ``act``'s inputs are there (None: a dependency has not run yet): a value from another rank
     ``transfer_s`` after both its sender finished and the receive was posted (at ``posted_s``)."""
-    deps = []
-    if act.kind == "F" and act.stage > 0:
-        deps.append(Action("F", act.stage - 1, act.micro))
-    if act.kind == "B":
-        deps.append(Action("F", act.stage, act.micro))
-        if act.stage < stages - 1:
-            deps.append(Action("B", act.stage + 1, act.micro))
     start = 0.0
-    for d in deps:
+    for d in dependencies(act, stages):
         if d not in done:
             return None
         cross = d.stage % p != act.stage % p
